@@ -1,0 +1,3 @@
+from hf2q.cli import main
+
+raise SystemExit(main())

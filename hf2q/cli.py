@@ -1,0 +1,194 @@
+"""The one command-line parser for every ``hf2q`` command.
+
+Each sub-command names the module function that runs it (``module:function``); the
+function takes the parsed ``argparse.Namespace`` and returns an exit code. Modules are
+imported only when their command runs, so ``hf2q convert`` never imports the server
+and ``hf2q serve`` never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+
+from hf2q import __version__
+from hf2q.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, Hf2qError
+
+
+def parse_size(text: str) -> int:
+    """``512M``, ``4GiB``, ``1.5G``, ``1000000`` → bytes (binary multiples)."""
+    s = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    try:
+        if s and s[-1] in mult:
+            return int(float(s[:-1]) * mult[s[-1]])
+        return int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512M, 8G)") from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return v
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (SPEC §1)
+        self.exit(EXIT_USAGE, f"hf2q: error: {message}\n")
+
+
+def _add_convert(sub) -> None:
+    p = sub.add_parser("convert", help="convert a HuggingFace model to GGUF or an mlx-lm directory")
+    p.set_defaults(handler="hf2q.convert.command:run")
+    p.add_argument("src", nargs="?", help="HF model directory (config.json + *.safetensors)")
+    p.add_argument("--quant", "-q", help="quantization name (see SPEC §2), e.g. q4_k_m, q8_0, f16, mlx-4")
+    p.add_argument("-o", "--output", help="output GGUF path or mlx directory")
+    p.add_argument("--format", choices=["gguf", "mlx"], default=None, help="output format (default gguf)")
+    p.add_argument("--repo", help="Hub model id to fetch into the cache instead of SRC")
+    p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
+    p.add_argument("--dry-run", action="store_true", help="print the tensor → type → bytes plan and exit")
+    p.add_argument("--imatrix", help="importance matrix (llama.cpp .imatrix / .gguf)")
+    p.add_argument("--threads", type=_positive_int, default=None, help="worker threads (default: all cores)")
+    p.add_argument("--json-report", help="write the conversion report here (default: OUTPUT.report.json)")
+    p.add_argument("--no-integrity", action="store_true", help="skip sha256 hashing of inputs")
+    p.add_argument("--group-size", type=int, choices=[32, 64, 128], default=None, help="mlx group size (64)")
+    p.add_argument("--batch", help="TOML/JSON plan of sources × quants × formats")
+    p.add_argument("--jobs", type=_positive_int, default=1, help="parallel conversions in --batch mode")
+    p.add_argument("--keep-going", action="store_true", help="in --batch mode, continue after a failure")
+    p.add_argument("--cache-dir", help="model cache for --repo (default ~/.cache/hf2q)")
+
+
+def _add_info(sub) -> None:
+    p = sub.add_parser("info", help="static preflight of a GGUF: family, quant mix, KV bytes, serve support")
+    p.set_defaults(handler="hf2q.info:run")
+    p.add_argument("model", help="path to a .gguf file")
+    p.add_argument("--ctx", type=_positive_int, default=None, help="per-slot context (default: from GGUF)")
+    p.add_argument("--slots", type=_positive_int, default=4)
+    p.add_argument("--kv-cache-budget", type=parse_size, default=None, help="shared KV budget, e.g. 8G")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def _add_sampling(p) -> None:
+    p.add_argument("--max-tokens", type=_positive_int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="run one prompt locally (no HTTP)")
+    p.set_defaults(handler="hf2q.engine.generate:run")
+    p.add_argument("--model", help="GGUF path (default: the built-in default model)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--prompt", help="prompt text")
+    g.add_argument("--prompt-file", help="read the prompt from this file")
+    _add_sampling(p)
+    t = p.add_mutually_exclusive_group()
+    t.add_argument("--chat-template", help="override the GGUF's chat template (inline Jinja)")
+    t.add_argument("--chat-template-file", help="override the GGUF's chat template (file)")
+    p.add_argument("--no-thinking", action="store_true", help="render the template with enable_thinking=false")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--ctx", type=_positive_int, default=None, help="context length (default: from GGUF)")
+    p.add_argument("--benchmark", action="store_true", help="5 runs; report median and p95 tok/s")
+    p.add_argument("--json", action="store_true", help="with --benchmark: last line is one JSON object")
+
+
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    p.set_defaults(handler="hf2q.api.command:run")
+    p.add_argument("--model", help="GGUF path (default: the built-in default model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--slots", type=_positive_int, default=4)
+    p.add_argument("--ctx", type=_positive_int, default=None, help="per-slot context (default: from GGUF)")
+    p.add_argument("--kv-cache-budget", type=parse_size, default=None, help="shared KV budget, e.g. 8G")
+    p.add_argument("--queue-capacity", type=int, default=32)
+    p.add_argument("--api-key", default=os.environ.get("HF2Q_API_KEY"), help="Bearer key (or HF2Q_API_KEY)")
+    p.add_argument("--cors-origin", action="append", default=[], help="allowed CORS origin (repeatable)")
+    p.add_argument("--embedding-model", help="GGUF of an embedding model (e.g. MiniLM) for /v1/embeddings")
+    p.add_argument("--kv-persist", help="directory of the persistent prefix KV cache")
+    p.add_argument("--kv-persist-budget", type=parse_size, default=None, help="disk budget, e.g. 20G")
+    p.add_argument("--operator-ui", choices=["auto", "dashboard", "plain"], default="auto")
+    p.add_argument("--prefill-chunk", type=_positive_int, default=2048, help="tokens per prefill transaction")
+    p.add_argument("--gpu-deadline", type=float, default=120.0, help="seconds before a GPU step is declared hung")
+    p.add_argument("--max-request-bytes", type=parse_size, default=64 << 20)
+    p.add_argument("--tensor-parallel", type=_positive_int, default=1, help="ranks (mx.distributed)")
+    p.add_argument("--model-name", default=None, help="id reported by /v1/models (default: file stem)")
+
+
+def _add_diagrams(sub) -> None:
+    p = sub.add_parser("diagrams", help="export every declared state machine")
+    p.set_defaults(handler="hf2q.statemachines.export:run")
+    p.add_argument("--format", choices=["mermaid", "dot", "svg"], default="mermaid")
+    p.add_argument("-o", "--output", help="directory to write one file per machine (default: stdout)")
+    p.add_argument("--machine", help="only this machine")
+
+
+def _add_doctor(sub) -> None:
+    p = sub.add_parser("doctor", help="environment checks")
+    p.set_defaults(handler="hf2q.doctor:run")
+    p.add_argument("--json", action="store_true")
+
+
+def _add_cache(sub) -> None:
+    p = sub.add_parser("cache", help="manage the model cache and the persistent KV store")
+    p.set_defaults(handler="hf2q.kvstore.command:run")
+    p.add_argument("action", choices=["list", "size", "clear"])
+    p.add_argument("--kv-path", help="persistent KV store directory (else: the model cache)")
+    p.add_argument("--cache-dir", help="model cache (default ~/.cache/hf2q)")
+    p.add_argument("--yes", action="store_true", help="do not ask before clearing")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="hf2q", description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--version", action="version", version=f"hf2q {__version__}")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="-v info, -vv debug + tracebacks")
+    p.add_argument("--log-format", choices=["text", "json"], default="text")
+    p.add_argument("--log-level", choices=["debug", "info", "warn", "error"], default=None)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for add in (_add_convert, _add_info, _add_generate, _add_serve, _add_diagrams, _add_doctor, _add_cache):
+        add(sub)
+    return p
+
+
+def _resolve(handler: str):
+    module, _, func = handler.partition(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hf2q.logs import setup_logging
+
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_format, args.log_level, args.verbose)
+    log = logging.getLogger("hf2q")
+    try:
+        return int(_resolve(args.handler)(args) or 0)
+    except Hf2qError as e:
+        if args.verbose >= 2:
+            log.exception("failed")
+        print(f"hf2q: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("hf2q: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        return EXIT_FAILURE
+    except Exception as e:  # noqa: BLE001 — the one place that turns bugs into one line
+        if args.verbose >= 2:
+            log.exception("internal error")
+        print(f"hf2q: error: internal error: {type(e).__name__}: {e} (rerun with -vv for a traceback)",
+              file=sys.stderr)
+        return EXIT_FAILURE
