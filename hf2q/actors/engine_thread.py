@@ -1,0 +1,75 @@
+"""The one thread that calls the model engine.
+
+MLX streams belong to the thread that created them (STYLE.md #1), so a single
+``threading.Thread`` builds the runner (``runner_factory()`` runs *in* the thread) and
+runs every job, in order, from a thread-safe queue. Results travel back to trio with
+``trio.from_thread.run_sync`` and the trio token captured when the thread started —
+never through ``trio.to_thread``, whose worker threads change between calls.
+
+The thread is a daemon: a hung GPU step (SPEC §6) must not keep the process alive.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Any, Callable
+
+import outcome
+import trio
+
+log = logging.getLogger("hf2q.gpu")
+
+Job = Callable[[Any], Any]  # job(runner) -> result
+Reply = Callable[[outcome.Outcome], None]  # runs in trio
+
+
+class EngineThread:
+    def __init__(self, runner_factory: Callable[[], Any], trio_token: trio.lowlevel.TrioToken):
+        self._factory = runner_factory
+        self._token = trio_token
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._main, name="hf2q-gpu-owner", daemon=True)
+        self.exited = threading.Event()
+
+    def start(self, on_loaded: Reply) -> None:
+        """Start the thread; ``on_loaded(outcome of runner_factory())`` is called in trio."""
+        self._on_loaded = on_loaded
+        self._thread.start()
+
+    def submit(self, job: Job, reply: Reply) -> None:
+        """Queue ``job``; ``reply(outcome)`` is called in trio when it has run."""
+        self._jobs.put((job, reply))
+
+    def stop(self) -> None:
+        """Ask the thread to exit after the job it is running (if any)."""
+        self._jobs.put(None)
+
+    @property
+    def ident(self) -> int | None:
+        return self._thread.ident
+
+    def _reply(self, reply: Reply, result: outcome.Outcome) -> bool:
+        try:
+            trio.from_thread.run_sync(reply, result, trio_token=self._token)
+            return True
+        except trio.RunFinishedError:
+            return False  # the trio run is over; nobody waits for this answer
+
+    def _main(self) -> None:
+        loaded = outcome.capture(self._factory)
+        runner = loaded.value if isinstance(loaded, outcome.Value) else None
+        if not self._reply(self._on_loaded, loaded) or runner is None:
+            self.exited.set()
+            return
+        try:
+            while True:
+                item = self._jobs.get()
+                if item is None:
+                    return
+                job, reply = item
+                if not self._reply(reply, outcome.capture(job, runner)):
+                    return
+        finally:
+            self.exited.set()

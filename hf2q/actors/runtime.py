@@ -1,0 +1,203 @@
+"""The serving runtime's public face: ``open_runtime`` and the ``Runtime`` handle.
+
+This is the only module the HTTP layer imports from ``hf2q.actors``. It starts the actor
+system (supervisor, GPU owner, admission, one actor per slot) inside a nursery and hands
+back a ``Runtime`` whose methods are safe to call from any trio task::
+
+    async with open_runtime(lambda: MlxModelRunner(path), RuntimeConfig(slots=4)) as rt:
+        events = await rt.submit(GenerationRequest("req-1", prompt_ids, params))
+        async with events:                      # closing it cancels the request
+            async for ev in events:             # Admitted, PrefillProgress*, Token*, then
+                ...                             # exactly one Finished or Failed
+
+Contract of the per-request channel (SPEC §4-§6):
+
+- ``Admitted(slot, prompt_tokens, cached_tokens)`` once a slot is assigned (a queued
+  request may wait for it), then ``PrefillProgress(done, total)`` after every prefill
+  transaction (``done`` counts prompt positions now in the KV, cached ones included),
+  ``Token`` per generated token, and exactly one terminal ``Finished`` or ``Failed``;
+  the channel is closed right after the terminal event.
+- End-of-sequence and ``stop_token_ids`` tokens end the request with
+  ``Finished("stop")`` and are *not* sent as ``Token``; ``max_tokens`` or a full
+  per-slot context ends it with ``Finished("length")``.
+- Closing the receive side cancels the request at the next GPU step boundary; its
+  slot is freed exactly once. A reader that lets ``token_buffer`` undelivered events
+  pile up is too slow: that request alone ends with ``Failed(503, "reader_too_slow")``
+  (the terminal event always fits) and the other slots keep running.
+- Failures of one request alone: sampling parameters its sampler refuses →
+  ``Failed(400, "invalid_request")``; an exception while sampling →
+  ``Failed(500, "sampling_failed")``. The engine stays healthy.
+- After an engine fault or a GPU step that outlives ``gpu_deadline_s`` every active and
+  queued request receives ``Failed(503, "engine_unhealthy", …)``; later submissions
+  raise ``AdmissionRejected(503, "engine_unhealthy")``; ``readiness()`` is
+  ``(False, detail)`` for good (SPEC §6).
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Callable
+
+import attrs
+import numpy as np
+import trio
+
+from hf2q.sched.requests import EmbeddingRequest, GenerationRequest
+
+RunnerFactory = Callable[[], Any]
+"""Builds the ``ModelRunner``; called once, inside the GPU-owner thread (MLX streams are per thread)."""
+
+EventHook = Callable[[str, Any], None]
+"""``hook(request_id, event)``: called (in trio, never blocking) for every event sent on a request's
+channel and for every ``AdmissionRejected`` (with the request id of the rejected request)."""
+
+
+@attrs.frozen
+class RuntimeConfig:
+    """Knobs of the serving runtime (``hf2q serve`` flags map 1:1)."""
+
+    slots: int = 4
+    #: per-slot context in tokens, never divided by ``slots``; None = the model's training context
+    ctx: int | None = None
+    #: shared physical KV budget in bytes; None = enough for every slot at full ``ctx``
+    kv_budget_bytes: int | None = None
+    #: requests allowed to wait for a slot; beyond this ``submit`` raises 429
+    queue_capacity: int = 32
+    #: tokens per prefill transaction (one bounded GPU step)
+    prefill_chunk: int = 2048
+    #: seconds one GPU transaction may run before the engine is declared hung; None = no deadline
+    gpu_deadline_s: float | None = 120.0
+    #: undelivered events a request channel may hold before its reader counts as too slow
+    token_buffer: int = 1024
+    #: called for every event (metrics); see ``EventHook``
+    on_event: EventHook | None = None
+
+
+class AdmissionRejected(Exception):
+    """``submit``/``embed`` refused the request; carries the HTTP answer (SPEC §4 errors).
+
+    ``status``/``code``: 400 ``context_length_exceeded`` | ``kv_budget_unsatisfiable``
+    (can never fit; ``retry_after`` is None), 429 ``queue_full`` | ``slot_budget_exceeded``,
+    503 ``not_ready`` | ``engine_unhealthy`` (``retry_after`` = 1 second).
+    """
+
+    def __init__(self, status: int, code: str, message: str, retry_after: int | None = None):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.retry_after = retry_after
+
+    def __repr__(self) -> str:
+        return f"AdmissionRejected({self.status}, {self.code!r}, {self.message!r})"
+
+
+@attrs.frozen
+class SlotSnapshot:
+    """What the operator view and /metrics may show about one slot (never prompt text)."""
+
+    slot: int
+    phase: str  # the slot machine's state: idle, admitted, prefilling, decoding, finishing, ...
+    request_id: str | None
+    cached_tokens: int  # tokens of the current prompt reused from the slot (or disk)
+    new_tokens: int  # prompt tokens that must be computed
+    prefilled_tokens: int  # of new_tokens, done so far
+    prefill_percent: float
+    prefill_eta_s: float | None
+    generated_tokens: int
+    decode_tokens_per_sec: float
+    resident_tokens: int  # tokens whose KV the slot holds (also when idle)
+
+
+@attrs.frozen
+class RuntimeSnapshot:
+    ready: bool
+    state: str  # supervisor machine state: starting, ready, draining, stopped, poisoned
+    detail: str
+    slots: tuple[SlotSnapshot, ...]
+    queue_depth: int
+    kv_bytes_resident: int
+    kv_budget_bytes: int
+    ctx: int
+    #: monotonically increasing counters for /metrics: requests, admitted, finished, failed,
+    #: cancelled, rejected_<code>, prompt_tokens, cached_tokens, completion_tokens,
+    #: gpu_steps, decode_batches, decode_batch_tokens, prefill_transactions, kv_blocks_saved,
+    #: kv_blocks_restored
+    counters: dict[str, int]
+
+
+class Runtime:
+    """Handle on a running actor system. Create it with ``open_runtime``."""
+
+    def __init__(self, system):
+        self._system = system
+
+    async def submit(self, req: GenerationRequest) -> trio.MemoryReceiveChannel:
+        """Queue ``req`` and return its event channel; raises ``AdmissionRejected``."""
+        return await self._system.submit(req)
+
+    async def embed(self, req: EmbeddingRequest) -> np.ndarray:
+        """L2-normalised embeddings ``[len(req.inputs), dim]`` computed by the GPU owner."""
+        return await self._system.embed(req)
+
+    def readiness(self) -> tuple[bool, str]:
+        """``(True, "ready")`` when generation can be admitted, else ``(False, why)``; never touches the engine."""
+        return self._system.readiness()
+
+    def snapshot(self) -> RuntimeSnapshot:
+        """A consistent, cheap picture of every slot, the queue, KV bytes and counters."""
+        return self._system.snapshot()
+
+    async def drain(self, timeout: float = math.inf) -> bool:
+        """Stop admitting (503 ``not_ready``) and wait for queued and running requests to end.
+
+        Returns True when everything finished within ``timeout``; otherwise the
+        remaining requests end with ``Failed(503, "not_ready", "server shutting down")``
+        and False is returned.
+        """
+        return await self._system.drain(timeout)
+
+    def add_event_hook(self, hook: EventHook) -> None:
+        """Also call ``hook(request_id, event)`` for every event (see ``EventHook``)."""
+        self._system.hooks.append(hook)
+
+    async def wait_ready(self) -> bool:
+        """Wait until the model is loaded (True) or the engine failed to load (False)."""
+        return await self._system.wait_ready()
+
+    @property
+    def config(self) -> RuntimeConfig:
+        return self._system.config
+
+    @property
+    def runner_info(self) -> dict[str, Any]:
+        """Static facts about the loaded model: vocab_size, n_ctx_train, kv_bytes_per_token,
+        eos_token_ids, is_embedding_model, ctx (effective per-slot context). Empty before ready."""
+        return dict(self._system.runner_info)
+
+
+@asynccontextmanager
+async def open_runtime(runner_factory: RunnerFactory, config: RuntimeConfig = RuntimeConfig(), *,
+                       kv_store=None) -> AsyncIterator[Runtime]:
+    """Start the actor system; yield a ``Runtime`` at once (the model loads in the background).
+
+    ``readiness()`` turns true when ``runner_factory()`` returned inside the GPU-owner
+    thread. Leaving the block cancels every actor: requests still running get
+    ``Failed(503, "not_ready", "server shutting down")``. Call ``drain`` first for a
+    graceful stop. ``kv_store`` is an ``hf2q.kvstore`` store for persistent prefix KV.
+    """
+    from hf2q.actors.system import ActorSystem
+
+    system = ActorSystem(runner_factory, config, kv_store=kv_store)
+    failure: BaseException | None = None
+    async with trio.open_nursery() as nursery:
+        await nursery.start(system.run)
+        try:
+            yield Runtime(system)
+        except BaseException as e:  # re-raised below, unwrapped by the nursery's exception group
+            failure = e
+        await system.shutdown()
+        nursery.cancel_scope.cancel()
+    if failure is not None:
+        raise failure

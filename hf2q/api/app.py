@@ -1,0 +1,337 @@
+"""The Quart (quart-trio) application: routes, auth, CORS, request ids, limits, errors.
+
+``create_app(server)`` builds the app around a ``ServerContext`` (the runtime handle, the
+served model's text side, settings). Nothing here imports MLX or touches the engine thread:
+``/health`` answers from the process alone, ``/readyz`` and the gauges come from the
+runtime's supervisor state (STYLE pitfalls 9-10).
+
+Cross-cutting rules, applied once in ``before_request`` / ``after_request``:
+- every response carries ``x-request-id`` (the client's, if sane, else a fresh one);
+- with an API key set, every route needs ``Authorization: Bearer <key>`` (constant-time
+  compare; CORS pre-flights excepted because browsers never send credentials on them);
+- CORS headers only for origins listed with ``--cors-origin`` (``*`` allows any);
+- ``MAX_CONTENT_LENGTH`` is raised deliberately (agent tool results are large) and
+  ``RESPONSE_TIMEOUT`` is disabled so SSE streams are never cut after 60 s.
+"""
+
+from __future__ import annotations
+
+import base64
+import hmac
+import json
+import logging
+import re
+import secrets
+import time
+from typing import Any, Callable
+
+import attrs
+import numpy as np
+from quart import Response, g, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from hf2q.api import metrics as metrics_mod
+from hf2q.api.chatflow import ChatFlow
+from hf2q.api.chatmodel import ChatModel
+from hf2q.api.errors import ApiError, error_body
+from hf2q.api.validation import parse_chat_request, parse_embeddings_request
+from hf2q.sched.requests import EmbeddingRequest, GenerationRequest
+
+log = logging.getLogger("hf2q.api")
+
+_REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+@attrs.define
+class ServerContext:
+    """Everything the routes need; ``hf2q serve`` and the tests build one."""
+
+    runtime: Any  # hf2q.actors.runtime.Runtime (or a test double with the same methods)
+    chat_model: ChatModel | None
+    model_id: str
+    api_key: str | None = None
+    cors_origins: tuple[str, ...] = ()
+    max_request_bytes: int = 64 << 20
+    keepalive_s: float = 15.0
+    embed_runtime: Any = None
+    embed_model: Any = None  # has .model_id and .encode(text) -> list[int]
+    kv_store: Any = None  # hf2q.kvstore.BlockStore when --kv-persist is on
+    on_shutdown_requested: Callable[[], None] | None = None
+    created: int = attrs.field(factory=lambda: int(time.time()))
+    draining: bool = False
+    metrics: metrics_mod.ServerMetrics | None = None
+
+    def model_ids(self) -> list[str]:
+        ids = [self.model_id] if self.chat_model is not None else []
+        if self.embed_model is not None and self.embed_model.model_id not in ids:
+            ids.append(self.embed_model.model_id)
+        return ids
+
+
+def _reject_from_runtime(e) -> ApiError:
+    return ApiError(e.status, e.message, code=e.code, retry_after=getattr(e, "retry_after", None))
+
+
+def create_app(ctx: ServerContext) -> QuartTrio:
+    app = QuartTrio("hf2q")
+    app.config["MAX_CONTENT_LENGTH"] = ctx.max_request_bytes
+    app.config["RESPONSE_TIMEOUT"] = None  # SSE streams run as long as generation does
+    app.config["BODY_TIMEOUT"] = 600
+    app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
+    if ctx.metrics is None:
+        store = ctx.kv_store
+        ctx.metrics = metrics_mod.ServerMetrics(
+            _safe_snapshot(ctx.runtime), (lambda: store.stats().bytes_on_disk) if store is not None else (lambda: 0),
+            lambda: ctx.runtime.readiness()[0] and not ctx.draining)
+        if store is not None:
+            from hf2q.kvstore.metrics import KVStoreCollector
+
+            ctx.metrics.registry.register(KVStoreCollector(store))
+    m = ctx.metrics
+    app.extensions["hf2q"] = ctx
+    key = ctx.api_key.encode() if ctx.api_key else None
+
+    # ---- cross-cutting -------------------------------------------------------------------
+
+    @app.before_request
+    async def _identify_and_authorize():
+        rid = request.headers.get("x-request-id", "")
+        g.request_id = rid if _REQUEST_ID_OK.match(rid) else "req-" + secrets.token_hex(8)
+        g.t0 = time.perf_counter()
+        if request.method == "OPTIONS":
+            return _preflight()
+        if key is not None:
+            got = request.headers.get("authorization", "")
+            scheme, _, token = got.partition(" ")
+            ok = hmac.compare_digest(token.strip().encode(), key) if scheme.lower() == "bearer" else False
+            if not ok:
+                raise ApiError(401, "missing or invalid API key (Authorization: Bearer <key>)",
+                               code="invalid_api_key")
+        return None
+
+    def _preflight():
+        origin = request.headers.get("origin")
+        if not origin or not _origin_allowed(origin):
+            return Response("", status=403 if origin else 405)
+        resp = Response("", status=204)
+        resp.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
+        resp.headers["Access-Control-Allow-Headers"] = request.headers.get(
+            "access-control-request-headers", "authorization, content-type, x-request-id")
+        resp.headers["Access-Control-Max-Age"] = "600"
+        return resp
+
+    def _origin_allowed(origin: str) -> bool:
+        return "*" in ctx.cors_origins or origin in ctx.cors_origins
+
+    @app.after_request
+    async def _stamp(resp: Response):
+        resp.headers["x-request-id"] = getattr(g, "request_id", None) or "req-" + secrets.token_hex(8)
+        origin = request.headers.get("origin")
+        if origin and _origin_allowed(origin):
+            resp.headers["Access-Control-Allow-Origin"] = origin
+            resp.headers["Access-Control-Expose-Headers"] = "x-request-id, retry-after"
+            resp.headers["Vary"] = "Origin"
+        rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
+        m.requests.labels(rule, str(resp.status_code)).inc()
+        return resp
+
+    @app.errorhandler(ApiError)
+    async def _api_error(e: ApiError):
+        if e.status in (429, 503) or e.code in ("context_length_exceeded", "kv_budget_unsatisfiable"):
+            m.rejections.labels(e.code or str(e.status)).inc()
+        return _json(e.body(), e.status, e.headers())
+
+    @app.errorhandler(HTTPException)
+    async def _http_error(e: HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.code or 500)
+        msg = {404: f"no route {request.method} {request.path}",
+               405: f"method {request.method} not allowed on {request.path}",
+               413: f"request body larger than {ctx.max_request_bytes} bytes"}.get(e.code or 500, e.description)
+        return _json(error_body(e.code or 500, msg, code=code), e.code or 500)
+
+    @app.errorhandler(Exception)
+    async def _internal(e: Exception):
+        log.exception("internal error", extra={"request_id": getattr(g, "request_id", None)})
+        return _json(error_body(500, f"internal error: {type(e).__name__}", code="internal_error"), 500)
+
+    # ---- probes and metrics ------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health():
+        return _json({"status": "ok"})
+
+    @app.get("/readyz")
+    async def readyz():
+        ready, detail = ctx.runtime.readiness()
+        if ctx.draining:
+            ready, detail = False, "draining"
+        return _json({"ready": ready, "detail": detail}, 200 if ready else 503,
+                     {} if ready else {"Retry-After": "1"})
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(m.render(), status=200, content_type=metrics_mod.CONTENT_TYPE)
+
+    # ---- models ------------------------------------------------------------------------------
+
+    def _model_card(mid: str) -> dict:
+        card = {"id": mid, "object": "model", "created": ctx.created, "owned_by": "hf2q"}
+        rt = ctx.runtime if mid == ctx.model_id and ctx.chat_model is not None else ctx.embed_runtime
+        try:
+            n_ctx = rt.runner_info.get("ctx") if rt is not None else None
+        except Exception:  # noqa: BLE001 — before the model loaded
+            n_ctx = None
+        if n_ctx:
+            card["max_model_len"] = int(n_ctx)  # vLLM's name; launchers read it for client limits
+        return card
+
+    @app.get("/v1/models")
+    async def models():
+        return _json({"object": "list", "data": [_model_card(i) for i in ctx.model_ids()]})
+
+    @app.get("/v1/models/<path:model_id>")
+    async def model(model_id: str):
+        if model_id not in ctx.model_ids():
+            raise ApiError(404, f"model {model_id!r} not found", code="model_not_found", param="model")
+        return _json(_model_card(model_id))
+
+    # ---- chat ----------------------------------------------------------------------------------
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions():
+        body = await _read_json()
+        creq = parse_chat_request(body)
+        if ctx.chat_model is None:
+            raise ApiError(404, "this server has no chat model", code="model_not_found", param="model")
+        if creq.model and creq.model not in (ctx.model_id, "default"):
+            raise ApiError(404, f"model {creq.model!r} not found; this server serves {ctx.model_id!r}",
+                           code="model_not_found", param="model")
+        if creq.has_images:
+            raise ApiError(400, f"model {ctx.model_id!r} does not accept image input", code="invalid_value",
+                           param="messages")
+        _refuse_if_draining()
+        info = ctx.runtime.runner_info
+        prepared = ctx.chat_model.prepare(creq, info.get("ctx"))
+        rid = g.request_id
+        try:
+            events = await ctx.runtime.submit(GenerationRequest(rid, prepared.prompt_tokens, prepared.params))
+        except Exception as e:  # AdmissionRejected, by duck type (no actors import needed)
+            if hasattr(e, "status") and hasattr(e, "code"):
+                raise _reject_from_runtime(e) from None
+            raise
+        flow = ChatFlow(events, prepared.new_decoder(), ctx.model_id, len(prepared.prompt_tokens),
+                        want_logprobs=creq.logprobs, include_usage=creq.include_usage,
+                        keepalive_s=ctx.keepalive_s, token_text=ctx.chat_model.decode_tokens)
+        if not creq.stream:
+            try:
+                out = await flow.collect()
+            finally:
+                _record(flow, rid)
+            return _json(out)
+
+        async def frames():
+            try:
+                async for frame in flow.sse():
+                    yield frame
+            finally:
+                _record(flow, rid)
+
+        resp = Response(frames(), status=200, content_type="text/event-stream; charset=utf-8")
+        resp.headers["Cache-Control"] = "no-cache"
+        resp.headers["X-Accel-Buffering"] = "no"
+        resp.timeout = None
+        return resp
+
+    def _record(flow: ChatFlow, rid: str) -> None:
+        r = flow.result
+        m.prompt_tokens.inc(r.prompt_tokens)
+        m.cached_tokens.inc(r.cached_tokens)
+        m.completion_tokens.inc(r.completion_tokens)
+        if r.ttft_s is not None:
+            m.ttft.observe(r.ttft_s)
+        if r.decode_tps > 0:
+            m.decode_rate.observe(r.decode_tps)
+        if r.cancelled:
+            m.cancellations.labels(r.cancelled).inc()
+        if r.error_code:
+            m.rejections.labels(r.error_code).inc()
+        log.debug("chat done", extra={"request_id": rid, "finish": r.finish_reason, "prompt": r.prompt_tokens,
+                                     "cached": r.cached_tokens, "completion": r.completion_tokens,
+                                     "ttft_ms": round(r.ttft_s * 1000, 1) if r.ttft_s else None,
+                                     "cancelled": r.cancelled, "error": r.error_code})
+
+    def _refuse_if_draining():
+        if ctx.draining:
+            raise ApiError(503, "server is shutting down", code="not_ready")
+
+    # ---- embeddings ------------------------------------------------------------------------------
+
+    @app.post("/v1/embeddings")
+    async def embeddings():
+        body = await _read_json()
+        ereq = parse_embeddings_request(body)
+        if ctx.embed_model is None or ctx.embed_runtime is None:
+            raise ApiError(404, "this server has no embedding model (start it with --embedding-model)",
+                           code="model_not_found", param="model")
+        if ereq.model and ereq.model not in (ctx.embed_model.model_id, "default"):
+            raise ApiError(404, f"model {ereq.model!r} not found; embeddings use {ctx.embed_model.model_id!r}",
+                           code="model_not_found", param="model")
+        _refuse_if_draining()
+        inputs = tuple(tuple(x) if isinstance(x, tuple) else tuple(ctx.embed_model.encode(x)) for x in ereq.inputs)
+        try:
+            vecs = await ctx.embed_runtime.embed(EmbeddingRequest(g.request_id, inputs))
+        except Exception as e:
+            if hasattr(e, "status") and hasattr(e, "code"):
+                raise _reject_from_runtime(e) from None
+            raise
+        vecs = np.asarray(vecs, dtype=np.float32)
+        if ereq.dimensions is not None and ereq.dimensions < vecs.shape[1]:
+            vecs = vecs[:, : ereq.dimensions]
+            vecs = vecs / np.maximum(np.linalg.norm(vecs, axis=1, keepdims=True), 1e-12)
+        data = []
+        for i, v in enumerate(vecs):
+            emb: Any = (base64.b64encode(v.astype("<f4").tobytes()).decode() if ereq.encoding_format == "base64"
+                        else [float(x) for x in v])
+            data.append({"object": "embedding", "index": i, "embedding": emb})
+        n = sum(len(x) for x in inputs)
+        m.prompt_tokens.inc(n)
+        return _json({"object": "list", "data": data, "model": ctx.embed_model.model_id,
+                      "usage": {"prompt_tokens": n, "total_tokens": n}})
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+
+    @app.post("/shutdown")
+    async def shutdown():
+        first = not ctx.draining
+        ctx.draining = True
+        if first and ctx.on_shutdown_requested is not None:
+            ctx.on_shutdown_requested()
+        return _json({"status": "draining"}, 202)
+
+    async def _read_json() -> Any:
+        raw = await request.get_data(cache=False)
+        if not raw:
+            raise ApiError(400, "request body is empty; expected a JSON object", code="invalid_json")
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+
+    return app
+
+
+def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    resp = Response(json.dumps(obj, ensure_ascii=False), status=status, content_type="application/json")
+    for k, v in (headers or {}).items():
+        resp.headers[k] = v
+    return resp
+
+
+def _safe_snapshot(runtime) -> Callable[[], Any]:
+    def snap():
+        try:
+            return runtime.snapshot()
+        except Exception:  # noqa: BLE001 — a scrape must answer even while the runtime starts
+            return None
+    return snap

@@ -1,0 +1,54 @@
+"""What the HTTP layer needs from a served model's text side, as a narrow protocol.
+
+The routes depend only on this: ``prepare`` renders + tokenizes a validated request into a
+``PreparedChat`` (prompt ids, sampling parameters, a fresh ``OutputDecoder``), and the
+decoder turns generated token ids into ``OutputDelta`` records. ``hf2q.api.textbridge``
+implements it over ``hf2q.text`` (GGUF tokenizer, chat template, tool-call / reasoning
+parsers, stop strings, constrained decoding); tests may implement it over anything.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol, Sequence
+
+import attrs
+
+from hf2q.api.shapes import OutputDelta
+from hf2q.api.validation import ChatRequest
+from hf2q.sched.requests import SamplingParams
+
+
+class OutputDecoder(Protocol):
+    def feed(self, token_id: int) -> list[OutputDelta]:
+        """Deltas made visible by one more generated token (text held back by a stop-string prefix is not)."""
+
+    def finish(self) -> list[OutputDelta]:
+        """Flush held-back text at the end of generation."""
+
+    @property
+    def stop_hit(self) -> bool:
+        """A stop string (or the end of a forced tool call) was reached: the API ends the request."""
+
+
+@attrs.frozen
+class PreparedChat:
+    prompt_tokens: tuple[int, ...]
+    params: SamplingParams
+    new_decoder: Callable[[], OutputDecoder]
+
+
+class ChatModel(Protocol):
+    model_id: str
+
+    def prepare(self, req: ChatRequest, max_context: int | None) -> PreparedChat:
+        """Raises ``ApiError`` (400) for requests this model cannot serve."""
+
+    def decode_tokens(self, ids: Sequence[int]) -> str:
+        """Plain detokenisation (for logprobs' ``token`` strings)."""
+
+
+class EmbeddingModel(Protocol):
+    model_id: str
+
+    def encode(self, text: str) -> list[int]:
+        ...

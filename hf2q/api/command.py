@@ -1,0 +1,169 @@
+"""``hf2q serve``: load a GGUF, start the actor runtime, serve the OpenAI API until told to stop.
+
+Order matters for clear failures: the model path and the port are checked before
+anything heavy starts (missing/invalid model → exit 3, busy port → exit 1, both one line).
+The model then loads in the GPU-owner thread while the server already answers
+``/health`` (200) and ``/readyz`` (503 until loaded). A model that fails to load stops
+the server with exit 1. SIGTERM, SIGINT and ``POST /shutdown`` drain gracefully; a second
+SIGINT stops at once.
+
+This module never imports MLX: the runner factory imports the engine inside the
+GPU-owner thread when the runtime calls it.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from contextlib import AsyncExitStack
+from functools import partial
+from pathlib import Path
+
+import trio
+
+from hf2q.errors import ConversionError, InputError
+from hf2q.logs import log_format
+
+log = logging.getLogger("hf2q.serve")
+
+
+def check_gguf(path: Path, flag: str = "--model") -> Path:
+    if not path.exists():
+        raise InputError(f"{flag}: model file not found: {path}")
+    if not path.is_file():
+        raise InputError(f"{flag}: not a file: {path}")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise InputError(f"{flag}: cannot read {path}: {e.strerror}") from None
+    if magic != b"GGUF":
+        raise InputError(f"{flag}: {path} is not a GGUF file")
+    return path
+
+
+def runner_factory(path: Path, ctx: int | None):
+    """Called inside the GPU-owner thread: the only place the serving path touches MLX."""
+    def build():
+        from hf2q.engine.runner import MlxModelRunner
+
+        return MlxModelRunner.load(str(path), ctx=ctx)
+    return build
+
+
+def _open_kv_store(args, model_path: Path, chat_template: str | None):
+    if not args.kv_persist:
+        return None
+    from hf2q.kvstore.blockfile import FORMAT_VERSION
+    from hf2q.kvstore.fingerprint import model_fingerprint
+    from hf2q.kvstore.store import BlockStore
+
+    fp = model_fingerprint(model_path, None, chat_template, FORMAT_VERSION)
+    return BlockStore.open(args.kv_persist, fp, args.kv_persist_budget)
+
+
+def run(args) -> int:
+    from hf2q.api.server import check_port_free
+
+    if args.model:
+        model_path = check_gguf(Path(args.model).expanduser())
+    else:
+        from hf2q.fetch import default_chat_model
+
+        model_path = check_gguf(default_chat_model())
+    embed_path = check_gguf(Path(args.embedding_model).expanduser(), "--embedding-model") \
+        if args.embedding_model else None
+    if args.tensor_parallel != 1:
+        raise InputError("--tensor-parallel > 1 is not supported by this build")
+    if not 0 <= args.port <= 65535:
+        raise InputError(f"--port must be 0..65535, got {args.port}")
+    check_port_free(args.host, args.port)
+    from hf2q.api.textbridge import GGUFChatModel, GGUFEmbeddingModel
+
+    model_id = args.model_name or model_path.stem
+    chat_model = GGUFChatModel.from_gguf(model_path, model_id)
+    embed_model = GGUFEmbeddingModel.from_gguf(embed_path, embed_path.stem) if embed_path else None
+    store = _open_kv_store(args, model_path, getattr(chat_model, "template_source", None))
+    try:
+        failure = trio.run(partial(_serve, args, model_path, chat_model, embed_path, embed_model, store))
+    finally:
+        if store is not None:
+            store.close()
+    if failure:
+        raise ConversionError(failure)
+    return 0
+
+
+async def _serve(args, model_path: Path, chat_model, embed_path, embed_model, store) -> str | None:
+    """Run until stopped; returns a failure message (model failed to load) or None."""
+    from hf2q.actors.runtime import RuntimeConfig, open_runtime
+    from hf2q.api.app import ServerContext
+    from hf2q.api.operator import EventLogger, choose_mode, run_dashboard, run_status_lines
+    from hf2q.api.server import serve
+
+    mode = choose_mode(args.operator_ui, log_format())
+    # the operator needs to see serving events even without -v (the dashboard replaces them on a TTY)
+    for name in ("hf2q.serve", "hf2q.api", "hf2q.operator"):
+        lg = logging.getLogger(name)
+        if lg.getEffectiveLevel() > logging.INFO:
+            lg.setLevel(logging.INFO)
+
+    config = RuntimeConfig(slots=args.slots, ctx=args.ctx, kv_budget_bytes=args.kv_cache_budget,
+                           queue_capacity=args.queue_capacity, prefill_chunk=args.prefill_chunk,
+                           gpu_deadline_s=args.gpu_deadline)
+    failure: list[str] = []
+    async with AsyncExitStack() as stack:
+        runtime = await stack.enter_async_context(
+            open_runtime(runner_factory(model_path, args.ctx), config, kv_store=store))
+        embed_runtime = None
+        if embed_path is not None:
+            embed_runtime = await stack.enter_async_context(
+                open_runtime(runner_factory(embed_path, None), RuntimeConfig(slots=1, queue_capacity=64,
+                                                                              gpu_deadline_s=args.gpu_deadline)))
+        if mode != "dashboard":
+            runtime.add_event_hook(EventLogger())
+        ctx = ServerContext(runtime=runtime, chat_model=chat_model, model_id=chat_model.model_id,
+                            api_key=args.api_key or None, cors_origins=tuple(args.cors_origin),
+                            max_request_bytes=args.max_request_bytes, embed_runtime=embed_runtime,
+                            embed_model=embed_model, kv_store=store)
+        async with trio.open_nursery() as nursery:
+            handle = await nursery.start(partial(serve, ctx, args.host, args.port))
+            if log_format() == "json":
+                log.info("listening", extra={"url": handle.url, "model": chat_model.model_id, "slots": args.slots})
+            else:
+                print(f"hf2q serve: {handle.url} model {chat_model.model_id} ({model_path}) slots {args.slots}"
+                      f"{' auth on' if args.api_key else ''}", file=sys.stderr, flush=True)
+            nursery.start_soon(_watch_signals, handle, nursery.cancel_scope)
+            nursery.start_soon(_watch_load, runtime, handle, failure, "model")
+            if embed_runtime is not None:
+                nursery.start_soon(_watch_load, embed_runtime, handle, failure, "embedding model")
+            if mode == "dashboard":
+                nursery.start_soon(partial(run_dashboard, runtime, model_id=chat_model.model_id, url=handle.url))
+            else:
+                nursery.start_soon(run_status_lines, runtime)
+            await handle.closed.wait()
+            nursery.cancel_scope.cancel()
+    return failure[0] if failure else None
+
+
+async def _watch_load(runtime, handle, failure: list[str], what: str) -> None:
+    if await runtime.wait_ready():
+        log.info(f"{what} loaded; ready", extra={"url": handle.url})
+        return
+    _, detail = runtime.readiness()
+    failure.append(f"{what} failed to load: {detail}")
+    handle.request_stop()
+
+
+async def _watch_signals(handle, scope: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        first = True
+        async for signum in signals:
+            if first:
+                log.info("signal received; draining", extra={"signal": signal.Signals(signum).name})
+                handle.request_stop()
+                first = False
+            else:
+                scope.cancel()  # second signal: stop now
+                return

@@ -1,0 +1,121 @@
+"""The operator's view of a running server: a live dashboard, plain log lines, or JSON lines.
+
+``--operator-ui auto`` picks the rich dashboard when stderr is an interactive terminal and
+the log format is text; otherwise one line per request event (``plain``), which becomes one
+JSON object per line under ``--log-format json``. Everything shown comes from the runtime's
+``snapshot()`` and its event hook — ids, counts, phases, rates. Prompt and completion text
+never reach this module.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Any
+
+import trio
+
+from hf2q.sched.requests import Admitted, Failed, Finished
+
+log = logging.getLogger("hf2q.operator")
+
+
+def choose_mode(requested: str, log_format: str, stream=None) -> str:
+    stream = stream or sys.stderr
+    if requested == "auto":
+        return "dashboard" if log_format == "text" and stream.isatty() else "plain"
+    return requested
+
+
+class EventLogger:
+    """Runtime event hook → one log line per admission, finish and failure (``plain`` / JSON)."""
+
+    def __call__(self, request_id: str, event: Any) -> None:
+        if isinstance(event, Admitted):
+            log.info("admitted", extra={"request_id": request_id, "slot": event.slot,
+                                        "prompt_tokens": event.prompt_tokens, "cached_tokens": event.cached_tokens})
+        elif isinstance(event, Finished):
+            log.info("finished", extra={"request_id": request_id, "reason": event.reason,
+                                        "prompt_tokens": event.prompt_tokens, "cached_tokens": event.cached_tokens,
+                                        "completion_tokens": event.completion_tokens,
+                                        "ttft_ms": round(event.time_to_first_token_ms, 1),
+                                        "prefill_tps": round(event.prefill_tokens_per_sec, 1),
+                                        "decode_tps": round(event.decode_tokens_per_sec, 1)})
+        elif isinstance(event, Failed):
+            log.warning("failed", extra={"request_id": request_id, "status": event.status, "code": event.code})
+        elif hasattr(event, "code") and hasattr(event, "status"):  # AdmissionRejected
+            log.info("rejected", extra={"request_id": request_id, "status": event.status, "code": event.code})
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def render_dashboard(snap, *, model_id: str, url: str, started: float):
+    """A rich renderable of one snapshot (kept pure so tests can render it to text)."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    if snap is None:
+        return Text(f"hf2q serve {url} — {model_id} — starting…")
+    up = time.monotonic() - started
+    state = "[green]ready[/]" if snap.ready else f"[red]{snap.state}[/] {snap.detail}"
+    head = Text.from_markup(
+        f"[bold]hf2q serve[/] {url}  model [cyan]{model_id}[/]  {state}  ctx {snap.ctx}  "
+        f"queue {snap.queue_depth}  KV {_fmt_bytes(snap.kv_bytes_resident)} / {_fmt_bytes(snap.kv_budget_bytes)}  "
+        f"up {int(up)}s")
+    t = Table(expand=False, box=None, pad_edge=False)
+    for col in ("slot", "phase", "request", "cached", "new", "prefill %", "ETA", "gen", "tok/s", "resident"):
+        t.add_column(col, justify="right" if col not in ("phase", "request") else "left")
+    for s in snap.slots:
+        eta = f"{s.prefill_eta_s:.1f}s" if s.prefill_eta_s is not None else "-"
+        t.add_row(str(s.slot), s.phase, s.request_id or "-", str(s.cached_tokens), str(s.new_tokens),
+                  f"{s.prefill_percent:.0f}" if s.phase != "idle" else "-", eta, str(s.generated_tokens),
+                  f"{s.decode_tokens_per_sec:.1f}" if s.decode_tokens_per_sec else "-", str(s.resident_tokens))
+    c = snap.counters
+    foot = Text(f"requests {c.get('requests', 0)}  finished {c.get('finished', 0)}  "
+                f"cancelled {c.get('cancelled', 0)}  failed {c.get('failed', 0)}  "
+                f"prompt tok {c.get('prompt_tokens', 0)}  cached tok {c.get('cached_tokens', 0)}  "
+                f"completion tok {c.get('completion_tokens', 0)}")
+    return Group(head, t, foot)
+
+
+async def run_dashboard(runtime, *, model_id: str, url: str, refresh_s: float = 0.5) -> None:
+    """Redraw the dashboard until cancelled (rich ``Live`` on stderr)."""
+    from rich.console import Console
+    from rich.live import Live
+
+    started = time.monotonic()
+    console = Console(stderr=True)
+    with Live(render_dashboard(_snap(runtime), model_id=model_id, url=url, started=started), console=console,
+              refresh_per_second=max(1, int(1 / refresh_s)), transient=False) as live:
+        while True:
+            await trio.sleep(refresh_s)
+            live.update(render_dashboard(_snap(runtime), model_id=model_id, url=url, started=started))
+
+
+async def run_status_lines(runtime, *, interval_s: float = 30.0) -> None:
+    """In plain mode: a periodic one-line summary while anything is busy."""
+    while True:
+        await trio.sleep(interval_s)
+        snap = _snap(runtime)
+        if snap is None:
+            continue
+        busy = [s for s in snap.slots if s.phase != "idle"]
+        if busy or snap.queue_depth:
+            log.info("status", extra={"state": snap.state, "busy_slots": len(busy), "queued": snap.queue_depth,
+                                      "kv_bytes": snap.kv_bytes_resident,
+                                      "decode_tps": round(sum(s.decode_tokens_per_sec for s in busy), 1)})
+
+
+def _snap(runtime):
+    try:
+        return runtime.snapshot()
+    except Exception:  # noqa: BLE001 — the view must never take the server down
+        return None

@@ -1,0 +1,44 @@
+"""BERT family (all-MiniLM, bge, …) → GGUF arch ``bert``: a bidirectional encoder with pooling.
+
+The pooler and MLM heads are dropped (embeddings only), ``gamma``/``beta`` are renamed to
+``weight``/``bias``, position and token-type embeddings stay F32, and the sentence-transformers
+pooling mode (mean for MiniLM) becomes ``bert.pooling_type``. Tokenizer: WordPiece.
+"""
+
+from __future__ import annotations
+
+import gguf
+
+from hf2q.arch.base import Family, Metadata
+from hf2q.arch.pooling import add_pooling_type
+
+_DROP = ("embeddings.position_ids", "pooler.dense.weight", "pooler.dense.bias")
+
+
+class Bert(Family):
+    hf_architectures = ("BertModel", "BertForMaskedLM")
+    gguf_arch = gguf.MODEL_ARCH.BERT
+    tokenizer_kind = "wordpiece"
+
+    @staticmethod
+    def _canonical(hf_name: str) -> str:
+        name = hf_name[5:] if hf_name.startswith("bert.") else hf_name
+        if name.endswith(".gamma"):
+            name = name[:-6] + ".weight"
+        if name.endswith(".beta"):
+            name = name[:-5] + ".bias"
+        return name
+
+    def skip(self, hf_name: str) -> bool:
+        name = self._canonical(hf_name)
+        return super().skip(hf_name) or name in _DROP or name.startswith(("cls.predictions", "cls.seq_relationship"))
+
+    def map_name(self, hf_name: str) -> str:
+        return super().map_name(self._canonical(hf_name))
+
+    def hparams(self, md: Metadata) -> None:
+        super().hparams(md)
+        a = self.arch_name
+        md.boolean(f"{a}.attention.causal", False)
+        add_pooling_type(self.src, self.cfg, md, a)
+        md.u32(f"{a}.token_type_count", self.cfg.get("type_vocab_size", 1))

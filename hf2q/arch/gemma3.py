@@ -1,0 +1,70 @@
+"""Gemma 3 text family → GGUF arch ``gemma3`` (sliding-window attention, Q/K norms, ``norm + 1``).
+
+Gemma's RMSNorm multiplies by ``1 + w``; llama.cpp's graph multiplies by the stored weight,
+so every ``*norm.weight`` is written as ``w + 1`` (in float32, as llama.cpp's converter does).
+The embedding matrix is cut to the tokenizer's real vocabulary (Gemma pads its embedding
+rows), and the local/global rope bases and window size go into the metadata.
+"""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+
+from hf2q.arch.base import Direct, Family, Metadata
+from hf2q.errors import InputError
+
+
+class Gemma3(Family):
+    hf_architectures = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+    gguf_arch = gguf.MODEL_ARCH.GEMMA3
+    tokenizer_kind = "auto"
+
+    def skip(self, hf_name: str) -> bool:
+        return super().skip(hf_name) or hf_name.startswith(("vision_tower.", "multi_modal_projector.")) \
+            or ".vision_tower." in hf_name or "multi_modal_projector" in hf_name
+
+    def real_vocab_size(self) -> int | None:
+        if (self.src / "tokenizer.model").is_file():
+            from hf2q.sources.tokenizer_meta import spm_vocab
+            return len(spm_vocab(self.src, self.cfg)[0])
+        path = self.src / "tokenizer.json"
+        if not path.is_file():
+            return None
+        try:
+            tj = json.loads(path.read_text(encoding="utf-8"))
+            return len(tj["model"]["vocab"]) + len(tj.get("added_tokens", []))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise InputError(f"{path}: cannot read the vocabulary ({e})") from None
+
+    def source_tensor(self, ck, hf_name, gguf_name):
+        shape = ck.entry(hf_name).shape
+        if "embed_tokens.weight" in hf_name:
+            n = self.real_vocab_size()
+            if n is not None and n < shape[0]:
+                shape = (n, *shape[1:])
+        add = 1.0 if hf_name.endswith("norm.weight") else 0.0
+        return Direct(hf_name, shape, add=add)
+
+    def hparams(self, md: Metadata) -> None:
+        super().hparams(md)
+        a, c = self.arch_name, self.cfg
+        md.u32(f"{a}.context_length", c.get("max_position_embeddings", 131072))
+        md.u32(f"{a}.attention.head_count", c.get("num_attention_heads", 8))
+        md.f32(f"{a}.attention.layer_norm_rms_epsilon", c.get("rms_norm_eps", 1e-6))
+        md.u32(f"{a}.attention.key_length", c.get("head_dim", 256))
+        md.u32(f"{a}.attention.value_length", c.get("head_dim", 256))
+        rope = self.rope_parameters()
+        md.f32(f"{a}.rope.freq_base", rope.get("full_attention", rope).get("rope_theta", 1_000_000.0))
+        if c.get("final_logit_softcapping"):
+            md.f32(f"{a}.final_logit_softcapping", c["final_logit_softcapping"])
+        if c.get("sliding_window_pattern") != 1:
+            if c.get("sliding_window") is None:
+                raise InputError("config.json: Gemma 3 needs sliding_window")
+            md.u32(f"{a}.attention.sliding_window", c["sliding_window"])
+        md.u32(f"{a}.attention.head_count_kv", c.get("num_key_value_heads", 4))
+
+    def tokenizer_overrides(self, md: Metadata) -> None:
+        if (self.src / "tokenizer.model").is_file():
+            md.boolean("tokenizer.ggml.add_space_prefix", False)

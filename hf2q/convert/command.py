@@ -1,0 +1,55 @@
+"""``hf2q convert``: argument checks and dispatch (GGUF here; mlx, batch and Hub elsewhere)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from hf2q.errors import InputError, UsageError
+
+log = logging.getLogger("hf2q.convert")
+
+
+def default_output(src: Path, quant: str) -> Path:
+    return Path.cwd() / f"{src.name}-{quant.lower()}.gguf"
+
+
+def run(args: argparse.Namespace) -> int:
+    if getattr(args, "batch", None):
+        from hf2q.convert.batch import run_batch
+        return run_batch(args)
+    quant = (args.quant or "").lower()
+    if args.format == "mlx" or quant.startswith("mlx"):
+        from hf2q.convert.mlx_writer import convert_mlx
+        return convert_mlx(args)
+
+    from hf2q.convert.pipeline import convert_gguf, dry_run
+    from hf2q.convert.quant_names import parse_gguf_quant
+
+    if args.repo and args.src:
+        raise UsageError("give either SRC or --repo, not both")
+    if args.repo:
+        from hf2q.sources.hub import resolve_repo
+        src = Path(resolve_repo(args.repo, args.revision, args.cache_dir))
+    elif args.src:
+        src = Path(args.src)
+    else:
+        raise UsageError("convert needs SRC (an HF model directory) or --repo ID")
+    q = parse_gguf_quant(args.quant)
+    if args.imatrix:
+        raise InputError("--imatrix is not supported for GGUF output yet")
+    if q.needs_imatrix:
+        raise InputError(f"{q.name} needs an importance matrix (--imatrix); try q2_k or q3_k_s")
+
+    if args.dry_run:
+        for line in dry_run(src, q):
+            print(line)
+        return 0
+    output = Path(args.output) if args.output else default_output(src, q.name)
+    rep = convert_gguf(src, output, q, threads=args.threads, integrity=not args.no_integrity,
+                       report_path=Path(args.json_report) if args.json_report else None)
+    t = rep["timings_s"]
+    print(f"wrote {output} ({rep['output_bytes'] / 2**20:.1f} MiB, {rep['tensor_count']} tensors, "
+          f"{rep['bits_per_weight']:.2f} bpw) in {t['total_s']:.1f}s")
+    return 0

@@ -1,0 +1,281 @@
+"""HF directory → GGUF file, streamed tensor by tensor in llama.cpp's order and arithmetic.
+
+Per tensor: rows come off the memory map in slabs → float32 → (quantized / F16 targets)
+rounded to float16 exactly as llama.cpp's F16 export would store them → encoded by the codec
+→ appended to ``NAME.tmp``. Peak memory is one slab and its encoding, not the model. The
+file is fsynced and renamed only when every tensor is written (``hf2q.atomic``), so a failure
+(bad input found late, disk full, interrupt) never leaves a partial ``NAME``.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import attrs
+import gguf
+import numpy as np
+
+from hf2q.arch.base import Metadata, PlannedTensor
+from hf2q.arch.registry import family_for
+from hf2q.atomic import atomic_output
+from hf2q.convert import report as report_mod
+from hf2q.convert.gguf_writer import GGUFStream, TensorLayout, layout
+from hf2q.convert.policy import ModelFacts, TensorFacts, plan_types
+from hf2q.convert.quant_names import QuantName
+from hf2q.errors import ConversionError, InputError
+from hf2q.progress import progress_bar
+from hf2q.sources.hf_config import load_config
+from hf2q.sources.integrity import hash_inputs
+from hf2q.sources.safetensors_reader import SafetensorsCheckpoint
+from hf2q.sources.tokenizer_meta import add_tokenizer
+
+log = logging.getLogger("hf2q.convert")
+T = gguf.GGMLQuantizationType
+SLAB_BYTES = 32 << 20  # float32 bytes of source rows handled at once
+ERROR_SAMPLE_ROWS = 256  # rows per tensor used for the RMSE / cosine report
+
+
+@attrs.define
+class ConversionPlan:
+    src: Path
+    family: Any
+    checkpoint: SafetensorsCheckpoint
+    quant: QuantName
+    tensors: list[PlannedTensor]
+    types: list[gguf.GGMLQuantizationType]
+    layouts: list[TensorLayout]
+    metadata: Metadata
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.layouts)
+
+
+def build_plan(src: Path, quant: QuantName, has_imatrix: bool = False) -> ConversionPlan:
+    """Everything decided before a byte of tensor data is read: names, types, layout, metadata."""
+    src = Path(src)
+    cfg = load_config(src)
+    family = family_for(cfg, src)
+    ck = SafetensorsCheckpoint(src)
+    tensors = family.plan(ck)
+    if not tensors:
+        raise InputError(f"{src}: the checkpoint has no tensors")
+    facts = ModelFacts(family.arch_name, family.n_layer, family.n_head, family.n_head_kv, family.n_expert)
+    types = plan_types(quant, facts, [TensorFacts(t.name, t.ne, t.f32_only) for t in tensors], has_imatrix)
+    try:
+        layouts = layout([(t.name, t.ne, q) for t, q in zip(tensors, types)])
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    md = build_metadata(family, src, cfg, quant)
+    return ConversionPlan(src, family, ck, quant, tensors, types, layouts, md)
+
+
+def build_metadata(family, src: Path, cfg: dict, quant: QuantName) -> Metadata:
+    md = Metadata()
+    md.string("general.architecture", family.arch_name)
+    md.string("general.type", "model")
+    md.string("general.name", cfg.get("_name_or_path") or cfg.get("_model_name_or_path") or src.name)
+    family.hparams(md)
+    md.u32("general.file_type", int(quant.ftype))
+    md.u32("general.quantization_version", gguf.GGML_QUANT_VERSION)
+    add_tokenizer(md, src, cfg, family.tokenizer_kind,
+                  pre_fallback="qwen2" if family.arch_name.startswith("qwen") else "default")
+    family.tokenizer_overrides(md)
+    return md
+
+
+# --------------------------------------------------------------------------- encoding
+def encode(x: np.ndarray, qtype: gguf.GGMLQuantizationType, threads: int) -> np.ndarray:
+    """float32 rows → bytes of ``qtype`` (hf2q's codecs; gguf-py's for what they lack)."""
+    if qtype == T.F32:
+        return np.ascontiguousarray(x, dtype="<f4")
+    if qtype == T.F16:
+        return np.ascontiguousarray(x.astype("<f2"))
+    try:
+        from hf2q.kernels import codec
+    except ImportError:  # pragma: no cover — codecs not installed in this tree
+        codec = None
+    if codec is not None and qtype in codec.SUPPORTED:
+        return codec.quantize(x, qtype, threads)
+    try:
+        return gguf.quants.quantize(x, qtype)
+    except (NotImplementedError, gguf.QuantError) as e:
+        raise ConversionError(f"no quantizer for {qtype.name} ({e})") from None
+
+
+def decode(raw: np.ndarray, qtype: gguf.GGMLQuantizationType, shape) -> np.ndarray:
+    try:
+        from hf2q.kernels import codec
+        if qtype in codec.SUPPORTED:
+            return codec.dequantize(raw, qtype, shape)
+    except ImportError:  # pragma: no cover
+        pass
+    return gguf.quants.dequantize(raw, qtype).reshape(shape)
+
+
+def round_like_export(x: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+    """llama.cpp quantizes from its F16 export: round to float16 first (F32/BF16 targets excepted)."""
+    if qtype in (T.F32, T.BF16, T.F16):
+        return x
+    return x.astype(np.float16).astype(np.float32)
+
+
+@attrs.define
+class ErrorStats:
+    sq: float = 0.0
+    dot: float = 0.0
+    xx: float = 0.0
+    yy: float = 0.0
+    n: int = 0
+
+    def add(self, x: np.ndarray, y: np.ndarray) -> None:
+        # elementwise sums, not BLAS dot: a BLAS thread pool spinning on a busy machine costs more
+        x64, y64 = x.astype(np.float64).ravel(), y.astype(np.float64).ravel()
+        d = x64 - y64
+        self.sq += float(np.square(d).sum())
+        self.dot += float((x64 * y64).sum())
+        self.xx += float(np.square(x64).sum())
+        self.yy += float(np.square(y64).sum())
+        self.n += x64.size
+
+    def result(self) -> tuple[float, float]:
+        rmse = (self.sq / self.n) ** 0.5 if self.n else 0.0
+        denom = (self.xx * self.yy) ** 0.5
+        cos = self.dot / denom if denom > 0 else (1.0 if self.sq == 0 else 0.0)
+        return rmse, cos
+
+
+def _sample_rows(n_rows: int) -> np.ndarray:
+    if n_rows <= ERROR_SAMPLE_ROWS:
+        return np.arange(n_rows)
+    return np.linspace(0, n_rows - 1, ERROR_SAMPLE_ROWS).astype(np.int64)
+
+
+def _encode_rows(x: np.ndarray, qtype, pool: ThreadPoolExecutor | None, threads: int) -> np.ndarray:
+    """Round + encode a slab, split into row chunks across the worker pool (one codec thread each)."""
+    n = x.shape[0]
+    if pool is None or threads <= 1 or n < 2 * threads or x.size < (1 << 16):
+        return encode(round_like_export(x, qtype), qtype, 1)
+    bounds = np.linspace(0, n, min(n, 4 * threads) + 1).astype(int)
+    parts = list(pool.map(lambda ab: encode(round_like_export(x[ab[0]:ab[1]], qtype), qtype, 1),
+                          zip(bounds[:-1], bounds[1:])))
+    return np.concatenate(parts, axis=0)
+
+
+def write_tensor(plan: ConversionPlan, i: int, out: GGUFStream, threads: int, timings: dict, bar,
+                 pool: ThreadPoolExecutor | None = None) -> dict:
+    t, qtype, lay = plan.tensors[i], plan.types[i], plan.layouts[i]
+    src = t.source
+    ncols = t.shape[-1]
+    n_rows = src.n_rows
+    slab = max(1, SLAB_BYTES // (4 * ncols))
+    sample = set(_sample_rows(n_rows).tolist())
+    stats = ErrorStats()
+    for lo in range(0, n_rows, slab):
+        hi = min(n_rows, lo + slab)
+        t0 = time.perf_counter()
+        x = src.rows(plan.checkpoint, lo, hi)
+        if x.shape != (hi - lo, ncols):
+            raise ConversionError(f"{t.name}: produced rows of shape {x.shape}, expected {(hi - lo, ncols)}")
+        t1 = time.perf_counter()
+        q = _encode_rows(x, qtype, pool, threads)
+        t2 = time.perf_counter()
+        try:
+            out.write(q)
+        except OSError as e:
+            raise _write_error(e, plan) from None
+        t3 = time.perf_counter()
+        picked = [r - lo for r in range(lo, hi) if r in sample]
+        if picked:
+            y = decode(np.ascontiguousarray(q.reshape(hi - lo, -1)[picked]), qtype, (len(picked), ncols))
+            stats.add(x[picked], y)
+        t4 = time.perf_counter()
+        timings["read_s"] += t1 - t0
+        timings["quantize_s"] += t2 - t1
+        timings["write_s"] += t3 - t2
+        timings["error_s"] += t4 - t3
+        bar.advance((hi - lo) * ncols)
+    for name in src.source_names:
+        plan.checkpoint.release(name)
+    rmse, cos = stats.result()
+    return {"name": t.name, "shape": list(lay.ne), "type": qtype.name, "bytes": lay.nbytes,
+            "sources": list(src.source_names), "rmse": rmse, "cosine": cos}
+
+
+def _write_error(e: OSError, plan: ConversionPlan) -> ConversionError:
+    if e.errno == errno.ENOSPC:
+        return ConversionError(f"disk full while writing the GGUF ({plan.total_bytes / 2**20:.1f} MiB needed)")
+    return ConversionError(f"cannot write the GGUF: {e.strerror or e}")
+
+
+def convert_gguf(src: Path, output: Path, quant: QuantName, threads: int | None = None,
+                 integrity: bool = True, report_path: Path | None = None,
+                 has_imatrix: bool = False) -> dict:
+    """Convert and return the report dict (also written to ``report_path``)."""
+    threads = threads or os.cpu_count() or 1
+    timings = {"plan_s": 0.0, "hash_s": 0.0, "read_s": 0.0, "quantize_s": 0.0, "write_s": 0.0,
+               "error_s": 0.0, "total_s": 0.0}
+    t_start = time.perf_counter()
+    plan = build_plan(src, quant, has_imatrix)
+    timings["plan_s"] = time.perf_counter() - t_start
+    output = Path(output)
+    _check_output_dir(output)
+    try:
+        hashes: dict[str, str] = {}
+        if integrity:
+            t0 = time.perf_counter()
+            hashes = hash_inputs(plan.src, plan.checkpoint.files)
+            timings["hash_s"] = time.perf_counter() - t0
+        rows = []
+        total_elems = sum(t.n_elements for t in plan.tensors)
+        try:
+            with atomic_output(output) as f, progress_bar(f"convert → {quant.name}", total_elems) as bar:
+                stream = GGUFStream(f, plan.metadata.entries, plan.layouts)
+                with ThreadPoolExecutor(max_workers=threads) as pool:
+                    for i in range(len(plan.tensors)):
+                        rows.append(write_tensor(plan, i, stream, threads, timings, bar, pool))
+                if not stream.finished():
+                    raise ConversionError("internal error: not every tensor was written")
+        except OSError as e:
+            raise _write_error(e, plan) from None
+    finally:
+        plan.checkpoint.close()
+    timings["total_s"] = time.perf_counter() - t_start
+    rep = report_mod.build(plan, output, hashes, rows, timings, threads)
+    report_mod.write(rep, report_path or report_mod.default_path(output))
+    return rep
+
+
+def _check_output_dir(output: Path) -> None:
+    parent = output.parent if str(output.parent) else Path(".")
+    if not parent.is_dir():
+        raise ConversionError(f"cannot write {output}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise ConversionError(f"cannot write {output}: directory {parent} is not writable")
+    if output.is_dir():
+        raise ConversionError(f"cannot write {output}: it is a directory")
+
+
+def dry_run(src: Path, quant: QuantName, has_imatrix: bool = False) -> list[str]:
+    """The tensor → type → bytes plan as printable lines (no file is written)."""
+    plan = build_plan(src, quant, has_imatrix)
+    try:
+        width = max(len(t.name) for t in plan.tensors)
+        lines = [f"{'tensor':<{width}}  {'shape':<20} {'type':<5} {'bytes':>12}"]
+        n_elem = 0
+        for t, q, lay in zip(plan.tensors, plan.types, plan.layouts):
+            shape = "[" + ", ".join(str(d) for d in lay.ne) + "]"
+            lines.append(f"{t.name:<{width}}  {shape:<20} {q.name:<5} {lay.nbytes:>12}")
+            n_elem += t.n_elements
+        total = plan.total_bytes
+        lines.append(f"total: {len(plan.tensors)} tensors, {total} bytes ({total / 2**20:.2f} MiB, "
+                     f"{8 * total / max(1, n_elem):.2f} bits/weight) — {plan.family.arch_name} {quant.name}")
+        return lines
+    finally:
+        plan.checkpoint.close()

@@ -1,0 +1,222 @@
+"""Public codec API: GGML tensor types ⇄ float32, byte-identical to llama.cpp's reference quantizer.
+
+    quantize(x, qtype, threads=None)   float32 [rows, n_per_row] → uint8 [rows, row_bytes]
+    dequantize(raw, qtype, shape)      bytes of whole rows → float32 [shape]
+    row_bytes(qtype, n_per_row)        size of one quantized row
+    SUPPORTED                          the GGMLQuantizationType values handled here
+
+Quantized types expect input that the caller has already rounded to float16 (llama.cpp's
+pipeline is HF → F16 GGUF → llama-quantize); with such input the bytes equal
+``ggml_quantize_chunk`` without an importance matrix.  ``imatrix`` (one positive weight per
+column) selects llama.cpp's importance-weighted quantizers where we implement them.
+
+The fast path is vectorised numpy over many blocks; large inputs are cut into chunks of
+whole blocks and quantized on a thread pool (numpy releases the GIL inside its loops).
+``reference_quantize`` / ``reference_dequantize`` run the plain per-block transcriptions
+(slow; used to cross-check the fast path).
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from ..errors import InputError
+from . import ggml_float, ggml_kquants, ggml_legacy
+
+T = GGMLQuantizationType
+
+FLOAT_TYPES = frozenset({T.F32, T.F16, T.BF16})
+LEGACY_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0})
+K_TYPES = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K})
+SUPPORTED = FLOAT_TYPES | LEGACY_TYPES | K_TYPES
+# types whose quantizer reads an importance matrix (llama.cpp's Q8_0 and float types ignore it)
+IMATRIX_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1}) | K_TYPES
+
+# elements per chunk handed to one worker: big enough to amortise numpy call overhead,
+# small enough that a chunk's temporaries stay cache-friendly.
+CHUNK_ELEMENTS = 1 << 16
+
+
+def _check_type(qtype) -> GGMLQuantizationType:
+    try:
+        qtype = GGMLQuantizationType(qtype)
+    except ValueError:
+        raise InputError(f"unknown GGML type {qtype!r}") from None
+    if qtype not in SUPPORTED:
+        raise InputError(f"GGML type {qtype.name} is not supported by hf2q's codecs "
+                         f"(supported: {', '.join(sorted(t.name for t in SUPPORTED))})")
+    return qtype
+
+
+def block_size(qtype) -> int:
+    return GGML_QUANT_SIZES[_check_type(qtype)][0]
+
+
+def row_bytes(qtype, n_per_row: int) -> int:
+    """Bytes of one row of ``n_per_row`` values; ``n_per_row`` must be a multiple of the block size."""
+    qtype = _check_type(qtype)
+    blk, size = GGML_QUANT_SIZES[qtype]
+    if n_per_row % blk:
+        raise InputError(f"{qtype.name} needs rows whose length is a multiple of {blk}, got {n_per_row}")
+    return n_per_row // blk * size
+
+
+def _as_matrix(x: np.ndarray, qtype) -> np.ndarray:
+    x = np.asarray(x)
+    if x.ndim == 1:
+        x = x[None, :]
+    if x.ndim != 2:
+        raise InputError(f"quantize expects a [rows, n_per_row] matrix, got shape {x.shape}")
+    row_bytes(qtype, x.shape[1])  # validates the row length
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
+def _block_codec(qtype, fast: bool):
+    """(quantize_blocks, dequantize_blocks) working on [nblocks, block] float32 ⇄ [nblocks, bytes] uint8."""
+    name = qtype.name
+    if qtype in LEGACY_TYPES:
+        if fast:
+            return ggml_legacy.QUANTIZE[name], ggml_legacy.DEQUANTIZE[name]
+        from . import ggml_legacy_ref as ref
+        return ref.QUANTIZE[name], ref.DEQUANTIZE[name]
+    if fast:
+        return ggml_kquants.QUANTIZE[name], ggml_kquants.DEQUANTIZE[name]
+    from . import ggml_kquants_ref as ref
+    return ref.QUANTIZE[name], ref.DEQUANTIZE[name]
+
+
+def _imatrix_codec(qtype, fast: bool):
+    """Block quantizer taking ``weights`` (and ``sigma2`` for legacy types), or None when the type ignores it."""
+    name = qtype.name
+    if qtype not in IMATRIX_TYPES:
+        return None
+    if fast:
+        from . import ggml_imatrix as mod
+    else:
+        from . import ggml_imatrix_ref as mod
+    return mod.K_QUANTIZE[name] if qtype in K_TYPES else mod.LEGACY_QUANTIZE[name]
+
+
+def _default_threads() -> int:
+    env = os.environ.get("HF2Q_THREADS")
+    if env and env.isdigit() and int(env) > 0:
+        return int(env)
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def _run_blocks(fn, blocks: np.ndarray, out_cols: int, threads: int, per_chunk: int, extra=None) -> np.ndarray:
+    """Quantize ``blocks`` chunk by chunk (on a thread pool when threads > 1); ``extra(start, stop)``
+    supplies per-chunk keyword arguments (importance weights)."""
+    nb = blocks.shape[0]
+    out = np.empty((nb, out_cols), dtype=np.uint8)
+    starts = range(0, nb, per_chunk)
+
+    def work(s):
+        e = min(nb, s + per_chunk)
+        out[s:e] = fn(blocks[s:e], **(extra(s, e) if extra else {}))
+
+    if threads <= 1 or nb <= per_chunk:
+        for s in starts:
+            work(s)
+    else:
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            list(pool.map(work, starts))
+    return out
+
+
+def _imatrix_args(x: np.ndarray, qtype, imatrix, fast: bool):
+    """Per-chunk keyword arguments for the imatrix quantizers: each block's column weights
+    (and, for the legacy types, the σ² of the row it belongs to)."""
+    n = x.shape[1]
+    blk = GGML_QUANT_SIZES[qtype][0]
+    imatrix = np.asarray(imatrix, dtype=np.float32).reshape(-1)
+    if imatrix.shape[0] != n:
+        raise InputError(f"imatrix has {imatrix.shape[0]} weights for rows of {n} values")
+    if not np.all(np.isfinite(imatrix)) or np.any(imatrix < 0):
+        raise InputError("imatrix weights must be finite and non-negative")
+    per_row = n // blk
+    column_weights = imatrix.reshape(per_row, blk)
+    sigma2 = None
+    if qtype in LEGACY_TYPES:
+        if fast:
+            from .ggml_imatrix import row_sigma2
+        else:
+            from .ggml_imatrix_ref import row_sigma2
+        sigma2 = np.repeat(row_sigma2(x), per_row)
+
+    def extra(s, e):
+        kw = {"weights": column_weights[np.arange(s, e) % per_row]}
+        if sigma2 is not None:
+            kw["sigma2"] = sigma2[s:e]
+        return kw
+
+    return extra
+
+
+def _quantize(x, qtype, threads, imatrix, fast: bool) -> np.ndarray:
+    qtype = _check_type(qtype)
+    x = _as_matrix(x, qtype)
+    rows, n = x.shape
+    if qtype in FLOAT_TYPES:
+        return ggml_float.quantize(x, qtype.name)
+    blk, size = GGML_QUANT_SIZES[qtype]
+    qfn, _ = _block_codec(qtype, fast)
+    extra = None
+    if imatrix is not None and qtype in IMATRIX_TYPES:  # Q8_0 ignores the imatrix, as in llama.cpp
+        qfn = _imatrix_codec(qtype, fast)
+        extra = _imatrix_args(x, qtype, imatrix, fast)
+    blocks = x.reshape(-1, blk)
+    threads = _default_threads() if threads is None else max(1, int(threads))
+    per_chunk = max(1, CHUNK_ELEMENTS // blk) if fast else blocks.shape[0]
+    q = _run_blocks(qfn, blocks, size, threads if fast else 1, per_chunk, extra)
+    return q.reshape(rows, n // blk * size)
+
+
+def quantize(x: np.ndarray, qtype, threads: int | None = None, imatrix: np.ndarray | None = None) -> np.ndarray:
+    """float32 ``[rows, n_per_row]`` → uint8 ``[rows, row_bytes]`` in GGML's block layout.
+
+    ``imatrix``: optional importance weights, one per column (llama.cpp's ``quant_weights``).
+    """
+    return _quantize(x, qtype, threads, imatrix, fast=True)
+
+
+def reference_quantize(x: np.ndarray, qtype, imatrix: np.ndarray | None = None) -> np.ndarray:
+    """Same contract as :func:`quantize` through the plain per-block references (slow)."""
+    return _quantize(x, qtype, 1, imatrix, fast=False)
+
+
+def _dequantize(raw, qtype, shape, fast: bool) -> np.ndarray:
+    qtype = _check_type(qtype)
+    shape = tuple(int(s) for s in shape)
+    if not shape:
+        raise InputError("dequantize needs a non-empty shape")
+    n = shape[-1]
+    rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
+    rb = row_bytes(qtype, n)
+    raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    if raw.size != rows * rb:
+        raise InputError(f"{qtype.name} data of {raw.size} bytes does not match shape {shape} "
+                         f"({rows * rb} bytes expected)")
+    if qtype in FLOAT_TYPES:
+        return ggml_float.dequantize(raw, qtype.name).reshape(shape)
+    blk, size = GGML_QUANT_SIZES[qtype]
+    _, dfn = _block_codec(qtype, fast)
+    blocks = raw.reshape(-1, size)
+    out = np.empty((blocks.shape[0], blk), dtype=np.float32)
+    step = max(1, CHUNK_ELEMENTS * 4 // blk)
+    for s in range(0, blocks.shape[0], step):
+        out[s:s + step] = dfn(blocks[s:s + step])
+    return out.reshape(shape)
+
+
+def dequantize(raw: np.ndarray, qtype, shape: tuple) -> np.ndarray:
+    """Bytes of whole rows (any shape, C order) → float32 array of ``shape`` (last axis = row)."""
+    return _dequantize(raw, qtype, shape, fast=True)
+
+
+def reference_dequantize(raw: np.ndarray, qtype, shape: tuple) -> np.ndarray:
+    return _dequantize(raw, qtype, shape, fast=False)

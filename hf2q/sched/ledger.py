@@ -1,0 +1,126 @@
+"""Which token ids each slot's KV holds, and which slot a new prompt should go to.
+
+A slot keeps its ledger (and its KV) after a request ends, so the next request whose
+prompt starts with the same tokens skips that much prefill (SPEC §5). Routing is pure
+bookkeeping: longest exact prefix among idle slots, else an empty slot, else the least
+recently used one. No trio, no MLX.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import attrs
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def reusable_prefix(held: Sequence[int], prompt: Sequence[int]) -> int:
+    """Prompt tokens whose KV can be kept: the common prefix, leaving at least one token to
+    compute (the last prompt token must go through the model to produce logits)."""
+    return min(common_prefix(held, prompt), max(len(prompt) - 1, 0))
+
+
+@attrs.define
+class SlotEntry:
+    tokens: list[int] = attrs.Factory(list)
+    busy: bool = False
+    last_used: int = 0
+
+
+@attrs.frozen
+class Route:
+    slot: int
+    cached_tokens: int
+
+
+class SlotLedger:
+    """Per-slot token ledgers, busy flags and an LRU clock."""
+
+    def __init__(self, n_slots: int):
+        if n_slots <= 0:
+            raise ValueError("need at least one slot")
+        self.entries = [SlotEntry() for _ in range(n_slots)]
+        self._clock = 0
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def tokens(self, slot: int) -> list[int]:
+        return self.entries[slot].tokens
+
+    def idle_slots(self) -> list[int]:
+        return [i for i, e in enumerate(self.entries) if not e.busy]
+
+    def busy_slots(self) -> list[int]:
+        return [i for i, e in enumerate(self.entries) if e.busy]
+
+    def resident_tokens(self, slot: int) -> int:
+        return len(self.entries[slot].tokens)
+
+    def route(self, prompt: Sequence[int], *, exclude: Sequence[int] = ()) -> Route | None:
+        """Best idle slot for ``prompt``, or None if every slot is busy.
+
+        Longest reusable prefix wins (ties: the least recently used); with no reuse at all,
+        an empty slot beats evicting someone's cache, and among non-empty ones the LRU goes.
+        """
+        best: tuple | None = None
+        for i, e in enumerate(self.entries):
+            if e.busy or i in exclude:
+                continue
+            cached = reusable_prefix(e.tokens, prompt)
+            key = (cached, cached == 0 and not e.tokens, -e.last_used, -i)
+            if best is None or key > best[0]:
+                best = (key, i, cached)
+        if best is None:
+            return None
+        return Route(best[1], best[2])
+
+    def acquire(self, slot: int, keep_tokens: int) -> None:
+        """Mark ``slot`` busy; its ledger keeps only the first ``keep_tokens`` ids."""
+        e = self.entries[slot]
+        if e.busy:
+            raise RuntimeError(f"slot {slot} is already busy")
+        if keep_tokens > len(e.tokens):
+            raise ValueError(f"slot {slot} holds {len(e.tokens)} tokens, cannot keep {keep_tokens}")
+        del e.tokens[keep_tokens:]
+        e.busy = True
+        self._touch(e)
+
+    def extend(self, slot: int, tokens: Sequence[int]) -> None:
+        """Record that the slot's KV now also holds ``tokens``."""
+        self.entries[slot].tokens.extend(tokens)
+
+    def replace(self, slot: int, tokens: Sequence[int]) -> None:
+        """The busy slot's KV was rebuilt (restored from disk): it now holds exactly ``tokens``."""
+        if not self.entries[slot].busy:
+            raise RuntimeError(f"slot {slot} is idle")
+        self.entries[slot].tokens[:] = list(tokens)
+
+    def release(self, slot: int) -> None:
+        """The request ended; the slot keeps its ledger for prefix reuse."""
+        e = self.entries[slot]
+        if not e.busy:
+            raise RuntimeError(f"slot {slot} released twice")
+        e.busy = False
+        self._touch(e)
+
+    def evict(self, slot: int) -> int:
+        """Forget an idle slot's cache; returns the number of tokens dropped."""
+        e = self.entries[slot]
+        if e.busy:
+            raise RuntimeError(f"cannot evict busy slot {slot}")
+        n = len(e.tokens)
+        e.tokens.clear()
+        return n
+
+    def _touch(self, e: SlotEntry) -> None:
+        self._clock += 1
+        e.last_used = self._clock

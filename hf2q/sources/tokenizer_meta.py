@@ -1,0 +1,251 @@
+"""``tokenizer.ggml.*`` metadata from an HF directory's tokenizer files.
+
+Three vocabulary kinds, each laid out the way llama.cpp's tokenizer reads it:
+
+* **BPE** (GPT-2 style, ``tokenizer.ggml.model = gpt2``): tokens in id order, token types
+  (normal / control / user-defined / unused padding), merges, and ``tokenizer.ggml.pre`` —
+  the pre-tokenizer name llama.cpp selects its regexes by. Like llama.cpp's converter we
+  identify it by hashing the token ids of a fixed probe text (``PROBE_TEXT``); unknown
+  hashes fall back to the family's usual pre-tokenizer.
+* **SPM** (``llama``): pieces, scores and types from ``tokenizer.model`` (sentencepiece).
+* **WordPiece** (``bert``): BERT vocab rewritten into llama.cpp's "phantom space" form
+  (``▁word`` for word starts, ``##piece`` → ``piece``).
+
+Special ids, add_bos/add_eos, merges and the chat template come from the ``gguf`` package's
+``SpecialVocab`` (llama.cpp's own reader of tokenizer_config.json / tokenizer.json /
+chat_template.jinja), so they match a llama.cpp conversion by construction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import gguf
+
+from hf2q.errors import InputError
+
+log = logging.getLogger("hf2q.tokenizer")
+TT = gguf.TokenType
+V = gguf.GGUFValueType
+
+# llama.cpp's probe text for identifying BPE pre-tokenizers (convert_hf_to_gguf_update.py)
+PROBE_TEXT = (
+    "\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated) ✅ "
+    "🦙🦙 3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 កាន់តែពិសេសអាច😁 ?我想在apple工作1314151天～ "
+    "------======= нещо на Български ''''''```````\"\"\"\"......!!!!!!?????? I've been 'told he's there, "
+    "'RE you sure? 'M not sure I'll make it, 'D you like some tea? We'Ve a'lL"
+)
+
+# sha256(str(token ids of PROBE_TEXT)) → llama.cpp pre-tokenizer name (the common ones)
+KNOWN_PRE_TOKENIZERS = {
+    "855059429035d75a914d1eda9f10a876752e281a054a7a3d421ef0533e5b6249": "smollm",
+    "e636dc30a262dcc0d8c323492e32ae2b70728f4df7dfe9737d9f920a282b8aea": "qwen2",
+    "d4540891389ea895b53b399da6ac824becc30f2fba0e9ddbb98f92e55ca0e97c": "qwen2",
+    "d30d75d9059f1aa2c19359de71047b3ae408c70875e8a3ccf8c5fba56c9d8af4": "qwen35",
+    "1444df51289cfa8063b96f0e62b1125440111bc79a52003ea14b6eac7016fd5f": "qwen35",
+    "0ef9807a4087ebef797fc749390439009c3b9eda9ad1a097abbe738f486c01e5": "llama-bpe",
+    "d353350c764d8c3b39c763113960e4fb4919bea5fbf208a0e3b22e8469dc7406": "llama4",
+    "3ce83efda5659b07b1ad37ca97ca5797ea4285d9b9ab0dc679e4a720c9da7454": "gpt-2",
+    "0fe1cf6eda062318a1af7270f3331a85c539a01778ff948e24388e949c5282f4": "gpt-2",
+    "0876d13b50744004aa9aeae05e7b0647eac9d801b5ba4668afc01e709c15e19f": "jina-v2-en",
+    "8e62295832751ca1e8f92f2226f403dea30dc5165e448b5bfa05af5340c64ec7": "bert-bge-large",
+    "846deafc5b0fa786186fa4ae6c7b49903cf2f1d1895bdb80b9120d60be135252": "gemma4",
+    "049ecf7629871e3041641907f3de7c733e4dbfdc736f57d882ba0b0845599754": "deepseek-llm",
+    "877081d19cf6996e2c4ff0e1236341e9b7bde288f5311a56a937f0afbbb3aeb5": "deepseek-v3",
+    "63b97e4253352e6f357cc59ea5b583e3a680eaeaf2632188c2b952de2588485e": "tekken",
+    "35d91631860c815f952d711435f48d356ebac988362536bed955d43bfa436e34": "starcoder",
+    "fcace8b9cac38ce847670c970cd5892031a753a1ef381abd1d9af00f713da085": "phi-2",
+    "b6dc8df998e1cfbdc4eac8243701a65afe638679230920b50d6f17d81c098166": "olmo",
+    "9d032fcbd5501f4a38150912590928bfb36091efb5df11b8e2124b0390e3fb1e": "falcon3",
+    "ccc2ef013c104be7bae2965776d611e1d7a8a2a9c547dd93a682c9a9fc80352e": "gpt-4o",
+}
+
+
+def _load_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise InputError(f"{path}: cannot read tokenizer file ({e})") from None
+
+
+def _hf_tokenizer(src: Path):
+    from tokenizers import Tokenizer
+
+    path = src / "tokenizer.json"
+    if not path.is_file():
+        raise InputError(f"{src}: missing tokenizer.json (needed for the GGUF vocabulary)")
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 — the tokenizers library raises plain Exception
+        raise InputError(f"{path}: invalid tokenizer.json ({e})") from None
+    tok.no_truncation()
+    tok.no_padding()
+    return tok
+
+
+def pre_tokenizer_name(src: Path, fallback: str) -> str:
+    ids = _hf_tokenizer(src).encode(PROBE_TEXT).ids
+    digest = hashlib.sha256(str(ids).encode()).hexdigest()
+    name = KNOWN_PRE_TOKENIZERS.get(digest)
+    if name is None:
+        log.warning("unrecognised BPE pre-tokenizer (hash %s); using %r", digest[:16], fallback)
+        return fallback
+    return name
+
+
+def _looks_special(token: str) -> bool:
+    return (token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]")
+            or token.startswith("<|") and token.endswith("|>")
+            or token.startswith("<｜") and token.endswith("｜>")
+            or token.startswith("<unused") and token.endswith(">"))
+
+
+def vocab_from_tokenizer_json(src: Path, cfg: dict[str, Any]) -> tuple[list[str], list[int]]:
+    """Tokens in id order + llama.cpp token types, as llama.cpp's ``get_vocab_base`` lays them out."""
+    tj = _load_json(src / "tokenizer.json")
+    model = tj.get("model") or {}
+    vocab = model.get("vocab")
+    if isinstance(vocab, list):  # unigram: [[piece, score], …]
+        vocab = {p[0]: i for i, p in enumerate(vocab)}
+    if not isinstance(vocab, dict):
+        raise InputError(f"{src / 'tokenizer.json'}: no vocabulary in model.vocab")
+    added = {a["content"]: a for a in tj.get("added_tokens", []) if isinstance(a, dict) and "content" in a}
+    reverse = {i: t for t, i in vocab.items()}
+    for content, a in added.items():
+        reverse[a["id"]] = content
+    size = int(cfg["vocab_size"]) if cfg.get("vocab_size") is not None else len(reverse)
+    if reverse and max(reverse) >= size:
+        raise InputError(f"tokenizer has token id {max(reverse)} but config.json vocab_size is {size}")
+    tokens, types = [], []
+    for i in range(size):
+        tok = reverse.get(i)
+        if tok is None:
+            tokens.append(f"[PAD{i}]")
+            types.append(TT.UNUSED)
+        elif tok in added:
+            if added[tok].get("special") or _looks_special(tok):
+                types.append(TT.CONTROL)
+            else:
+                tok = tok.replace("\u2581", " ")
+                types.append(TT.USER_DEFINED)
+            tokens.append(tok)
+        else:
+            tokens.append(tok)
+            types.append(TT.NORMAL)
+    return tokens, [int(t) for t in types]
+
+
+def spm_vocab(src: Path, cfg: dict[str, Any]) -> tuple[list[bytes], list[float], list[int]]:
+    """Pieces, scores and types from ``tokenizer.model`` (+ added tokens), padded to vocab_size."""
+    from sentencepiece import SentencePieceProcessor
+
+    sp = SentencePieceProcessor()
+    try:
+        sp.LoadFromFile(str(src / "tokenizer.model"))
+    except (OSError, RuntimeError) as e:
+        raise InputError(f"{src / 'tokenizer.model'}: invalid sentencepiece model ({e})") from None
+    size = int(cfg.get("vocab_size") or sp.vocab_size())
+    tokens = [f"[PAD{i}]".encode() for i in range(size)]
+    scores = [-10000.0] * size
+    types = [int(TT.UNUSED)] * size
+    for i in range(min(size, sp.vocab_size())):
+        kind = TT.NORMAL
+        if sp.IsUnknown(i):
+            kind = TT.UNKNOWN
+        elif sp.IsControl(i):
+            kind = TT.CONTROL
+        elif sp.IsUnused(i):
+            kind = TT.UNUSED
+        elif sp.IsByte(i):
+            kind = TT.BYTE
+        tokens[i], scores[i], types[i] = sp.IdToPiece(i).encode("utf-8"), sp.GetScore(i), int(kind)
+    if (src / "added_tokens.json").is_file():
+        for text, i in _load_json(src / "added_tokens.json").items():
+            if i < size:
+                tokens[i], scores[i], types[i] = text.encode("utf-8"), -1000.0, int(TT.USER_DEFINED)
+    if (src / "tokenizer_config.json").is_file():
+        decoder = _load_json(src / "tokenizer_config.json").get("added_tokens_decoder", {})
+        for key, data in decoder.items():
+            i, text = int(key), data["content"]
+            if i >= size:
+                continue
+            if data.get("special") or _looks_special(text):
+                types[i] = int(TT.CONTROL)
+            else:
+                text = text.replace("\u2581", " ")
+                types[i] = int(TT.USER_DEFINED)
+            scores[i], tokens[i] = -1000.0, text.encode("utf-8")
+    return tokens, scores, types
+
+
+def _phantom(tok: str, kind: int) -> str:
+    if kind == TT.CONTROL:
+        return tok
+    return tok[2:] if tok.startswith("##") else "\u2581" + tok
+
+
+def add_tokenizer(md, src: Path, cfg: dict[str, Any], kind: str, pre_fallback: str = "default") -> None:
+    """Fill ``md`` (an ``hf2q.arch.base.Metadata``) with the ``tokenizer.*`` keys."""
+    if kind == "auto":
+        kind = "spm" if (src / "tokenizer.model").is_file() else "bpe"
+    n_vocab = None
+    if kind == "spm":
+        tokens, scores, types = spm_vocab(src, cfg)
+        md.string("tokenizer.ggml.model", "llama")
+        md.string("tokenizer.ggml.pre", "default")
+        md.array("tokenizer.ggml.tokens", tokens, V.STRING)
+        md.array("tokenizer.ggml.scores", scores, V.FLOAT32)
+        md.array("tokenizer.ggml.token_type", types, V.INT32)
+        n_vocab, merges = len(tokens), False
+    elif kind == "bpe":
+        tokens, types = vocab_from_tokenizer_json(src, cfg)
+        md.string("tokenizer.ggml.model", "gpt2")
+        md.string("tokenizer.ggml.pre", pre_tokenizer_name(src, pre_fallback))
+        md.array("tokenizer.ggml.tokens", tokens, V.STRING)
+        md.array("tokenizer.ggml.token_type", types, V.INT32)
+        merges = True
+    elif kind == "wordpiece":
+        tokens, types = vocab_from_tokenizer_json(src, cfg)
+        md.u32("tokenizer.ggml.token_type_count", cfg.get("type_vocab_size", 1))
+        md.string("tokenizer.ggml.model", "bert")
+        md.string("tokenizer.ggml.pre", pre_tokenizer_name(src, "default"))
+        md.array("tokenizer.ggml.tokens", [_phantom(t, k) for t, k in zip(tokens, types)], V.STRING)
+        md.array("tokenizer.ggml.token_type", types, V.INT32)
+        n_vocab, merges = len(tokens), False
+    else:
+        raise InputError(f"unknown tokenizer kind {kind!r}")
+    add_special(md, src, merges, n_vocab)
+
+
+def add_special(md, src: Path, merges: bool, n_vocab: int | None) -> None:
+    """Merges, special ids, add_* flags and chat template via gguf's ``SpecialVocab``."""
+    try:
+        sv = gguf.SpecialVocab(src, load_merges=merges, n_vocab=n_vocab)
+    except (ValueError, OSError) as e:
+        raise InputError(f"{src}: cannot read special tokens ({e})") from None
+    if sv.merges:
+        md.array("tokenizer.ggml.merges", sv.merges, V.STRING)
+    key_names = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id",
+                 "sep": "seperator_token_id", "pad": "padding_token_id", "mask": "mask_token_id"}
+    for typ, tid in sv.special_token_ids.items():
+        if typ in key_names:
+            md.u32(f"tokenizer.ggml.{key_names[typ]}", tid)
+    for typ, value in sv.add_special_token.items():
+        if typ in ("bos", "eos", "sep"):
+            md.boolean(f"tokenizer.ggml.add_{typ}_token", value)
+        elif typ == "normalizer_lowercase":
+            md.boolean("tokenizer.ggml.normalizer.lowercase", value)
+    tmpl = sv.chat_template
+    if isinstance(tmpl, str):
+        md.string("tokenizer.chat_template", tmpl)
+    elif isinstance(tmpl, list):
+        for entry in tmpl:
+            name, text = entry.get("name"), entry.get("template")
+            if name == "default":
+                md.string("tokenizer.chat_template", text)
+            elif name and text:
+                md.string(f"tokenizer.chat_template.{name}", text)

@@ -1,0 +1,151 @@
+"""Tiny random-weight HF checkpoints of real architectures, paired with real tokenizers.
+
+``checkpoint(family)`` returns a folder shaped exactly like a Hub checkpoint of that family
+(``config.json``, fp32 ``model.safetensors``, tokenizer files, chat template) but with a
+handful of small layers, so converters and engines can be checked against transformers'
+forward pass in seconds. The head layouts of the real models are kept (GQA, Qwen3's
+``head_dim × heads ≠ hidden``, Gemma's single KV head and sliding/global mix, tied or
+untied embeddings as the real model), and the embedding has as many rows as the real
+tokenizer needs.
+
+Weights: transformers' own initialisation under ``torch.manual_seed(0)``, then every
+parameter gets extra seeded noise so that no tensor is a constant (norm weights of all ones,
+zero biases, or Gemma's zero-centred norms would hide a converter that drops or mis-offsets
+them) and logits are spread enough for greedy decoding to be stable.
+
+Folders are cached under ``<hf2q cache>/test-models/tiny-<family>-v1/`` and built once.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.models.cache import build_once
+from tests.models.tokenizer_files import copy_tokenizer, vocab_size
+
+VERSION = "v1"
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "gemma3", "bert")
+SEED = 0
+
+# family → (tokenizer, transformers config class name, auto-model kind, config kwargs, legacy keys)
+# Legacy keys: transformers 5 writes ``rope_parameters``; the real Hub configs (and mlx-lm,
+# llama.cpp's convert_hf_to_gguf.py) use the flat names, so they are written too.
+_SPECS: dict[str, dict] = {
+    # SmolLM2-135M: hidden 576, 9 heads / 3 KV (head_dim 64), tied embeddings, rope 1e5.
+    "llama": dict(
+        tokenizer="smollm2", config="LlamaConfig", kind="causal",
+        kwargs=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5,
+                    tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                    rope_parameters={"rope_type": "default", "rope_theta": 100000.0}),
+        legacy=dict(rope_theta=100000.0),
+    ),
+    # Qwen3-0.6B: hidden 1024, 16 heads × 128 (≠ hidden), 8 KV, q/k norms, tied embeddings.
+    "qwen3": dict(
+        tokenizer="qwen3", config="Qwen3Config", kind="causal",
+        kwargs=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                    tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+        legacy=dict(rope_theta=1000000.0),
+    ),
+    # Qwen3-30B-A3B: 128 experts top-8 (here 4 experts top-2), normalised top-k, untied.
+    "qwen3_moe": dict(
+        tokenizer="qwen3", config="Qwen3MoeConfig", kind="causal",
+        kwargs=dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
+                    num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                    max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                    bos_token_id=151643, eos_token_id=151645,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+        legacy=dict(rope_theta=1000000.0, num_experts=4),  # transformers 5 renames it num_local_experts
+    ),
+    # Gemma3-270m: 4 heads / 1 KV, head_dim 256, sliding window 512 with 5 local : 1 global,
+    # two rope bases, q/k norms, (1 + w) norms, tied. Here: 2 sliding layers + 1 global, window 16.
+    "gemma3": dict(
+        tokenizer="gemma3", config="Gemma3TextConfig", kind="causal",
+        kwargs=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                    num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32, sliding_window=16,
+                    layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                    max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                    bos_token_id=2, eos_token_id=1, pad_token_id=0,
+                    rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+        legacy=dict(rope_theta=1000000.0, rope_local_base_freq=10000.0, rope_scaling=None,
+                    _sliding_window_pattern=3),
+    ),
+    # all-MiniLM-L6-v2: BertModel, hidden 384, 12 heads, mean pooling (sentence-transformers files).
+    "bert": dict(
+        tokenizer="bert", config="BertConfig", kind="base",
+        kwargs=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    max_position_embeddings=512, type_vocab_size=2, layer_norm_eps=1e-12, pad_token_id=0),
+        legacy=dict(),
+    ),
+}
+
+
+def checkpoint(family: str) -> Path:
+    """Path of the tiny ``family`` checkpoint (built on first use, then reused)."""
+    if family not in _SPECS:
+        raise ValueError(f"unknown tiny family {family!r}; known: {', '.join(FAMILIES)}")
+    return build_once(f"tiny-{family}-{VERSION}", lambda out: _build(family, out))
+
+
+def spec(family: str) -> dict:
+    """The config values a tiny checkpoint was built with (for tests that need shapes)."""
+    s = _SPECS[family]
+    return {**s["kwargs"], "vocab_size": vocab_size(s["tokenizer"]), "tokenizer": s["tokenizer"]}
+
+
+def _perturb(model, seed: int) -> None:
+    """Give every parameter seeded noise so none is constant and the logits are not flat."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if p.ndim == 1:  # norm weights (around 1, or around 0 for Gemma's 1+w) and biases
+                p.add_(0.1 * noise)
+            else:  # matrices: widen the 0.02-std init so activations and logits have some range
+                p.mul_(2.0).add_(0.02 * noise)
+
+
+def _build(family: str, out: Path) -> None:
+    import torch
+    import transformers
+
+    s = _SPECS[family]
+    config_cls = getattr(transformers, s["config"])
+    config = config_cls(vocab_size=vocab_size(s["tokenizer"]), **s["kwargs"])
+    torch.manual_seed(SEED)
+    auto = transformers.AutoModelForCausalLM if s["kind"] == "causal" else transformers.AutoModel
+    model = auto.from_config(config, dtype=torch.float32)
+    _perturb(model, SEED + 1)
+    model.eval()
+    model.save_pretrained(out)
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.update(s["legacy"])
+    cfg["torch_dtype"] = "float32"
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    copy_tokenizer(s["tokenizer"], out)
+    if family == "bert":
+        _write_sentence_transformers_files(out, config.hidden_size)
+    if not (out / "model.safetensors").exists():
+        raise RuntimeError(f"transformers did not write model.safetensors for {family}")
+
+
+def _write_sentence_transformers_files(out: Path, hidden: int) -> None:
+    """MiniLM's pooling setup (mean pooling + normalize), sized for the tiny hidden size."""
+    from hf2q.fetch import MINILM, fetch
+
+    src = fetch(MINILM)
+    for name in ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json"):
+        if (src / name).exists():
+            (out / name).write_bytes((src / name).read_bytes())
+    pooling = json.loads((src / "1_Pooling" / "config.json").read_text())
+    pooling["word_embedding_dimension"] = hidden
+    (out / "1_Pooling").mkdir()
+    (out / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2) + "\n")

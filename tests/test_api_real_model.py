@@ -1,0 +1,178 @@
+"""The headline scenario on the REAL engine: SmolLM2 behind the real runtime and a real HTTP server.
+
+Four agent-style conversations run concurrently on four slots, each with tools and a ~20 KB
+system context of its own:
+
+1. cold: each asks for a tool call (``tool_choice`` names the function, temperature 0);
+2. repeated verbatim: the answer is identical and ``cached_tokens >= prompt_tokens - 32``
+   (each conversation went back to the slot that holds its prefix);
+3. streamed: the SSE tool-call deltas (id/type/name first, then argument pieces) reassemble
+   to the same call;
+4. continued with a tool result: the new turn reuses the conversation's prefix.
+
+References are independent of the server: the prompt token count is recomputed with
+``transformers``' tokenizer built from the same GGUF, and the tool call's arguments must be
+JSON that matches the tool's schema.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import asynccontextmanager
+
+import httpx
+import pytest
+import trio
+
+pytestmark = [pytest.mark.slow]
+
+CTX = 8192
+TOOLS = [{"type": "function", "function": {
+    "name": "read_file", "description": "Read a file of the project and return its text.",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string", "description": "file path"}},
+                   "required": ["path"]}}}]
+
+
+def project_notes(i: int, n_bytes: int = 20_000) -> str:
+    """~20 KB of distinct, readable project notes for conversation ``i``."""
+    modules = ["parser", "scheduler", "cache", "server", "tokenizer", "sampler", "loader", "writer"]
+    lines, k = [], 0
+    while sum(len(x) + 1 for x in lines) < n_bytes:
+        m = modules[(k + i) % len(modules)]
+        lines.append(f"- Note {k} for project {i}: the {m} module keeps state in src/{m}_{k % 13}.py and "
+                     f"is tested by tests/test_{m}.py; owner team {chr(65 + (k * 7 + i) % 26)}.")
+        k += 1
+    return "\n".join(lines)
+
+
+def conversation(i: int) -> list[dict]:
+    return [{"role": "system", "content": "You are a coding agent working on a project. Project notes:\n"
+                                          + project_notes(i)},
+            {"role": "user", "content": f"Open the main file of project {i} so we can review it."}]
+
+
+@asynccontextmanager
+async def real_server(slots: int = 4):
+    from hf2q.actors.runtime import RuntimeConfig, open_runtime
+    from hf2q.api.app import ServerContext
+    from hf2q.api.command import runner_factory
+    from hf2q.api.server import serve
+    from hf2q.api.textbridge import GGUFChatModel
+    from hf2q.fetch import default_chat_model
+
+    path = default_chat_model()
+    model = GGUFChatModel.from_gguf(path, "smollm2")
+    config = RuntimeConfig(slots=slots, ctx=CTX, queue_capacity=8, gpu_deadline_s=600)
+    async with open_runtime(runner_factory(path, CTX), config) as runtime, trio.open_nursery() as nursery:
+        assert await runtime.wait_ready(), runtime.readiness()
+        ctx = ServerContext(runtime=runtime, chat_model=model, model_id="smollm2")
+        handle = await nursery.start(lambda task_status: serve(ctx, "127.0.0.1", 0, graceful_timeout=1,
+                                                               task_status=task_status))
+        try:
+            yield handle.url, runtime, model
+        finally:
+            handle.request_stop()
+            with trio.move_on_after(30):
+                await handle.closed.wait()
+            nursery.cancel_scope.cancel()
+
+
+def request(i: int, **extra) -> dict:
+    return {"model": "smollm2", "messages": conversation(i), "tools": TOOLS, "temperature": 0, "max_tokens": 48,
+            "tool_choice": {"type": "function", "function": {"name": "read_file"}}, **extra}
+
+
+async def post_all(c: httpx.AsyncClient, bodies: list[dict]) -> list[dict]:
+    out: list = [None] * len(bodies)
+
+    async def one(k):
+        r = await c.post("/v1/chat/completions", json=bodies[k])
+        assert r.status_code == 200, r.text
+        out[k] = r.json()
+
+    async with trio.open_nursery() as n:
+        for k in range(len(bodies)):
+            n.start_soon(one, k)
+    return out
+
+
+async def stream_call(c: httpx.AsyncClient, body: dict) -> tuple[list[dict], str]:
+    deltas, finish = [], None
+    async with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ch = json.loads(line[6:])
+            assert "error" not in ch, ch
+            for choice in ch["choices"]:
+                deltas.extend(choice["delta"].get("tool_calls") or [])
+                finish = choice["finish_reason"] or finish
+    return deltas, finish
+
+
+def independent_prompt_tokens(model, body: dict) -> int:
+    """Token count of the rendered prompt by HF tokenizers loaded from the same GGUF (transformers)."""
+    from transformers import AutoTokenizer
+
+    from hf2q.api.validation import parse_chat_request
+    from hf2q.fetch import default_chat_model
+
+    path = default_chat_model()
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    text = model.render(parse_chat_request(body))
+    return len(tok(text, add_special_tokens=False)["input_ids"])
+
+
+async def test_four_agent_conversations_cached_streamed_and_continued():
+    async with real_server() as (url, runtime, model), httpx.AsyncClient(base_url=url, timeout=900) as c:
+        bodies = [request(i) for i in range(4)]
+        cold = await post_all(c, bodies)
+        calls = []
+        for i, out in enumerate(cold):
+            ch = out["choices"][0]
+            assert ch["finish_reason"] == "tool_calls", ch
+            (call,) = ch["message"]["tool_calls"]
+            assert call["function"]["name"] == "read_file" and call["id"].startswith("call_")
+            args = json.loads(call["function"]["arguments"])
+            assert isinstance(args.get("path"), str) and args["path"]
+            calls.append(call)
+        assert cold[0]["usage"]["prompt_tokens"] == independent_prompt_tokens(model, bodies[0])
+        assert all(out["usage"]["prompt_tokens"] > 4000 for out in cold)  # ~20 KB really reached the model
+
+        # 2. repeated: identical output, prompt served from each conversation's slot
+        again = await post_all(c, bodies)
+        for out, first, call in zip(again, cold, calls):
+            u = out["usage"]
+            assert u["prompt_tokens_details"]["cached_tokens"] >= u["prompt_tokens"] - 32, u
+            (call2,) = out["choices"][0]["message"]["tool_calls"]
+            assert call2["function"] == call["function"]
+            assert call2["id"] != call["id"]  # fresh ids per response
+            assert out["x_hf2q_timing"]["time_to_first_token_ms"] < first["x_hf2q_timing"]["time_to_first_token_ms"]
+
+        # 3. streamed: deltas reassemble to the same call
+        for i in range(4):
+            deltas, finish = await stream_call(c, bodies[i])
+            assert finish == "tool_calls"
+            assert deltas[0]["index"] == 0 and deltas[0]["type"] == "function" and deltas[0]["id"].startswith("call_")
+            assert deltas[0]["function"]["name"] == "read_file"
+            assert all("name" not in d["function"] for d in deltas[1:])
+            assert "".join(d["function"].get("arguments", "") for d in deltas) == calls[i]["function"]["arguments"]
+
+        # 4. continued with a tool result: the conversation's prefix is reused
+        follow = []
+        for i in range(4):
+            msgs = conversation(i) + [
+                {"role": "assistant", "content": None, "tool_calls": [calls[i]]},
+                {"role": "tool", "tool_call_id": calls[i]["id"], "content": "def main():\n    return 42\n"}]
+            follow.append({"model": "smollm2", "messages": msgs, "tools": TOOLS, "temperature": 0,
+                           "max_tokens": 16, "tool_choice": "none"})
+        cont = await post_all(c, follow)
+        for out, first in zip(cont, cold):
+            u = out["usage"]
+            assert u["prompt_tokens"] > first["usage"]["prompt_tokens"]
+            assert u["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"] - 32
+            assert out["choices"][0]["finish_reason"] in ("stop", "length")
+            assert "tool_calls" not in out["choices"][0]["message"]
+        snap = runtime.snapshot()
+        assert all(s.phase == "idle" for s in snap.slots)

@@ -1,0 +1,103 @@
+"""``launchers/serve_agent.py``: refuses what cannot work, then starts a server an agent can use.
+
+Fast: a missing model (exit 3) and a busy port (exit 1) are refused with one clear line
+before anything starts. Slow: the launcher starts a real ``hf2q serve`` on the default
+model, prints OpenCode's provider JSON, and that JSON alone (base URL + key + model id)
+is enough for the official ``openai`` client to chat; SIGTERM stops both.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCHER = ROOT / "launchers" / "serve_agent.py"
+
+
+def launch(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(LAUNCHER), *args], capture_output=True, text=True, timeout=60, **kw)
+
+
+def test_missing_model_is_refused(tmp_path):
+    r = launch("--model", str(tmp_path / "absent.gguf"), "--port", "0")
+    assert r.returncode == 3
+    assert r.stdout == ""
+    assert r.stderr.strip() == f"serve_agent: error: model not found: {tmp_path / 'absent.gguf'}"
+
+
+def test_busy_port_is_refused():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = launch("--port", str(port))
+    assert r.returncode == 1 and r.stdout == ""
+    assert f"port {port} on 127.0.0.1 is busy" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_opencode_config_shape():
+    sys.path.insert(0, str(LAUNCHER.parent))
+    try:
+        from serve_agent import opencode_config
+    finally:
+        sys.path.pop(0)
+    cfg = opencode_config("http://127.0.0.1:9000/v1", "k", "m1", 8192)
+    prov = cfg["provider"]["hf2q"]
+    assert prov["npm"] == "@ai-sdk/openai-compatible"
+    assert prov["options"] == {"baseURL": "http://127.0.0.1:9000/v1", "apiKey": "k"}
+    assert prov["models"]["m1"]["limit"]["context"] == 8192
+    assert cfg["model"] == "hf2q/m1"
+    json.dumps(cfg)  # serialisable as the config file
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_launcher_starts_server_and_config_works(tmp_path):
+    import openai
+
+    port = _free_port()
+    out_file = tmp_path / "opencode.json"
+    proc = subprocess.Popen([sys.executable, str(LAUNCHER), "--port", str(port), "--slots", "2", "--ctx", "2048",
+                             "--config-out", str(out_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        text = ""
+        while True:  # the config is the launcher's whole stdout, printed once the server is ready
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read()
+            text += line
+            if line.rstrip() == "}":
+                break
+        cfg = json.loads(text)
+        assert json.loads(out_file.read_text()) == cfg
+        assert oct(out_file.stat().st_mode & 0o777) == "0o600"
+        prov = cfg["provider"]["hf2q"]
+        model_id = cfg["model"].split("/", 1)[1]
+        assert prov["models"][model_id]["limit"]["context"] == 2048
+        client = openai.OpenAI(base_url=prov["options"]["baseURL"], api_key=prov["options"]["apiKey"],
+                               max_retries=0)
+        r = client.chat.completions.create(model=model_id, max_tokens=8, temperature=0,
+                                           messages=[{"role": "user", "content": "Say hi"}])
+        assert r.choices[0].finish_reason in ("stop", "length")
+        bad = openai.OpenAI(base_url=prov["options"]["baseURL"], api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

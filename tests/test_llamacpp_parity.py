@@ -1,0 +1,177 @@
+"""Whole-model parity with stock llama.cpp: every tensor of our GGUF equals llama.cpp's.
+
+The reference is llama.cpp's own pipeline, built from the llama-cpp-python 0.3.36 sdist:
+``convert_hf_to_gguf.py --outtype f16|bf16|f32`` (with the sdist's gguf-py) and, for every
+quantized mix, ``llama-quantize F16.gguf OUT.gguf <mix>``. For each name in SPEC §2 we
+compare every tensor — name, type, shape and bytes — and the tokenizer / hyper-parameter
+metadata. References are cached under ``<hf2q cache>/llamacpp-ref/`` keyed by the source's
+config hash, so a second run only pays for our own conversions.
+
+Also: stock ``llama-completion`` loads our SmolLM2 and Gemma3 outputs and generates text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGUFReader
+
+from hf2q.convert.quant_names import SPEC_GGUF_NAMES
+
+pytestmark = [pytest.mark.slow, pytest.mark.llamacpp]
+
+FLOAT_NAMES = ("f32", "f16", "bf16")
+# metadata written by llama.cpp from the model card / directory name, not from the model
+_IGNORED_KEYS = ("general.", "GGUF.")
+_KEPT_GENERAL = ("general.architecture", "general.file_type", "general.quantization_version")
+
+
+def _ref_dir() -> Path:
+    from hf2q.paths import cache_root
+
+    d = cache_root() / "llamacpp-ref"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _source_key(src: Path) -> str:
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(src)):
+        p = src / name
+        if p.is_file():
+            h.update(name.encode())
+            h.update(str(p.stat().st_size).encode())
+            if p.stat().st_size < (1 << 20):
+                h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def llamacpp_reference(src: Path, quant: str) -> Path:
+    """llama.cpp's GGUF of ``src`` for ``quant`` (built once, cached)."""
+    from tests.tools import llama_cpp
+
+    key = f"{src.name}-{_source_key(src)}"
+    out = _ref_dir() / f"{key}-{quant}.gguf"
+    if out.exists():
+        return out
+    env = llama_cpp.env()
+    env["PYTHONPATH"] = str(llama_cpp.gguf_py_dir())
+    if quant in FLOAT_NAMES:
+        tmp = out.with_suffix(".tmp.gguf")
+        r = subprocess.run([sys.executable, str(llama_cpp.convert_script()), str(src), "--outtype", quant,
+                            "--outfile", str(tmp)], env=env, capture_output=True, text=True)
+        assert r.returncode == 0, f"llama.cpp convert failed: {r.stderr[-2000:]}"
+        tmp.rename(out)
+        return out
+    f16 = llamacpp_reference(src, "f16")
+    tmp = out.with_suffix(".tmp.gguf")
+    r = subprocess.run([str(llama_cpp.tool("llama-quantize")), str(f16), str(tmp), quant, "2"],
+                       env=env, capture_output=True, text=True)
+    assert r.returncode == 0, f"llama-quantize {quant} failed: {r.stderr[-2000:]}"
+    tmp.rename(out)
+    return out
+
+
+def _fields(r: GGUFReader) -> dict:
+    out = {}
+    for k, f in r.fields.items():
+        if k.startswith(_IGNORED_KEYS) and k not in _KEPT_GENERAL:
+            continue
+        out[k] = f.contents()
+    return out
+
+
+def compare_gguf(ours: Path, theirs: Path) -> list[str]:
+    """Differences (empty when identical): tensor set/order-free, type, shape, bytes, metadata."""
+    a, b = GGUFReader(ours), GGUFReader(theirs)
+    ta, tb = {t.name: t for t in a.tensors}, {t.name: t for t in b.tensors}
+    diffs = []
+    if set(ta) != set(tb):
+        diffs.append(f"tensor names differ: only ours {sorted(set(ta) - set(tb))[:5]}, "
+                     f"only llama.cpp {sorted(set(tb) - set(ta))[:5]}")
+    for name in sorted(set(ta) & set(tb)):
+        x, y = ta[name], tb[name]
+        if x.tensor_type != y.tensor_type:
+            diffs.append(f"{name}: type {x.tensor_type.name} vs {y.tensor_type.name}")
+        elif list(x.shape) != list(y.shape):
+            diffs.append(f"{name}: shape {list(x.shape)} vs {list(y.shape)}")
+        elif not np.array_equal(np.asarray(x.data).view(np.uint8), np.asarray(y.data).view(np.uint8)):
+            diffs.append(f"{name}: {x.tensor_type.name} bytes differ")
+    fa, fb = _fields(a), _fields(b)
+    for k in sorted(set(fa) | set(fb)):
+        if fa.get(k) != fb.get(k):
+            diffs.append(f"metadata {k}: ours {str(fa.get(k))[:80]!r} vs llama.cpp {str(fb.get(k))[:80]!r}")
+    return diffs
+
+
+def _convert(src: Path, quant: str, out: Path) -> None:
+    from hf2q.cli import main
+
+    code = main(["convert", str(src), "--quant", quant, "-o", str(out), "--no-integrity"])
+    assert code == 0, f"hf2q convert {quant} failed"
+
+
+@pytest.fixture(scope="module")
+def oracle(llama_cpp_bin):
+    return llama_cpp_bin
+
+
+REAL_MODELS = ("smollm2_hf", "gemma3_hf", "minilm_hf")
+
+
+@pytest.mark.parametrize("model", REAL_MODELS)
+def test_every_quant_matches_llamacpp(model, request, oracle, tmp_path):
+    src = request.getfixturevalue(model)
+    started = time.perf_counter()
+    failures = {}
+    for quant in SPEC_GGUF_NAMES:
+        ours = tmp_path / f"{quant}.gguf"
+        _convert(src, quant, ours)
+        diffs = compare_gguf(ours, llamacpp_reference(src, quant))
+        if diffs:
+            failures[quant] = diffs[:5] + ([f"… {len(diffs) - 5} more"] if len(diffs) > 5 else [])
+        ours.unlink()
+    print(f"{model}: {len(SPEC_GGUF_NAMES)} quant names checked in {time.perf_counter() - started:.1f}s")
+    assert not failures, failures
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "gemma3", "bert"])
+@pytest.mark.parametrize("quant", ["f16", "q8_0", "q4_k_m", "q3_k_m"])
+def test_tiny_families_match_llamacpp(family, quant, tiny_checkpoint, oracle, tmp_path):
+    src = tiny_checkpoint(family)
+    ours = tmp_path / "out.gguf"
+    _convert(src, quant, ours)
+    assert compare_gguf(ours, llamacpp_reference(src, quant)) == []
+
+
+def _generate(bin_dir: Path, model: Path, prompt: str, n: int = 16) -> str:
+    from tests.tools import llama_cpp
+
+    tool = llama_cpp.tool("llama-completion") or llama_cpp.tool("llama-simple")
+    assert tool is not None
+    args = [str(tool), "-m", str(model), "-p", prompt, "-n", str(n), "-t", "2", "--temp", "0", "-no-cnv"] \
+        if tool.name == "llama-completion" else [str(tool), "-m", str(model), "-n", str(n), prompt]
+    r = subprocess.run(args, env=llama_cpp.env(), capture_output=True, text=True, timeout=300,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout
+
+
+@pytest.mark.parametrize("model,quant,prompt,expect", [
+    ("smollm2_hf", "q4_k_m", "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+     "Paris"),
+    ("gemma3_hf", "q8_0", "The capital of France is", "Paris"),
+])
+def test_stock_llamacpp_generates_from_our_gguf(model, quant, prompt, expect, request, oracle, tmp_path):
+    src = request.getfixturevalue(model)
+    out = tmp_path / f"{model}.gguf"
+    _convert(src, quant, out)
+    text = _generate(oracle, out, prompt)
+    assert expect in text, text[-500:]

@@ -1,0 +1,232 @@
+"""hf2q.kernels codecs against independent oracles.
+
+* llama.cpp itself: ``tests/fixtures/quants/*.npz`` hold inputs and the bytes that stock
+  llama.cpp's ``ggml_quantize_chunk`` / ``to_float`` produced for them
+  (regenerate with ``python -m tests.tools.make_quant_fixtures``);
+* the ``gguf`` package's numpy (de)quantizers, written independently of ours;
+* our own plain per-block references (``ggml_*_ref``) for inputs the fixtures lack.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
+from gguf import quants as gguf_quants
+
+from hf2q.errors import InputError
+from hf2q.kernels import codec
+
+FIXTURES = Path(__file__).parent / "fixtures" / "quants"
+SETS = ("nasty256", "random1024", "legacy96", "wide4096", "floats")
+K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+
+def _load(name: str) -> dict[str, np.ndarray]:
+    with np.load(FIXTURES / f"{name}.npz") as z:
+        return {k: z[k] for k in z.files}
+
+
+_CACHE: dict[str, dict[str, np.ndarray]] = {}
+
+
+def fixture_set(name: str) -> dict[str, np.ndarray]:
+    if name not in _CACHE:
+        _CACHE[name] = _load(name)
+    return _CACHE[name]
+
+
+def _cases(prefix: str, sets=SETS):
+    out = []
+    for s in sets:
+        with np.load(FIXTURES / f"{s}.npz") as z:
+            out += [pytest.param(s, k[len(prefix):], id=f"{s}-{k[len(prefix):]}") for k in z.files
+                    if k.startswith(prefix)]
+    return out
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and np.array_equal(np.ascontiguousarray(a, np.float32).view(np.uint32),
+                                                 np.ascontiguousarray(b, np.float32).view(np.uint32))
+
+
+def _first_diff(got: np.ndarray, want: np.ndarray) -> str:
+    bad = np.argwhere(got != want)
+    return f"{len(bad)} bytes differ, first at (row, byte) {bad[:3].tolist()}"
+
+
+@pytest.mark.parametrize("set_name,qtype", _cases("q_"))
+def test_fast_quantize_is_byte_identical_to_llama_cpp(set_name, qtype):
+    data = fixture_set(set_name)
+    got = codec.quantize(data["x"].astype(np.float32), T[qtype])
+    want = data[f"q_{qtype}"]
+    assert got.dtype == np.uint8 and got.shape == want.shape
+    assert np.array_equal(got, want), _first_diff(got, want)
+
+
+@pytest.mark.parametrize("set_name,qtype", _cases("dq_"))
+def test_fast_dequantize_is_bit_identical_to_llama_cpp(set_name, qtype):
+    data = fixture_set(set_name)
+    got = codec.dequantize(data[f"q_{qtype}"], T[qtype], data["x"].shape)
+    assert _same_bits(got, data[f"dq_{qtype}"])
+
+
+@pytest.mark.parametrize("set_name,qtype", _cases("q_", ("nasty256", "random1024", "legacy96")))
+def test_reference_codec_is_byte_identical_to_llama_cpp(set_name, qtype):
+    data = fixture_set(set_name)
+    x = data["x"].astype(np.float32)
+    rows = slice(None) if qtype not in K_TYPES or set_name == "nasty256" else slice(0, 2)
+    got = codec.reference_quantize(x[rows], T[qtype])
+    want = data[f"q_{qtype}"][rows]
+    assert np.array_equal(got, want), _first_diff(got, want)
+    back = codec.reference_dequantize(want, T[qtype], x[rows].shape)
+    assert _same_bits(back, data[f"dq_{qtype}"][rows])
+
+
+def _extra_inputs(n: int) -> np.ndarray:
+    """Inputs the fixtures do not contain: heavy tails, narrow ranges, offsets, duplicated blocks."""
+    rng = np.random.default_rng(1234)
+    rows = [rng.standard_t(2, n) * 0.05, rng.uniform(0.2, 0.21, n), rng.standard_normal(n) + 5.0,
+            np.repeat(rng.standard_normal(n // 16), 16), rng.laplace(0, 1e-2, n),
+            rng.standard_normal(n) * np.repeat(10.0 ** rng.uniform(-6, 1, n // 16), 16)]
+    return np.stack(rows).astype(np.float16).astype(np.float32)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", *K_TYPES])
+def test_fast_codec_equals_reference_on_new_inputs(qtype):
+    x = _extra_inputs(512)
+    fast = codec.quantize(x, T[qtype])
+    ref = codec.reference_quantize(x, T[qtype])
+    assert np.array_equal(fast, ref), _first_diff(fast, ref)
+    assert _same_bits(codec.dequantize(fast, T[qtype], x.shape), codec.reference_dequantize(ref, T[qtype], x.shape))
+
+
+@pytest.mark.parametrize("set_name,qtype", _cases("q_", ("nasty256", "random1024", "legacy96", "floats")))
+def test_dequantize_agrees_with_gguf_package(set_name, qtype):
+    data = fixture_set(set_name)
+    raw = data[f"q_{qtype}"]
+    theirs = gguf_quants.dequantize(raw, T[qtype]).astype(np.float32)
+    ours = codec.dequantize(raw, T[qtype], data["x"].shape)
+    assert _same_bits(ours, theirs.reshape(ours.shape))
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+@pytest.mark.parametrize("set_name", ["random1024", "legacy96"])
+def test_quantize_agrees_with_gguf_package(set_name, qtype):
+    """gguf's numpy quantizers cover the float and legacy types (its edge-case handling differs
+    from llama.cpp's on degenerate blocks, so compare on ordinary weights)."""
+    x = fixture_set(set_name)["x"].astype(np.float32)
+    theirs = np.ascontiguousarray(gguf_quants.quantize(x, T[qtype])).view(np.uint8).reshape(x.shape[0], -1)
+    assert np.array_equal(codec.quantize(x, T[qtype]), theirs)
+
+
+IMATRIX_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", *K_TYPES)
+
+
+def _imatrix_cases():
+    out = []
+    for s in SETS:
+        with np.load(FIXTURES / f"{s}.npz") as z:
+            out += [pytest.param(s, k, id=f"{s}-{k}") for k in z.files if k.startswith(("qw_", "qz_"))]
+    return out
+
+
+@pytest.mark.parametrize("set_name,key", _imatrix_cases())
+def test_fast_imatrix_quantize_is_byte_identical_to_llama_cpp(set_name, key):
+    """qw_*: dense positive imatrix; qz_*: imatrix with zeros (incl. whole zero sub-blocks)."""
+    data = fixture_set(set_name)
+    weights = data["imatrix_sparse" if key.startswith("qz_") else "imatrix"]
+    got = codec.quantize(data["x"].astype(np.float32), T[key[3:]], imatrix=weights)
+    assert np.array_equal(got, data[key]), _first_diff(got, data[key])
+
+
+@pytest.mark.parametrize("qtype", IMATRIX_TYPES)
+def test_reference_imatrix_quantize_is_byte_identical_to_llama_cpp(qtype):
+    nasty, rand = fixture_set("nasty256"), fixture_set("random1024")
+    for data, rows, key, weights in ((nasty, slice(3, 9), "qw", "imatrix"), (nasty, slice(9, 12), "qz", "imatrix_sparse"),
+                                     (rand, slice(0, 1), "qw", "imatrix")):
+        got = codec.reference_quantize(data["x"][rows].astype(np.float32), T[qtype], imatrix=data[weights])
+        want = data[f"{key}_{qtype}"][rows]
+        assert np.array_equal(got, want), _first_diff(got, want)
+
+
+@pytest.mark.parametrize("qtype", IMATRIX_TYPES)
+def test_fast_imatrix_equals_reference_on_new_inputs(qtype):
+    x = _extra_inputs(256)[[0, 2, 5]]
+    rng = np.random.default_rng(99)
+    weights = np.where(rng.random(256) < 0.2, 0.0, rng.lognormal(0, 2, 256)).astype(np.float32)
+    fast = codec.quantize(x, T[qtype], imatrix=weights)
+    ref = codec.reference_quantize(x, T[qtype], imatrix=weights)
+    assert np.array_equal(fast, ref), _first_diff(fast, ref)
+    assert not np.array_equal(fast, codec.quantize(x, T[qtype]))  # the weights do steer the result
+
+
+def test_imatrix_is_ignored_by_types_that_ignore_it_in_llama_cpp():
+    x = _extra_inputs(256)
+    weights = np.linspace(0.1, 3, 256, dtype=np.float32)
+    for name in ("Q8_0", "F16", "BF16", "F32"):
+        assert np.array_equal(codec.quantize(x, T[name], imatrix=weights), codec.quantize(x, T[name]))
+
+
+def test_bad_imatrix_raises_input_error():
+    x = np.zeros((1, 256), np.float32)
+    with pytest.raises(InputError, match="imatrix has 255 weights"):
+        codec.quantize(x, T.Q4_K, imatrix=np.ones(255, np.float32))
+    with pytest.raises(InputError, match="non-negative"):
+        codec.quantize(x, T.Q4_K, imatrix=-np.ones(256, np.float32))
+
+
+def test_round_trip_error_orders_by_bit_width():
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((16, 1024)) * 0.02).astype(np.float16).astype(np.float32)
+
+    def rmse(name):
+        back = codec.dequantize(codec.quantize(x, T[name]), T[name], x.shape)
+        return float(np.sqrt(np.mean((back - x) ** 2)))
+
+    errs = {name: rmse(name) for name in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "F16")}
+    order = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0"]
+    assert all(errs[a] > errs[b] for a, b in itertools.pairwise(order)), errs
+    assert errs["F16"] == 0.0  # input is already F16-exact
+    assert errs["Q8_0"] < 0.01 * 0.02 and errs["Q2_K"] < 0.5 * 0.02, errs
+    for low, high in (("Q4_0", "Q5_0"), ("Q4_1", "Q5_1"), ("Q4_0", "Q4_K")):
+        assert rmse(low) > rmse(high)
+
+
+def test_threads_and_chunking_do_not_change_bytes(monkeypatch):
+    monkeypatch.setattr(codec, "CHUNK_ELEMENTS", 1024)  # many chunks even on a small matrix
+    x = _extra_inputs(2048)
+    for name in ("Q4_K", "Q6_K", "Q8_0"):
+        one = codec.quantize(x, T[name], threads=1)
+        assert np.array_equal(codec.quantize(x, T[name], threads=3), one)
+        monkeypatch.setattr(codec, "CHUNK_ELEMENTS", 1 << 16)
+        assert np.array_equal(codec.quantize(x, T[name], threads=1), one)
+        monkeypatch.setattr(codec, "CHUNK_ELEMENTS", 1024)
+
+
+def test_row_bytes_and_shapes_follow_ggml_sizes():
+    for qtype in codec.SUPPORTED:
+        blk, size = GGML_QUANT_SIZES[qtype]
+        n = 256 * 3
+        assert codec.row_bytes(qtype, n) == n // blk * size
+        x = np.zeros((2, n), np.float32)
+        q = codec.quantize(x, qtype)
+        assert q.shape == (2, codec.row_bytes(qtype, n))
+        assert codec.dequantize(q, qtype, (1, 2, n)).shape == (1, 2, n)
+
+
+def test_bad_input_raises_input_error():
+    with pytest.raises(InputError, match="multiple of 256"):
+        codec.quantize(np.zeros((1, 96), np.float32), T.Q4_K)
+    with pytest.raises(InputError, match="not supported"):
+        codec.quantize(np.zeros((1, 256), np.float32), T.IQ2_XXS)
+    with pytest.raises(InputError, match="unknown GGML type"):
+        codec.row_bytes(999, 256)
+    with pytest.raises(InputError, match="does not match shape"):
+        codec.dequantize(np.zeros(10, np.uint8), T.Q8_0, (1, 32))
+    with pytest.raises(InputError, match="matrix"):
+        codec.quantize(np.zeros((1, 1, 32), np.float32), T.Q8_0)
