@@ -145,7 +145,6 @@ def bench_q8_error(model_path: str, n_prompt: int, n_cont: int) -> dict:
 
     with torch.no_grad():
         base = model(ids[:, :n_prompt], use_cache=True).past_key_values
-        k_err = {}
 
         def run(transform):
             cache = copy.deepcopy(base)
@@ -181,7 +180,6 @@ def bench_q8_error(model_path: str, n_prompt: int, n_cont: int) -> dict:
                           "mean_kl": float(f"{float(kl.mean()):.3g}"), "max_kl": float(f"{float(kl.max()):.3g}"),
                           "top1_agreement": round(float((logits.argmax(-1) == ref.argmax(-1)).double().mean()), 4),
                           "greedy_tokens_identical": same}
-        del k_err
     return out
 
 

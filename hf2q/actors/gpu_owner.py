@@ -21,7 +21,8 @@ import outcome
 import trio
 
 from hf2q.actors.engine_thread import EngineThread
-from hf2q.actors.messages import DecodeWork, Leave, PrefillWork, Sampled
+from hf2q.actors.messages import DecodeWork, Leave, PrefillWork, SampleError, Sampled
+from hf2q.errors import InputError
 from hf2q.sched.planner import StepPlanner
 from hf2q.statemachines.base import Lifecycle
 from hf2q.statemachines.gpu_owner import GPU_OWNER
@@ -45,30 +46,31 @@ def sample(sampler, constraint, logits: np.ndarray, history: list[int]) -> Sampl
                    tuple((int(t), float(p)) for t, p in (top or ())))
 
 
-def run_step(runner, decode: list[DecodeWork], prefill: PrefillWork | None) -> dict[int, Any]:
-    """One decode-first mixed step, in the GPU thread. Returns slot → Sampled | None | error text.
+def guarded_sample(work, logits) -> Sampled | SampleError:
+    """``sample`` for one request; its failure is that request's alone (the engine is fine)."""
+    try:
+        return sample(work.sampler, work.constraint, logits, work.history)
+    except InputError as e:  # e.g. a logit_bias id outside the vocabulary, everything masked
+        return SampleError(400, "invalid_request", str(e))
+    except Exception as e:  # noqa: BLE001
+        return SampleError(500, "sampling_failed", f"sampling failed: {type(e).__name__}: {e}")
 
-    Errors raised by the runner propagate (they poison the engine); a sampling error
-    belongs to one request only and is returned as text for that slot.
+
+def run_step(runner, decode: list[DecodeWork], prefill: PrefillWork | None) -> dict[int, Any]:
+    """One decode-first mixed step, in the GPU thread: slot → Sampled | SampleError | None.
+
+    Errors raised by the runner propagate (they poison the engine).
     """
     results: dict[int, Any] = {}
     if decode:
         logits = runner.decode([w.seq for w in decode], [w.token for w in decode])
         for w, row in zip(decode, logits):
-            try:
-                results[w.slot] = sample(w.sampler, w.constraint, row, w.history)
-            except Exception as e:  # noqa: BLE001
-                results[w.slot] = f"sampling failed: {type(e).__name__}: {e}"
+            results[w.slot] = guarded_sample(w, row)
     if prefill is not None:
         if prefill.keep is not None:
             prefill.seq.trim(prefill.keep)
         logits = runner.prefill(prefill.seq, prefill.tokens)
-        results[prefill.slot] = None
-        if prefill.final:
-            try:
-                results[prefill.slot] = sample(prefill.sampler, prefill.constraint, logits, prefill.history)
-            except Exception as e:  # noqa: BLE001
-                results[prefill.slot] = f"sampling failed: {type(e).__name__}: {e}"
+        results[prefill.slot] = guarded_sample(prefill, logits) if prefill.final else None
     return results
 
 
@@ -97,7 +99,6 @@ class GpuOwner:
         self.planner = StepPlanner(n_slots)
         self.stats = stats
         self.inbox_send, self._inbox = trio.open_memory_channel(float("inf"))
-        self.batch_sizes: list[int] = []  # recent decode batch sizes (for snapshot/tests)
 
     # ---- loading and single transactions ----------------------------------------------
 
@@ -211,13 +212,11 @@ class GpuOwner:
             if batch:
                 self.stats["decode_batches"] += 1
                 self.stats["decode_batch_tokens"] += len(batch)
-                self.batch_sizes.append(len(batch))
-                del self.batch_sizes[:-256]
             if chunk is not None:
                 self.stats["prefill_transactions"] += 1
             for w in (*batch, *([chunk] if chunk else [])):
                 r = results.get(w.slot)
-                if isinstance(r, str):
+                if isinstance(r, SampleError):
                     w.reply.set(error=r)
                 else:
                     w.reply.set(r)

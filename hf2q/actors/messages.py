@@ -19,12 +19,21 @@ class Reply:
 
     ready: trio.Event = attrs.Factory(trio.Event)
     result: Any = None
-    error: str | None = None  # per-request failure that did not poison the engine (e.g. sampling)
+    error: "SampleError | None" = None  # a failure of this request alone (its sampler); engine healthy
     skipped: bool = False  # the work was dropped unexecuted (client gone before the step)
 
-    def set(self, result=None, *, error: str | None = None, skipped: bool = False) -> None:
+    def set(self, result=None, *, error: "SampleError | None" = None, skipped: bool = False) -> None:
         self.result, self.error, self.skipped = result, error, skipped
         self.ready.set()
+
+
+@attrs.frozen
+class SampleError:
+    """Sampling failed for one request: bad input (400) or a sampler bug (500)."""
+
+    status: int
+    code: str
+    message: str
 
 
 @attrs.frozen
@@ -39,7 +48,7 @@ class DecodeWork:
     slot: int
     seq: Any
     token: int  # fed to the model (the slot's last sampled token)
-    history: list[int]  # prompt + generated ids, for penalties (read in the GPU thread)
+    history: list[int]  # generated ids so far: the penalty window (read in the GPU thread)
     sampler: Any
     constraint: Any
     is_gone: Any  # callable: the client left → drop from the batch

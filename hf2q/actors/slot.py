@@ -140,7 +140,7 @@ class SlotActor:
             cached = await sys_.restore_prefix(self, a.restore, cached, prompt)
             self.progress.cached_tokens, self.progress.new_tokens = cached, len(prompt) - cached
         h.emit(Admitted(self.index, len(prompt), cached))
-        history = list(prompt)
+        history: list[int] = []  # generated so far: the sampler's penalty window
         try:
             sampler = sys_.make_sampler(params)
         except Exception as e:  # noqa: BLE001 — bad parameters fail this request only
@@ -165,7 +165,8 @@ class SlotActor:
             self.progress.prefilled_tokens += end - start
             self.progress.prefill_seconds += trio.current_time() - t0
             if work.reply.error:
-                return Failed(500, "sampling_failed", work.reply.error)
+                err = work.reply.error
+                return Failed(err.status, err.code, err.message)
             if work.final:
                 sampled = work.reply.result
                 self.fsm.fire("prefilled")
@@ -199,6 +200,7 @@ class SlotActor:
                 return self._finished(h, "cancelled", cached)
             sys_.ledger.extend(self.index, [tok])
             if work.reply.error:
-                return Failed(500, "sampling_failed", work.reply.error)
+                err = work.reply.error
+                return Failed(err.status, err.code, err.message)
             self.fsm.fire("token_decoded")
             sampled = work.reply.result

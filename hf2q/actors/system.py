@@ -127,6 +127,9 @@ class ActorSystem:
     def _configure(self, runner) -> None:
         cfg = self.config
         self.ctx = int(cfg.ctx or runner.n_ctx_train)
+        hard = getattr(runner, "n_ctx", None)  # a runner built for a fixed context refuses more
+        if hard:
+            self.ctx = min(self.ctx, int(hard))
         bpt = int(runner.kv_bytes_per_token)
         budget = cfg.kv_budget_bytes if cfg.kv_budget_bytes is not None else cfg.slots * self.ctx * bpt
         self.budget = KvBudget(bpt, int(budget), self.ctx)

@@ -23,6 +23,7 @@ import logging
 import re
 import secrets
 import time
+from contextlib import aclosing
 from typing import Any, Callable
 
 import attrs
@@ -232,9 +233,11 @@ def create_app(ctx: ServerContext) -> QuartTrio:
 
         async def frames():
             try:
-                async for frame in flow.sse():
-                    yield frame
+                async with aclosing(flow.sse()) as sse:  # closed now, not at garbage collection
+                    async for frame in sse:
+                        yield frame
             finally:
+                flow.events.close()  # the cancel signal, even if the generator never started
                 _record(flow, rid)
 
         resp = Response(frames(), status=200, content_type="text/event-stream; charset=utf-8")

@@ -42,33 +42,35 @@ def _load_tokenizer(path: Path):
 
 
 def _load_template(path: Path):
-    from hf2q.text.chat_template import ChatTemplate
+    from hf2q.text.chat_template import CHATML, ChatTemplate
 
-    return ChatTemplate.from_gguf(path)
+    return ChatTemplate.from_gguf(path, fallback=CHATML)  # llama.cpp also falls back to ChatML
 
 
-def _tool_syntax(template):
+def _tool_syntax(template) -> str:
     from hf2q.text import toolcalls
 
-    return toolcalls.detect_syntax(template)
+    return toolcalls.detect_syntax(getattr(template, "source", None))
 
 
-def _tool_parser(syntax, tools):
+def _tool_parser(syntax: str, tools):
     from hf2q.text import toolcalls
 
     return toolcalls.make_parser(syntax, tools)
 
 
-def _generic_tool_instructions(tools) -> str:
+def _generic_messages(messages: list[dict], tools, tool_choice) -> list[dict]:
     from hf2q.text import toolcalls
 
-    return toolcalls.generic_tool_instructions(tools)
+    return toolcalls.messages_for_generic_template(messages, tools, tool_choice)
 
 
-def _reasoning_splitter(template, enabled: bool):
+def _reasoning_splitter(template, prompt: str):
+    if getattr(template, "thinking_markers", None) is None:
+        return None  # the template has no reasoning syntax: all output is content
     from hf2q.text import reasoning
 
-    return reasoning.splitter_for(template, enabled=enabled)
+    return reasoning.splitter_for(template, prompt)
 
 
 def _stop_matcher(stops: Sequence[str]):
@@ -79,13 +81,25 @@ def _stop_matcher(stops: Sequence[str]):
 
 def _constraint(tokenizer, req: ChatRequest, syntax):
     """A ``SamplingParams.constraint`` for json_object / json_schema / forced tool calls, or None."""
-    if req.response_format is None and not (req.tools_active and (req.tool_choice == "required"
-                                                                     or req.forced_tool)):
+    forced = req.tools_active and (req.tool_choice == "required" or req.forced_tool is not None)
+    if req.response_format is None and not forced:
         return None
-    from hf2q.text import constrained
+    try:
+        from hf2q.text import constrained
+    except ImportError:
+        if req.response_format is not None:
+            raise ApiError(400, "response_format needs constrained decoding, which this build lacks",
+                           code="invalid_value", param="response_format") from None
+        return None  # forced tool calls then rest on the instructions alone
+    try:
+        return constrained.for_request(tokenizer, response_format=req.response_format, tools=list(req.tools),
+                                       tool_choice=req.tool_choice, syntax=syntax)
+    except InputError as e:
+        raise ApiError(400, str(e), code="invalid_value",
+                       param="tool_choice" if forced else "response_format") from None
 
-    return constrained.for_request(tokenizer, response_format=req.response_format, tools=list(req.tools),
-                                   tool_choice=req.tool_choice, syntax=syntax)
+
+_UNKNOWN = object()
 
 
 # ---- the ChatModel --------------------------------------------------------------------------------
@@ -95,38 +109,40 @@ class GGUFChatModel:
         self.tokenizer = tokenizer
         self.template = template
         self.model_id = model_id
-        self.tool_syntax = _tool_syntax(template) if template is not None else None
         self.template_source = getattr(template, "source", None)
+        self._tool_syntax: Any = _UNKNOWN
+
+    @property
+    def tool_syntax(self) -> str:
+        """The template's tool-call syntax (``generic``: none, our JSON format is taught); detected once."""
+        if self._tool_syntax is _UNKNOWN:
+            self._tool_syntax = _tool_syntax(self.template)
+        return self._tool_syntax
 
     @classmethod
     def from_gguf(cls, path: Path, model_id: str) -> "GGUFChatModel":
-        tok = _load_tokenizer(path)
-        try:
-            tpl = _load_template(path)
-        except InputError:
-            raise
-        return cls(tok, tpl, model_id)
+        return cls(_load_tokenizer(path), _load_template(path), model_id)
 
     # -- rendering --
 
     def _messages_for_template(self, req: ChatRequest) -> tuple[list[dict], list[dict] | None]:
         messages = [dict(m) for m in req.messages]
+        tools = list(req.tools) if req.tools_active else None
+        if self.tool_syntax == "generic":
+            # the template has no tool syntax: tools, past calls and results become plain turns
+            return _generic_messages(messages, tools, req.tool_choice), None
         for m in messages:
-            for call in m.get("tool_calls", ()):
-                # templates iterate arguments as a mapping (Qwen, Llama 3); keep the string when not JSON
-                try:
-                    call["function"] = {**call["function"], "arguments": json.loads(call["function"]["arguments"])}
-                except (ValueError, TypeError):
-                    pass
-        tools = [t for t in req.tools] if req.tools_active else None
-        if tools and self.tool_syntax is None:
-            # no tool syntax in this template: describe the tools and the generic call format in the system turn
-            text = _generic_tool_instructions(tools)
-            if messages and messages[0]["role"] == "system":
-                messages[0] = {**messages[0], "content": (messages[0]["content"] or "") + "\n\n" + text}
-            else:
-                messages.insert(0, {"role": "system", "content": text})
-            tools = None
+            if m.get("tool_calls"):
+                calls = []
+                for call in m["tool_calls"]:
+                    # templates iterate arguments as a mapping (Qwen, Llama 3); keep the string when not JSON
+                    try:
+                        call = {**call, "function": {**call["function"],
+                                                     "arguments": json.loads(call["function"]["arguments"])}}
+                    except (ValueError, TypeError):
+                        pass
+                    calls.append(call)
+                m["tool_calls"] = calls
         return messages, tools
 
     def render(self, req: ChatRequest) -> str:
@@ -164,17 +180,16 @@ class GGUFChatModel:
             frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty, seed=req.seed,
             logit_bias=bias, logprobs=req.logprobs, top_logprobs=req.top_logprobs,
             stop_token_ids=frozenset(tok.eos_ids),
-            constraint=_constraint(tok, req, self.tool_syntax))
+            constraint=_constraint(tok, req, self.tool_syntax if req.tools_active else None))
         thinking = bool(req.chat_template_kwargs.get("enable_thinking", True)) and req.reasoning_effort != "none"
         tools = list(req.tools) if req.tools_active else None
-        syntax = self.tool_syntax if self.tool_syntax is not None else "generic"
+        syntax = self.tool_syntax if tools else None
 
         def new_decoder():
             return ChatOutputDecoder(
                 tok, req.stop,
                 tool_parser=_tool_parser(syntax, tools) if tools else None,
-                reasoning=_reasoning_splitter(self.template, thinking),
-                prompt_ends_in_think=text.rstrip().endswith("<think>"))
+                reasoning=_reasoning_splitter(self.template, text) if thinking else None)
         return PreparedChat(ids, params, new_decoder)
 
     def decode_tokens(self, ids: Sequence[int]) -> str:
@@ -199,19 +214,16 @@ class GGUFEmbeddingModel:
 class ChatOutputDecoder:
     """Generated ids → ``OutputDelta`` records (see the module docstring for the order)."""
 
-    def __init__(self, tokenizer, stops: Sequence[str], *, tool_parser=None, reasoning=None,
-                 prompt_ends_in_think: bool = False):
+    def __init__(self, tokenizer, stops: Sequence[str], *, tool_parser=None, reasoning=None):
         from hf2q.text.tokenizer import IncrementalDetokenizer
 
         self._detok = IncrementalDetokenizer(tokenizer, skip_special=True)
         self._stops = _stop_matcher(stops) if stops else None
         self._tools = tool_parser
         self._reasoning = reasoning
-        if reasoning is not None and prompt_ends_in_think and hasattr(reasoning, "start_in_reasoning"):
-            reasoning.start_in_reasoning()
-        self._ids: dict[Any, int] = {}  # parser's call key → our index
-        self._open: set[int] = set()
+        self._index: dict[int, int] = {}  # parser's call index → ours
         self.stop_hit = False
+        self.truncated_call = False
 
     def feed(self, token_id: int) -> list[OutputDelta]:
         if self.stop_hit:
@@ -219,48 +231,51 @@ class ChatOutputDecoder:
         return self._text(self._detok.push(token_id), final=False)
 
     def finish(self) -> list[OutputDelta]:
-        out = self._text(self._detok.flush(), final=True)
-        return out
+        return self._text(self._detok.flush(), final=True)
 
     # -- stages --
 
     def _text(self, text: str, final: bool) -> list[OutputDelta]:
-        if self._stops is not None:
-            text, hit = self._stops.push(text, final=final) if not self.stop_hit else ("", False)
+        if self._stops is not None and not self.stop_hit:
+            text, hit = self._stops.push(text)
             if hit:
                 self.stop_hit = True
                 final = True
+            elif final:
+                text += self._stops.flush()
         out: list[OutputDelta] = []
         if self._reasoning is not None:
-            parts = self._reasoning.push(text, final=final)  # [(kind, text)], kind in {"reasoning", "content"}
+            reasoning, content = self._reasoning.feed(text)
+            if final:
+                r2, c2 = self._reasoning.finish()
+                reasoning, content = reasoning + r2, content + c2
+            if reasoning:
+                out.append(ReasoningDelta(reasoning))
         else:
-            parts = [("content", text)]
-        for kind, piece in parts:
-            if kind == "reasoning":
-                if piece:
-                    out.append(ReasoningDelta(piece))
-            else:
-                out.extend(self._content(piece, final))
+            content = text
+        out.extend(self._content(content, final))
         return out
 
     def _content(self, text: str, final: bool) -> list[OutputDelta]:
         if self._tools is None:
             return [ContentDelta(text)] if text else []
+        events = self._tools.feed(text) if text else []
+        if final:
+            events += self._tools.finish()
         out: list[OutputDelta] = []
-        for ev in self._tools.feed(text, final=final):
+        for ev in events:
             kind = type(ev).__name__
             if kind == "ContentDelta":
                 if ev.text:
                     out.append(ContentDelta(ev.text))
             elif kind == "ToolCallStart":
-                idx = len(self._ids)
-                self._ids[ev.index] = idx
-                self._open.add(idx)
+                idx = len(self._index)
+                self._index[ev.index] = idx
                 out.append(ToolCallStart(idx, new_tool_call_id(), ev.name))
             elif kind == "ToolCallArgsDelta":
-                out.append(ToolCallArgs(self._ids[ev.index], ev.text))
-            elif kind == "ToolCallEnd":
-                idx = self._ids[ev.index]
-                self._open.discard(idx)
-                out.append(ToolCallEnd(idx))
+                # the parser emits a call's arguments once the call is closed: it is complete now
+                out.append(ToolCallArgs(self._index[ev.index], ev.text))
+                out.append(ToolCallEnd(self._index[ev.index]))
+            elif kind == "ToolCallIncomplete":
+                self.truncated_call = True  # never emitted; the runtime's "length" becomes the finish reason
         return out

@@ -1,14 +1,18 @@
 """Public codec API: GGML tensor types ⇄ float32, byte-identical to llama.cpp's reference quantizer.
 
-    quantize(x, qtype, threads=None)   float32 [rows, n_per_row] → uint8 [rows, row_bytes]
+    quantize(x, qtype, threads=None, imatrix=None)
+                                       float32 [rows, n_per_row] → uint8 [rows, row_bytes]
     dequantize(raw, qtype, shape)      bytes of whole rows → float32 [shape]
     row_bytes(qtype, n_per_row)        size of one quantized row
     SUPPORTED                          the GGMLQuantizationType values handled here
+    IMATRIX_TYPES                      the types whose quantizer reads an importance matrix
 
 Quantized types expect input that the caller has already rounded to float16 (llama.cpp's
 pipeline is HF → F16 GGUF → llama-quantize); with such input the bytes equal
-``ggml_quantize_chunk`` without an importance matrix.  ``imatrix`` (one positive weight per
-column) selects llama.cpp's importance-weighted quantizers where we implement them.
+``ggml_quantize_chunk(type, x, …, imatrix)``.  ``imatrix`` is one non-negative weight per
+column (llama.cpp's ``quant_weights``, i.e. the imatrix entry of that tensor); Q8_0 and the
+float types ignore it, as llama.cpp does.  NaN / infinite inputs to quantized types raise
+``InputError`` (llama.cpp would silently write garbage blocks).
 
 The fast path is vectorised numpy over many blocks; large inputs are cut into chunks of
 whole blocks and quantized on a thread pool (numpy releases the GIL inside its loops).
@@ -50,10 +54,6 @@ def _check_type(qtype) -> GGMLQuantizationType:
         raise InputError(f"GGML type {qtype.name} is not supported by hf2q's codecs "
                          f"(supported: {', '.join(sorted(t.name for t in SUPPORTED))})")
     return qtype
-
-
-def block_size(qtype) -> int:
-    return GGML_QUANT_SIZES[_check_type(qtype)][0]
 
 
 def row_bytes(qtype, n_per_row: int) -> int:
@@ -117,7 +117,8 @@ def _run_blocks(fn, blocks: np.ndarray, out_cols: int, threads: int, per_chunk: 
 
     def work(s):
         e = min(nb, s + per_chunk)
-        out[s:e] = fn(blocks[s:e], **(extra(s, e) if extra else {}))
+        with np.errstate(all="ignore"):  # float32 overflow/NaN steps are part of the C behaviour we copy
+            out[s:e] = fn(blocks[s:e], **(extra(s, e) if extra else {}))
 
     if threads <= 1 or nb <= per_chunk:
         for s in starts:
@@ -146,7 +147,8 @@ def _imatrix_args(x: np.ndarray, qtype, imatrix, fast: bool):
             from .ggml_imatrix import row_sigma2
         else:
             from .ggml_imatrix_ref import row_sigma2
-        sigma2 = np.repeat(row_sigma2(x), per_row)
+        with np.errstate(over="ignore"):
+            sigma2 = np.repeat(row_sigma2(x), per_row)
 
     def extra(s, e):
         kw = {"weights": column_weights[np.arange(s, e) % per_row]}
@@ -163,6 +165,11 @@ def _quantize(x, qtype, threads, imatrix, fast: bool) -> np.ndarray:
     rows, n = x.shape
     if qtype in FLOAT_TYPES:
         return ggml_float.quantize(x, qtype.name)
+    with np.errstate(over="ignore", invalid="ignore"):  # a cheap sum first; only a non-finite one is checked
+        finite = bool(np.isfinite(np.add.reduce(x, axis=None))) or bool(np.isfinite(x).all())
+    if not finite:
+        raise InputError(f"cannot quantize to {qtype.name}: the input contains NaN or infinite values "
+                         "(weights beyond ±65504 overflow float16)")
     blk, size = GGML_QUANT_SIZES[qtype]
     qfn, _ = _block_codec(qtype, fast)
     extra = None

@@ -29,17 +29,16 @@ def nearest_int(f: np.ndarray) -> np.ndarray:
 
 def seq_sum(a: np.ndarray) -> np.ndarray:
     """Sum along axis 0 strictly in index order (float32), like a C ``for`` loop accumulator."""
-    a = np.asarray(a)
-    # numpy reduces a non-contiguous (outer) axis row by row: out += a[i] for i in order.
+    a = np.ascontiguousarray(a)
+    if a.ndim == 1 or a[0].size == 1:
+        # a lone column would be reduced pairwise (8-way unrolled); a running sum is strictly in order
+        return np.cumsum(a, axis=0, dtype=a.dtype)[-1]
+    # numpy reduces the outer axis of a C-contiguous array row by row: out += a[i] for i in order.
     return np.add.reduce(a, axis=0, dtype=a.dtype)
 
 
-def first_argmax(a: np.ndarray, axis: int) -> np.ndarray:
-    """Index of the first maximal element (what ``if (v > best)`` scans in C select)."""
-    return np.argmax(a, axis=axis)
-
-
 def take(a: np.ndarray, idx: np.ndarray, axis: int) -> np.ndarray:
+    """``a`` at one index per lane along ``axis`` (the axis is dropped)."""
     return np.take_along_axis(a, np.expand_dims(idx, axis), axis=axis).squeeze(axis)
 
 
@@ -53,11 +52,6 @@ def fp16_bits(x: np.ndarray) -> np.ndarray:
         sign = (x.view(np.uint32) >> 16).astype(np.uint16) & np.uint16(0x8000)
         h = np.where(nan, sign | np.uint16(0x7E00), h)
     return h
-
-
-def fp16_round(x: np.ndarray) -> np.ndarray:
-    """``GGML_FP16_TO_FP32(GGML_FP32_TO_FP16(x))`` as float32."""
-    return fp16_bits(x).view(np.float16).astype(F32)
 
 
 def bf16_bits(x: np.ndarray) -> np.ndarray:

@@ -18,7 +18,7 @@ def quantize(x: np.ndarray, name: str) -> np.ndarray:
     """float32 [rows, n] → uint8 [rows, n * bytes_per_value] (little-endian)."""
     rows = x.shape[0]
     if name == "F32":
-        out = np.ascontiguousarray(x, dtype="<f4")
+        out = np.array(x, dtype="<f4", order="C", copy=True)  # never a view of the caller's array
     elif name == "F16":
         out = fp16_bits(x).astype("<u2")
     elif name == "BF16":

@@ -21,14 +21,16 @@ def first_extreme(x: np.ndarray, axis: int, kind: str) -> np.ndarray:
 
 
 def positive_max(a: np.ndarray) -> np.ndarray:
-    """``m = 0; for v: if (v > m) m = v`` along the last axis."""
-    m = np.max(a, axis=-1)
+    """``m = 0; for v: if (v > m) m = v`` along the last axis (a NaN never wins a C comparison)."""
+    m = np.fmax.reduce(a, axis=-1)
     return np.where(m > 0, m, F32(0.0)).astype(F32)
 
 
 def signed_absmax(a: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
     """(largest |v|, the first v achieving it) — +0 / +0 when everything is zero, like the C scan."""
     ab = np.abs(a)
+    if np.isnan(ab).any():  # only derived values (overflowed scales) can be NaN; C's `>` skips them
+        ab = np.where(np.isnan(ab), F32(-1.0), ab)
     idx = np.argmax(ab, axis=axis)
     amax = take(ab, idx, axis)
     return amax, np.where(amax > 0, take(a, idx, axis), F32(0.0)).astype(F32)
@@ -43,9 +45,7 @@ def round_levels(v: np.ndarray, lo: int, hi: int, exact_needed: bool) -> np.ndar
     if exact_needed:
         return np.clip(nearest_int(v), lo, hi).astype(F32)
     np.rint(v, out=v)
-    np.maximum(v, F32(lo), out=v)
-    np.minimum(v, F32(hi), out=v)
-    return v
+    return np.clip(v, F32(lo), F32(hi), out=v)
 
 
 def make_qkx2(x, w, nmax: int, rmin: float, rdelta: float, nstep: int, use_mad: bool):

@@ -33,10 +33,6 @@ def from_half(bits: int) -> np.float32:
     return f32(np.uint16(bits).view(np.float16))
 
 
-def half_round(v) -> np.float32:
-    return from_half(to_half(v))
-
-
 def put_half(buf: bytearray, offset: int, v) -> None:
     buf[offset:offset + 2] = struct.pack("<H", to_half(v))
 

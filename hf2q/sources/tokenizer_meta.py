@@ -11,9 +11,8 @@ Three vocabulary kinds, each laid out the way llama.cpp's tokenizer reads it:
 * **WordPiece** (``bert``): BERT vocab rewritten into llama.cpp's "phantom space" form
   (``▁word`` for word starts, ``##piece`` → ``piece``).
 
-Special ids, add_bos/add_eos, merges and the chat template come from the ``gguf`` package's
-``SpecialVocab`` (llama.cpp's own reader of tokenizer_config.json / tokenizer.json /
-chat_template.jinja), so they match a llama.cpp conversion by construction.
+Special ids, add_bos/add_eos, merges and the chat template are read in the same order and with
+the same precedence as llama.cpp's converter (``SpecialTokens``), so they match its output.
 """
 
 from __future__ import annotations
@@ -221,24 +220,186 @@ def add_tokenizer(md, src: Path, cfg: dict[str, Any], kind: str, pre_fallback: s
     add_special(md, src, merges, n_vocab)
 
 
+# --------------------------------------------------------------------------- special tokens
+_ID_KEYS = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id", "sep": "seperator_token_id",
+            "pad": "padding_token_id", "mask": "mask_token_id", "eot": "eot_token_id", "eom": "eom_token_id"}
+
+
+class SpecialTokens:
+    """Special ids, add_* flags, merges, normalizer flags and chat template of an HF tokenizer.
+
+    Follows llama.cpp's reading order (its gguf-py ``SpecialVocab`` of the 0.3.36 sdist):
+    tokenizer.json's post-processor decides add_bos/add_eos/add_sep first, tokenizer_config.json
+    fills what is left and names the special tokens, config.json's ``*_token_id`` come last.
+    """
+
+    def __init__(self, src: Path, load_merges: bool, n_vocab: int | None):
+        self.n_vocab = n_vocab
+        self.types: list[str] = ["bos", "eos", "unk", "sep", "pad", "cls", "mask"]
+        self.ids: dict[str, int] = {}
+        self.add: dict[str, bool] = {}
+        self.merges: list[str] = []
+        self.lowercase: bool | None = None
+        self.strip_accents: bool | None = None
+        self.chat_template: str | list | None = None
+        tj = _load_json(src / "tokenizer.json") if (src / "tokenizer.json").is_file() else None
+        tc = _load_json(src / "tokenizer_config.json") if (src / "tokenizer_config.json").is_file() else None
+        added = (tj or {}).get("added_tokens", [])
+        if tj is not None:
+            if load_merges:
+                self.merges = _merges(tj)
+            if isinstance(tj.get("normalizer"), dict):
+                self._normalizer(tj["normalizer"])
+            self._post_processor(tj.get("post_processor"), tc)
+        if tc:
+            self.chat_template = _chat_template(src, tc)
+            for typ in list(self.types):
+                flag = tc.get(f"add_{typ}_token")
+                if isinstance(flag, bool) and typ not in self.add:
+                    self.add[typ] = flag
+                entry = tc.get(f"{typ}_token")
+                content = entry.get("content") if isinstance(entry, dict) else entry
+                if isinstance(content, str):
+                    self._set(typ, next((a.get("id") for a in added if a.get("content") == content), None))
+        cfg_path = src / "config.json"
+        if cfg_path.is_file():
+            cfg = _load_json(cfg_path)
+            for typ in self.types:
+                tid = cfg.get(f"{typ}_token_id")
+                if tid is None and isinstance(cfg.get("text_config"), dict):
+                    tid = cfg["text_config"].get(f"{typ}_token_id")
+                self._set(typ, tid)
+
+    def _set(self, typ: str, tid) -> None:
+        if not isinstance(tid, int) or isinstance(tid, bool) or tid < 0 or typ in self.ids:
+            return
+        if self.n_vocab is None or tid < self.n_vocab:
+            self.ids[typ] = tid
+
+    def _normalizer(self, n: dict) -> None:
+        kind = n.get("type")
+        if kind == "Lowercase":
+            self.lowercase = True
+        elif kind == "StripAccents":
+            self.strip_accents = True
+        elif kind == "BertNormalizer":
+            if "lowercase" in n:
+                self.lowercase = n["lowercase"]
+            if "strip_accents" in n:
+                self.strip_accents = n["strip_accents"]
+        elif kind == "Sequence":
+            for sub in n.get("normalizers", []):
+                self._normalizer(sub)
+
+    def _post_processor(self, pp, tc: dict | None) -> None:
+        if not isinstance(pp, dict):
+            return
+        tc = tc if tc is not None else None
+        get = (lambda k: tc.get(k)) if tc else (lambda k: None)
+        bos, cls, eos, sep = get("bos_token"), get("cls_token"), get("eos_token"), get("sep_token")
+        if not bos and cls and tc:
+            tc["bos_token"] = bos = cls
+        if not eos and sep and tc:
+            tc["eos_token"] = eos = sep
+        for proc in pp.get("processors", [pp]):
+            kind = proc.get("type")
+            if kind == "ByteLevel":
+                self.add.setdefault("bos", False)
+                self.add.setdefault("eos", False)
+            elif kind == "RobertaProcessing":
+                self.add.update(bos=True, eos=True, sep=True)
+                if not cls and tc:
+                    tc["cls_token"] = cls = proc.get("cls", [bos])[0]
+                if not sep and tc:
+                    tc["sep_token"] = sep = proc.get("sep", [eos])[0]
+            elif kind == "TemplateProcessing":
+                bos, cls, eos, sep = self._template(proc, tc, bos, cls, eos, sep)
+
+    def _template(self, proc: dict, tc, bos, cls, eos, sep):
+        single, pair = proc.get("single", []), proc.get("pair", [])
+        first = last = None
+        if len(single) > 1:
+            if first := single[0].get("SpecialToken", {}).get("id"):
+                if not tc:
+                    bos = first
+                elif first not in (bos, cls):
+                    if not bos:
+                        tc["bos_token"] = bos = first
+                    if not cls:
+                        tc["cls_token"] = cls = first
+                self.add["bos"] = first in (bos, cls)
+            if last := single[-1].get("SpecialToken", {}).get("id"):
+                if not tc:
+                    eos = last
+                elif last != eos:
+                    for extra in ("eot", "eom"):  # the old EOS survives as end-of-turn / end-of-message
+                        if extra not in self.types:
+                            self.types.append(extra)
+                            tc[f"{extra}_token"] = eos
+                            break
+                    tc["eos_token"] = eos = last
+                self.add["eos"] = last == eos
+        if pair:
+            start = 1 if first and pair[0].get("SpecialToken", {}).get("id") == first else 0
+            stop = -1 if last and pair[-1].get("SpecialToken", {}).get("id") == last else None
+            middle = pair[slice(start, stop)]
+            if middle and middle[0].get("Sequence", {}).get("id") == "A" \
+                    and middle[-1].get("Sequence", {}).get("id") == "B" and (middle := middle[1:-1]):
+                add_sep = False
+                entry = middle[0].get("SpecialToken", {}).get("id")
+                if entry in (sep, eos) and entry and not last:
+                    add_sep = True
+                if len(middle) == 2 and (entry2 := middle[1].get("SpecialToken", {}).get("id")) in (sep, eos) \
+                        and entry2:
+                    add_sep = True
+                self.add["sep"] = add_sep
+                if add_sep and not sep and tc:
+                    tc["sep_token"] = eos
+        return bos, cls, eos, sep
+
+
+def _merges(tj: dict) -> list[str]:
+    merges = (tj.get("model") or {}).get("merges")
+    if not isinstance(merges, list) or not merges:
+        return []
+    if isinstance(merges[0], str):
+        return merges
+    if isinstance(merges[0], list) and len(merges[0]) == 2:
+        # pair format (transformers ≥ 4.45): spaces inside a part are stored as U+0120 like llama.cpp
+        return [" ".join("".join(chr(ord(c) + 256) if c == " " else c for c in part) for part in pair)
+                for pair in merges]
+    raise InputError("tokenizer.json: unknown merges format")
+
+
+def _chat_template(src: Path, tc: dict):
+    alt = None
+    if (src / "chat_template.jinja").is_file():
+        alt = (src / "chat_template.jinja").read_text(encoding="utf-8")
+        extra = sorted((src / "additional_chat_templates").glob("*.jinja"))
+        if extra:
+            alt = [{"name": "default", "template": alt}] + [
+                {"name": p.stem, "template": p.read_text(encoding="utf-8")} for p in extra]
+    elif (src / "chat_template.json").is_file():
+        alt = _load_json(src / "chat_template.json").get("chat_template")
+    tmpl = tc.get("chat_template", alt)
+    return tmpl if tmpl is None or isinstance(tmpl, (str, list)) else None
+
+
 def add_special(md, src: Path, merges: bool, n_vocab: int | None) -> None:
-    """Merges, special ids, add_* flags and chat template via gguf's ``SpecialVocab``."""
-    try:
-        sv = gguf.SpecialVocab(src, load_merges=merges, n_vocab=n_vocab)
-    except (ValueError, OSError) as e:
-        raise InputError(f"{src}: cannot read special tokens ({e})") from None
+    """Merges, special ids, add_* flags, normalizer flags and chat template."""
+    sv = SpecialTokens(src, merges, n_vocab)
     if sv.merges:
         md.array("tokenizer.ggml.merges", sv.merges, V.STRING)
-    key_names = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id",
-                 "sep": "seperator_token_id", "pad": "padding_token_id", "mask": "mask_token_id"}
-    for typ, tid in sv.special_token_ids.items():
-        if typ in key_names:
-            md.u32(f"tokenizer.ggml.{key_names[typ]}", tid)
-    for typ, value in sv.add_special_token.items():
+    for typ, tid in sv.ids.items():
+        if typ in _ID_KEYS:
+            md.u32(f"tokenizer.ggml.{_ID_KEYS[typ]}", tid)
+    for typ, value in sv.add.items():
         if typ in ("bos", "eos", "sep"):
             md.boolean(f"tokenizer.ggml.add_{typ}_token", value)
-        elif typ == "normalizer_lowercase":
-            md.boolean("tokenizer.ggml.normalizer.lowercase", value)
+    if sv.lowercase is not None:
+        md.boolean("tokenizer.ggml.normalizer.lowercase", sv.lowercase)
+    if sv.strip_accents is not None:
+        md.boolean("tokenizer.ggml.normalizer.strip_accents", sv.strip_accents)
     tmpl = sv.chat_template
     if isinstance(tmpl, str):
         md.string("tokenizer.chat_template", tmpl)

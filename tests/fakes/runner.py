@@ -36,6 +36,7 @@ def expected_next_token(history: Sequence[int], vocab_size: int, eos_token_id: i
 class FakeSequence:
     def __init__(self, bytes_per_token: int):
         self.tokens: list[int] = []
+        self.serial = 0
         self._bpt = bytes_per_token
 
     @property
@@ -72,6 +73,8 @@ class FakeModelRunner:
         self.is_embedding_model = is_embedding_model
         self.embedding_dim = embedding_dim
         self.calls: list[tuple[str, int]] = []  # ("prefill", n_tokens) | ("decode", batch) | ...
+        self.prefill_log: list[tuple[int, int]] = []  # (sequence serial, n_tokens) per prefill call
+        self._serial = 0
         self.threads: set[int] = set()
         self.created_in_thread: int | None = None
         self._lock = threading.Lock()
@@ -130,7 +133,10 @@ class FakeModelRunner:
     # ---- the ModelRunner protocol -------------------------------------------------------
 
     def new_sequence(self) -> FakeSequence:
-        return FakeSequence(self.kv_bytes_per_token)
+        seq = FakeSequence(self.kv_bytes_per_token)
+        self._serial += 1
+        seq.serial = self._serial
+        return seq
 
     def _logits(self, history: Sequence[int]) -> np.ndarray:
         target = expected_next_token(history, self.vocab_size, self.eos_token_id, self.eos_at_length)
@@ -143,6 +149,7 @@ class FakeModelRunner:
         if not tokens:
             raise ValueError("prefill needs at least one token")
         self._enter("prefill", len(tokens))
+        self.prefill_log.append((getattr(seq, "serial", 0), len(tokens)))
         time.sleep(self.step_latency_s + self.prefill_latency_per_token_s * len(tokens))
         if seq.length + len(tokens) > self.n_ctx_train * 4:
             raise ValueError("sequence too long for the fake model")

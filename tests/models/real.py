@@ -56,7 +56,8 @@ def gemma3_hf_dir() -> Path:
         rp = cfg.get("rope_parameters") or {}
         full = rp.get("full_attention", {}).get("rope_theta", 1000000.0)
         local = rp.get("sliding_attention", {}).get("rope_theta", 10000.0)
-        return {"rope_theta": full, "rope_local_base_freq": local, "rope_scaling": None}
+        return {"rope_theta": full, "rope_local_base_freq": local, "rope_scaling": None,
+                "sliding_window_pattern": cfg.get("_sliding_window_pattern", 6)}  # mlx-lm reads this key
 
     return build_once(f"gemma-3-270m-hf-{VERSION}", lambda out: _hf_copy(gemma3_gguf(), "gemma3", out, legacy))
 

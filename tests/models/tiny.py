@@ -13,7 +13,7 @@ parameter gets extra seeded noise so that no tensor is a constant (norm weights 
 zero biases, or Gemma's zero-centred norms would hide a converter that drops or mis-offsets
 them) and logits are spread enough for greedy decoding to be stable.
 
-Folders are cached under ``<hf2q cache>/test-models/tiny-<family>-v1/`` and built once.
+Folders are cached under ``<hf2q cache>/test-models/tiny-<family>-v2/`` and built once.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 from tests.models.cache import build_once
 from tests.models.tokenizer_files import copy_tokenizer, vocab_size
 
-VERSION = "v1"
+VERSION = "v2"  # v2: embeddings scaled up so greedy decoding has clear margins
 FAMILIES = ("llama", "qwen3", "qwen3_moe", "gemma3", "bert")
 SEED = 0
 
@@ -73,7 +73,7 @@ _SPECS: dict[str, dict] = {
                     rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
                                      "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
         legacy=dict(rope_theta=1000000.0, rope_local_base_freq=10000.0, rope_scaling=None,
-                    _sliding_window_pattern=3),
+                    _sliding_window_pattern=3, sliding_window_pattern=3),  # mlx-lm reads the latter
     ),
     # all-MiniLM-L6-v2: BertModel, hidden 384, 12 heads, mean pooling (sentence-transformers files).
     "bert": dict(
@@ -110,6 +110,10 @@ def _perturb(model, seed: int) -> None:
                 p.add_(0.1 * noise)
             else:  # matrices: widen the 0.02-std init so activations and logits have some range
                 p.mul_(2.0).add_(0.02 * noise)
+            if "embed_tokens" in name or "lm_head" in name:
+                # logits = rms-normed hidden · embedding rows: ~0.45-std rows give logits with a
+                # std of a few units, so top-1 margins are not lost in float rounding
+                p.mul_(10.0)
 
 
 def _build(family: str, out: Path) -> None:

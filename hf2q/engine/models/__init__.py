@@ -1,1 +1,28 @@
-"""engine/models"""
+"""One module per model family; :func:`build_model` picks it from ``general.architecture``."""
+
+from __future__ import annotations
+
+import importlib
+
+from hf2q.errors import InputError
+from hf2q.formats.gguf_file import GGUFFile
+
+FAMILIES = {
+    "llama": "hf2q.engine.models.llama",
+    "qwen3": "hf2q.engine.models.qwen3",
+    "qwen3moe": "hf2q.engine.models.qwen3_moe",
+    "gemma3": "hf2q.engine.models.gemma3",
+    "bert": "hf2q.engine.models.bert",
+}
+
+
+def supported(arch: str) -> bool:
+    return arch in FAMILIES
+
+
+def build_model(g: GGUFFile, dtype):
+    arch = g.arch
+    if arch not in FAMILIES:
+        raise InputError(f"{g.path.name}: unsupported architecture {arch or '(none)'!r} "
+                         f"(supported: {', '.join(sorted(FAMILIES))})")
+    return importlib.import_module(FAMILIES[arch]).build(g, dtype)

@@ -1,0 +1,164 @@
+"""``hf2q generate``: one prompt through the engine on this machine, no HTTP.
+
+The prompt goes through the GGUF's chat template (unless ``--raw``), is prefilled in
+chunks of ``PREFILL_CHUNK`` tokens and decoded with the shared ``Sampler``; text is
+streamed to stdout as it is produced. ``--benchmark`` repeats the whole generation
+``BENCH_RUNS`` times on fresh caches and reports median and p95 prefill / decode
+throughput; with ``--json`` the last line is one JSON object of the medians.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from hf2q.errors import InputError
+
+log = logging.getLogger("hf2q.generate")
+
+PREFILL_CHUNK = 2048
+BENCH_RUNS = 5
+
+
+def _prompt_text(args) -> str:
+    if getattr(args, "prompt_file", None):
+        try:
+            return Path(args.prompt_file).read_text(encoding="utf-8")
+        except OSError as e:
+            raise InputError(f"cannot read --prompt-file: {e.strerror}: {args.prompt_file}") from None
+    if getattr(args, "prompt", None) is None:
+        raise InputError("give --prompt TEXT or --prompt-file PATH")
+    return args.prompt
+
+
+def render_prompt(args, model_path: Path, tokenizer) -> list[int]:
+    """The prompt's token ids: chat-templated unless ``--raw``."""
+    from hf2q.text.chat_template import ChatTemplate
+
+    text = _prompt_text(args)
+    if getattr(args, "raw", False):
+        return tokenizer.encode(text, add_special=True)
+    if getattr(args, "chat_template", None):
+        template = ChatTemplate(args.chat_template, bos_token=_tok_text(tokenizer, tokenizer.bos_id),
+                                eos_token=_tok_text(tokenizer, tokenizer.eos_id))
+    elif getattr(args, "chat_template_file", None):
+        try:
+            source = Path(args.chat_template_file).read_text(encoding="utf-8")
+        except OSError as e:
+            raise InputError(f"cannot read --chat-template-file: {e.strerror}") from None
+        template = ChatTemplate(source, bos_token=_tok_text(tokenizer, tokenizer.bos_id),
+                                eos_token=_tok_text(tokenizer, tokenizer.eos_id))
+    else:
+        try:
+            template = ChatTemplate.from_gguf(model_path)
+        except InputError:
+            log.warning("%s has no chat template; using the prompt as is (--raw)", model_path.name)
+            return tokenizer.encode(text, add_special=True)
+    kwargs = {"enable_thinking": False} if getattr(args, "no_thinking", False) else {}
+    rendered = template.render([{"role": "user", "content": text}], add_generation_prompt=True, **kwargs)
+    bos = _tok_text(tokenizer, tokenizer.bos_id)
+    already_has_bos = bool(bos) and rendered.startswith(bos)
+    return tokenizer.encode(rendered, add_special=not already_has_bos)
+
+
+def _tok_text(tokenizer, tid) -> str | None:
+    if tid is None:
+        return None
+    return tokenizer.token_bytes(int(tid)).decode("utf-8", errors="replace")
+
+
+def _params(args):
+    from hf2q.sched.requests import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          seed=args.seed)
+
+
+def generate_once(runner, prompt: list[int], params, on_token=None) -> dict:
+    """Prefill + decode one request; returns counts and timings (seconds)."""
+    from hf2q.engine.sampler import Sampler
+
+    if len(prompt) + 1 > runner.n_ctx:
+        raise InputError(f"prompt of {len(prompt)} tokens does not fit the context of {runner.n_ctx} tokens")
+    sampler = Sampler(params)
+    seq = runner.new_sequence()
+    t0 = time.perf_counter()
+    for i in range(0, len(prompt), PREFILL_CHUNK):
+        logits = runner.prefill(seq, prompt[i:i + PREFILL_CHUNK])
+    t1 = time.perf_counter()
+    generated: list[int] = []
+    budget = min(params.max_tokens, runner.n_ctx - len(prompt))
+    reason = "length"
+    while True:
+        token, _, _ = sampler.sample(logits, generated)
+        generated.append(token)
+        if token in runner.eos_token_ids:
+            reason = "stop"
+            break
+        if on_token is not None:
+            on_token(token)
+        if len(generated) >= budget:
+            break
+        logits = runner.decode([seq], [token])[0]
+    t2 = time.perf_counter()
+    steps = max(len(generated) - 1, 0)  # decode steps after the first (prefill-sampled) token
+    return {"prompt_tokens": len(prompt), "generated_tokens": len(generated), "finish_reason": reason,
+            "prefill_s": t1 - t0, "decode_s": t2 - t1, "decode_steps": steps,
+            "prefill_tokens_per_sec": len(prompt) / (t1 - t0) if t1 > t0 else 0.0,
+            "decode_tokens_per_sec": steps / (t2 - t1) if steps and t2 > t1 else 0.0}
+
+
+def run(args) -> int:
+    from hf2q.engine.runner import MlxModelRunner
+    from hf2q.text.tokenizer import GGUFTokenizer, IncrementalDetokenizer
+
+    if getattr(args, "json", False) and not getattr(args, "benchmark", False):
+        from hf2q.errors import UsageError
+
+        raise UsageError("--json needs --benchmark")
+    if args.model:
+        model_path = Path(args.model)
+    else:
+        from hf2q.fetch import default_chat_model
+
+        model_path = default_chat_model()
+    runner = MlxModelRunner.load(model_path, ctx=getattr(args, "ctx", None))
+    if runner.is_embedding_model:
+        raise InputError(f"{model_path.name} is an embedding model; generate needs a chat/text model")
+    tokenizer = GGUFTokenizer.from_gguf(model_path)
+    prompt = render_prompt(args, model_path, tokenizer)
+    params = _params(args)
+
+    if not args.benchmark:
+        detok = IncrementalDetokenizer(tokenizer)
+        out = sys.stdout
+
+        def emit(token: int) -> None:
+            out.write(detok.push(token))
+            out.flush()
+
+        stats = generate_once(runner, prompt, params, on_token=emit)
+        out.write(detok.flush() + "\n")
+        out.flush()
+        log.info("prompt %d tokens, generated %d; prefill %.1f tok/s, decode %.1f tok/s", stats["prompt_tokens"],
+                 stats["generated_tokens"], stats["prefill_tokens_per_sec"], stats["decode_tokens_per_sec"])
+        return 0
+
+    runs = [generate_once(runner, prompt, params) for _ in range(BENCH_RUNS)]
+    pre = np.array([r["prefill_tokens_per_sec"] for r in runs])
+    dec = np.array([r["decode_tokens_per_sec"] for r in runs])
+    gen = int(np.median([r["generated_tokens"] for r in runs]))
+    print(f"model: {model_path.name}  prompt: {len(prompt)} tokens  generated: {gen} tokens  runs: {BENCH_RUNS}")
+    print(f"prefill: median {np.median(pre):.1f} tok/s  p95 {np.percentile(pre, 95):.1f} tok/s")
+    print(f"decode:  median {np.median(dec):.1f} tok/s  p95 {np.percentile(dec, 95):.1f} tok/s")
+    if args.json:
+        print(json.dumps({"prompt_tokens": len(prompt), "generated_tokens": gen,
+                          "prefill_tokens_per_sec": round(float(np.median(pre)), 3),
+                          "decode_tokens_per_sec": round(float(np.median(dec)), 3)}))
+    return 0

@@ -1,0 +1,164 @@
+"""Per-conversation KV caches and the batch context of one forward pass.
+
+A :class:`SequenceCache` belongs to one slot: per layer a K and a V buffer
+``[kv_heads, capacity, head_dim]`` grown in steps of ``GROW`` tokens, and ``length``,
+the number of valid positions. ``trim(n)`` keeps a token prefix (prefix reuse) and
+gives back capacity beyond it. ``nbytes`` is what is allocated, so the scheduler's
+shared byte budget can count it; ``bytes_per_token`` is the static figure it plans with.
+
+A :class:`ForwardBatch` describes one forward: either one sequence advancing by T
+tokens (prefill) or N sequences advancing by one token each (batched decode). It writes
+the new K/V into each cache and hands attention the keys/values to attend over plus a
+boolean mask: causal within the chunk, padding beyond each sequence's own length in a
+batch, and the sliding window for local-attention layers.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+GROW = 256
+
+
+class SequenceCache:
+    def __init__(self, n_layers: int, kv_heads: int, head_dim: int, dtype, v_head_dim: int | None = None):
+        self.n_layers = n_layers
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+        self.v_head_dim = v_head_dim or head_dim
+        self.dtype = dtype
+        self.keys: list[mx.array | None] = [None] * n_layers
+        self.values: list[mx.array | None] = [None] * n_layers
+        self.capacity = 0
+        self._length = 0
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.n_layers * self.kv_heads * (self.head_dim + self.v_head_dim) * self.dtype.size
+
+    @property
+    def nbytes(self) -> int:
+        return self.capacity * self.bytes_per_token
+
+    def reserve(self, n_tokens: int) -> None:
+        """Make room for at least ``n_tokens`` positions (keeps the contents)."""
+        if n_tokens <= self.capacity:
+            return
+        new_cap = ((n_tokens + GROW - 1) // GROW) * GROW
+        for i in range(self.n_layers):
+            for store, d in ((self.keys, self.head_dim), (self.values, self.v_head_dim)):
+                grown = mx.zeros((self.kv_heads, new_cap, d), dtype=self.dtype)
+                if store[i] is not None and self._length:
+                    grown[:, : self._length, :] = store[i][:, : self._length, :]
+                store[i] = grown
+        self.capacity = new_cap
+
+    def trim(self, n_tokens: int) -> None:
+        if n_tokens < 0 or n_tokens > self._length:
+            raise ValueError(f"cannot trim a cache of {self._length} tokens to {n_tokens}")
+        self._length = n_tokens
+        keep = ((n_tokens + GROW - 1) // GROW) * GROW
+        if keep < self.capacity:
+            for store in (self.keys, self.values):
+                for i in range(self.n_layers):
+                    store[i] = mx.array(store[i][:, :keep, :]) if keep else None
+            self.capacity = keep
+
+    def advance(self, n: int) -> None:
+        self._length += n
+
+    def export(self, start: int, end: int) -> dict[str, np.ndarray]:
+        out = {}
+        for i in range(self.n_layers):
+            out[f"k.{i}"] = np.array(self.keys[i][:, start:end, :].astype(mx.float32))
+            out[f"v.{i}"] = np.array(self.values[i][:, start:end, :].astype(mx.float32))
+        return out
+
+    def import_(self, arrays: dict[str, np.ndarray], n_tokens: int) -> None:
+        start = self._length
+        self.reserve(start + n_tokens)
+        for i in range(self.n_layers):
+            k, v = arrays[f"k.{i}"], arrays[f"v.{i}"]
+            if k.shape != (self.kv_heads, n_tokens, self.head_dim) or v.shape[1] != n_tokens:
+                raise ValueError(f"layer {i}: KV block has shape {k.shape}, expected "
+                                 f"{(self.kv_heads, n_tokens, self.head_dim)}")
+            self.keys[i][:, start:start + n_tokens, :] = mx.array(k).astype(self.dtype)
+            self.values[i][:, start:start + n_tokens, :] = mx.array(v).astype(self.dtype)
+        mx.eval(self.keys, self.values)
+        self._length += n_tokens
+
+
+class ForwardBatch:
+    """The sequences one forward advances; built by the runner, consumed by attention layers."""
+
+    def __init__(self, caches: Sequence[SequenceCache], n_new: int):
+        if n_new > 1 and len(caches) != 1:
+            raise ValueError("multi-token steps advance exactly one sequence")
+        self.caches = list(caches)
+        self.n_new = n_new
+        self.offsets = [c.length for c in self.caches]
+        self.total = max(self.offsets) + n_new  # keys attended over (padded)
+        for c in self.caches:
+            c.reserve(self.total)
+        self._masks: dict[int | None, mx.array | str | None] = {}
+        self._np_masks: dict[int | None, np.ndarray | None] = {}
+
+    @property
+    def offset(self) -> int | mx.array:
+        """Position of the first new token: an int for one sequence, an array for a batch."""
+        return self.offsets[0] if len(self.caches) == 1 else mx.array(self.offsets)
+
+    def mask_np(self, window: int | None) -> np.ndarray | None:
+        """Boolean ``[B, 1, n_new, total]`` (True = attend), or None when nothing is masked."""
+        if window in self._np_masks:
+            return self._np_masks[window]
+        T, L = self.n_new, self.total
+        q_pos = (np.asarray(self.offsets)[:, None] + np.arange(T)[None, :])[:, :, None]  # [B,T,1]
+        k_pos = np.arange(L)[None, None, :]
+        allowed = k_pos <= q_pos
+        if window is not None:
+            allowed &= k_pos > q_pos - window
+        m = None if allowed.all() else allowed[:, None, :, :]
+        self._np_masks[window] = m
+        return m
+
+    def mask(self, window: int | None) -> mx.array | None:
+        """The same mask as an MLX array, for ``mx.fast.scaled_dot_product_attention``."""
+        if window not in self._masks:
+            m = self.mask_np(window)
+            self._masks[window] = None if m is None else mx.array(m)
+        return self._masks[window]
+
+    def update(self, layer: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        """Store new ``k, v`` ``[B, kv_heads, n_new, d]``; return all keys/values ``[B, kv_heads, total, d]``."""
+        T = self.n_new
+        if len(self.caches) == 1:
+            c, off = self.caches[0], self.offsets[0]
+            c.keys[layer][:, off:off + T, :] = k[0]
+            c.values[layer][:, off:off + T, :] = v[0]
+            return c.keys[layer][None, :, : off + T, :], c.values[layer][None, :, : off + T, :]
+        ks, vs = [], []
+        for i, (c, off) in enumerate(zip(self.caches, self.offsets)):
+            c.keys[layer][:, off:off + T, :] = k[i]
+            c.values[layer][:, off:off + T, :] = v[i]
+            ks.append(c.keys[layer][:, : self.total, :])
+            vs.append(c.values[layer][:, : self.total, :])
+        return mx.stack(ks), mx.stack(vs)
+
+    def finish(self) -> None:
+        for c in self.caches:
+            c.advance(self.n_new)
+
+    def eval_state(self) -> list[mx.array]:
+        out: list[mx.array] = []
+        for c in self.caches:
+            out.extend(k for k in c.keys if k is not None)
+            out.extend(v for v in c.values if v is not None)
+        return out

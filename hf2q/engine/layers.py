@@ -1,0 +1,135 @@
+"""Building blocks shared by every family graph: linear layers over GGUF weights,
+embeddings, norms, RoPE attention over slot KV caches, gated MLPs.
+
+Weights stay quantized in MLX's affine form (``quant_repack``). On the CPU backend
+MLX's quantized matmul is slow for many rows (≈1 GFLOP/s), so a linear layer fed more
+than ``DENSE_ROWS`` rows dequantizes its weight to float32 for that call and runs one
+BLAS sgemm instead; single-token decode keeps the quantized matvec. See docs/ENGINE.md.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+from gguf import GGMLQuantizationType as T
+
+from hf2q.engine.quant_repack import FLOAT_TYPES, QUANTIZED_TYPES, to_affine
+from hf2q.errors import InputError
+from hf2q.formats.gguf_file import GGUFTensor
+
+DENSE_ROWS = 8
+
+
+def on_cpu() -> bool:
+    return mx.default_device() == mx.cpu
+
+
+def float_array(t: GGUFTensor, dtype) -> mx.array:
+    """A float tensor (or any type, dequantized) as an MLX array of ``dtype``."""
+    if t.qtype in FLOAT_TYPES:
+        raw = np.asarray(t.data)
+        if t.qtype == T.BF16:
+            raw = (np.ascontiguousarray(raw).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        return mx.array(np.ascontiguousarray(raw).reshape(t.shape)).astype(dtype)
+    from gguf import quants
+
+    return mx.array(quants.dequantize(np.asarray(t.data), t.qtype).reshape(t.shape)).astype(dtype)
+
+
+class Linear:
+    """``y = x @ W.T (+ b)`` with W either float or MLX-affine quantized (leading expert dims allowed)."""
+
+    def __init__(self, t: GGUFTensor, dtype, bias: mx.array | None = None):
+        self.shape = t.shape  # (..., out, in)
+        self.qtype = t.qtype
+        self.bias = bias
+        self.dtype = dtype
+        if t.qtype in FLOAT_TYPES:
+            self.weight = float_array(t, dtype)
+            self.quantized = False
+        elif t.qtype in QUANTIZED_TYPES:
+            a = to_affine(t.data, t.qtype, t.shape)
+            lead = t.shape[:-1]
+            self.weight = mx.array(a.packed.reshape(*lead, -1))
+            self.scales = mx.array(a.scales.reshape(*lead, -1))
+            self.biases = mx.array(a.biases.reshape(*lead, -1))
+            self.bits, self.group_size, self.exact = a.bits, a.group_size, a.exact
+            self.quantized = True
+        else:
+            raise InputError(f"tensor {t.name}: unsupported GGUF type {t.qtype.name}")
+        mx.eval(self.params())
+
+    def params(self) -> list[mx.array]:
+        ps = [self.weight] + ([self.scales, self.biases] if self.quantized else [])
+        return ps + ([self.bias] if self.bias is not None else [])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.params())
+
+    def dense(self) -> mx.array:
+        """The float weight (dequantized on the fly when quantized)."""
+        if not self.quantized:
+            return self.weight
+        return mx.dequantize(self.weight, self.scales, self.biases, group_size=self.group_size,
+                             bits=self.bits).astype(self.dtype)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        rows = math.prod(x.shape[:-1])
+        if not self.quantized:
+            y = x @ self.weight.T
+        elif on_cpu() and rows > DENSE_ROWS:
+            y = x @ self.dense().T
+        else:
+            y = mx.quantized_matmul(x, self.weight, self.scales, self.biases, transpose=True,
+                                    group_size=self.group_size, bits=self.bits)
+        if y.dtype != self.dtype:
+            y = y.astype(self.dtype)
+        return y + self.bias if self.bias is not None else y
+
+    def rows(self, ids: mx.array) -> mx.array:
+        """Rows of W (embedding lookup), dequantized to the compute dtype."""
+        if not self.quantized:
+            return self.weight[ids]
+        return mx.dequantize(self.weight[ids], self.scales[ids], self.biases[ids], group_size=self.group_size,
+                             bits=self.bits).astype(self.dtype)
+
+
+def rms_norm(x: mx.array, w: mx.array, eps: float) -> mx.array:
+    return mx.fast.rms_norm(x, w, eps)
+
+
+def layer_norm(x: mx.array, w: mx.array, b: mx.array, eps: float) -> mx.array:
+    return mx.fast.layer_norm(x, w, b, eps)
+
+
+def gelu_tanh(x: mx.array) -> mx.array:
+    return 0.5 * x * (1.0 + mx.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
+
+
+def gelu_erf(x: mx.array) -> mx.array:
+    return 0.5 * x * (1.0 + mx.erf(x / math.sqrt(2.0)))
+
+
+def silu(x: mx.array) -> mx.array:
+    return x * mx.sigmoid(x)
+
+
+class GatedMLP:
+    """``down(act(gate(x)) * up(x))`` — SwiGLU (llama, qwen) or GeGLU-tanh (gemma)."""
+
+    def __init__(self, gate: Linear, up: Linear, down: Linear, act=silu):
+        self.gate, self.up, self.down, self.act = gate, up, down, act
+
+    def __call__(self, x: mx.array) -> mx.array:
+        from hf2q.kernels import cpu_ops
+
+        if self.act is silu:
+            h = cpu_ops.silu_mul(self.gate(x), self.up(x))
+        elif self.act is gelu_tanh:
+            h = cpu_ops.gelu_tanh_mul(self.gate(x), self.up(x))
+        else:
+            h = self.act(self.gate(x)) * self.up(x)
+        return self.down(h)

@@ -1,0 +1,164 @@
+"""The decoder-only transformer every chat family shares.
+
+Families differ in a handful of switches — q/k norms, norm placement, embedding
+scale, RoPE layout and bases, sliding-window layers, MoE feed-forward — collected in
+:class:`DecoderConfig`; each ``models/<family>.py`` reads its GGUF metadata into one and
+builds the layers. The forward pass takes a :class:`~hf2q.engine.kv_cache.ForwardBatch`
+so the same code serves a prefill chunk of one sequence and a batched decode step.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import attrs
+import mlx.core as mx
+
+from hf2q.engine.kv_cache import ForwardBatch
+from hf2q.engine.layers import Linear, rms_norm, silu
+from hf2q.formats.gguf_file import GGUFFile
+from hf2q.kernels import cpu_ops
+
+
+@attrs.define
+class DecoderConfig:
+    n_layers: int
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    vocab: int
+    n_ctx_train: int
+    norm_eps: float
+    rope_base: float
+    rope_dims: int
+    rope_traditional: bool  # GGUF "normal" rope (llama: q/k rows permuted at convert time)
+    rope_scale: float = 1.0
+    rope_base_local: float | None = None  # for sliding-window layers (gemma3)
+    sliding_window: int | None = None
+    is_local: Callable[[int], bool] = lambda i: False
+    qk_norm: bool = False
+    sandwich_norms: bool = False  # gemma: post-attention and post-ffn norms
+    embed_scale: float = 1.0
+    attn_scale: float | None = None  # default 1/sqrt(head_dim)
+    final_softcap: float | None = None
+    act: Callable = silu
+
+
+class Attention:
+    def __init__(self, cfg: DecoderConfig, g: GGUFFile, i: int, dtype):
+        p = f"blk.{i}."
+        self.cfg = cfg
+        self.q = Linear(g.tensor(p + "attn_q.weight"), dtype)
+        self.k = Linear(g.tensor(p + "attn_k.weight"), dtype)
+        self.v = Linear(g.tensor(p + "attn_v.weight"), dtype)
+        self.o = Linear(g.tensor(p + "attn_output.weight"), dtype)
+        if cfg.qk_norm:
+            self.q_norm = _norm(g, p + "attn_q_norm.weight", dtype)
+            self.k_norm = _norm(g, p + "attn_k_norm.weight", dtype)
+        self.local = cfg.is_local(i)
+        self.window = cfg.sliding_window if self.local else None
+        self.base = cfg.rope_base_local if (self.local and cfg.rope_base_local) else cfg.rope_base
+        self.scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5
+        self.layer = i
+
+    def __call__(self, x: mx.array, fb: ForwardBatch) -> mx.array:
+        c = self.cfg
+        B, L, _ = x.shape
+        q = self.q(x).reshape(B, L, c.n_heads, c.head_dim)
+        k = self.k(x).reshape(B, L, c.n_kv_heads, c.head_dim)
+        v = self.v(x).reshape(B, L, c.n_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q = rms_norm(q, self.q_norm, c.norm_eps)
+            k = rms_norm(k, self.k_norm, c.norm_eps)
+        q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
+        off = fb.offset
+        q = mx.fast.rope(q, c.rope_dims, traditional=c.rope_traditional, base=self.base, scale=c.rope_scale,
+                         offset=off)
+        k = mx.fast.rope(k, c.rope_dims, traditional=c.rope_traditional, base=self.base, scale=c.rope_scale,
+                         offset=off)
+        keys, values = fb.update(self.layer, k, v)
+        if cpu_ops.attention_on_host(q, keys.shape[2]):
+            out = cpu_ops.attention(q, keys, values, self.scale, fb.mask_np(self.window))
+        else:
+            out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=fb.mask(self.window))
+        return self.o(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+def _norm(g: GGUFFile, name: str, dtype) -> mx.array:
+    from hf2q.engine.layers import float_array
+
+    return float_array(g.tensor(name), dtype)
+
+
+class DecoderLayer:
+    def __init__(self, cfg: DecoderConfig, g: GGUFFile, i: int, dtype, ffn):
+        p = f"blk.{i}."
+        self.cfg = cfg
+        self.attn_norm = _norm(g, p + "attn_norm.weight", dtype)
+        self.attn = Attention(cfg, g, i, dtype)
+        self.ffn_norm = _norm(g, p + "ffn_norm.weight", dtype)
+        self.ffn = ffn
+        if cfg.sandwich_norms:
+            self.post_attn_norm = _norm(g, p + "post_attention_norm.weight", dtype)
+            self.post_ffn_norm = _norm(g, p + "post_ffw_norm.weight", dtype)
+
+    def __call__(self, x: mx.array, fb: ForwardBatch) -> mx.array:
+        eps = self.cfg.norm_eps
+        h = self.attn(rms_norm(x, self.attn_norm, eps), fb)
+        if self.cfg.sandwich_norms:
+            h = rms_norm(h, self.post_attn_norm, eps)
+        x = x + h
+        h = self.ffn(rms_norm(x, self.ffn_norm, eps))
+        if self.cfg.sandwich_norms:
+            h = rms_norm(h, self.post_ffn_norm, eps)
+        return x + h
+
+
+class DecoderModel:
+    """Embedding → layers → final norm → logits (tied to the embedding when no ``output``)."""
+
+    is_embedding_model = False
+
+    def __init__(self, cfg: DecoderConfig, g: GGUFFile, dtype, make_ffn):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed = Linear(g.tensor("token_embd.weight"), dtype)
+        self.layers = [DecoderLayer(cfg, g, i, dtype, make_ffn(i)) for i in range(cfg.n_layers)]
+        self.norm = _norm(g, "output_norm.weight", dtype)
+        self.lm_head = Linear(g.tensors["output.weight"], dtype) if "output.weight" in g.tensors else self.embed
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        return self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim
+
+    def weights_nbytes(self) -> int:
+        seen, total = set(), 0
+        for obj in [self.embed, self.lm_head] + [lin for layer in self.layers for lin in _linears(layer)]:
+            if id(obj) not in seen:
+                seen.add(id(obj))
+                total += obj.nbytes
+        return total
+
+    def __call__(self, tokens: mx.array, fb: ForwardBatch, last_only: bool = True) -> mx.array:
+        """``tokens [B, T]`` → float32 logits ``[B, vocab]`` of the last position (or all)."""
+        x = self.embed.rows(tokens)
+        if self.cfg.embed_scale != 1.0:
+            x = x * mx.array(self.cfg.embed_scale, dtype=x.dtype)
+        for layer in self.layers:
+            x = layer(x, fb)
+        if last_only:
+            x = x[:, -1:, :]
+        logits = self.lm_head(rms_norm(x, self.norm, self.cfg.norm_eps)).astype(mx.float32)
+        if self.cfg.final_softcap:
+            logits = mx.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
+        return logits[:, -1, :] if last_only else logits
+
+
+def _linears(layer: DecoderLayer):
+    a = layer.attn
+    yield from (a.q, a.k, a.v, a.o)
+    f = layer.ffn
+    for name in ("gate", "up", "down", "router", "gate_exps", "up_exps", "down_exps"):
+        if hasattr(f, name):
+            yield getattr(f, name)

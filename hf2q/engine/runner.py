@@ -1,0 +1,155 @@
+"""``MlxModelRunner``: the engine behind ``hf2q/engine/protocol.py``.
+
+Stable contract (the serving runtime's GPU-owner thread calls exactly this, always from
+one thread, because MLX streams are per thread):
+
+* ``MlxModelRunner.load(path, ctx=None)`` — validate and load a GGUF.
+* ``new_sequence()`` → a :class:`~hf2q.engine.kv_cache.SequenceCache` (``length``,
+  ``nbytes``, ``trim(n)``).
+* ``prefill(seq, tokens)`` → float32 logits ``[vocab]`` of the last token. One call is
+  one bounded transaction; callers chunk long prompts (``--prefill-chunk``).
+* ``decode(seqs, tokens)`` → float32 ``[N, vocab]``: every sequence advances one token
+  in a single batched forward, whatever their lengths.
+* ``embed(batch)`` → L2-normalised ``[N, dim]`` (embedding models only).
+* ``export_kv(seq, start, end)`` / ``import_kv(seq, arrays, n)`` — host copies of KV
+  positions, keys ``k.{layer}`` / ``v.{layer}``, float32 ``[kv_heads, n, head_dim]``.
+
+Errors a user can cause (prompt beyond the context, wrong model kind) are
+``InputError``; everything else is a bug or an engine fault for the supervisor.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from hf2q.engine.kv_cache import ForwardBatch, SequenceCache
+from hf2q.engine.models import build_model
+from hf2q.errors import InputError
+from hf2q.formats.gguf_file import GGUFFile, open_gguf
+
+END_OF_GENERATION_TEXTS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>", "<|end|>",
+                           "<|return|>", "<|end_of_text|>", "</s>", "<eos>")
+
+
+def compute_dtype(arch: str):
+    """float32 on CPU (BLAS-backed, no f16 kernels there); on GPU f16, bf16 for Gemma (f16 overflows)."""
+    if mx.default_device() == mx.cpu:
+        return mx.float32
+    return mx.bfloat16 if arch.startswith("gemma") else mx.float16
+
+
+def eos_ids(g: GGUFFile) -> frozenset[int]:
+    ids = set()
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        v = g.get(key)
+        if v is not None:
+            ids.add(int(v))
+    tokens = g.get("tokenizer.ggml.tokens") or []
+    for i, t in enumerate(tokens):
+        if t in END_OF_GENERATION_TEXTS:
+            ids.add(i)
+    return frozenset(ids)
+
+
+class MlxModelRunner:
+    def __init__(self, gguf: GGUFFile, model, dtype, ctx: int | None):
+        self.gguf = gguf
+        self.model = model
+        self.dtype = dtype
+        self.arch = gguf.arch
+        self.is_embedding_model = bool(getattr(model, "is_embedding_model", False))
+        cfg = model.cfg
+        self.vocab_size = int(cfg.vocab)
+        self.n_ctx_train = int(cfg.n_ctx_train)
+        self.n_ctx = int(ctx or cfg.n_ctx_train)
+        self.eos_token_ids = eos_ids(gguf)
+        if self.is_embedding_model:
+            self.kv_bytes_per_token = 0
+        else:
+            n_layers, kv_heads, head_dim = model.kv_shape
+            self.kv_bytes_per_token = n_layers * kv_heads * head_dim * 2 * dtype.size
+        self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_steps": 0, "decode_s": 0.0}
+
+    @classmethod
+    def load(cls, gguf_path: str | Path, ctx: int | None = None) -> "MlxModelRunner":
+        g = open_gguf(gguf_path)
+        dtype = compute_dtype(g.arch)
+        model = build_model(g, dtype)
+        return cls(g, model, dtype, ctx)
+
+    # ---- sequences -----------------------------------------------------------------
+
+    def new_sequence(self) -> SequenceCache:
+        if self.is_embedding_model:
+            raise InputError(f"{self.gguf.path.name} is an embedding model; it cannot generate")
+        n_layers, kv_heads, head_dim = self.model.kv_shape
+        return SequenceCache(n_layers, kv_heads, head_dim, self.dtype)
+
+    def _check_room(self, seq: SequenceCache, n_new: int) -> None:
+        if seq.length + n_new > self.n_ctx:
+            raise InputError(f"context length exceeded: {seq.length + n_new} tokens > context {self.n_ctx}")
+
+    def _check_tokens(self, tokens: Sequence[int]) -> None:
+        bad = [t for t in tokens if not 0 <= int(t) < self.vocab_size]
+        if bad:
+            raise InputError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+
+    def prefill(self, seq: SequenceCache, tokens: Sequence[int]) -> np.ndarray:
+        tokens = list(tokens)
+        if not tokens:
+            raise ValueError("prefill needs at least one token")
+        self._check_room(seq, len(tokens))
+        self._check_tokens(tokens)
+        t0 = time.perf_counter()
+        fb = ForwardBatch([seq], len(tokens))
+        logits = self.model(mx.array(np.asarray([tokens], dtype=np.int32)), fb)
+        mx.eval(logits, fb.eval_state())
+        fb.finish()
+        self.stats["prefill_tokens"] += len(tokens)
+        self.stats["prefill_s"] += time.perf_counter() - t0
+        return np.array(logits[0])
+
+    def decode(self, seqs: Sequence[SequenceCache], tokens: Sequence[int]) -> np.ndarray:
+        if len(seqs) != len(tokens) or not seqs:
+            raise ValueError("decode needs one token per sequence")
+        if len({id(s) for s in seqs}) != len(seqs):
+            raise ValueError("a sequence appears twice in one decode step")
+        for s in seqs:
+            self._check_room(s, 1)
+        self._check_tokens(tokens)
+        t0 = time.perf_counter()
+        fb = ForwardBatch(seqs, 1)
+        logits = self.model(mx.array(np.asarray(tokens, dtype=np.int32)[:, None]), fb)
+        mx.eval(logits, fb.eval_state())
+        fb.finish()
+        self.stats["decode_steps"] += 1
+        self.stats["decode_s"] += time.perf_counter() - t0
+        return np.array(logits)
+
+    # ---- embeddings ----------------------------------------------------------------
+
+    def embed(self, batch: Sequence[Sequence[int]]) -> np.ndarray:
+        if not self.is_embedding_model:
+            raise InputError(f"{self.gguf.path.name} is not an embedding model")
+        for toks in batch:
+            if len(toks) > self.n_ctx:
+                raise InputError(f"input of {len(toks)} tokens exceeds the context {self.n_ctx}")
+            self._check_tokens(toks)
+        out = self.model.embed([list(t) for t in batch])
+        return np.array(out)
+
+    # ---- KV transfer ---------------------------------------------------------------
+
+    def export_kv(self, seq: SequenceCache, start: int, end: int) -> dict[str, np.ndarray]:
+        if not 0 <= start <= end <= seq.length:
+            raise ValueError(f"export range [{start}, {end}) outside 0..{seq.length}")
+        return seq.export(start, end)
+
+    def import_kv(self, seq: SequenceCache, arrays: dict[str, np.ndarray], n_tokens: int) -> None:
+        self._check_room(seq, n_tokens)
+        seq.import_(arrays, n_tokens)

@@ -1,0 +1,192 @@
+"""Token sampling and stop-string matching, in plain numpy (no MLX, no threads).
+
+``Sampler`` turns one row of logits into one token, following llama.cpp's default chain
+so that identical settings behave alike in both servers:
+
+1. ``logit_bias`` is added, then the constraint ``mask`` removes forbidden tokens;
+2. penalties over ``history`` (the caller chooses the window — the API passes the tokens
+   generated so far): repetition penalty as in llama.cpp / HF (positive logits divided,
+   negative ones multiplied), then OpenAI's ``frequency_penalty × count`` and
+   ``presence_penalty × [count > 0]`` subtracted;
+3. ``logprob`` / ``top_logprobs`` are read from this processed distribution (before
+   temperature and truncation, so they do not depend on the sampling knobs);
+4. temperature 0 → argmax; otherwise top-k, top-p, min-p truncate the (untempered)
+   distribution, temperature rescales what is left, and one draw from the request's own
+   seeded ``numpy`` generator picks the token (same seed + same logits → same tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from hf2q.errors import InputError
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    finite = np.isfinite(x)
+    if not finite.any():
+        raise InputError("every token is excluded: nothing can be sampled")
+    m = x[finite].max()
+    shifted = x - m
+    with np.errstate(under="ignore"):
+        lse = np.log(np.exp(shifted[finite]).sum())
+    return shifted - lse
+
+
+class Sampler:
+    """Per-request sampler; keep one instance per request (it owns the RNG)."""
+
+    def __init__(self, params):
+        self.params = params
+        if params.temperature < 0:
+            raise InputError("temperature must be >= 0")
+        if not 0.0 < params.top_p <= 1.0:
+            raise InputError("top_p must be in (0, 1]")
+        if not 0.0 <= params.min_p <= 1.0:
+            raise InputError("min_p must be in [0, 1]")
+        if params.top_k < 0:
+            raise InputError("top_k must be >= 0")
+        if params.repetition_penalty <= 0:
+            raise InputError("repetition_penalty must be > 0")
+        self.rng = np.random.default_rng(params.seed)
+        bias = tuple(params.logit_bias or ())
+        if bias:
+            self._bias_ids = np.array([int(t) for t, _ in bias], dtype=np.int64)
+            self._bias_values = np.array([float(v) for _, v in bias], dtype=np.float64)
+        else:
+            self._bias_ids = None
+
+    # ---- processing ---------------------------------------------------------------------
+
+    def process(self, logits: np.ndarray, history: Sequence[int] = (), mask: np.ndarray | None = None) -> np.ndarray:
+        """Bias, mask and penalties applied; a float64 copy of the row."""
+        p = self.params
+        x = np.array(logits, dtype=np.float64).reshape(-1)
+        if self._bias_ids is not None:
+            if self._bias_ids.min() < 0 or self._bias_ids.max() >= x.size:
+                raise InputError(f"logit_bias names a token outside the vocabulary (size {x.size})")
+            np.add.at(x, self._bias_ids, self._bias_values)
+        if mask is not None:
+            mask = np.asarray(mask, dtype=bool)
+            if mask.size < x.size:  # a mask over the tokenizer vocab; padded embedding rows are never allowed
+                mask = np.concatenate([mask, np.zeros(x.size - mask.size, dtype=bool)])
+            x[~mask[: x.size]] = -np.inf
+        if len(history) and (p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty):
+            ids, counts = np.unique(np.asarray(history, dtype=np.int64), return_counts=True)
+            keep = (ids >= 0) & (ids < x.size)
+            ids, counts = ids[keep], counts[keep]
+            if p.repetition_penalty != 1.0:
+                vals = x[ids]
+                x[ids] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            if p.frequency_penalty or p.presence_penalty:
+                x[ids] -= counts * p.frequency_penalty + p.presence_penalty
+        return x
+
+    def truncated_probs(self, x: np.ndarray) -> np.ndarray:
+        """Sampling distribution after top-k / top-p / min-p and temperature (sums to 1)."""
+        p = self.params
+        logp = log_softmax(x)
+        keep = np.isfinite(logp)
+        if p.top_k and p.top_k < keep.sum():
+            kth = np.partition(np.where(keep, logp, -np.inf), -p.top_k)[-p.top_k]
+            order = np.argsort(-np.where(keep, logp, -np.inf), kind="stable")
+            # keep exactly k: ties at the threshold go to the lower ids (stable order)
+            chosen = np.zeros_like(keep)
+            chosen[order[: p.top_k]] = True
+            keep &= chosen & (logp >= kth)
+        if p.top_p < 1.0:
+            probs = np.where(keep, np.exp(logp), 0.0)
+            probs /= probs.sum()
+            order = np.argsort(-probs, kind="stable")
+            cum = np.cumsum(probs[order])
+            # smallest prefix whose mass reaches top_p
+            cut = int(np.searchsorted(cum, p.top_p - 1e-12)) + 1
+            chosen = np.zeros_like(keep)
+            chosen[order[:cut]] = True
+            keep &= chosen
+        if p.min_p > 0.0:
+            pmax = np.exp(logp[keep].max())
+            keep &= np.exp(logp) >= p.min_p * pmax
+        scaled = np.where(keep, x / p.temperature, -np.inf)
+        return np.exp(log_softmax(scaled))
+
+    # ---- sampling -----------------------------------------------------------------------
+
+    def sample(self, logits: np.ndarray, history: Sequence[int] = (), mask: np.ndarray | None = None):
+        """``(token_id, logprob, top_logprobs)`` for one row of logits.
+
+        ``top_logprobs`` is a tuple of ``(token_id, logprob)`` best first, ``params.top_logprobs``
+        long when ``params.logprobs`` is set, else empty.
+        """
+        p = self.params
+        x = self.process(logits, history, mask)
+        if p.temperature == 0.0:
+            if not np.isfinite(x).any():
+                raise InputError("every token is excluded: nothing can be sampled")
+            token = int(np.argmax(x))
+        else:
+            probs = self.truncated_probs(x)
+            cdf = np.cumsum(probs)
+            token = int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
+            token = min(token, probs.size - 1)
+            while probs[token] == 0.0:  # guard against landing on a zero-width bucket
+                token -= 1
+        logp = log_softmax(x)
+        top: tuple[tuple[int, float], ...] = ()
+        if p.logprobs and p.top_logprobs > 0:
+            n = min(int(p.top_logprobs), logp.size)
+            idx = np.argpartition(-logp, n - 1)[:n]
+            idx = idx[np.lexsort((idx, -logp[idx]))]
+            top = tuple((int(i), float(logp[i])) for i in idx)
+        return token, float(logp[token]), top
+
+
+class StopStringMatcher:
+    """Finds stop strings in streamed text, even when they span token boundaries.
+
+    ``push(text)`` returns ``(safe_text, stopped)``: ``safe_text`` can be sent to the
+    client now (text that might be the start of a stop string is held back); once a stop
+    string is found, ``stopped`` is True and ``safe_text`` ends right before it.
+    """
+
+    def __init__(self, stops: Iterable[str] | str | None):
+        if isinstance(stops, str):
+            stops = [stops]
+        self.stops = [s for s in (stops or ()) if s]
+        self._held = ""
+        self.stopped = False
+        self.matched: str | None = None
+
+    def push(self, text: str) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        if not self.stops:
+            return text, False
+        buf = self._held + text
+        first, which = -1, None
+        for s in self.stops:
+            i = buf.find(s)
+            if i != -1 and (first == -1 or i < first):
+                first, which = i, s
+        if which is not None:
+            self.stopped, self.matched, self._held = True, which, ""
+            return buf[:first], True
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(buf)), hold, -1):
+                if buf.endswith(s[:k]):
+                    hold = k
+                    break
+        self._held = buf[len(buf) - hold :] if hold else ""
+        return buf[: len(buf) - hold], False
+
+    def flush(self) -> str:
+        """The held-back text, at the end of generation when no stop string completed."""
+        held, self._held = self._held, ""
+        return "" if self.stopped else held
+
+    @property
+    def holding(self) -> bool:
+        return bool(self._held)

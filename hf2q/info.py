@@ -1,0 +1,145 @@
+"""``hf2q info MODEL.gguf``: a static preflight of one GGUF (SPEC §1).
+
+Reads only the header and metadata (tensor data stays memory-mapped and untouched), so
+it answers in well under a second for any size. It reports what the engine would do
+with the file — family, quant mix, bytes, context, tokenizer and chat template, the KV
+cache a slot needs — and ends with ``Serve support: ready`` or
+``Serve support: rejected — <reason>`` (exit 3). ``--json`` prints one object instead.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from gguf import GGMLQuantizationType as T
+
+from hf2q.errors import EXIT_INPUT, EXIT_OK, InputError
+from hf2q.formats.gguf_file import GGUFFile, open_gguf
+
+SUPPORTED_TYPES = {T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K,
+                   T.Q6_K}
+EMBEDDING_ARCHS = {"bert"}
+
+
+def kv_dtype_bytes() -> int:
+    """Bytes per KV element in the engine on this machine (float32 on CPU, float16 on GPU)."""
+    try:
+        import hf2q.engine  # noqa: F401 — loads the fast BLAS before MLX
+        import mlx.core as mx
+
+        return 4 if mx.default_device() == mx.cpu else 2
+    except ImportError:
+        return 2
+
+
+def kv_bytes_per_token(g: GGUFFile, elem_bytes: int) -> int:
+    """All layers, K and V: ``layers × kv_heads × (key_len + value_len) × elem_bytes``."""
+    if g.arch in EMBEDDING_ARCHS:
+        return 0
+    n_layers = int(g.require(".block_count"))
+    hidden = int(g.require(".embedding_length"))
+    n_heads = g.require(".attention.head_count")
+    n_kv = g.get(".attention.head_count_kv", n_heads)
+    heads = max(n_heads) if isinstance(n_heads, list) else int(n_heads)
+    kv = max(n_kv) if isinstance(n_kv, list) else int(n_kv)
+    k_len = int(g.get(".attention.key_length", hidden // heads))
+    v_len = int(g.get(".attention.value_length", k_len))
+    return n_layers * kv * (k_len + v_len) * elem_bytes
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return str(n)
+
+
+def inspect(path, ctx: int | None = None, slots: int = 4, kv_budget: int | None = None) -> dict[str, Any]:
+    """Everything ``info`` prints, as a dict (``serve_support`` + ``reject_reason``)."""
+    from hf2q.engine.models import FAMILIES
+
+    g = open_gguf(path)
+    arch = g.arch
+    reasons: list[str] = []
+    if arch not in FAMILIES:
+        reasons.append(f"unsupported architecture {arch or '(none)'!r}")
+    bad_types = sorted({t.qtype.name for t in g.tensors.values() if t.qtype not in SUPPORTED_TYPES})
+    if bad_types:
+        reasons.append(f"unsupported tensor type(s) {', '.join(bad_types)}")
+    tokens = g.get("tokenizer.ggml.tokens")
+    tok_model = g.get("tokenizer.ggml.model")
+    has_tokenizer = bool(tokens) and bool(tok_model)
+    if not has_tokenizer:
+        reasons.append("no tokenizer metadata (tokenizer.ggml.model / tokens)")
+    template = g.get("tokenizer.chat_template")
+    n_ctx_train = int(g.get(".context_length", 0) or 0)
+    ctx = int(ctx or n_ctx_train or 0)
+    kind = "embedding" if arch in EMBEDDING_ARCHS else "chat"
+    elem = kv_dtype_bytes()
+    try:
+        per_token = kv_bytes_per_token(g, elem)
+    except InputError as e:
+        per_token = 0
+        reasons.append(str(e).split(": ", 1)[-1])
+    per_slot = per_token * ctx
+    worst = per_slot * slots
+    if kind == "chat" and ctx > n_ctx_train > 0:
+        reasons.append(f"--ctx {ctx} exceeds the model's trained context {n_ctx_train}")
+    if kv_budget is not None and kind == "chat" and kv_budget < per_slot:
+        reasons.append(f"--kv-cache-budget {_human(kv_budget)} cannot hold one slot at --ctx {ctx} "
+                       f"({_human(per_slot)})")
+    return {
+        "path": str(g.path), "architecture": arch, "family": arch, "kind": kind,
+        "name": g.get("general.name"), "file_type": g.get("general.file_type"),
+        "tensor_count": len(g.tensors), "tensor_bytes": g.tensor_bytes, "file_bytes": g.file_bytes,
+        "quant_mix": g.type_counts(),
+        "parameters": sum(t.n_elements for t in g.tensors.values()),
+        "context_length": n_ctx_train, "ctx": ctx, "slots": slots,
+        "layers": g.get(".block_count"), "embedding_length": g.get(".embedding_length"),
+        "tokenizer": tok_model if has_tokenizer else None, "vocab_size": len(tokens) if tokens else 0,
+        "chat_template": bool(template),
+        "kv_dtype_bytes": elem, "kv_bytes_per_token": per_token, "kv_bytes_per_slot": per_slot,
+        "kv_bytes_worst_case": worst, "kv_cache_budget": kv_budget,
+        "serve_support": "rejected" if reasons else "ready",
+        "reject_reason": "; ".join(reasons) if reasons else None,
+    }
+
+
+def _tokenizer_line(info: dict) -> str:
+    if not info["tokenizer"]:
+        return "missing"
+    return f"{info['tokenizer']} ({info['vocab_size']} tokens)"
+
+
+def run(args) -> int:
+    info = inspect(args.model, ctx=args.ctx, slots=args.slots, kv_budget=args.kv_cache_budget)
+    ready = info["serve_support"] == "ready"
+    if args.json:
+        print(json.dumps(info))
+        return EXIT_OK if ready else EXIT_INPUT
+    mix = ", ".join(f"{k}×{v}" for k, v in info["quant_mix"].items())
+    lines = [
+        f"File:           {info['path']}",
+        f"Family:         {info['family']} ({info['kind']}){'  — ' + info['name'] if info['name'] else ''}",
+        f"Parameters:     {info['parameters'] / 1e6:.1f} M",
+        f"Tensors:        {info['tensor_count']} ({_human(info['tensor_bytes'])}; file {_human(info['file_bytes'])})",
+        f"Quant mix:      {mix}",
+        f"Context:        trained {info['context_length']}, --ctx {info['ctx']}",
+        f"Tokenizer:      {_tokenizer_line(info)}",
+        f"Chat template:  {'present' if info['chat_template'] else 'absent'}",
+    ]
+    if info["kind"] == "chat":
+        budget = f", budget {_human(info['kv_cache_budget'])}" if info["kv_cache_budget"] else ""
+        lines += [
+            f"KV cache:       {_human(info['kv_bytes_per_token'])}/token ({info['kv_dtype_bytes'] * 8}-bit); "
+            f"per slot {_human(info['kv_bytes_per_slot'])}; worst case {info['slots']} slots "
+            f"{_human(info['kv_bytes_worst_case'])}{budget}",
+        ]
+    print("\n".join(lines))
+    if ready:
+        print("Serve support: ready")
+        return EXIT_OK
+    print(f"Serve support: rejected — {info['reject_reason']}")
+    return EXIT_INPUT

@@ -1,0 +1,81 @@
+"""CPU replacements for the MLX ops that are slow on MLX's Linux CPU backend.
+
+MLX's CPU ``exp``/``sigmoid``/``tanh`` run ~10x slower than numpy's SIMD loops (measured:
+softmax over 512x1536x9 scores 370 ms vs 34 ms), which made attention and the MLP
+activations dominate prefill. On the CPU device, for tensors large enough that the
+host round trip is noise, these helpers evaluate the input, do the transcendental part
+in numpy (in place, float32) and hand back an MLX array. Matmuls stay in MLX, where
+they reach the optimised BLAS (``cpu_blas``). Small tensors (decode) stay in MLX.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+
+HOST_MIN_ELEMENTS = 1 << 15
+
+
+def _use_host(x: mx.array) -> bool:
+    return mx.default_device() == mx.cpu and x.size >= HOST_MIN_ELEMENTS and x.dtype == mx.float32
+
+
+def _host(x: mx.array) -> np.ndarray:
+    mx.eval(x)
+    return np.array(x, copy=True)
+
+
+def silu_mul(gate: mx.array, up: mx.array) -> mx.array:
+    """``silu(gate) * up``."""
+    if not _use_host(gate):
+        return gate * mx.sigmoid(gate) * up
+    g = _host(gate)
+    e = np.negative(g)
+    np.exp(e, out=e)
+    e += 1.0
+    np.divide(g, e, out=g)
+    g *= _host(up)
+    return mx.array(g)
+
+
+def gelu_tanh_mul(gate: mx.array, up: mx.array) -> mx.array:
+    """``gelu_tanh(gate) * up`` (Gemma's GeGLU)."""
+    if not _use_host(gate):
+        return 0.5 * gate * (1.0 + mx.tanh(math.sqrt(2.0 / math.pi) * (gate + 0.044715 * gate ** 3))) * up
+    g = _host(gate)
+    t = g * g
+    t *= 0.044715 * g
+    t += g
+    t *= math.sqrt(2.0 / math.pi)
+    np.tanh(t, out=t)
+    t += 1.0
+    t *= 0.5
+    t *= g
+    t *= _host(up)
+    return mx.array(t)
+
+
+def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask_np: np.ndarray | None) -> mx.array:
+    """Grouped-query attention ``[B, H, T, D]`` with the softmax on the host.
+
+    Heads that share a KV head are stacked so each QKᵀ and PV product is one large matmul.
+    ``mask_np``: bool ``[B, 1, T, L]`` (True = attend) or None.
+    """
+    B, H, T, D = q.shape
+    Hkv, L = keys.shape[1], keys.shape[2]
+    rep = H // Hkv
+    scores = (q * scale).reshape(B, Hkv, rep * T, D) @ keys.transpose(0, 1, 3, 2)
+    s = _host(scores).reshape(B, Hkv, rep, T, L)
+    if mask_np is not None:
+        np.putmask(s, ~np.broadcast_to(mask_np[:, :, None, :, :], s.shape), -np.inf)
+    s -= s.max(axis=-1, keepdims=True)
+    np.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+    out = mx.array(s.reshape(B, Hkv, rep * T, L)) @ values
+    return out.reshape(B, H, T, values.shape[-1])
+
+
+def attention_on_host(q: mx.array, n_keys: int) -> bool:
+    return mx.default_device() == mx.cpu and q.dtype == mx.float32 and q.shape[1] * q.shape[2] * n_keys >= HOST_MIN_ELEMENTS

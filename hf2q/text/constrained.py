@@ -1,0 +1,225 @@
+"""Constrained decoding: token masks that keep a completion inside a grammar.
+
+Used for ``response_format`` (``json_object`` / ``json_schema``) and for ``tool_choice``
+``required`` / a named function. Built on **llguidance** (Microsoft's guidance engine, on
+PyPI as a small abi3 wheel with no torch dependency) rather than our own automaton:
+
+* it computes a mask over the whole vocabulary in well under a millisecond with a
+  token trie + lazy lexer, so it keeps up with decoding on CPU;
+* it works from raw token bytes, which we already have exactly (the same bytes our
+  detokenizer emits), so there is no second tokenizer to keep in sync, and SentencePiece
+  byte-fallback and GPT-2 byte-level vocabularies behave the same;
+* it compiles JSON Schema (the subset OpenAI's ``strict`` mode allows and more) and
+  Lark grammars, and is what llama.cpp, vLLM and SGLang use for the same job.
+
+(xgrammar and outlines-core need torch or HF tokenizer objects for their vocab setup;
+llguidance needed neither.)
+
+A constraint object is stateful per request: ``allowed_mask()`` → ``bool[vocab]`` for the
+next token, ``advance(token_id)`` after sampling, ``is_accepting()`` when the text so
+far is complete (then the mask also allows end-of-generation tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from hf2q.errors import InputError
+
+_FACTORIES_LOCK = threading.Lock()
+
+
+def _load_llguidance():
+    try:
+        import llguidance
+    except ImportError as exc:  # pragma: no cover - dependency missing
+        raise InputError("constrained decoding needs the 'llguidance' package (pip install llguidance)") from exc
+    return llguidance
+
+
+class _TokenSource:
+    """What llguidance's ``TokenizerWrapper`` reads: token bytes, EOS, a text encoder."""
+
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+        self.tokens = tokenizer.piece_bytes_table()
+        eos = sorted(tokenizer.eos_ids) or [0]
+        self.eos_token_id = tokenizer.eos_id if tokenizer.eos_id is not None else eos[0]
+        self.bos_token_id = tokenizer.bos_id
+        self.special_token_ids = sorted(tokenizer.special_ids)
+
+    def __call__(self, text):
+        if isinstance(text, (bytes, bytearray)):
+            text = bytes(text).decode("utf-8", errors="replace")
+        return self._tok.encode(text, add_special=False, parse_special=False)
+
+
+def ll_tokenizer_for(tokenizer):
+    """The llguidance tokenizer for a :class:`GGUFTokenizer` (built once, ~1 s, cached on it)."""
+    with _FACTORIES_LOCK:
+        cached = getattr(tokenizer, "_llguidance_tokenizer", None)
+        if cached is not None:
+            return cached
+        llg = _load_llguidance()
+        source = _TokenSource(tokenizer)
+        ll = llg.LLTokenizer(llg.TokenizerWrapper(source), n_vocab=tokenizer.vocab_size, eos_token=sorted(tokenizer.eos_ids) or None)
+        tokenizer._llguidance_tokenizer = ll
+        return ll
+
+
+class GrammarConstraint:
+    """A per-request matcher over one llguidance grammar."""
+
+    def __init__(self, tokenizer, grammar: str, *, description: str = "grammar"):
+        llg = _load_llguidance()
+        self.tokenizer = tokenizer
+        self.description = description
+        self._ll = ll_tokenizer_for(tokenizer)
+        error = llg.LLMatcher.validate_grammar(grammar, self._ll)
+        if error and not error.startswith("WARNING"):
+            raise InputError(f"cannot constrain output to this {description}: {error.splitlines()[0]}")
+        self._matcher = llg.LLMatcher(self._ll, grammar, log_level=0)
+        if self._matcher.is_error():
+            raise InputError(f"cannot constrain output to this {description}: {self._matcher.get_error()}")
+        self.vocab_size = tokenizer.vocab_size
+
+    def allowed_mask(self) -> np.ndarray | None:
+        """Tokens allowed next (None = no constraint left: the grammar has ended)."""
+        m = self._matcher
+        if m.is_error():
+            raise InputError(f"constrained decoding failed: {m.get_error()}")
+        bits = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)
+        mask = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
+        return mask
+
+    def allowed(self, tokens_so_far: Sequence[int] | None = None) -> np.ndarray | None:
+        """Alias kept for ``SamplingParams.constraint`` users (state is tracked via advance)."""
+        return self.allowed_mask()
+
+    def advance(self, token_id: int) -> None:
+        if not self._matcher.consume_token(int(token_id)):
+            raise InputError(f"constrained decoding: token {token_id} is not allowed here ({self._matcher.get_error()})")
+
+    def is_accepting(self) -> bool:
+        return self._matcher.is_accepting()
+
+    def is_finished(self) -> bool:
+        """Nothing but end-of-generation can follow."""
+        return self._matcher.is_stopped()
+
+    def forced_text(self) -> bytes:
+        """Bytes the grammar forces next (useful to skip sampling)."""
+        return self._matcher.compute_ff_bytes()
+
+
+# ---------------------------------------------------------------------------- grammars
+
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def json_schema_grammar(schema: Mapping[str, Any] | bool) -> str:
+    llg = _load_llguidance()
+    try:
+        return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=_JSON_OPTIONS)
+    except (ValueError, TypeError) as exc:
+        raise InputError(f"invalid JSON schema: {exc}") from None
+
+
+def for_response_format(tokenizer, response_format: Mapping[str, Any] | None) -> GrammarConstraint | None:
+    """The constraint for an OpenAI ``response_format`` (None for ``text``)."""
+    if not response_format:
+        return None
+    kind = response_format.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return GrammarConstraint(tokenizer, json_schema_grammar({"type": "object"}), description="JSON object")
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, Mapping) or "schema" not in spec and "name" not in spec:
+            raise InputError("response_format.json_schema must be an object with a 'schema'")
+        schema = spec.get("schema", {"type": "object"})
+        if not isinstance(schema, (Mapping, bool)):
+            raise InputError("response_format.json_schema.schema must be a JSON schema object")
+        return GrammarConstraint(tokenizer, json_schema_grammar(schema), description="JSON schema")
+    raise InputError(f"unsupported response_format type {kind!r} (use text, json_object or json_schema)")
+
+
+def _call_schema(tools: Sequence[Mapping], args_key: str) -> dict:
+    variants = []
+    for tool in tools:
+        fn = tool.get("function", tool)
+        params = fn.get("parameters") or {"type": "object"}
+        variants.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": fn["name"]}, args_key: params},
+                "required": ["name", args_key],
+                "additionalProperties": False,
+            }
+        )
+    return variants[0] if len(variants) == 1 else {"anyOf": variants}
+
+
+def _selected_tools(tools: Sequence[Mapping], tool_choice: Any) -> list[Mapping]:
+    if isinstance(tool_choice, Mapping):
+        name = (tool_choice.get("function") or {}).get("name")
+        chosen = [t for t in tools if t.get("function", t).get("name") == name]
+        if not chosen:
+            raise InputError(f"tool_choice names {name!r}, which is not in tools")
+        return chosen
+    return list(tools)
+
+
+def for_tool_choice(tokenizer, syntax: str, tools: Sequence[Mapping], tool_choice: Any, parallel: bool = True) -> GrammarConstraint | None:
+    """Force a tool call for ``tool_choice`` ``required`` or ``{"type": "function", ...}``.
+
+    The grammar writes the call in the model's own syntax for the JSON-bodied families
+    (``qwen``/``generic``: ``<tool_call>{"name", "arguments"}</tool_call>``, ``llama3``:
+    ``{"name", "parameters"}``). Returns None for ``auto``/``none``.
+    """
+    if tool_choice in (None, "auto", "none"):
+        return None
+    if not tools:
+        raise InputError("tool_choice requires a non-empty tools list")
+    chosen = _selected_tools(tools, tool_choice)
+    if syntax in ("qwen", "generic"):
+        schema = json.dumps(_call_schema(chosen, "arguments"))
+        repeat = "+" if parallel and not isinstance(tool_choice, Mapping) else ""
+        lark = (
+            f'start: (call "\\n"?){repeat}\n'
+            f'call: "<tool_call>" "\\n"? body "\\n"? "</tool_call>"\n'
+            f"body: %json {schema}\n"
+        )
+        return GrammarConstraint(tokenizer, _load_llguidance().LLMatcher.grammar_from_lark(lark), description="tool call")
+    if syntax == "llama3":
+        return GrammarConstraint(tokenizer, json_schema_grammar(_call_schema(chosen, "parameters")), description="tool call")
+    raise InputError(f"tool_choice {tool_choice!r} is not supported for the {syntax} tool-call syntax; use auto")
+
+
+def for_request(
+    tokenizer,
+    *,
+    response_format: Mapping[str, Any] | None = None,
+    tools: Sequence[Mapping] | None = None,
+    tool_choice: Any = None,
+    syntax: str | None = None,
+) -> GrammarConstraint | None:
+    """The one constraint an OpenAI chat request needs, or None.
+
+    A forced tool call (``tool_choice`` ``required`` / named) wins over ``response_format``
+    because the reply is then a call, not a message. Syntaxes we have no call grammar for
+    (``qwen_xml``, ``gemma4``, ``deepseek``) return None: the template's own instructions
+    and the parser still apply, only without a hard guarantee.
+    """
+    forced = bool(tools) and tool_choice not in (None, "auto", "none")
+    if forced and syntax is not None:
+        if syntax in ("qwen", "generic", "llama3"):
+            return for_tool_choice(tokenizer, syntax, tools, tool_choice)
+        return None
+    return for_response_format(tokenizer, response_format)

@@ -1,0 +1,152 @@
+"""Split a streamed completion into reasoning and answer text.
+
+Thinking models wrap their reasoning in markers (``<think>…</think>`` for Qwen3 and
+DeepSeek, ``<|channel>thought…<channel|>`` for Gemma 4). The OpenAI-style API returns
+the inside as ``reasoning_content`` and the rest as ``content``, while tokens stream in,
+so markers may arrive split across tokens: text that could still be the start of a
+marker is held back until it is decided.
+
+Some templates open the block in the prompt itself (Qwen3.5 and DeepSeek-V4 with
+thinking on end the prompt with ``<think>``): pass ``started_in_prompt=True`` — see
+:func:`prompt_opens_reasoning` — and the completion begins inside the reasoning.
+Whitespace that only frames the block (newlines after the opening marker, before the
+closing one, and before the answer) is dropped, as the templates themselves do when
+they render a past turn.
+"""
+
+from __future__ import annotations
+
+import enum
+
+GEMMA4_CHANNEL_LABEL = "thought"
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
+class _State(enum.Enum):
+    DECIDING = "deciding"  # nothing but whitespace so far: may still open a block
+    REASONING = "reasoning"
+    ANSWER_START = "answer_start"  # just closed a block: drop framing newlines
+    ANSWER = "answer"
+
+
+class ReasoningSplitter:
+    """``feed(text) -> (reasoning_delta, content_delta)``; ``finish()`` flushes."""
+
+    def __init__(self, start: str = "<think>", end: str = "</think>", *, started_in_prompt: bool = False):
+        self.start = start
+        self.end = end
+        self.label = GEMMA4_CHANNEL_LABEL if start == "<|channel>" else ""
+        self._state = _State.REASONING if started_in_prompt else _State.DECIDING
+        self._buf = ""
+        self._reasoning_started = False  # leading whitespace of the block already skipped
+        self._held_newlines = ""
+        self.saw_reasoning = started_in_prompt
+
+    @property
+    def in_reasoning(self) -> bool:
+        return self._state is _State.REASONING
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self._buf += text
+        reasoning, content = [], []
+        while True:
+            progressed = self._step(reasoning, content)
+            if not progressed:
+                break
+        return "".join(reasoning), "".join(content)
+
+    def _step(self, reasoning: list[str], content: list[str]) -> bool:
+        buf = self._buf
+        if not buf:
+            return False
+        if self._state is _State.DECIDING:
+            stripped = buf.lstrip()
+            if stripped.startswith(self.start):
+                self._buf = stripped[len(self.start) :]
+                self._state = _State.REASONING
+                self.saw_reasoning = True
+                return True
+            if not stripped or self.start.startswith(stripped):
+                return False  # undecided: wait for more text
+            self._state = _State.ANSWER
+            return True
+        if self._state is _State.REASONING:
+            if not self._reasoning_started:
+                if self.label:
+                    if len(buf) < len(self.label) and self.label.startswith(buf):
+                        return False
+                    if buf.startswith(self.label):
+                        buf = buf[len(self.label) :]
+                stripped = buf.lstrip("\n")
+                self._buf = buf = stripped
+                if not stripped:
+                    return False
+                self._reasoning_started = True
+            i = buf.find(self.end)
+            if i != -1:
+                piece = self._held_newlines + buf[:i]
+                self._held_newlines = ""
+                reasoning.append(piece.rstrip("\n"))
+                self._buf = buf[i + len(self.end) :]
+                self._state = _State.ANSWER_START
+                return True
+            keep = _partial_suffix(buf, self.end)
+            ready, self._buf = buf[: len(buf) - keep], buf[len(buf) - keep :]
+            if ready:
+                body = ready.rstrip("\n")
+                trailing = ready[len(body) :]
+                if body:
+                    reasoning.append(self._held_newlines + body)
+                    self._held_newlines = trailing
+                else:
+                    self._held_newlines += trailing
+            return False
+        if self._state is _State.ANSWER_START:
+            stripped = buf.lstrip("\n")
+            self._buf = stripped
+            if not stripped:
+                return False
+            self._state = _State.ANSWER
+            return True
+        content.append(buf)
+        self._buf = ""
+        return False
+
+    def finish(self) -> tuple[str, str]:
+        """End of stream: whatever was held back, on the side it was heading to."""
+        buf, self._buf = self._buf, ""
+        if self._state is _State.REASONING:
+            return (self._held_newlines + buf).rstrip("\n") if self._reasoning_started or buf.strip() else "", ""
+        if self._state is _State.ANSWER_START:
+            return "", buf.lstrip("\n")
+        return "", buf
+
+
+def prompt_opens_reasoning(prompt: str, start: str = "<think>", end: str = "</think>") -> bool:
+    """True when the rendered prompt leaves a reasoning block open for the model to fill."""
+    i = prompt.rfind(start)
+    return i != -1 and prompt.find(end, i) == -1
+
+
+def splitter_for(template, prompt: str) -> ReasoningSplitter | None:
+    """The splitter for a :class:`~hf2q.text.chat_template.ChatTemplate`'s markers, or None."""
+    markers = template.thinking_markers
+    if markers is None:
+        return None
+    start, end = markers
+    return ReasoningSplitter(start, end, started_in_prompt=prompt_opens_reasoning(prompt, start, end))
+
+
+def split_complete(text: str, start: str = "<think>", end: str = "</think>", *, started_in_prompt: bool = False) -> tuple[str, str]:
+    """Non-streaming convenience: ``(reasoning, content)`` of a whole completion."""
+    s = ReasoningSplitter(start, end, started_in_prompt=started_in_prompt)
+    r1, c1 = s.feed(text)
+    r2, c2 = s.finish()
+    return r1 + r2, c1 + c2

@@ -1,0 +1,159 @@
+"""Constrained decoding: a random-logits "model" decoded greedily under the mask.
+
+Whatever the logits, every finished output must be valid JSON (``json.loads``), valid
+against the schema (``jsonschema``), or a well-formed tool call that our parser reads
+back and whose arguments satisfy the tool's schema. The random model is nudged towards
+structural characters so outputs finish in a few hundred tokens; the nudging only
+changes which valid output comes out, never whether the mask lets invalid text through.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import numpy as np
+import pytest
+
+from hf2q.engine.sampler import Sampler
+from hf2q.errors import InputError
+from hf2q.sched.requests import SamplingParams
+from hf2q.text import constrained
+from hf2q.text.tokenizer import GGUFTokenizer
+from hf2q.text.toolcalls import parse_complete
+
+MAX_STEPS = 400
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from hf2q.fetch import SMOLLM2, fetch
+
+    return GGUFTokenizer.from_gguf(fetch(SMOLLM2))
+
+
+def _structural_bias(tok) -> np.ndarray:
+    bias = np.zeros(tok.vocab_size)
+    for i in range(tok.vocab_size):
+        piece = tok.token_bytes(i)
+        if any(c in piece for c in b'"}],0123456789') and len(piece) <= 3:
+            bias[i] = 4.0
+    for e in tok.eos_ids:
+        bias[e] = 6.0
+    return bias
+
+
+def _decode(tok, constraint, seed, bias, sampler=None):
+    rng = np.random.default_rng(seed)
+    sampler = sampler or Sampler(SamplingParams(temperature=0.0))
+    out = []
+    for _ in range(MAX_STEPS):
+        logits = rng.normal(0, 1, tok.vocab_size) + bias
+        token, _, _ = sampler.sample(logits, out, mask=constraint.allowed_mask())
+        if token in tok.eos_ids:
+            assert constraint.is_accepting()
+            return tok.decode(out)
+        constraint.advance(token)
+        out.append(token)
+    raise AssertionError(f"did not finish in {MAX_STEPS} tokens: {tok.decode(out)!r}")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_json_object_always_valid(smollm2, seed):
+    bias = _structural_bias(smollm2)
+    c = constrained.for_response_format(smollm2, {"type": "json_object"})
+    assert isinstance(json.loads(_decode(smollm2, c, seed, bias)), dict)
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "tags", "ok"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_json_schema_always_valid(smollm2, seed):
+    bias = _structural_bias(smollm2)
+    c = constrained.for_response_format(smollm2, {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}})
+    jsonschema.validate(json.loads(_decode(smollm2, c, seed, bias)), SCHEMA)
+
+
+def test_sampling_with_temperature_stays_valid(smollm2):
+    bias = _structural_bias(smollm2)
+    c = constrained.for_response_format(smollm2, {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}})
+    sampler = Sampler(SamplingParams(temperature=1.0, top_p=0.9, seed=4))
+    jsonschema.validate(json.loads(_decode(smollm2, c, 99, bias, sampler)), SCHEMA)
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"],
+        "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"],
+        "additionalProperties": False}}},
+]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
+@pytest.mark.parametrize("seed", range(3))
+def test_tool_choice_forces_a_valid_call(smollm2, choice, seed):
+    bias = _structural_bias(smollm2)
+    c = constrained.for_tool_choice(smollm2, "generic", TOOLS, choice)
+    text = _decode(smollm2, c, seed, bias)
+    content, calls, truncated = parse_complete("generic", text, TOOLS)
+    assert calls and not truncated and content.strip() == ""
+    by_name = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for call in calls:
+        name = call["function"]["name"]
+        if isinstance(choice, dict):
+            assert name == "add"
+        jsonschema.validate(json.loads(call["function"]["arguments"]), by_name[name])
+
+
+def test_llama3_tool_choice_is_bare_json(smollm2):
+    c = constrained.for_tool_choice(smollm2, "llama3", TOOLS, {"type": "function", "function": {"name": "get_weather"}})
+    text = _decode(smollm2, c, 1, _structural_bias(smollm2))
+    obj = json.loads(text)
+    assert obj["name"] == "get_weather" and set(obj["parameters"]) == {"city"}
+
+
+def test_mask_forbids_and_allows_as_expected(smollm2):
+    c = constrained.for_response_format(smollm2, {"type": "json_object"})
+    mask = c.allowed_mask()
+    assert mask.shape == (smollm2.vocab_size,)
+    brace = smollm2.encode("{", add_special=False)[0]
+    letter = smollm2.encode("a", add_special=False)[0]
+    assert mask[brace] and not mask[letter]
+    assert not any(mask[e] for e in smollm2.eos_ids)  # an empty output is not a JSON object
+    with pytest.raises(InputError):
+        c.advance(letter)
+
+
+def test_bad_requests_are_input_errors(smollm2):
+    assert constrained.for_response_format(smollm2, {"type": "text"}) is None
+    assert constrained.for_tool_choice(smollm2, "qwen", TOOLS, "auto") is None
+    with pytest.raises(InputError, match="unsupported response_format"):
+        constrained.for_response_format(smollm2, {"type": "yaml"})
+    with pytest.raises(InputError, match="not in tools"):
+        constrained.for_tool_choice(smollm2, "qwen", TOOLS, {"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(InputError):
+        constrained.for_response_format(smollm2, {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})
+
+
+def test_for_request_picks_the_right_constraint(smollm2):
+    rf = {"type": "json_object"}
+    assert constrained.for_request(smollm2) is None
+    assert constrained.for_request(smollm2, response_format=rf).description == "JSON object"
+    forced = constrained.for_request(smollm2, response_format=rf, tools=TOOLS, tool_choice="required", syntax="generic")
+    assert forced.description == "tool call"
+    assert constrained.for_request(smollm2, tools=TOOLS, tool_choice="auto", syntax="qwen") is None
+    # no call grammar for this syntax: no hard constraint rather than a failed request
+    assert constrained.for_request(smollm2, tools=TOOLS, tool_choice="required", syntax="gemma4") is None
