@@ -395,3 +395,50 @@ async def test_logprobs_match_the_generated_tokens():
             assert e["top_logprobs"][0]["token"] == e["token"]
             assert e["top_logprobs"][0]["logprob"] == pytest.approx(e["logprob"])
             assert e["top_logprobs"][1]["logprob"] < e["logprob"]
+
+
+def _fake_embedding(ids, dim=16):
+    """The fake embedding runner's rule, written independently (tests/fakes/runner.py)."""
+    import numpy as np
+
+    v = np.zeros(dim)
+    for j, t in enumerate(ids):
+        v[(t + j) % dim] += 1.0 + (t % 5)
+    return v / np.linalg.norm(v)
+
+
+async def test_embeddings_float_base64_usage_and_errors():
+    import base64
+
+    import numpy as np
+
+    async with open_test_server(embeddings=True) as srv, httpx.AsyncClient(base_url=srv.url) as c:
+        texts = ["A man is eating food.", "Ünïcødé ✓"]
+        r = await c.post("/v1/embeddings", json={"input": texts, "model": "embedder"})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert [d["index"] for d in body["data"]] == [0, 1]
+        for d, t in zip(body["data"], texts):
+            v = np.asarray(d["embedding"])
+            assert np.allclose(v, _fake_embedding(t.encode()), atol=1e-6)
+            assert abs(np.linalg.norm(v) - 1) < 1e-5
+        assert body["usage"]["prompt_tokens"] == sum(len(t.encode()) for t in texts)
+        r = await c.post("/v1/embeddings", json={"input": texts[0], "encoding_format": "base64"})
+        raw = base64.b64decode(r.json()["data"][0]["embedding"])
+        assert np.allclose(np.frombuffer(raw, "<f4"), _fake_embedding(texts[0].encode()), atol=1e-6)
+        async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0) as client:
+            out = await client.embeddings.create(model="embedder", input=texts)  # the SDK asks for base64
+            assert np.allclose(out.data[1].embedding, _fake_embedding(texts[1].encode()), atol=1e-6)
+        for bad, param in (({"input": 5}, "input"), ({"input": ["ok", {"x": 1}]}, "input[1]"),
+                           ({"input": "x", "encoding_format": "hex"}, "encoding_format")):
+            r = await c.post("/v1/embeddings", json=bad)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param
+        r = await c.post("/v1/embeddings", json={"input": "x", "model": "other"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert [m["id"] for m in (await c.get("/v1/models")).json()["data"]] == ["scripted", "embedder"]
+
+
+async def test_embeddings_without_embedding_model_is_404():
+    async with open_test_server() as srv, httpx.AsyncClient(base_url=srv.url) as c:
+        r = await c.post("/v1/embeddings", json={"input": "hello"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"

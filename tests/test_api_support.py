@@ -11,7 +11,7 @@ whose greedy next token is a known function of the history (``expected_next_toke
 from __future__ import annotations
 
 import json
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import AsyncIterator
 
 import attrs
@@ -100,6 +100,16 @@ class ScriptedChatModel:
 
 
 @attrs.define
+class ByteEmbeddingModel:
+    """Token ids = UTF-8 bytes (the fake embedding runner accepts any ids)."""
+
+    model_id: str = "embedder"
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+
+@attrs.define
 class ServerUnderTest:
     url: str
     model: ScriptedChatModel
@@ -131,17 +141,25 @@ class ServerUnderTest:
 @asynccontextmanager
 async def open_test_server(*, api_key=None, cors_origins=(), max_request_bytes=1 << 20, slots=2,
                            queue_capacity=4, keepalive_s=15.0, token_delay=0.002, prefill_delay=0.0,
-                           ctx=2048, prefill_chunk=2048) -> AsyncIterator[ServerUnderTest]:
+                           ctx=2048, prefill_chunk=2048, embeddings=False) -> AsyncIterator[ServerUnderTest]:
     runner = FakeModelRunner(vocab_size=VOCAB, n_ctx_train=ctx, step_latency_s=token_delay,
                              prefill_latency_per_token_s=prefill_delay)
     model = ScriptedChatModel(runner=runner)
     config = RuntimeConfig(slots=slots, ctx=ctx, queue_capacity=queue_capacity, prefill_chunk=prefill_chunk,
                            gpu_deadline_s=20)
-    async with open_runtime(runner.factory(), config) as runtime, trio.open_nursery() as nursery:
+    embed_runner = FakeModelRunner(vocab_size=VOCAB, is_embedding_model=True, embedding_dim=16)
+    async with AsyncExitStack() as stack:
+        runtime = await stack.enter_async_context(open_runtime(runner.factory(), config))
+        embed_runtime = await stack.enter_async_context(
+            open_runtime(embed_runner.factory(), RuntimeConfig(slots=1))) if embeddings else None
+        nursery = await stack.enter_async_context(trio.open_nursery())
         assert await runtime.wait_ready()
+        if embed_runtime is not None:
+            assert await embed_runtime.wait_ready()
         sctx = ServerContext(runtime=runtime, chat_model=model, model_id=model.model_id, api_key=api_key,
                              cors_origins=tuple(cors_origins), max_request_bytes=max_request_bytes,
-                             keepalive_s=keepalive_s)
+                             keepalive_s=keepalive_s, embed_runtime=embed_runtime,
+                             embed_model=ByteEmbeddingModel() if embeddings else None)
         stopped = trio.Event()
 
         async def run_server(task_status=trio.TASK_STATUS_IGNORED):

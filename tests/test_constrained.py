@@ -157,3 +157,57 @@ def test_for_request_picks_the_right_constraint(smollm2):
     assert constrained.for_request(smollm2, tools=TOOLS, tool_choice="auto", syntax="qwen") is None
     # no call grammar for this syntax: no hard constraint rather than a failed request
     assert constrained.for_request(smollm2, tools=TOOLS, tool_choice="required", syntax="gemma4") is None
+
+
+# ---------------------------------------------------------------------------- markup call syntaxes
+
+MARKUP_CASES = {
+    # syntax: (vocabulary from the llama.cpp sdist, closing markup the random model is drawn to)
+    "qwen_xml": ("qwen35", ["\n</parameter>\n", "</function>\n</tool_call>"]),
+    "deepseek": ("qwen35", ["</｜DSML｜parameter>\n", "</｜DSML｜invoke>\n", "</｜DSML｜tool_calls>"]),
+    "gemma4": ("gemma-4", ['<|"|>', "}<tool_call|>", ","]),
+}
+
+
+def _markup_bias(tok, markers) -> np.ndarray:
+    bias = np.zeros(tok.vocab_size)
+    for i in range(tok.vocab_size):
+        piece = tok.token_bytes(i)
+        if piece and any(piece in m.encode() for m in markers):
+            bias[i] = 5.0
+    for e in tok.eos_ids:
+        bias[e] = 8.0
+    return bias
+
+
+@pytest.mark.parametrize("syntax", sorted(MARKUP_CASES))
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
+def test_markup_tool_choice_yields_parseable_valid_calls(syntax, choice):
+    from hf2q.fetch import LLAMA_CPP_SDIST, fetch
+
+    vocab, markers = MARKUP_CASES[syntax]
+    tok = _vocab_tokenizer(fetch(LLAMA_CPP_SDIST) / "models" / f"ggml-vocab-{vocab}.gguf")
+    bias = _markup_bias(tok, markers)
+    by_name = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for seed in range(2):
+        c = constrained.for_tool_choice(tok, syntax, TOOLS, choice)
+        text = _decode(tok, c, seed, bias)
+        content, calls, truncated = parse_complete(syntax, text, TOOLS)
+        assert calls and not truncated and content.strip() == "", text
+        for call in calls:
+            args = json.loads(call["function"]["arguments"])
+            if isinstance(choice, dict):
+                assert call["function"]["name"] == "add"
+            # the grammar fixes names and types; values of declared types validate
+            props = by_name[call["function"]["name"]]["properties"]
+            assert set(args) <= set(props)
+            jsonschema.validate(args, {"type": "object", "properties": props})
+
+
+_VOCABS: dict = {}
+
+
+def _vocab_tokenizer(path):
+    if path not in _VOCABS:
+        _VOCABS[path] = GGUFTokenizer.from_gguf(path)
+    return _VOCABS[path]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 
 import numpy as np
-import pytest
 
 from hf2q.cli import main
 from hf2q.kvstore import BLOCK_TOKENS, BlockStore, KVBlock

@@ -83,7 +83,7 @@ def test_kill_9_at_50_random_moments_leaves_only_verified_blocks_or_temps(tmp_pa
     temps_seen = 0
     for round_ in range(50):
         r, w = os.pipe()
-        pid = _fork(lambda: _writer_child(tmp_path, w, round_ + 1))
+        pid = _fork(lambda w=w, seed=round_ + 1: _writer_child(tmp_path, w, seed))
         os.close(w)
         assert os.read(r, 1) == b"r"
         os.close(r)

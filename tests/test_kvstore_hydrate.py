@@ -30,12 +30,13 @@ def test_fresh_slot_restores_every_full_block_before_the_last_token(tmp_path):
         assert [store.read(i.meta)["k"][0, 0, 0] for i in plan.imports] == [0, 1, 2]  # in order
 
 
-def test_prompt_ending_on_a_block_boundary_leaves_one_token_to_prefill(tmp_path):
+def test_prompt_ending_on_a_block_boundary_leaves_its_last_block_to_prefill(tmp_path):
     store, toks = stored(tmp_path, 2)
     with store:
-        plan = plan_restore(store, toks, 0)
-        assert [i.n_tokens for i in plan.imports] == [B, B - 1]
-        assert plan.cached_tokens == len(toks) - 1
+        plan = plan_restore(store, toks, 0)  # the last token must be computed; blocks import whole
+        assert [i.n_tokens for i in plan.imports] == [B]
+        assert plan.cached_tokens == B
+        assert plan_restore(store, toks + [7], 0).cached_tokens == 2 * B
 
 
 def test_slot_prefix_is_kept_to_its_block_boundary_and_only_the_rest_imported(tmp_path):

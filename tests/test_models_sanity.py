@@ -48,7 +48,7 @@ def test_tiny_checkpoint_loads_and_runs(family, tiny_checkpoint):
     assert torch.isfinite(hidden).all()
     if family != "bert":
         assert hidden.shape == (1, min(16, len(ids)), cfg["vocab_size"])
-        assert float(hidden[0, -1].std()) > 0.1  # logits spread enough for stable greedy decoding
+        assert float(hidden[0, -1].std()) > 0.5  # logits spread (see tiny._perturb)
 
 
 @pytest.mark.parametrize("family", tiny.FAMILIES)

@@ -148,7 +148,7 @@ def test_fast_imatrix_quantize_is_byte_identical_to_llama_cpp(set_name, key):
 def test_reference_imatrix_quantize_is_byte_identical_to_llama_cpp(qtype):
     nasty, rand = fixture_set("nasty256"), fixture_set("random1024")
     for data, rows, key, weights in ((nasty, slice(3, 9), "qw", "imatrix"), (nasty, slice(9, 12), "qz", "imatrix_sparse"),
-                                     (rand, slice(0, 1), "qw", "imatrix")):
+                                     (rand, slice(0, 1), "qz", "imatrix_sparse")):
         got = codec.reference_quantize(data["x"][rows].astype(np.float32), T[qtype], imatrix=data[weights])
         want = data[f"{key}_{qtype}"][rows]
         assert np.array_equal(got, want), _first_diff(got, want)

@@ -68,3 +68,19 @@ async def test_corrupt_block_falls_back_to_what_is_good(tmp_path):
     assert ev[0].cached_tokens == BLOCK_TOKENS
     assert tokens_of(ev) == greedy(fresh, prompt, 4)
     assert sum(fresh.prefill_sizes) == len(prompt) - BLOCK_TOKENS
+
+
+async def test_a_full_writer_skips_blocks_instead_of_stalling(tmp_path):
+    prompt = _prompt(20 * BLOCK_TOKENS + 1)  # 20 full blocks; the writer queue holds 8
+    fake = FakeModelRunner(n_ctx_train=8192)
+    with BlockStore.open(tmp_path, FP, None) as store:
+        async with open_runtime(fake.factory(), RuntimeConfig(slots=1), kv_store=store) as rt:
+            await rt.wait_ready()
+            ev = await collect(await rt.submit(GenerationRequest("a", tuple(prompt), SamplingParams(max_tokens=3))))
+            assert terminal(ev).reason == "length" and tokens_of(ev) == greedy(fake, prompt, 3)
+            assert await rt.drain(30)
+            c = rt.snapshot().counters
+        # 8 queued (+1 handed straight to an idle writer), the rest skipped at once
+        assert c["kv_blocks_saved"] in (8, 9) and c["kv_blocks_saved"] + c["kv_blocks_skipped"] == 20
+        # what was accepted reached the disk: the leading blocks of the chain
+        assert len(store.longest_prefix(prompt)) == c["kv_blocks_saved"]

@@ -178,7 +178,9 @@ def _quantize(x, qtype, threads, imatrix, fast: bool) -> np.ndarray:
         extra = _imatrix_args(x, qtype, imatrix, fast)
     blocks = x.reshape(-1, blk)
     threads = _default_threads() if threads is None else max(1, int(threads))
-    per_chunk = max(1, CHUNK_ELEMENTS // blk) if fast else blocks.shape[0]
+    # Q3_K's search refines one value at a time (many small numpy calls): bigger chunks amortise them
+    chunk = CHUNK_ELEMENTS * (4 if qtype == T.Q3_K else 1)
+    per_chunk = max(1, chunk // blk) if fast else blocks.shape[0]
     q = _run_blocks(qfn, blocks, size, threads if fast else 1, per_chunk, extra)
     return q.reshape(rows, n // blk * size)
 

@@ -44,6 +44,7 @@ _NP_TO_ST = {
     "int32": "I32", "uint32": "U32", "int64": "I64", "uint64": "U64", "bool": "BOOL",
 }
 _ST_TO_NP = {v: k for k, v in _NP_TO_ST.items()}
+_ST_TO_NP["BF16"] = "uint16"  # read as raw bits: numpy has no bfloat16 (payload.py widens them)
 
 
 class BlockFileError(Exception):
@@ -96,7 +97,8 @@ def _st_dtype(arr: np.ndarray) -> str:
 
 def encode_block(*, block_hash: str, parent_hash: str, fingerprint: str, token_ids: Sequence[int],
                  arrays: Mapping[str, np.ndarray], payload_kind: str = PAYLOAD_KV,
-                 payload_dtypes: Mapping[str, str] | None = None) -> tuple[bytes, list[memoryview]]:
+                 payload_dtypes: Mapping[str, str] | None = None,
+                 dtype_tags: Mapping[str, str] | None = None) -> tuple[bytes, list[memoryview]]:
     """Return ``(prefix, body_parts)``: the length+header bytes and the body as zero-copy views.
 
     Writing ``prefix`` then each part gives the complete file; the caller never needs the
@@ -115,6 +117,10 @@ def encode_block(*, block_hash: str, parent_hash: str, fingerprint: str, token_i
             raise ValueError("tensor name __metadata__ is reserved")
         arr = np.asarray(arrays[name])
         tag = _st_dtype(arr)
+        if dtype_tags and name in dtype_tags:  # e.g. bfloat16 bits held in a uint16 array
+            tag = dtype_tags[name]
+            if np.dtype(_ST_TO_NP[tag]).itemsize != arr.dtype.itemsize:
+                raise ValueError(f"{name}: tag {tag} does not match dtype {arr.dtype}")
         if arr.dtype.byteorder == ">":
             arr = arr.astype(arr.dtype.newbyteorder("<"))
         arr = np.ascontiguousarray(arr)

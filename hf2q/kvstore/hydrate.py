@@ -4,8 +4,9 @@ A slot may already hold part of the prompt (``slot_cached`` tokens, its exact-pr
 while the disk holds a longer run of full blocks. Restoring means: trim the slot's sequence
 back to a block boundary it already covers, then import the stored blocks after it. The
 prompt's last token is never restored — prefill must compute it to produce the logits the
-first sampled token comes from — so the final block may be imported partially
-(``n_tokens < BLOCK_TOKENS``; ``ModelRunner.import_kv`` takes the count).
+first sampled token comes from — and only whole blocks are imported (the engine's
+``import_kv`` takes arrays of exactly ``n_tokens`` positions), so a prompt ending exactly on
+a block boundary recomputes its last block.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from hf2q.kvstore.fingerprint import BLOCK_TOKENS
 @attrs.frozen
 class BlockImport:
     meta: BlockMeta
-    n_tokens: int  # positions of this block to import (the last one may be partial)
+    n_tokens: int  # positions of this block to import (always the whole block today)
 
 
 @attrs.frozen
@@ -54,9 +55,9 @@ def plan_restore(store, prompt: Sequence[int], slot_cached: int = 0) -> RestoreP
         start = i * BLOCK_TOKENS
         if start < keep:
             continue
-        if start >= limit:
+        if start + BLOCK_TOKENS > limit:
             break
-        imports.append(BlockImport(meta, min(BLOCK_TOKENS, limit - start)))
+        imports.append(BlockImport(meta, BLOCK_TOKENS))
     plan = RestorePlan(keep, tuple(imports))
     if plan.cached_tokens <= slot_cached:
         return None

@@ -11,7 +11,6 @@ the default payload keeps the engine's own dtype.
 
 from __future__ import annotations
 
-from typing import Mapping
 
 import numpy as np
 
@@ -32,32 +31,3 @@ def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def dequantize_rows(q: np.ndarray, scale: np.ndarray, dtype) -> np.ndarray:
     return (q.astype(np.float32) * scale.astype(np.float32)).astype(dtype)
-
-
-def encode_payload(arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """Quantize every floating-point tensor; returns (stored tensors, original dtype by name)."""
-    out: dict[str, np.ndarray] = {}
-    dtypes: dict[str, str] = {}
-    for name, arr in arrays.items():
-        arr = np.asarray(arr)
-        if name.endswith(SCALE_SUFFIX):
-            raise ValueError(f"tensor name {name!r} is reserved for q8 scales")
-        if arr.dtype.kind == "f" and arr.ndim >= 1 and arr.shape[-1] > 0:
-            out[name], out[name + SCALE_SUFFIX] = quantize_rows(arr)
-            dtypes[name] = arr.dtype.name
-        else:
-            out[name] = arr
-    return out, dtypes
-
-
-def decode_payload(stored: Mapping[str, np.ndarray], dtypes: Mapping[str, str]) -> dict[str, np.ndarray]:
-    """Inverse of ``encode_payload`` (up to rounding)."""
-    out = {}
-    for name, arr in stored.items():
-        if name.endswith(SCALE_SUFFIX):
-            continue
-        if name in dtypes:
-            out[name] = dequantize_rows(arr, stored[name + SCALE_SUFFIX], np.dtype(dtypes[name]))
-        else:
-            out[name] = arr
-    return out

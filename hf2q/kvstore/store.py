@@ -32,7 +32,7 @@ import numpy as np
 
 from hf2q.atomic import TMP_SUFFIX, fsync_dir
 from hf2q.errors import InputError
-from hf2q.kvstore import q8
+from hf2q.kvstore import payload
 from hf2q.kvstore.blockfile import (PAYLOAD_KV, PAYLOAD_KV_Q8, BlockFileError, BlockMeta, block_file_name,
                                     encode_block, parse_header, read_block, read_meta)
 from hf2q.kvstore.fingerprint import BLOCK_TOKENS, ROOT_PARENT, block_hashes, chain_hash
@@ -247,9 +247,7 @@ class BlockStore:
             raise BlockUnavailable(f"block {meta.block_hash[:12]}: {e.strerror or e}") from None
         with contextlib.suppress(OSError):
             os.utime(meta.path)  # recency survives restarts (recovery propagates it to ancestors)
-        if got.payload_kind == PAYLOAD_KV_Q8:
-            return q8.decode_payload(arrays, got.payload_dtypes)
-        return arrays
+        return payload.decode_payload(arrays, got)
 
     # ---- writes -------------------------------------------------------------------------
 
@@ -259,12 +257,10 @@ class BlockStore:
             raise ValueError("block hash does not match its parent, tokens and this store's fingerprint")
         if self.contains(block.block_hash):
             return None
-        arrays, dtypes = block.arrays, None
-        if self.payload_kind == PAYLOAD_KV_Q8:
-            arrays, dtypes = q8.encode_payload(block.arrays)
+        arrays, tags, dtypes = payload.encode_payload(block.arrays, self.payload_kind)
         prefix, parts = encode_block(block_hash=block.block_hash, parent_hash=block.parent_hash,
-                                     fingerprint=self.fingerprint, token_ids=block.token_ids,
-                                     arrays=arrays, payload_kind=self.payload_kind, payload_dtypes=dtypes)
+                                     fingerprint=self.fingerprint, token_ids=block.token_ids, arrays=arrays,
+                                     payload_kind=self.payload_kind, payload_dtypes=dtypes, dtype_tags=tags)
         final = self.blocks_dir / block_file_name(block.block_hash)
         tmp = self.blocks_dir / f".{block.block_hash}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)

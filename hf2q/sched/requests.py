@@ -27,8 +27,8 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     stop_token_ids: frozenset[int] = frozenset()
-    #: an object with ``.allowed(tokens_so_far) -> np.ndarray[bool] | None`` and ``.advance(token)``
-    #: produced by ``hf2q.text.constrained``; None = unconstrained.
+    #: an object with ``.allowed_mask() -> np.ndarray[bool] | None``, ``.advance(token)`` and
+    #: ``.is_accepting()``, produced by ``hf2q.text.constrained``; None = unconstrained.
     constraint: Any = None
 
 

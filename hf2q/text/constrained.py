@@ -179,27 +179,141 @@ def _selected_tools(tools: Sequence[Mapping], tool_choice: Any) -> list[Mapping]
 def for_tool_choice(tokenizer, syntax: str, tools: Sequence[Mapping], tool_choice: Any, parallel: bool = True) -> GrammarConstraint | None:
     """Force a tool call for ``tool_choice`` ``required`` or ``{"type": "function", ...}``.
 
-    The grammar writes the call in the model's own syntax for the JSON-bodied families
-    (``qwen``/``generic``: ``<tool_call>{"name", "arguments"}</tool_call>``, ``llama3``:
-    ``{"name", "parameters"}``). Returns None for ``auto``/``none``.
+    The grammar writes the call in the model's own syntax (see :mod:`hf2q.text.toolcalls`):
+    JSON bodies for ``qwen``/``generic``/``llama3``, the XML-ish markup of ``qwen_xml`` and
+    ``deepseek``, Gemma 4's ``call:NAME{…}``. Returns None for ``auto``/``none``.
     """
     if tool_choice in (None, "auto", "none"):
         return None
     if not tools:
         raise InputError("tool_choice requires a non-empty tools list")
     chosen = _selected_tools(tools, tool_choice)
+    repeat = "+" if parallel and not isinstance(tool_choice, Mapping) else ""
     if syntax in ("qwen", "generic"):
         schema = json.dumps(_call_schema(chosen, "arguments"))
-        repeat = "+" if parallel and not isinstance(tool_choice, Mapping) else ""
         lark = (
             f'start: (call "\\n"?){repeat}\n'
             f'call: "<tool_call>" "\\n"? body "\\n"? "</tool_call>"\n'
             f"body: %json {schema}\n"
         )
-        return GrammarConstraint(tokenizer, _load_llguidance().LLMatcher.grammar_from_lark(lark), description="tool call")
-    if syntax == "llama3":
+    elif syntax == "llama3":
         return GrammarConstraint(tokenizer, json_schema_grammar(_call_schema(chosen, "parameters")), description="tool call")
-    raise InputError(f"tool_choice {tool_choice!r} is not supported for the {syntax} tool-call syntax; use auto")
+    elif syntax in _MARKUP_GRAMMARS:
+        lark = _MARKUP_GRAMMARS[syntax](chosen, repeat)
+    else:
+        raise InputError(f"tool_choice {tool_choice!r} is not supported for the {syntax} tool-call syntax; use auto")
+    return GrammarConstraint(tokenizer, _load_llguidance().LLMatcher.grammar_from_lark(lark), description="tool call")
+
+
+# ---- call grammars for the markup syntaxes (Lark, as llguidance reads it) ----------------------
+#
+# Free-text string values are "lazy" rules that end at their closing markup (llguidance's
+# ``suffix=``); typed values are inline JSON schemas. Parameters may come in any order.
+
+def _lit(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _params(fn: Mapping) -> list[tuple[str, dict]]:
+    props = ((fn.get("parameters") or {}).get("properties")) or {}
+    return [(str(k), dict(v) if isinstance(v, Mapping) else {}) for k, v in props.items()]
+
+
+def _is_string(schema: Mapping) -> bool:
+    t = schema.get("type")
+    return t == "string" or (t is None and "enum" not in schema and "const" not in schema)
+
+
+def _qwen_xml_grammar(tools: Sequence[Mapping], repeat: str) -> str:
+    rules = [f"start: call{repeat}", 'sval[suffix="\\n</parameter>\\n"]: /(.|\\n)*/']
+    calls = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function", tool)
+        alts = []
+        for j, (name, schema) in enumerate(_params(fn)):
+            head = _lit(f"<parameter={name}>\n")
+            if _is_string(schema):
+                rules.append(f"p{i}_{j}: {head} sval")
+            else:
+                rules.append(f'p{i}_{j}: {head} %json {json.dumps(schema)} "\\n</parameter>\\n"')
+            alts.append(f"p{i}_{j}")
+        body = f"({' | '.join(alts)})*" if alts else ""
+        rules.append(f'c{i}: {_lit("<tool_call>" + chr(10) + "<function=" + fn["name"] + ">" + chr(10))} {body} '
+                     f'"</function>\\n</tool_call>" "\\n"?')
+        calls.append(f"c{i}")
+    rules.append(f"call: {' | '.join(calls)}")
+    return "\n".join(rules) + "\n"
+
+
+_DSML = "\uff5cDSML\uff5c"
+
+
+def _dsml(tag: str) -> str:
+    return "<" + _DSML + tag + ">"
+
+
+def _deepseek_grammar(tools: Sequence[Mapping], repeat: str) -> str:
+    end_param = _dsml("/parameter").replace("<" + _DSML + "/", "</" + _DSML) + "\n"
+    rules = [
+        f"start: {_lit(_dsml('tool_calls') + chr(10))} invoke{repeat} {_lit('</' + _DSML + 'tool_calls>')}",
+        f"sval[suffix={_lit(end_param)}]: /(.|\\n)*/",
+    ]
+    invokes = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function", tool)
+        alts = []
+        for j, (name, schema) in enumerate(_params(fn)):
+            as_string = _is_string(schema)
+            head = _lit(_dsml(f'parameter name="{name}" string="{"true" if as_string else "false"}"'))
+            value = "sval" if as_string else f"%json {json.dumps(schema)} {_lit(end_param)}"
+            rules.append(f"p{i}_{j}: {head} {value}")
+            alts.append(f"p{i}_{j}")
+        body = f"({' | '.join(alts)})*" if alts else ""
+        opening = _lit(_dsml(f'invoke name="{fn["name"]}"') + "\n")
+        rules.append(f"v{i}: {opening} {body} {_lit('</' + _DSML + 'invoke>' + chr(10))}")
+        invokes.append(f"v{i}")
+    rules.append(f"invoke: {' | '.join(invokes)}")
+    return "\n".join(rules) + "\n"
+
+
+def _gemma4_grammar(tools: Sequence[Mapping], repeat: str) -> str:
+    q = '<|"|>'
+    rules = [
+        f"start: call{repeat}",
+        f"gstr: {_lit(q)} sval",
+        f"sval[suffix={_lit(q)}]: /(.|\\n)*/",
+        # Gemma's own notation for nested values: unquoted keys, <|"|>-quoted strings
+        'gval: gstr | %json {"type": "number"} | "true" | "false" | gobj | garr',
+        'gobj: "{" (GKEY ":" gval ("," GKEY ":" gval)*)? "}"',
+        'garr: "[" (gval ("," gval)*)? "]"',
+        "GKEY: /[A-Za-z_][A-Za-z0-9_]*/",
+    ]
+    calls = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function", tool)
+        alts = []
+        for j, (name, schema) in enumerate(_params(fn)):
+            t = schema.get("type")
+            if _is_string(schema):
+                value = "gstr"
+            elif t in ("integer", "number"):
+                value = f"%json {json.dumps({'type': t})}"
+            elif t == "boolean":
+                value = '("true" | "false")'
+            else:
+                value = "gval"
+            rules.append(f"p{i}_{j}: {_lit(name + ':')} {value}")
+            alts.append(f"p{i}_{j}")
+        args = f"(pa{i} (\",\" pa{i})*)?" if alts else ""
+        if alts:
+            rules.append(f"pa{i}: {' | '.join(alts)}")
+        rules.append(f"c{i}: {_lit('<|tool_call>call:' + fn['name'] + '{')} {args} {_lit('}<tool_call|>')}")
+        calls.append(f"c{i}")
+    rules.append(f"call: {' | '.join(calls)}")
+    return "\n".join(rules) + "\n"
+
+
+_MARKUP_GRAMMARS = {"qwen_xml": _qwen_xml_grammar, "deepseek": _deepseek_grammar, "gemma4": _gemma4_grammar}
 
 
 def for_request(
@@ -219,7 +333,5 @@ def for_request(
     """
     forced = bool(tools) and tool_choice not in (None, "auto", "none")
     if forced and syntax is not None:
-        if syntax in ("qwen", "generic", "llama3"):
-            return for_tool_choice(tokenizer, syntax, tools, tool_choice)
-        return None
+        return for_tool_choice(tokenizer, syntax, tools, tool_choice)
     return for_response_format(tokenizer, response_format)

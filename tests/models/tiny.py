@@ -11,7 +11,7 @@ tokenizer needs.
 Weights: transformers' own initialisation under ``torch.manual_seed(0)``, then every
 parameter gets extra seeded noise so that no tensor is a constant (norm weights of all ones,
 zero biases, or Gemma's zero-centred norms would hide a converter that drops or mis-offsets
-them) and logits are spread enough for greedy decoding to be stable.
+them), and matrices are scaled so logits have a std of 1-2 (see ``_perturb``).
 
 Folders are cached under ``<hf2q cache>/test-models/tiny-<family>-v2/`` and built once.
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 from tests.models.cache import build_once
 from tests.models.tokenizer_files import copy_tokenizer, vocab_size
 
-VERSION = "v2"  # v2: embeddings scaled up so greedy decoding has clear margins
+VERSION = "v2"  # v2: weights scaled up so logits are not flat
 FAMILIES = ("llama", "qwen3", "qwen3_moe", "gemma3", "bert")
 SEED = 0
 
@@ -39,7 +39,7 @@ _SPECS: dict[str, dict] = {
                     num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5,
                     tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
                     rope_parameters={"rope_type": "default", "rope_theta": 100000.0}),
-        legacy=dict(rope_theta=100000.0),
+        legacy=dict(rope_theta=100000.0), scales=(5.0, 3.0),
     ),
     # Qwen3-0.6B: hidden 1024, 16 heads × 128 (≠ hidden), 8 KV, q/k norms, tied embeddings.
     "qwen3": dict(
@@ -48,7 +48,7 @@ _SPECS: dict[str, dict] = {
                     num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-6,
                     tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645,
                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
-        legacy=dict(rope_theta=1000000.0),
+        legacy=dict(rope_theta=1000000.0), scales=(5.0, 3.0),
     ),
     # Qwen3-30B-A3B: 128 experts top-8 (here 4 experts top-2), normalised top-k, untied.
     "qwen3_moe": dict(
@@ -60,6 +60,7 @@ _SPECS: dict[str, dict] = {
                     bos_token_id=151643, eos_token_id=151645,
                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
         legacy=dict(rope_theta=1000000.0, num_experts=4),  # transformers 5 renames it num_local_experts
+        scales=(5.0, 3.0),
     ),
     # Gemma3-270m: 4 heads / 1 KV, head_dim 256, sliding window 512 with 5 local : 1 global,
     # two rope bases, q/k norms, (1 + w) norms, tied. Here: 2 sliding layers + 1 global, window 16.
@@ -74,6 +75,7 @@ _SPECS: dict[str, dict] = {
                                      "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
         legacy=dict(rope_theta=1000000.0, rope_local_base_freq=10000.0, rope_scaling=None,
                     _sliding_window_pattern=3, sliding_window_pattern=3),  # mlx-lm reads the latter
+        scales=(3.0, 3.0),  # Gemma multiplies embeddings by sqrt(hidden): a smaller embedding scale
     ),
     # all-MiniLM-L6-v2: BertModel, hidden 384, 12 heads, mean pooling (sentence-transformers files).
     "bert": dict(
@@ -98,8 +100,15 @@ def spec(family: str) -> dict:
     return {**s["kwargs"], "vocab_size": vocab_size(s["tokenizer"]), "tokenizer": s["tokenizer"]}
 
 
-def _perturb(model, seed: int) -> None:
-    """Give every parameter seeded noise so none is constant and the logits are not flat."""
+def _perturb(model, seed: int, embed_scale: float, matrix_scale: float) -> None:
+    """Give every parameter seeded noise so none is constant, then set the weight scales.
+
+    With transformers' 0.02-std init a tiny model's logits are nearly flat (top-1 margins of
+    1e-3 make greedy comparisons flip on rounding). Scaling embeddings and matrices up gives
+    logits with a std of 1-2 and a model that neither copies its input token (the residual
+    stream is not just the embedding) nor collapses to one token. Random models still have
+    some near-ties: compare logits, or argmax only where the reference margin is clear.
+    """
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -108,12 +117,9 @@ def _perturb(model, seed: int) -> None:
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
             if p.ndim == 1:  # norm weights (around 1, or around 0 for Gemma's 1+w) and biases
                 p.add_(0.1 * noise)
-            else:  # matrices: widen the 0.02-std init so activations and logits have some range
-                p.mul_(2.0).add_(0.02 * noise)
-            if "embed_tokens" in name or "lm_head" in name:
-                # logits = rms-normed hidden · embedding rows: ~0.45-std rows give logits with a
-                # std of a few units, so top-1 margins are not lost in float rounding
-                p.mul_(10.0)
+                continue
+            p.mul_(2.0).add_(0.02 * noise)
+            p.mul_(embed_scale if ("embed_tokens" in name or "lm_head" in name) else matrix_scale)
 
 
 def _build(family: str, out: Path) -> None:
@@ -126,7 +132,7 @@ def _build(family: str, out: Path) -> None:
     torch.manual_seed(SEED)
     auto = transformers.AutoModelForCausalLM if s["kind"] == "causal" else transformers.AutoModel
     model = auto.from_config(config, dtype=torch.float32)
-    _perturb(model, SEED + 1)
+    _perturb(model, SEED + 1, *s.get("scales", (1.0, 1.0)))
     model.eval()
     model.save_pretrained(out)
     cfg_path = out / "config.json"
