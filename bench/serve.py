@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -56,8 +55,7 @@ def percentile(xs: list[float], q: float) -> float | None:
 
 def long_context(n_bytes: int = 20_000) -> str:
     """A deterministic ~20 KB document (varied words so tokenisation is realistic)."""
-    words = ("alpha beta gamma delta server cache token slot prefill decode request stream memory budget "
-             "kernel thread queue batch model layer vector matrix").split()
+    words = ["alpha", "beta", "gamma", "delta", "server", "cache", "token", "slot", "prefill", "decode", "request", "stream", "memory", "budget", "kernel", "thread", "queue", "batch", "model", "layer", "vector", "matrix"]
     out, i = [], 0
     while sum(len(w) + 1 for w in out) < n_bytes:
         out.append(words[(i * 7 + i // 3) % len(words)] + (str(i % 97) if i % 5 == 0 else ""))

@@ -28,11 +28,12 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import NoReturn
 
 EXIT_FAILURE, EXIT_INPUT = 1, 3
 
 
-def fail(message: str, code: int) -> "NoReturn":  # noqa: F821
+def fail(message: str, code: int) -> NoReturn:
     print(f"serve_agent: error: {message}", file=sys.stderr)
     raise SystemExit(code)
 

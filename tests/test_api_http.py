@@ -17,8 +17,10 @@ import httpx
 import openai
 import pytest
 import trio
-
-from test_api_support import (ServerUnderTest, ScriptedChatModel, open_test_server, sse_events)
+from test_api_support import (
+    open_test_server,
+    sse_events,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -141,12 +143,12 @@ async def test_auth_on_every_route_constant_time_bearer():
         r = await c.post("/v1/chat/completions", headers=ok, json=CHAT)
         assert r.status_code == 200
         # the official SDK with the key works, without it fails with AuthenticationError
-        good = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="s3cret", max_retries=0)
-        out = await good.chat.completions.create(**CHAT)
+        async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="s3cret", max_retries=0) as good:
+            out = await good.chat.completions.create(**CHAT)
         assert out.choices[0].message.content == srv.model.expected_text(8)
-        bad = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="nope", max_retries=0)
-        with pytest.raises(openai.AuthenticationError):
-            await bad.chat.completions.create(**CHAT)
+        async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="nope", max_retries=0) as bad:
+            with pytest.raises(openai.AuthenticationError):
+                await bad.chat.completions.create(**CHAT)
 
 
 async def test_cors_only_for_listed_origins():
@@ -188,9 +190,9 @@ async def test_streaming_frames_roles_usage_and_done():
         usage = [ch for ch in chunks if ch.get("usage")]
         assert len(usage) == 1 and usage[0]["choices"] == [] and usage[0]["usage"]["completion_tokens"] == 8
         # the SDK parses the same stream
-        client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
-        stream = await client.chat.completions.create(**{**CHAT, "stream": True})
-        got = "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
+        async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0) as client:
+            stream = await client.chat.completions.create(**{**CHAT, "stream": True})
+            got = "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
         assert got == srv.model.expected_text(8)
 
 
@@ -240,8 +242,8 @@ async def test_tool_call_deltas_reassemble_and_length_cut_is_not_tool_calls():
         ch = r.json()["choices"][0]
         assert ch["finish_reason"] == "length" and "tool_calls" not in ch["message"]
         # the SDK reassembles the stream too
-        client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
-        out = await client.chat.completions.create(**body)
+        async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0) as client:
+            out = await client.chat.completions.create(**body)
         assert json.loads(out.choices[0].message.tool_calls[0].function.arguments) == srv.model.tool_arguments
 
 
@@ -442,3 +444,32 @@ async def test_embeddings_without_embedding_model_is_404():
     async with open_test_server() as srv, httpx.AsyncClient(base_url=srv.url) as c:
         r = await c.post("/v1/embeddings", json={"input": "hello"})
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+async def test_persistent_kv_restart_reports_cached_tokens_and_disk_metrics(tmp_path):
+    """--kv-persist through the HTTP layer: a fresh server (new runtime, empty slots) over the same
+    store answers the same prompt with cached_tokens from disk and identical output."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from hf2q.kvstore import BLOCK_TOKENS, BlockStore
+
+    prompt = {**CHAT, "messages": [{"role": "user", "content": "persist me " * 80}]}  # ~880 byte tokens
+    answers = []
+    for _ in range(2):
+        store = BlockStore.open(tmp_path / "kv", "f" * 64)
+        try:
+            async with open_test_server(kv_store=store) as srv, httpx.AsyncClient(base_url=srv.url) as c:
+                r = await c.post("/v1/chat/completions", json=prompt)
+                answers.append(r.json())
+                await srv.runtime.drain(5)  # lets queued block writes reach the disk
+                fams = {f.name: f for f in text_string_to_metric_families((await c.get("/metrics")).text)}
+        finally:
+            store.close()
+        n_prompt = answers[-1]["usage"]["prompt_tokens"]
+        full_blocks = (n_prompt - 1) // BLOCK_TOKENS
+        assert fams["hf2q_kv_bytes_on_disk"].samples[0].value > 0
+        assert fams["hf2q_kv_persist_blocks"].samples[0].value == full_blocks
+    first, second = answers
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= full_blocks * BLOCK_TOKENS
+    assert second["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]

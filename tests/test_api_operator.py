@@ -14,10 +14,10 @@ import logging
 import httpx
 import trio
 from rich.console import Console
+from test_api_support import open_test_server
 
 from hf2q.api.operator import EventLogger, choose_mode, render_dashboard
 from hf2q.logs import JsonFormatter
-from test_api_support import open_test_server
 
 MARKER = "PURPLE-OCTOPUS-PROMPT"
 
@@ -64,7 +64,7 @@ async def test_dashboard_and_event_lines_show_numbers_not_text():
         records = [json.loads(line) for line in stream.getvalue().splitlines()]
         kinds = [r["msg"] for r in records if r.get("request_id") == "op-req-1"]
         assert kinds == ["admitted", "finished"]
-        fin = [r for r in records if r["msg"] == "finished"][0]
+        fin = next(r for r in records if r["msg"] == "finished")
         assert fin["completion_tokens"] == 30 and fin["reason"] == "length"
         assert MARKER not in stream.getvalue()
     finally:

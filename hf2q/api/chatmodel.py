@@ -9,7 +9,8 @@ parsers, stop strings, constrained decoding); tests may implement it over anythi
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import attrs
 

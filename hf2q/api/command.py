@@ -99,7 +99,12 @@ async def _serve(args, model_path: Path, chat_model, embed_path, embed_model, st
     """Run until stopped; returns a failure message (model failed to load) or None."""
     from hf2q.actors.runtime import RuntimeConfig, open_runtime
     from hf2q.api.app import ServerContext
-    from hf2q.api.operator import EventLogger, choose_mode, run_dashboard, run_status_lines
+    from hf2q.api.operator import (
+        EventLogger,
+        choose_mode,
+        run_dashboard,
+        run_status_lines,
+    )
     from hf2q.api.server import serve
 
     mode = choose_mode(args.operator_ui, log_format())

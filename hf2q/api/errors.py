@@ -46,7 +46,7 @@ class ApiError(Exception):
     def headers(self) -> dict[str, str]:
         if self.retry_after is None:
             return {}
-        return {"Retry-After": str(max(1, int(round(self.retry_after))))}
+        return {"Retry-After": str(max(1, round(self.retry_after)))}
 
 
 def error_body(status: int, message: str, *, code: str | None = None, param: str | None = None) -> dict:

@@ -81,13 +81,13 @@ async def serve(ctx: ServerContext, host: str = "127.0.0.1", port: int = 8080, *
         log.info("draining", extra={"timeout_s": drain_timeout})
         try:
             clean = await ctx.runtime.drain(drain_timeout)
-        except Exception:  # noqa: BLE001 — a failed drain must still close the server
+        except Exception:
             log.exception("drain failed")
             clean = False
         if ctx.embed_runtime is not None and ctx.embed_runtime is not ctx.runtime:
             try:
                 await ctx.embed_runtime.drain(drain_timeout)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("embedding drain failed")
         log.info("drained", extra={"clean": clean})
         await trio.sleep(0.05)  # let the last SSE frames flush before Hypercorn closes

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Any, Union
+from typing import Any
 
 import attrs
 
@@ -46,7 +46,7 @@ class ToolCallEnd:
     index: int
 
 
-OutputDelta = Union[ContentDelta, ReasoningDelta, ToolCallStart, ToolCallArgs, ToolCallEnd]
+OutputDelta = ContentDelta | ReasoningDelta | ToolCallStart | ToolCallArgs | ToolCallEnd
 
 
 def new_completion_id() -> str:

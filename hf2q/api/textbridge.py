@@ -16,12 +16,20 @@ module, so an API change there is a one-place change here. No MLX is imported.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from hf2q.api.errors import ApiError
-from hf2q.api.shapes import (ContentDelta, OutputDelta, ReasoningDelta, ToolCallArgs, ToolCallEnd, ToolCallStart,
-                             new_tool_call_id)
+from hf2q.api.shapes import (
+    ContentDelta,
+    OutputDelta,
+    ReasoningDelta,
+    ToolCallArgs,
+    ToolCallEnd,
+    ToolCallStart,
+    new_tool_call_id,
+)
 from hf2q.api.validation import ChatRequest
 from hf2q.errors import InputError
 from hf2q.sched.requests import SamplingParams
@@ -60,9 +68,9 @@ def _tool_parser(syntax: str, tools):
 
 
 def _generic_messages(messages: list[dict], tools, tool_choice) -> list[dict]:
-    from hf2q.text import toolcalls
+    from hf2q.text.generic_tools import messages_for_generic_template
 
-    return toolcalls.messages_for_generic_template(messages, tools, tool_choice)
+    return messages_for_generic_template(messages, tools, tool_choice)
 
 
 def _reasoning_splitter(template, prompt: str):
@@ -120,7 +128,7 @@ class GGUFChatModel:
         return self._tool_syntax
 
     @classmethod
-    def from_gguf(cls, path: Path, model_id: str) -> "GGUFChatModel":
+    def from_gguf(cls, path: Path, model_id: str) -> GGUFChatModel:
         return cls(_load_tokenizer(path), _load_template(path), model_id)
 
     # -- rendering --
@@ -202,7 +210,7 @@ class GGUFEmbeddingModel:
         self.model_id = model_id
 
     @classmethod
-    def from_gguf(cls, path: Path, model_id: str) -> "GGUFEmbeddingModel":
+    def from_gguf(cls, path: Path, model_id: str) -> GGUFEmbeddingModel:
         return cls(_load_tokenizer(path), model_id)
 
     def encode(self, text: str) -> list[int]:

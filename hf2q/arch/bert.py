@@ -41,4 +41,3 @@ class Bert(Family):
         a = self.arch_name
         md.boolean(f"{a}.attention.causal", False)
         add_pooling_type(self.src, self.cfg, md, a)
-        md.u32(f"{a}.token_type_count", self.cfg.get("type_vocab_size", 1))

@@ -8,8 +8,6 @@ rows), and the local/global rope bases and window size go into the metadata.
 
 from __future__ import annotations
 
-import json
-
 import gguf
 
 from hf2q.arch.base import Direct, Family, Metadata
@@ -32,10 +30,11 @@ class Gemma3(Family):
         path = self.src / "tokenizer.json"
         if not path.is_file():
             return None
+        from hf2q.sources.tokenizer_meta import load_tokenizer_json
+        tj = load_tokenizer_json(self.src)
         try:
-            tj = json.loads(path.read_text(encoding="utf-8"))
             return len(tj["model"]["vocab"]) + len(tj.get("added_tokens", []))
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (KeyError, TypeError) as e:
             raise InputError(f"{path}: cannot read the vocabulary ({e})") from None
 
     def source_tensor(self, ck, hf_name, gguf_name):

@@ -89,6 +89,14 @@ class Linear:
             y = y.astype(self.dtype)
         return y + self.bias if self.bias is not None else y
 
+    def gather(self, x: mx.array, indices: mx.array) -> mx.array:
+        """Expert-stacked weight ``[E, out, in]``: ``x [N, 1, 1, in]`` through experts ``indices [N, k]``
+        → ``[N, k, 1, out]`` (one fused gather-matmul, as in a SwitchGLU)."""
+        if self.quantized:
+            return mx.gather_qmm(x, self.weight, self.scales, self.biases, rhs_indices=indices, transpose=True,
+                                 group_size=self.group_size, bits=self.bits)
+        return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=indices)
+
     def rows(self, ids: mx.array) -> mx.array:
         """Rows of W (embedding lookup), dequantized to the compute dtype."""
         if not self.quantized:

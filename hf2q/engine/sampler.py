@@ -84,33 +84,50 @@ class Sampler:
                 x[ids] -= counts * p.frequency_penalty + p.presence_penalty
         return x
 
-    def truncated_probs(self, x: np.ndarray) -> np.ndarray:
-        """Sampling distribution after top-k / top-p / min-p and temperature (sums to 1)."""
+    def candidates(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(token ids, probabilities)`` left after top-k / top-p / min-p and temperature.
+
+        Works on a short candidate list instead of sorting the whole vocabulary: top-k and
+        min-p select in O(vocab); top-p alone first tries the best 256 tokens and sorts
+        everything only when their mass falls short of ``top_p`` (the result is exact).
+        """
         p = self.params
-        logp = log_softmax(x)
-        keep = np.isfinite(logp)
-        if p.top_k and p.top_k < keep.sum():
-            kth = np.partition(np.where(keep, logp, -np.inf), -p.top_k)[-p.top_k]
-            order = np.argsort(-np.where(keep, logp, -np.inf), kind="stable")
-            # keep exactly k: ties at the threshold go to the lower ids (stable order)
-            chosen = np.zeros_like(keep)
-            chosen[order[: p.top_k]] = True
-            keep &= chosen & (logp >= kth)
-        if p.top_p < 1.0:
-            probs = np.where(keep, np.exp(logp), 0.0)
-            probs /= probs.sum()
-            order = np.argsort(-probs, kind="stable")
-            cum = np.cumsum(probs[order])
-            # smallest prefix whose mass reaches top_p
-            cut = int(np.searchsorted(cum, p.top_p - 1e-12)) + 1
-            chosen = np.zeros_like(keep)
-            chosen[order[:cut]] = True
-            keep &= chosen
+        finite = np.isfinite(x)
+        if not finite.any():
+            raise InputError("every token is excluded: nothing can be sampled")
+        m = x[finite].max()
+        with np.errstate(under="ignore"):
+            if p.top_k and p.top_k < finite.sum():
+                cand = np.argpartition(-x, p.top_k - 1)[: p.top_k]
+                z_kept = np.exp(x[cand] - m).sum()  # top-p renormalises over the top-k survivors
+            else:
+                z_kept = np.exp(x[finite] - m).sum()
+                if p.min_p > 0.0:  # the min-p survivors are a best-first prefix: nothing else can remain
+                    cand = np.flatnonzero(x >= m + np.log(p.min_p))
+                elif p.top_p < 1.0 and finite.sum() > 256:
+                    cand = np.argpartition(-x, 255)[:256]
+                    if np.exp(x[cand] - m).sum() < p.top_p * z_kept:  # nucleus is wider: take everything
+                        cand = np.flatnonzero(finite)
+                else:
+                    cand = np.flatnonzero(finite)
+            if p.top_p < 1.0:
+                # best first; ties keep the lower id, as a full stable sort would
+                cand = np.sort(cand)
+                cand = cand[np.argsort(-x[cand], kind="stable")]
+                cum = np.cumsum(np.exp(x[cand] - m)) / z_kept
+                cand = cand[: int(np.searchsorted(cum, p.top_p - 1e-12)) + 1]
         if p.min_p > 0.0:
-            pmax = np.exp(logp[keep].max())
-            keep &= np.exp(logp) >= p.min_p * pmax
-        scaled = np.where(keep, x / p.temperature, -np.inf)
-        return np.exp(log_softmax(scaled))
+            cand = cand[x[cand] >= m + np.log(p.min_p)]
+        scaled = x[cand] / p.temperature
+        w = np.exp(scaled - scaled.max())
+        return cand, w / w.sum()
+
+    def truncated_probs(self, x: np.ndarray) -> np.ndarray:
+        """The sampling distribution over the whole vocabulary (sums to 1)."""
+        ids, probs = self.candidates(x)
+        out = np.zeros(np.asarray(x).size)
+        out[ids] = probs
+        return out
 
     # ---- sampling -----------------------------------------------------------------------
 
@@ -122,25 +139,26 @@ class Sampler:
         """
         p = self.params
         x = self.process(logits, history, mask)
+        finite = np.isfinite(x)
+        if not finite.any():
+            raise InputError("every token is excluded: nothing can be sampled")
         if p.temperature == 0.0:
-            if not np.isfinite(x).any():
-                raise InputError("every token is excluded: nothing can be sampled")
             token = int(np.argmax(x))
         else:
-            probs = self.truncated_probs(x)
+            ids, probs = self.candidates(x)
             cdf = np.cumsum(probs)
-            token = int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
-            token = min(token, probs.size - 1)
-            while probs[token] == 0.0:  # guard against landing on a zero-width bucket
-                token -= 1
-        logp = log_softmax(x)
+            pick = int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
+            token = int(ids[min(pick, ids.size - 1)])
+        m = x[token] if p.temperature == 0.0 else x[finite].max()
+        with np.errstate(under="ignore"):
+            log_z = m + np.log(np.exp(x[finite] - m).sum())
         top: tuple[tuple[int, float], ...] = ()
         if p.logprobs and p.top_logprobs > 0:
-            n = min(int(p.top_logprobs), logp.size)
-            idx = np.argpartition(-logp, n - 1)[:n]
-            idx = idx[np.lexsort((idx, -logp[idx]))]
-            top = tuple((int(i), float(logp[i])) for i in idx)
-        return token, float(logp[token]), top
+            n = min(int(p.top_logprobs), x.size)
+            idx = np.argpartition(-x, n - 1)[:n]
+            idx = idx[np.lexsort((idx, -x[idx]))]
+            top = tuple((int(i), float(x[i] - log_z)) for i in idx)
+        return token, float(x[token] - log_z), top
 
 
 class StopStringMatcher:

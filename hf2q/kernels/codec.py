@@ -14,14 +14,23 @@ column (llama.cpp's ``quant_weights``, i.e. the imatrix entry of that tensor); Q
 float types ignore it, as llama.cpp does.  NaN / infinite inputs to quantized types raise
 ``InputError`` (llama.cpp would silently write garbage blocks).
 
-The fast path is vectorised numpy over many blocks; large inputs are cut into chunks of
-whole blocks and quantized on a thread pool (numpy releases the GIL inside its loops).
-``reference_quantize`` / ``reference_dequantize`` run the plain per-block transcriptions
-(slow; used to cross-check the fast path).
+Three implementations of every quantizer, all byte-identical:
+
+* compiled (numba, ``ggml_jit_*``): the C's per-block loops, ~3-10× the numpy path; used by
+  ``quantize`` whenever numba is importable and ``HF2Q_NO_JIT`` is not set
+  (``jit_active()``).  Kernels compile on first use and are cached on disk;
+* vectorised numpy (``ggml_kquants`` / ``ggml_legacy`` / ``ggml_imatrix``): the fallback,
+  also reachable directly as ``numpy_quantize``;
+* plain per-block references (``ggml_*_ref``): ``reference_quantize``, slow, used to
+  cross-check the other two.
+
+Large inputs are cut into chunks of whole blocks and quantized on a thread pool (numpy and
+the compiled kernels release the GIL).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -129,16 +138,21 @@ def _run_blocks(fn, blocks: np.ndarray, out_cols: int, threads: int, per_chunk: 
     return out
 
 
-def _imatrix_args(x: np.ndarray, qtype, imatrix, fast: bool):
-    """Per-chunk keyword arguments for the imatrix quantizers: each block's column weights
-    (and, for the legacy types, the σ² of the row it belongs to)."""
-    n = x.shape[1]
-    blk = GGML_QUANT_SIZES[qtype][0]
+def _checked_imatrix(imatrix, n: int) -> np.ndarray:
     imatrix = np.asarray(imatrix, dtype=np.float32).reshape(-1)
     if imatrix.shape[0] != n:
         raise InputError(f"imatrix has {imatrix.shape[0]} weights for rows of {n} values")
     if not np.all(np.isfinite(imatrix)) or np.any(imatrix < 0):
         raise InputError("imatrix weights must be finite and non-negative")
+    return imatrix
+
+
+def _imatrix_args(x: np.ndarray, qtype, imatrix, fast: bool):
+    """Per-chunk keyword arguments for the imatrix quantizers: each block's column weights
+    (and, for the legacy types, the σ² of the row it belongs to)."""
+    n = x.shape[1]
+    blk = GGML_QUANT_SIZES[qtype][0]
+    imatrix = _checked_imatrix(imatrix, n)
     per_row = n // blk
     column_weights = imatrix.reshape(per_row, blk)
     sigma2 = None
@@ -159,7 +173,54 @@ def _imatrix_args(x: np.ndarray, qtype, imatrix, fast: bool):
     return extra
 
 
-def _quantize(x, qtype, threads, imatrix, fast: bool) -> np.ndarray:
+def _quantize_jit(x: np.ndarray, qtype, threads: int, imatrix) -> np.ndarray:
+    """The compiled path: each worker runs one numba kernel call over a run of whole blocks."""
+    from . import ggml_jit_kquants as jk
+    from . import ggml_jit_legacy as jl
+
+    rows, n = x.shape
+    blk, size = GGML_QUANT_SIZES[qtype]
+    blocks = x.reshape(-1, blk)
+    nb = blocks.shape[0]
+    out = np.empty((nb, size), dtype=np.uint8)
+    use_qw = imatrix is not None and qtype in IMATRIX_TYPES
+    qw = (_checked_imatrix(imatrix, n).reshape(n // blk, blk) if use_qw
+          else np.zeros((1, blk), dtype=np.float32))
+    sigma2 = np.zeros(1, dtype=np.float32)
+    if use_qw and qtype in LEGACY_TYPES:
+        from .ggml_imatrix import row_sigma2
+        with np.errstate(over="ignore"):
+            sigma2 = np.repeat(row_sigma2(x), n // blk)
+
+    def work(s: int, e: int) -> None:
+        if qtype in K_TYPES:
+            jk.quantize_k_blocks(blocks[s:e], qw, s, use_qw, jk.KIND[qtype.name], out[s:e])
+        else:
+            jl.quantize_legacy_blocks(blocks[s:e], qw, sigma2[s:e] if use_qw else sigma2, s, use_qw,
+                                      jl.KIND[qtype.name], out[s:e])
+
+    # a few chunks per thread balance uneven blocks; a chunk never drops below CHUNK_ELEMENTS
+    per_chunk = max(CHUNK_ELEMENTS // blk, -(-nb // (threads * 4)))
+    if threads <= 1 or nb <= per_chunk:
+        work(0, nb)
+    else:
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            list(pool.map(lambda s: work(s, min(nb, s + per_chunk)), range(0, nb, per_chunk)))
+    return out.reshape(rows, n // blk * size)
+
+
+def numba_installed() -> bool:
+    """Whether numba can be imported (checked without importing it: that costs ~0.5 s)."""
+    return importlib.util.find_spec("numba") is not None
+
+
+def jit_active() -> bool:
+    """Whether ``quantize`` runs the compiled kernels: numba installed and ``HF2Q_NO_JIT`` unset (or 0)."""
+    flag = os.environ.get("HF2Q_NO_JIT", "").strip().lower()
+    return flag in ("", "0", "false", "no") and numba_installed()
+
+
+def _quantize(x, qtype, threads, imatrix, fast: bool, jit: bool = False) -> np.ndarray:
     qtype = _check_type(qtype)
     x = _as_matrix(x, qtype)
     rows, n = x.shape
@@ -170,6 +231,10 @@ def _quantize(x, qtype, threads, imatrix, fast: bool) -> np.ndarray:
     if not finite:
         raise InputError(f"cannot quantize to {qtype.name}: the input contains NaN or infinite values "
                          "(weights beyond ±65504 overflow float16)")
+    threads = _default_threads() if threads is None else max(1, int(threads))
+    if jit:
+        with np.errstate(all="ignore"):  # row_sigma2 may overflow on raw float32 input, as in C
+            return _quantize_jit(x, qtype, threads, imatrix)
     blk, size = GGML_QUANT_SIZES[qtype]
     qfn, _ = _block_codec(qtype, fast)
     extra = None
@@ -177,7 +242,6 @@ def _quantize(x, qtype, threads, imatrix, fast: bool) -> np.ndarray:
         qfn = _imatrix_codec(qtype, fast)
         extra = _imatrix_args(x, qtype, imatrix, fast)
     blocks = x.reshape(-1, blk)
-    threads = _default_threads() if threads is None else max(1, int(threads))
     # Q3_K's search refines one value at a time (many small numpy calls): bigger chunks amortise them
     chunk = CHUNK_ELEMENTS * (4 if qtype == T.Q3_K else 1)
     per_chunk = max(1, chunk // blk) if fast else blocks.shape[0]
@@ -189,8 +253,21 @@ def quantize(x: np.ndarray, qtype, threads: int | None = None, imatrix: np.ndarr
     """float32 ``[rows, n_per_row]`` → uint8 ``[rows, row_bytes]`` in GGML's block layout.
 
     ``imatrix``: optional importance weights, one per column (llama.cpp's ``quant_weights``).
+    Runs the compiled kernels when ``jit_active()``, else the vectorised numpy codecs.
     """
-    return _quantize(x, qtype, threads, imatrix, fast=True)
+    return _quantize(x, qtype, threads, imatrix, fast=True, jit=jit_active())
+
+
+def numpy_quantize(x: np.ndarray, qtype, threads: int | None = None, imatrix: np.ndarray | None = None) -> np.ndarray:
+    """Same contract as :func:`quantize` through the vectorised numpy codecs (the no-numba fallback)."""
+    return _quantize(x, qtype, threads, imatrix, fast=True, jit=False)
+
+
+def jit_quantize(x: np.ndarray, qtype, threads: int | None = None, imatrix: np.ndarray | None = None) -> np.ndarray:
+    """Same contract as :func:`quantize` through the compiled kernels (needs numba, ignores ``HF2Q_NO_JIT``)."""
+    if not numba_installed():
+        raise InputError("the compiled quantizers need numba (pip install numba)")
+    return _quantize(x, qtype, threads, imatrix, fast=True, jit=True)
 
 
 def reference_quantize(x: np.ndarray, qtype, imatrix: np.ndarray | None = None) -> np.ndarray:

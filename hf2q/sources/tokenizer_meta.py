@@ -17,6 +17,7 @@ the same precedence as llama.cpp's converter (``SpecialTokens``), so they match 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -61,14 +62,23 @@ KNOWN_PRE_TOKENIZERS = {
     "b6dc8df998e1cfbdc4eac8243701a65afe638679230920b50d6f17d81c098166": "olmo",
     "9d032fcbd5501f4a38150912590928bfb36091efb5df11b8e2124b0390e3fb1e": "falcon3",
     "ccc2ef013c104be7bae2965776d611e1d7a8a2a9c547dd93a682c9a9fc80352e": "gpt-4o",
+    # Gemma 3's tokenizer.json (no tokenizer.model); llama.cpp registered it for granite-embedding
+    "789696f5946cc0fc59371f39f6097cafed196b3acded6140432f26bbb1ae1669": "granite-embed-multi-311m",
 }
 
 
 def _load_json(path: Path) -> Any:
+    """Parsed JSON, shared between callers (do not mutate it); big tokenizer files are parsed once."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        st = path.stat()
+        return _parse_json(str(path), st.st_mtime_ns, st.st_size)
     except (OSError, ValueError) as e:
         raise InputError(f"{path}: cannot read tokenizer file ({e})") from None
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_json(path: str, mtime_ns: int, size: int) -> Any:
+    return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
 def _hf_tokenizer(src: Path):
@@ -101,6 +111,10 @@ def _looks_special(token: str) -> bool:
             or token.startswith("<|") and token.endswith("|>")
             or token.startswith("<｜") and token.endswith("｜>")
             or token.startswith("<unused") and token.endswith(">"))
+
+
+def load_tokenizer_json(src: Path) -> dict:
+    return _load_json(src / "tokenizer.json")
 
 
 def vocab_from_tokenizer_json(src: Path, cfg: dict[str, Any]) -> tuple[list[str], list[int]]:
@@ -243,7 +257,7 @@ class SpecialTokens:
         self.strip_accents: bool | None = None
         self.chat_template: str | list | None = None
         tj = _load_json(src / "tokenizer.json") if (src / "tokenizer.json").is_file() else None
-        tc = _load_json(src / "tokenizer_config.json") if (src / "tokenizer_config.json").is_file() else None
+        tc = dict(_load_json(src / "tokenizer_config.json")) if (src / "tokenizer_config.json").is_file() else None
         added = (tj or {}).get("added_tokens", [])
         if tj is not None:
             if load_merges:
@@ -366,8 +380,7 @@ def _merges(tj: dict) -> list[str]:
         return merges
     if isinstance(merges[0], list) and len(merges[0]) == 2:
         # pair format (transformers ≥ 4.45): spaces inside a part are stored as U+0120 like llama.cpp
-        return [" ".join("".join(chr(ord(c) + 256) if c == " " else c for c in part) for part in pair)
-                for pair in merges]
+        return [" ".join(part.replace(" ", "\u0120") for part in pair) for pair in merges]
     raise InputError("tokenizer.json: unknown merges format")
 
 

@@ -49,7 +49,7 @@ def _strftime_now(fmt):
 class _SafeNamespace(jinja2.utils.Namespace):
     """``namespace()`` that refuses underscore attributes (no path to interpreter internals)."""
 
-    def __init__(*args, **kwargs):  # noqa: N805 - same calling trick as jinja's Namespace
+    def __init__(*args, **kwargs):
         self, args = args[0], args[1:]
         values = dict(*args, **kwargs)
         for key in values:

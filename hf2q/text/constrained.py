@@ -23,6 +23,7 @@ far is complete (then the mask also allows end-of-generation tokens).
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -214,9 +215,54 @@ def _lit(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+def _text_without(forbidden: Sequence[str], min_len: int = 0, max_len: int | None = None) -> str:
+    """A Lark token expression: text of the given length that contains none of ``forbidden``.
+
+    Free-text values must not contain the markup that closes the enclosing call, or the
+    parser (and any other reader of the format) would end the call early.
+    """
+    alts = "|".join(re.escape(f).replace("/", "\\/") for f in forbidden)
+    count = "*" if not min_len and max_len is None else f"{{{min_len},{'' if max_len is None else max_len}}}"
+    return f"/(.|\\n){count}/ & ~/(.|\\n)*({alts})(.|\\n)*/"
+
+
+def _string_value(rules: list[str], rule: str, schema: Mapping, closing: str, forbidden: Sequence[str]) -> str:
+    """Grammar for a string parameter written verbatim and ended by ``closing``.
+
+    ``enum``/``const`` become literal choices; ``minLength``/``maxLength`` bound the text.
+    Returns the expression to use in the parameter's rule.
+    """
+    choices = schema.get("enum") if "enum" in schema else ([schema["const"]] if "const" in schema else None)
+    if choices is not None:
+        texts = [c for c in choices if isinstance(c, str)]
+        return "(" + " | ".join(_lit(t) for t in texts) + ") " + _lit(closing) if texts else _lit(closing)
+    lo, hi = schema.get("minLength", 0), schema.get("maxLength")
+    rules.append(f"{rule}[suffix={_lit(closing)}]: " + _text_without(forbidden, int(lo or 0), None if hi is None else int(hi)))
+    return rule
+
+
 def _params(fn: Mapping) -> list[tuple[str, dict]]:
     props = ((fn.get("parameters") or {}).get("properties")) or {}
     return [(str(k), dict(v) if isinstance(v, Mapping) else {}) for k, v in props.items()]
+
+
+def _required(fn: Mapping) -> list[str]:
+    return [str(r) for r in ((fn.get("parameters") or {}).get("required") or [])]
+
+
+def _param_sequence(fn: Mapping, rule_of: dict[str, str], sep: str = "") -> str:
+    """Required parameters first, in schema order; then any optional ones, any order."""
+    required = [rule_of[r] for r in _required(fn) if r in rule_of]
+    optional = [rule for name, rule in rule_of.items() if name not in _required(fn)]
+    joiner = f" {sep} " if sep else " "
+    parts = [joiner.join(required)] if required else []
+    if optional:
+        alt = f"({' | '.join(optional)})"
+        if required:
+            parts.append(f"({sep + ' ' if sep else ''}{alt})*")
+        else:
+            parts.append(f"({alt} ({sep + ' ' if sep else ''}{alt})*)?" if sep else f"{alt}*")
+    return " ".join(parts)
 
 
 def _is_string(schema: Mapping) -> bool:
@@ -225,19 +271,21 @@ def _is_string(schema: Mapping) -> bool:
 
 
 def _qwen_xml_grammar(tools: Sequence[Mapping], repeat: str) -> str:
-    rules = [f"start: call{repeat}", 'sval[suffix="\\n</parameter>\\n"]: /(.|\\n)*/']
+    rules = [f"start: call{repeat}"]
+    forbidden = ("</parameter>", "</function>", "</tool_call>")
     calls = []
     for i, tool in enumerate(tools):
         fn = tool.get("function", tool)
-        alts = []
+        rule_of = {}
         for j, (name, schema) in enumerate(_params(fn)):
             head = _lit(f"<parameter={name}>\n")
             if _is_string(schema):
-                rules.append(f"p{i}_{j}: {head} sval")
+                value = _string_value(rules, f"s{i}_{j}", schema, "\n</parameter>\n", forbidden)
+                rules.append(f"p{i}_{j}: {head} {value}")
             else:
                 rules.append(f'p{i}_{j}: {head} %json {json.dumps(schema)} "\\n</parameter>\\n"')
-            alts.append(f"p{i}_{j}")
-        body = f"({' | '.join(alts)})*" if alts else ""
+            rule_of[name] = f"p{i}_{j}"
+        body = _param_sequence(fn, rule_of)
         rules.append(f'c{i}: {_lit("<tool_call>" + chr(10) + "<function=" + fn["name"] + ">" + chr(10))} {body} '
                      f'"</function>\\n</tool_call>" "\\n"?')
         calls.append(f"c{i}")
@@ -256,19 +304,22 @@ def _deepseek_grammar(tools: Sequence[Mapping], repeat: str) -> str:
     end_param = _dsml("/parameter").replace("<" + _DSML + "/", "</" + _DSML) + "\n"
     rules = [
         f"start: {_lit(_dsml('tool_calls') + chr(10))} invoke{repeat} {_lit('</' + _DSML + 'tool_calls>')}",
-        f"sval[suffix={_lit(end_param)}]: /(.|\\n)*/",
     ]
+    forbidden = (end_param.strip(), "</" + _DSML + "invoke>", "</" + _DSML + "tool_calls>")
     invokes = []
     for i, tool in enumerate(tools):
         fn = tool.get("function", tool)
-        alts = []
+        rule_of = {}
         for j, (name, schema) in enumerate(_params(fn)):
             as_string = _is_string(schema)
             head = _lit(_dsml(f'parameter name="{name}" string="{"true" if as_string else "false"}"'))
-            value = "sval" if as_string else f"%json {json.dumps(schema)} {_lit(end_param)}"
+            if as_string:
+                value = _string_value(rules, f"s{i}_{j}", schema, end_param, forbidden)
+            else:
+                value = f"%json {json.dumps(schema)} {_lit(end_param)}"
             rules.append(f"p{i}_{j}: {head} {value}")
-            alts.append(f"p{i}_{j}")
-        body = f"({' | '.join(alts)})*" if alts else ""
+            rule_of[name] = f"p{i}_{j}"
+        body = _param_sequence(fn, rule_of)
         opening = _lit(_dsml(f'invoke name="{fn["name"]}"') + "\n")
         rules.append(f"v{i}: {opening} {body} {_lit('</' + _DSML + 'invoke>' + chr(10))}")
         invokes.append(f"v{i}")
@@ -281,7 +332,7 @@ def _gemma4_grammar(tools: Sequence[Mapping], repeat: str) -> str:
     rules = [
         f"start: call{repeat}",
         f"gstr: {_lit(q)} sval",
-        f"sval[suffix={_lit(q)}]: /(.|\\n)*/",
+        f"sval[suffix={_lit(q)}]: " + _text_without((q, "<tool_call|>")),
         # Gemma's own notation for nested values: unquoted keys, <|"|>-quoted strings
         'gval: gstr | %json {"type": "number"} | "true" | "false" | gobj | garr',
         'gobj: "{" (GKEY ":" gval ("," GKEY ":" gval)*)? "}"',
@@ -291,11 +342,11 @@ def _gemma4_grammar(tools: Sequence[Mapping], repeat: str) -> str:
     calls = []
     for i, tool in enumerate(tools):
         fn = tool.get("function", tool)
-        alts = []
+        rule_of = {}
         for j, (name, schema) in enumerate(_params(fn)):
             t = schema.get("type")
             if _is_string(schema):
-                value = "gstr"
+                value = f"{_lit(q)} " + _string_value(rules, f"s{i}_{j}", schema, q, (q, "<tool_call|>"))
             elif t in ("integer", "number"):
                 value = f"%json {json.dumps({'type': t})}"
             elif t == "boolean":
@@ -303,10 +354,8 @@ def _gemma4_grammar(tools: Sequence[Mapping], repeat: str) -> str:
             else:
                 value = "gval"
             rules.append(f"p{i}_{j}: {_lit(name + ':')} {value}")
-            alts.append(f"p{i}_{j}")
-        args = f"(pa{i} (\",\" pa{i})*)?" if alts else ""
-        if alts:
-            rules.append(f"pa{i}: {' | '.join(alts)}")
+            rule_of[name] = f"p{i}_{j}"
+        args = _param_sequence(fn, rule_of, sep='","')
         rules.append(f"c{i}: {_lit('<|tool_call>call:' + fn['name'] + '{')} {args} {_lit('}<tool_call|>')}")
         calls.append(f"c{i}")
     rules.append(f"call: {' | '.join(calls)}")

@@ -82,8 +82,7 @@ class ReasoningSplitter:
                 if self.label:
                     if len(buf) < len(self.label) and self.label.startswith(buf):
                         return False
-                    if buf.startswith(self.label):
-                        buf = buf[len(self.label) :]
+                    buf = buf.removeprefix(self.label)
                 stripped = buf.lstrip("\n")
                 self._buf = buf = stripped
                 if not stripped:

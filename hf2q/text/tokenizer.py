@@ -28,7 +28,15 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+)
 
 from hf2q.errors import InputError
 from hf2q.text.gguf_meta import metadata_from
@@ -41,9 +49,7 @@ SPIECE_SPACE = "\u2581"
 
 # Tokens every runtime treats as end-of-generation by their text, whatever the metadata says.
 _EOG_TEXTS = frozenset(
-    """<|eot_id|> <|im_end|> <|end|> <|return|> <|call|> <|flush|> <|calls|> <end_of_turn> <|endoftext|>
-    <|eom_id|> <EOT> _<EOT> [EOT] [EOS] <|end_of_text|> <end_of_utterance> <eos> <turn|> <|tool_response>
-    <｜end▁of▁sentence｜>""".split()
+    ["<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>"]
 )
 
 

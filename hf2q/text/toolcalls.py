@@ -31,9 +31,38 @@ import re
 import secrets
 import string
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import attrs
+
+from hf2q.text.call_formats import (
+    DSML,
+    BadCall,
+    deepseek_call,
+    gemma4_call,
+    json_call,
+    qwen_xml_call,
+    schema_types,
+)
+from hf2q.text.generic_tools import (
+    generic_tool_instructions,
+    messages_for_generic_template,
+)
+
+__all__ = [
+    "SYNTAXES",
+    "ContentDelta",
+    "ToolCallArgsDelta",
+    "ToolCallIncomplete",
+    "ToolCallParser",
+    "ToolCallStart",
+    "collect",
+    "detect_syntax",
+    "generic_tool_instructions",
+    "make_parser",
+    "messages_for_generic_template",
+    "new_call_id",
+    "parse_complete",
+]
 
 SYNTAXES = ("qwen", "qwen_xml", "llama3", "gemma4", "deepseek", "generic")
 
@@ -85,181 +114,6 @@ def detect_syntax(template_source: str | None) -> str:
     return "generic"
 
 
-# ---------------------------------------------------------------------------- body parsers
-
-class _BadCall(ValueError):
-    pass
-
-
-def _schema_types(tools: Sequence[Mapping] | None) -> dict[str, dict[str, Any]]:
-    """``{function name: {parameter: JSON-schema type}}`` from an OpenAI ``tools`` list."""
-    out: dict[str, dict[str, Any]] = {}
-    for tool in tools or ():
-        fn = tool.get("function", tool) if isinstance(tool, Mapping) else {}
-        props = (fn.get("parameters") or {}).get("properties") or {}
-        if isinstance(props, Mapping):
-            out[str(fn.get("name"))] = {k: (v or {}).get("type") for k, v in props.items() if isinstance(v, Mapping)}
-    return out
-
-
-def _json_call(body: str) -> list[tuple[str, Any]]:
-    try:
-        obj = json.loads(body)
-    except ValueError as exc:
-        raise _BadCall(str(exc)) from None
-    objs = obj if isinstance(obj, list) else [obj]
-    calls = []
-    for o in objs:
-        if not isinstance(o, dict) or not isinstance(o.get("name"), str):
-            raise _BadCall("a call needs a name")
-        args = o.get("arguments", o.get("parameters", {}))
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except ValueError:
-                raise _BadCall("arguments are not JSON") from None
-        calls.append((o["name"], args))
-    return calls
-
-
-def _coerce(value: str, declared: Any) -> Any:
-    """A textual parameter value typed by the tool's schema (strings stay verbatim)."""
-    types = declared if isinstance(declared, list) else [declared]
-    if "string" in types or declared is None:
-        return value
-    try:
-        return json.loads(value)
-    except ValueError:
-        return value
-
-
-_XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
-_XML_PARAM = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
-
-
-def _qwen_xml_call(body: str, types: dict[str, dict[str, Any]]) -> list[tuple[str, Any]]:
-    calls = []
-    for fm in _XML_FUNCTION.finditer(body):
-        name = fm.group(1).strip()
-        declared = types.get(name, {})
-        args = {}
-        for pm in _XML_PARAM.finditer(fm.group(2)):
-            value = pm.group(2)
-            value = value[1:] if value.startswith("\n") else value
-            value = value[:-1] if value.endswith("\n") else value
-            args[pm.group(1).strip()] = _coerce(value, declared.get(pm.group(1).strip()))
-        calls.append((name, args))
-    if not calls:
-        raise _BadCall("no <function=…> element")
-    return calls
-
-
-_DSML = "｜DSML｜"
-_DSML_INVOKE = re.compile(r"<" + _DSML + r'invoke name="([^"]*)">(.*?)</' + _DSML + r"invoke>", re.S)
-_DSML_PARAM = re.compile(r"<" + _DSML + r'parameter name="([^"]*)" string="(true|false)">(.*?)</' + _DSML + r"parameter>", re.S)
-
-
-def _deepseek_call(body: str) -> list[tuple[str, Any]]:
-    calls = []
-    for im in _DSML_INVOKE.finditer(body):
-        args = {}
-        for pm in _DSML_PARAM.finditer(im.group(2)):
-            raw = pm.group(3)
-            if pm.group(2) == "true":
-                args[pm.group(1)] = raw
-            else:
-                try:
-                    args[pm.group(1)] = json.loads(raw)
-                except ValueError:
-                    raise _BadCall(f"parameter {pm.group(1)} is not JSON") from None
-        calls.append((im.group(1), args))
-    if not calls:
-        raise _BadCall("no invoke element")
-    return calls
-
-
-class _GemmaArgs:
-    """Recursive-descent reader of Gemma 4's argument notation."""
-
-    QUOTE = '<|"|>'
-
-    def __init__(self, text: str):
-        self.s = text
-        self.i = 0
-
-    def value(self) -> Any:
-        s = self.s
-        if s.startswith(self.QUOTE, self.i):
-            end = s.find(self.QUOTE, self.i + len(self.QUOTE))
-            if end == -1:
-                raise _BadCall("unterminated string")
-            out = s[self.i + len(self.QUOTE) : end]
-            self.i = end + len(self.QUOTE)
-            return out
-        if s.startswith("{", self.i):
-            return self.mapping()
-        if s.startswith("[", self.i):
-            self.i += 1
-            items = []
-            while not s.startswith("]", self.i):
-                items.append(self.value())
-                if s.startswith(",", self.i):
-                    self.i += 1
-                elif not s.startswith("]", self.i):
-                    raise _BadCall("expected , or ]")
-            self.i += 1
-            return items
-        m = re.compile(r"[^,}\]]*").match(s, self.i)
-        token = m.group(0).strip()
-        self.i = m.end()
-        if token in ("true", "false"):
-            return token == "true"
-        if token in ("null", "none", "None"):
-            return None
-        try:
-            return json.loads(token)
-        except ValueError:
-            return token
-
-    def mapping(self) -> dict:
-        s = self.s
-        if not s.startswith("{", self.i):
-            raise _BadCall("expected {")
-        self.i += 1
-        out = {}
-        while not s.startswith("}", self.i):
-            if self.i >= len(s):
-                raise _BadCall("unterminated object")
-            if s.startswith(self.QUOTE, self.i):
-                key = self.value()
-            else:
-                colon = s.find(":", self.i)
-                if colon == -1:
-                    raise _BadCall("expected key:")
-                key = s[self.i : colon].strip()
-                self.i = colon
-            if not s.startswith(":", self.i):
-                raise _BadCall("expected :")
-            self.i += 1
-            out[key] = self.value()
-            if s.startswith(",", self.i):
-                self.i += 1
-        self.i += 1
-        return out
-
-
-def _gemma4_call(body: str) -> list[tuple[str, Any]]:
-    m = re.match(r"\s*call:([^{\s]+)", body)
-    if not m:
-        raise _BadCall("expected call:NAME{…}")
-    reader = _GemmaArgs(body)
-    reader.i = m.end()
-    args = reader.mapping()
-    if body[reader.i :].strip():
-        raise _BadCall("text after the arguments")
-    return [(m.group(1), args)]
-
-
 # ---------------------------------------------------------------------------- streaming
 
 def _partial_suffix(text: str, marker: str) -> int:
@@ -276,13 +130,13 @@ class ToolCallParser:
         if syntax not in SYNTAXES:
             raise ValueError(f"unknown tool-call syntax {syntax!r}")
         self.syntax = syntax
-        self._types = _schema_types(tools)
+        self._types = schema_types(tools)
         self.start, self.end = {
             "qwen": ("<tool_call>", "</tool_call>"),
             "generic": ("<tool_call>", "</tool_call>"),
             "qwen_xml": ("<tool_call>", "</tool_call>"),
             "gemma4": ("<|tool_call>", "<tool_call|>"),
-            "deepseek": ("<" + _DSML + "tool_calls>", "</" + _DSML + "tool_calls>"),
+            "deepseek": ("<" + DSML + "tool_calls>", "</" + DSML + "tool_calls>"),
             "llama3": (None, None),
         }[syntax]
         self._buf = ""
@@ -307,12 +161,12 @@ class ToolCallParser:
 
     def _parse_body(self, body: str):
         if self.syntax in ("qwen", "generic", "llama3"):
-            return _json_call(body.strip())
+            return json_call(body.strip())
         if self.syntax == "qwen_xml":
-            return _qwen_xml_call(body, self._types)
+            return qwen_xml_call(body, self._types)
         if self.syntax == "gemma4":
-            return _gemma4_call(body)
-        return _deepseek_call(body)
+            return gemma4_call(body)
+        return deepseek_call(body)
 
     def _content(self, text: str, events, final: bool = False) -> None:
         """Emit content, holding trailing whitespace (it is dropped if a call follows)."""
@@ -349,7 +203,7 @@ class ToolCallParser:
                 self._inside = False
                 try:
                     self._emit_calls(self._parse_body(body), events)
-                except _BadCall:
+                except BadCall:
                     self._content(self._ws_before_call + self.start + body + self.end, events)
         return events
 
@@ -378,9 +232,9 @@ class ToolCallParser:
                 try:
                     # one call, or several separated by ";" / newlines
                     parts = [p for p in re.split(r"\s*;\s*|\n+", buf.strip()) if p.strip()]
-                    calls = [c for p in parts for c in _json_call(p)]
+                    calls = [c for p in parts for c in json_call(p)]
                     self._emit_calls(calls, events)
-                except _BadCall:
+                except BadCall:
                     if re.match(r'\s*\{\s*"name"\s*:', buf):
                         self.truncated = True
                         events.append(ToolCallIncomplete(self._n_calls))
@@ -427,70 +281,3 @@ def collect(events) -> tuple[str, list[dict]]:
     return "".join(content), [calls[i] for i in sorted(calls)]
 
 
-# ---------------------------------------------------------------------------- generic tools
-
-def generic_tool_instructions(tools: Sequence[Mapping], tool_choice: Any = "auto") -> str:
-    """System-prompt text teaching a template-less model our ``<tool_call>`` JSON format."""
-    lines = [
-        "You can call the following tools. Each tool is described by a JSON schema:",
-        "",
-    ]
-    for tool in tools:
-        fn = tool.get("function", tool)
-        lines.append(json.dumps({"name": fn.get("name"), "description": fn.get("description", ""),
-                                 "parameters": fn.get("parameters", {})}, ensure_ascii=False))
-    lines += [
-        "",
-        "To call a tool, reply with exactly one line per call in this form and nothing else:",
-        '<tool_call>{"name": "<tool name>", "arguments": {<arguments as a JSON object>}}</tool_call>',
-        "When a tool result is given back to you, use it to answer the user.",
-    ]
-    if tool_choice == "required":
-        lines.append("You must call at least one tool now.")
-    elif isinstance(tool_choice, Mapping):
-        name = (tool_choice.get("function") or {}).get("name")
-        lines.append(f"You must call the tool {name!r} now.")
-    else:
-        lines.append("If no tool is needed, answer normally.")
-    return "\n".join(lines)
-
-
-def messages_for_generic_template(messages: Sequence[Mapping], tools: Sequence[Mapping] | None, tool_choice: Any = "auto") -> list[dict]:
-    """Rewrite an OpenAI conversation for a template that knows nothing about tools.
-
-    Tool instructions go into the system message; past assistant calls become the
-    ``<tool_call>`` text the model would have written; tool results become user turns
-    marked as such (ChatML-only templates render any role, but small models follow
-    user/assistant turns best).
-    """
-    out: list[dict] = []
-    for m in messages:
-        m = dict(m)
-        role = m.get("role")
-        if role == "assistant" and m.get("tool_calls"):
-            parts = [m.get("content") or ""]
-            for call in m["tool_calls"]:
-                fn = call.get("function", {})
-                args = fn.get("arguments", {})
-                if isinstance(args, str):
-                    try:
-                        args = json.loads(args)
-                    except ValueError:
-                        pass
-                parts.append("<tool_call>" + json.dumps({"name": fn.get("name"), "arguments": args}, ensure_ascii=False) + "</tool_call>")
-            m = {"role": "assistant", "content": "\n".join(p for p in parts if p)}
-        elif role == "tool":
-            content = m.get("content")
-            if not isinstance(content, str):
-                content = json.dumps(content, ensure_ascii=False)
-            m = {"role": "user", "content": f"<tool_response>{content}</tool_response>"}
-        elif m.get("content") is None:
-            m["content"] = ""
-        out.append(m)
-    if tools:
-        text = generic_tool_instructions(tools, tool_choice)
-        if out and out[0].get("role") == "system":
-            out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{text}".lstrip()}
-        else:
-            out.insert(0, {"role": "system", "content": text})
-    return out

@@ -1,0 +1,283 @@
+"""A ``ModelRunner`` spread over tensor-parallel ranks: rank 0 leads, the followers replay.
+
+Rank 0 (the serving process) holds a :class:`DistributedRunner`; every engine call on it —
+``new_sequence``, ``prefill``, ``decode``, ``trim`` (on the sequence), ``export_kv``,
+``import_kv`` — is first sent to every follower as a small command, then run on rank 0's
+own shard. Each follower runs :func:`follow`, which executes the same call on its shard;
+the ranks meet inside the forward pass at the ``mx.distributed.all_sum`` of every
+row-parallel layer, so the logits on rank 0 are the full model's. Sequence ids are
+assigned by rank 0 and identical everywhere.
+
+Commands travel on a plain TCP control connection per follower (length-prefixed JSON +
+raw numpy bytes); only tensors use ``mx.distributed``. Measured reason: a follower that
+waits for its next command inside an MLX ring ``all_sum`` spins at ~30 % of a CPU core
+while the server is idle (and a waiting NCCL collective would occupy the GPU), whereas a
+socket ``recv`` sleeps. The socket also reports a dead peer at once (EOF / broken pipe).
+
+Failure handling (SPEC §6, fail closed): a follower that died is noticed before the next
+command (process watch, broken pipe) or inside a collective (the ring backend raises
+"connection to a peer was lost"; a hung NCCL collective is caught by the supervisor's
+deadline). Rank 0 then raises, marks the group broken (every later call raises too)
+and terminates the remaining followers. A follower exits when its control connection
+closes, i.e. when rank 0 is gone. Errors a user can cause (``InputError``, context
+exceeded) are raised identically on every rank before any collective, so they leave the
+group in step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import struct
+import threading
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from hf2q.errors import InputError
+
+log = logging.getLogger("hf2q.tp")
+
+_LEN = struct.Struct("!Q")
+
+
+# ---- control messages ---------------------------------------------------------------------
+
+def send_message(sock: socket.socket, header: dict, arrays: dict[str, np.ndarray] | None = None) -> None:
+    """One frame: length of the JSON header, the header (which lists the arrays), the raw array bytes."""
+    arrays = {k: np.ascontiguousarray(v) for k, v in (arrays or {}).items()}
+    header = {**header, "arrays": [[k, v.dtype.str, list(v.shape)] for k, v in arrays.items()]}
+    head = json.dumps(header).encode()
+    sock.sendall(b"".join([_LEN.pack(len(head)), head, *(v.tobytes() for v in arrays.values())]))
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(min(n - len(buf), 1 << 20))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def recv_message(sock: socket.socket) -> tuple[dict, dict[str, np.ndarray]] | None:
+    """The next frame, or None when the peer closed the connection."""
+    raw = _recv_exact(sock, _LEN.size)
+    if raw is None:
+        return None
+    head = _recv_exact(sock, _LEN.unpack(raw)[0])
+    if head is None:
+        return None
+    header = json.loads(head)
+    arrays = {}
+    for name, dtype, shape in header.pop("arrays"):
+        dt = np.dtype(dtype)
+        body = _recv_exact(sock, int(np.prod(shape, dtype=np.int64)) * dt.itemsize)
+        if body is None:
+            return None
+        arrays[name] = np.frombuffer(body, dtype=dt).reshape(shape)
+    return header, arrays
+
+
+# ---- rank 0 ---------------------------------------------------------------------------------
+
+class GroupBroken(RuntimeError):
+    """A tensor-parallel rank died or a collective failed; the engine must not be used again."""
+
+
+class ShardedSequence:
+    """Rank 0's handle on one sequence; every rank holds its heads' KV under the same id."""
+
+    def __init__(self, runner: "DistributedRunner", seq_id: int, local):
+        self._runner = runner
+        self.seq_id = seq_id
+        self.local = local
+
+    @property
+    def length(self) -> int:
+        return self.local.length
+
+    @property
+    def nbytes(self) -> int:
+        """Rank 0's KV bytes (each rank holds the same amount for its own heads)."""
+        return self.local.nbytes
+
+    def trim(self, n_tokens: int) -> None:
+        self._runner._trim(self, n_tokens)
+
+    def __del__(self):  # followers drop their copy with the next command
+        runner = getattr(self, "_runner", None)
+        if runner is not None:
+            runner._released.append(self.seq_id)
+
+
+class DistributedRunner:
+    """Rank 0's runner: broadcast each call to the followers, then run it on the local shard.
+
+    ``local`` is rank 0's ``MlxModelRunner`` over its shard; ``links`` the control sockets
+    of ranks 1..N-1 in rank order; ``plans`` every rank's :class:`HeadPlan`; ``check_alive``
+    raises when a follower process has exited; ``on_fault`` tears the group down.
+    """
+
+    def __init__(self, local, links: Sequence[socket.socket], plans, group, *,
+                 check_alive: Callable[[], None] = lambda: None, on_fault: Callable[[], None] = lambda: None):
+        self.local = local
+        self.links = list(links)
+        self.plans = list(plans)
+        self.group = group
+        self.size = len(self.links) + 1
+        self._check_alive = check_alive
+        self._on_fault = on_fault
+        self._next_id = 0
+        self._released: list[int] = []
+        self._broken: str | None = None
+        self._lock = threading.Lock()  # one caller thread in practice; keeps commands whole regardless
+        for name in ("vocab_size", "n_ctx_train", "n_ctx", "eos_token_ids", "is_embedding_model",
+                     "kv_bytes_per_token", "gguf", "arch", "dtype", "stats"):
+            setattr(self, name, getattr(local, name))
+        self.tensor_parallel = self.size
+
+    # ---- plumbing ------------------------------------------------------------------------
+
+    def _run(self, header: dict, local_call: Callable[[], object], arrays=None, per_rank=None):
+        """Send ``header`` (+ arrays, or ``per_rank[r]`` for follower r) to every follower, then run locally."""
+        with self._lock:
+            if self._broken:
+                raise GroupBroken(self._broken)
+            try:
+                self._check_alive()
+                released = []
+                while self._released:  # appended by ShardedSequence.__del__, possibly meanwhile
+                    released.append(self._released.pop())
+                if released:
+                    header = {**header, "release": released}
+                for r, sock in enumerate(self.links, start=1):
+                    try:
+                        send_message(sock, header, per_rank[r] if per_rank is not None else arrays)
+                    except OSError as e:
+                        raise GroupBroken(f"tensor-parallel rank {r} is gone ({e.__class__.__name__})") from None
+                return local_call()
+            except (InputError, ValueError):
+                raise  # raised on every rank alike, before any collective: the group is still in step
+            except Exception as e:
+                self._fail(e)
+                raise GroupBroken(self._broken) from e
+
+    def _fail(self, e: BaseException) -> None:
+        reason = str(e) or repr(e)
+        for _ in range(20):  # a collective usually fails because a rank died: name it if so
+            try:
+                self._check_alive()
+            except GroupBroken as dead:
+                reason = f"{dead} ({reason})" if str(dead) not in reason else reason
+                break
+            time.sleep(0.05)
+        self._broken = f"tensor-parallel group failed: {reason}"
+        log.error("%s", self._broken)
+        try:
+            self._on_fault()
+        except Exception:  # noqa: BLE001 — tearing down is best effort
+            log.exception("stopping the tensor-parallel followers failed")
+
+    # ---- the ModelRunner contract ---------------------------------------------------------
+
+    def new_sequence(self) -> ShardedSequence:
+        seq_id = self._next_id
+        self._next_id += 1
+        local = self._run({"op": "new", "seq": seq_id}, self.local.new_sequence)
+        return ShardedSequence(self, seq_id, local)
+
+    def prefill(self, seq: ShardedSequence, tokens: Sequence[int]) -> np.ndarray:
+        toks = np.asarray(list(tokens), dtype=np.int64)
+        return self._run({"op": "prefill", "seq": seq.seq_id}, lambda: self.local.prefill(seq.local, toks.tolist()),
+                         {"tokens": toks})
+
+    def decode(self, seqs: Sequence[ShardedSequence], tokens: Sequence[int]) -> np.ndarray:
+        toks = np.asarray(list(tokens), dtype=np.int64)
+        ids = [s.seq_id for s in seqs]
+        return self._run({"op": "decode", "seqs": ids},
+                         lambda: self.local.decode([s.local for s in seqs], toks.tolist()), {"tokens": toks})
+
+    def _trim(self, seq: ShardedSequence, n_tokens: int) -> None:
+        self._run({"op": "trim", "seq": seq.seq_id, "n": int(n_tokens)}, lambda: seq.local.trim(n_tokens))
+
+    def embed(self, batch):
+        raise InputError("tensor parallelism serves decoder (chat) models only; embeddings run on one rank")
+
+    def export_kv(self, seq: ShardedSequence, start: int, end: int) -> dict[str, np.ndarray]:
+        """Every rank exports its heads; one ``all_gather`` assembles the full KV in head order."""
+        return self._run({"op": "export", "seq": seq.seq_id, "start": int(start), "end": int(end)},
+                         lambda: gather_kv(self.local, seq.local, start, end, self.group, self.plans[0]))
+
+    def import_kv(self, seq: ShardedSequence, arrays: dict[str, np.ndarray], n_tokens: int) -> None:
+        """Each rank receives (and keeps) the KV heads it owns."""
+        per_rank = {r: head_slice(arrays, self.plans[r]) for r in range(self.size)}
+        self._run({"op": "import", "seq": seq.seq_id, "n": int(n_tokens)},
+                  lambda: self.local.import_kv(seq.local, per_rank[0], n_tokens), per_rank=per_rank)
+
+    def close(self) -> None:
+        """Tell the followers to exit (best effort); the runner is unusable afterwards."""
+        with self._lock:
+            for sock in self.links:
+                try:
+                    send_message(sock, {"op": "stop"})
+                    sock.close()
+                except OSError:
+                    pass
+            self._broken = self._broken or "tensor-parallel runner closed"
+
+
+def head_slice(arrays: dict[str, np.ndarray], plan) -> dict[str, np.ndarray]:
+    """The KV heads ``plan`` owns out of full-model ``k.{i}`` / ``v.{i}`` arrays ``[kv_heads, n, d]``."""
+    a, b = plan.kv_start, plan.kv_start + plan.kv_count
+    return {k: np.ascontiguousarray(v[a:b]) for k, v in arrays.items()}
+
+
+def gather_kv(local, seq, start: int, end: int, group, plan) -> dict[str, np.ndarray]:
+    """Collective: this rank's exported heads, all-gathered into full-model arrays (every rank gets them)."""
+    import mlx.core as mx
+
+    mine = local.export_kv(seq, start, end)
+    names = sorted(mine, key=lambda k: (int(k.split(".")[1]), k))
+    stacked = np.stack([mine[k] for k in names], axis=1)  # [kv_local, 2L, n, d]
+    full = np.array(mx.distributed.all_gather(mx.array(stacked), group=group))
+    full = full[:: plan.kv_replicas]  # replicated KV heads appear once
+    return {k: np.ascontiguousarray(full[:, i]) for i, k in enumerate(names)}
+
+
+# ---- followers ------------------------------------------------------------------------------
+
+def follow(runner, sock: socket.socket, group, plan) -> int:
+    """Replay rank 0's calls on this rank's shard until rank 0 says stop or goes away; exit status."""
+    seqs: dict[int, object] = {}
+    while True:
+        msg = recv_message(sock)
+        if msg is None:
+            log.info("rank %d: rank 0 closed the control connection; exiting", plan.rank)
+            return 0
+        header, arrays = msg
+        for seq_id in header.get("release", ()):
+            seqs.pop(seq_id, None)
+        op = header["op"]
+        if op == "stop":
+            return 0
+        try:
+            if op == "new":
+                seqs[header["seq"]] = runner.new_sequence()
+            elif op == "prefill":
+                runner.prefill(seqs[header["seq"]], arrays["tokens"].tolist())
+            elif op == "decode":
+                runner.decode([seqs[i] for i in header["seqs"]], arrays["tokens"].tolist())
+            elif op == "trim":
+                seqs[header["seq"]].trim(header["n"])
+            elif op == "export":
+                gather_kv(runner, seqs[header["seq"]], header["start"], header["end"], group, plan)
+            elif op == "import":
+                runner.import_kv(seqs[header["seq"]], arrays, header["n"])
+            else:
+                raise RuntimeError(f"unknown tensor-parallel command {op!r}")
+        except (InputError, ValueError) as e:  # rank 0 raised the same error before any collective
+            log.debug("rank %d: %s rejected: %s", plan.rank, op, e)

@@ -1,0 +1,107 @@
+"""BERT encoders (all-MiniLM-L6-v2 and kin) for ``/v1/embeddings``.
+
+Post-LayerNorm encoder with biased projections and erf-GELU, bidirectional attention;
+the sentence vector is the mean (``pooling_type`` 1) or the CLS token (2) of the last
+hidden states, L2-normalised — what sentence-transformers does for these models. A
+batch of inputs of different lengths is padded; padding is masked out of attention
+and of the mean.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import attrs
+import mlx.core as mx
+import numpy as np
+
+from hf2q.engine.layers import Linear, float_array, gelu_erf, layer_norm
+from hf2q.errors import InputError
+from hf2q.formats.gguf_file import GGUFFile
+
+
+@attrs.define
+class BertConfig:
+    n_layers: int
+    hidden: int
+    n_heads: int
+    vocab: int
+    n_ctx_train: int
+    eps: float
+    pooling: int
+
+
+class BertLayer:
+    def __init__(self, g: GGUFFile, i: int, dtype):
+        p = f"blk.{i}."
+
+        def lin(name):
+            bias = g.tensors.get(p + name + ".bias")
+            return Linear(g.tensor(p + name + ".weight"), dtype, None if bias is None else float_array(bias, dtype))
+
+        self.q, self.k, self.v, self.o = lin("attn_q"), lin("attn_k"), lin("attn_v"), lin("attn_output")
+        self.up, self.down = lin("ffn_up"), lin("ffn_down")
+        self.ln1 = (float_array(g.tensor(p + "attn_output_norm.weight"), dtype),
+                    float_array(g.tensor(p + "attn_output_norm.bias"), dtype))
+        self.ln2 = (float_array(g.tensor(p + "layer_output_norm.weight"), dtype),
+                    float_array(g.tensor(p + "layer_output_norm.bias"), dtype))
+
+    def __call__(self, x: mx.array, mask: mx.array, n_heads: int, eps: float) -> mx.array:
+        B, L, D = x.shape
+        hd = D // n_heads
+        q, k, v = (t(x).reshape(B, L, n_heads, hd).transpose(0, 2, 1, 3) for t in (self.q, self.k, self.v))
+        a = mx.fast.scaled_dot_product_attention(q, k, v, scale=hd ** -0.5, mask=mask)
+        x = layer_norm(x + self.o(a.transpose(0, 2, 1, 3).reshape(B, L, D)), *self.ln1, eps)
+        return layer_norm(x + self.down(gelu_erf(self.up(x))), *self.ln2, eps)
+
+
+class BertModel:
+    is_embedding_model = True
+
+    def __init__(self, cfg: BertConfig, g: GGUFFile, dtype):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.tok = float_array(g.tensor("token_embd.weight"), dtype)
+        self.pos = float_array(g.tensor("position_embd.weight"), dtype)
+        self.types = float_array(g.tensor("token_types.weight"), dtype) if "token_types.weight" in g.tensors else None
+        self.ln = (float_array(g.tensor("token_embd_norm.weight"), dtype),
+                   float_array(g.tensor("token_embd_norm.bias"), dtype))
+        self.layers = [BertLayer(g, i, dtype) for i in range(cfg.n_layers)]
+
+    def embed(self, batch: Sequence[Sequence[int]]) -> mx.array:
+        if not batch or any(len(t) == 0 for t in batch):
+            raise InputError("every embedding input needs at least one token")
+        B, L = len(batch), max(len(t) for t in batch)
+        ids = np.zeros((B, L), dtype=np.int32)
+        valid = np.zeros((B, L), dtype=bool)
+        for i, t in enumerate(batch):
+            ids[i, : len(t)] = t
+            valid[i, : len(t)] = True
+        x = self.tok[mx.array(ids)] + self.pos[:L][None]
+        if self.types is not None:
+            x = x + self.types[0]
+        x = layer_norm(x, *self.ln, self.cfg.eps)
+        mask = mx.array(valid[:, None, None, :])
+        for layer in self.layers:
+            x = layer(x, mask, self.cfg.n_heads, self.cfg.eps)
+        x = x.astype(mx.float32)
+        if self.cfg.pooling == 2:
+            pooled = x[:, 0, :]
+        else:
+            w = mx.array(valid.astype(np.float32))[..., None]
+            pooled = (x * w).sum(axis=1) / w.sum(axis=1)
+        out = pooled / mx.maximum(mx.linalg.norm(pooled, axis=-1, keepdims=True), 1e-12)
+        mx.eval(out)
+        return out
+
+
+def build(g: GGUFFile, dtype) -> BertModel:
+    pooling = int(g.get(".pooling_type", 1))
+    if pooling not in (1, 2):
+        raise InputError(f"{g.path.name}: pooling type {pooling} is not supported (mean or CLS)")
+    cfg = BertConfig(n_layers=int(g.require(".block_count")), hidden=int(g.require(".embedding_length")),
+                     n_heads=int(g.require(".attention.head_count")),
+                     vocab=int(g.tensor("token_embd.weight").shape[0]),
+                     n_ctx_train=int(g.get(".context_length", 512)),
+                     eps=float(g.get(".attention.layer_norm_epsilon", 1e-12)), pooling=pooling)
+    return BertModel(cfg, g, dtype)

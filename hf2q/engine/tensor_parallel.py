@@ -1,0 +1,245 @@
+"""Tensor-parallel sharding of a GGUF decoder: which slice of every weight a rank loads.
+
+Megatron-style split over ``size`` ranks, done *before* the weights are loaded, so
+each rank reads (from the memory-mapped GGUF) and holds only its share:
+
+* attention: rank ``r`` owns a contiguous range of query heads and the KV heads they
+  attend with. ``attn_q/k/v`` are column-parallel (their output rows are sliced by
+  head), ``attn_output`` is row-parallel (its input columns are sliced the same way)
+  and ends in one ``mx.distributed.all_sum``.
+* gated MLP: ``ffn_gate``/``ffn_up`` column-parallel over the intermediate size,
+  ``ffn_down`` row-parallel + one ``all_sum``. A decoder block therefore costs two
+  all-reduces (attention, MLP), the minimum for a sequential residual stream.
+* MoE (``*_exps`` tensors ``[experts, out, in]``): experts split by expert index; the
+  router stays replicated, so every rank computes the same top-k and only the experts it
+  owns contribute before the ``all_sum`` (needs the engine's MoE layer; see
+  ``shard_experts``).
+* embeddings, norms and the LM head stay replicated: after each all-reduce every rank
+  holds the same hidden state, so every rank can produce the logits.
+
+Quantized weights are sliced in their GGUF block form: a row slice is a byte slice of
+whole rows (any type), a column slice must start and end on a quant block (32 elements,
+256 for K-quants), which is checked. The KV cache of a rank holds only its KV heads.
+
+When a model has fewer KV heads than ranks (Gemma 3: one KV head) each KV head is
+replicated on the ``size / n_kv`` ranks whose query heads use it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES
+
+from hf2q.errors import InputError
+from hf2q.formats.gguf_file import GGUFFile, GGUFTensor
+
+
+@attrs.frozen
+class HeadPlan:
+    """The attention heads rank ``rank`` owns: query heads ``[q_start, q_start+q_count)``, KV likewise."""
+
+    rank: int
+    size: int
+    n_heads: int
+    n_kv_heads: int
+    q_start: int
+    q_count: int
+    kv_start: int
+    kv_count: int
+
+    @property
+    def kv_replicas(self) -> int:
+        """How many ranks hold each KV head (1 unless KV heads are fewer than ranks)."""
+        return max(1, self.size // self.n_kv_heads)
+
+
+def head_plan(n_heads: int, n_kv_heads: int, size: int, rank: int, what: str = "model") -> HeadPlan:
+    """Split ``n_heads`` query / ``n_kv_heads`` KV heads over ``size`` ranks, or say why it cannot."""
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} outside 0..{size - 1}")
+    if n_heads % size:
+        raise InputError(f"{what}: {n_heads} attention heads do not split over {size} ranks "
+                         f"(--tensor-parallel must divide the head count)")
+    q_count = n_heads // size
+    if n_kv_heads % size == 0:
+        kv_count = n_kv_heads // size
+        kv_start = rank * kv_count
+    elif size % n_kv_heads == 0:  # fewer KV heads than ranks: replicate each over size / n_kv ranks
+        kv_count = 1
+        kv_start = rank // (size // n_kv_heads)
+    else:
+        raise InputError(f"{what}: {n_kv_heads} KV heads do not split over {size} ranks "
+                         f"(--tensor-parallel must divide the KV head count, or be a multiple of it)")
+    return HeadPlan(rank, size, n_heads, n_kv_heads, rank * q_count, q_count, kv_start, kv_count)
+
+
+def _rows_view(t: GGUFTensor) -> np.ndarray:
+    """The tensor's data as ``[..., out, row]`` where ``row`` is elements (float types) or bytes (blocks)."""
+    return np.asarray(t.data).reshape(*t.shape[:-1], -1)
+
+
+def slice_tensor(t: GGUFTensor, axis: int, start: int, stop: int) -> GGUFTensor:
+    """``t`` restricted to ``[start, stop)`` along ``axis`` (of ``t.shape``), without dequantizing.
+
+    Any axis but the last is a plain slice of whole rows. The last axis (the input
+    columns of a weight) is cut in quant blocks and must be block-aligned.
+    """
+    nd = len(t.shape)
+    axis = axis % nd
+    if not 0 <= start < stop <= t.shape[axis]:
+        raise ValueError(f"{t.name}: slice [{start}, {stop}) outside axis {axis} of {t.shape}")
+    view = _rows_view(t)
+    index: list[Any] = [slice(None)] * nd
+    if axis < nd - 1:
+        index[axis] = slice(start, stop)
+    elif view.shape[-1] == t.shape[-1]:  # one element per column (F32/F16/BF16…)
+        index[-1] = slice(start, stop)
+    else:
+        block, type_size = GGML_QUANT_SIZES[t.qtype]
+        if start % block or stop % block:
+            raise InputError(f"{t.name}: columns [{start}, {stop}) are not aligned to the {block}-element "
+                             f"{t.qtype.name} blocks; this tensor-parallel size cannot split it")
+        index[-1] = slice(start // block * type_size, stop // block * type_size)
+    data = view[tuple(index)]
+    shape = list(t.shape)
+    shape[axis] = stop - start
+    if len(shape) == 1:
+        data = data.reshape(-1)
+    return GGUFTensor(t.name, t.qtype, tuple(shape), data, int(data.nbytes))
+
+
+def _even_range(n: int, size: int, rank: int, what: str) -> tuple[int, int]:
+    if n % size:
+        raise InputError(f"{what} of {n} does not split over {size} ranks")
+    k = n // size
+    return rank * k, (rank + 1) * k
+
+
+def shard_gguf(g: GGUFFile, rank: int, size: int) -> GGUFFile:
+    """A view of ``g`` holding only rank ``rank``'s share; metadata reports the per-rank head counts.
+
+    The engine's family builders read this view as if it were a smaller model, so no
+    family file needs to know about tensor parallelism; :func:`parallelize` then adds the
+    all-reduces.
+    """
+    if size == 1:
+        return g
+    name = g.path.name
+    n_heads = int(g.require(".attention.head_count"))
+    n_kv = g.get(".attention.head_count_kv", n_heads)
+    if isinstance(n_kv, list):
+        raise InputError(f"{name}: per-layer head counts are not supported with tensor parallelism")
+    n_kv = int(n_kv)
+    hidden = int(g.require(".embedding_length"))
+    head_dim = int(g.get(".attention.key_length", hidden // n_heads))
+    v_dim = int(g.get(".attention.value_length", head_dim))
+    plan = head_plan(n_heads, n_kv, size, rank, name)
+    arch = g.arch
+    meta = dict(g.metadata)
+    meta[f"{arch}.attention.head_count"] = plan.q_count
+    meta[f"{arch}.attention.head_count_kv"] = plan.kv_count
+    meta[f"{arch}.attention.key_length"] = head_dim
+    meta[f"{arch}.attention.value_length"] = v_dim
+    meta["hf2q.tensor_parallel"] = [rank, size]
+
+    q_rows = (plan.q_start * head_dim, (plan.q_start + plan.q_count) * head_dim)
+    k_rows = (plan.kv_start * head_dim, (plan.kv_start + plan.kv_count) * head_dim)
+    v_rows = (plan.kv_start * v_dim, (plan.kv_start + plan.kv_count) * v_dim)
+    o_cols = (plan.q_start * v_dim, (plan.q_start + plan.q_count) * v_dim)
+    rules: dict[str, tuple[int, tuple[int, int]]] = {  # tensor suffix → (axis, range)
+        "attn_q.weight": (-2, q_rows), "attn_q.bias": (0, q_rows),
+        "attn_k.weight": (-2, k_rows), "attn_k.bias": (0, k_rows),
+        "attn_v.weight": (-2, v_rows), "attn_v.bias": (0, v_rows),
+        "attn_output.weight": (-1, o_cols),
+    }
+    ff = g.get(".feed_forward_length")
+    tensors = dict(g.tensors)
+    for tname, t in g.tensors.items():
+        if not tname.startswith("blk."):
+            continue
+        suffix = tname.split(".", 2)[2]
+        if suffix in rules:
+            axis, (a, b) = rules[suffix]
+            tensors[tname] = slice_tensor(t, axis, a, b)
+        elif suffix in ("ffn_gate.weight", "ffn_up.weight"):
+            tensors[tname] = slice_tensor(t, -2, *_even_range(t.shape[-2], size, rank, f"{tname} rows"))
+        elif suffix == "ffn_down.weight":
+            tensors[tname] = slice_tensor(t, -1, *_even_range(t.shape[-1], size, rank, f"{tname} columns"))
+        elif suffix in ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"):
+            tensors[tname] = slice_tensor(t, 0, *_even_range(t.shape[0], size, rank, f"{tname} experts"))
+    if isinstance(ff, int):
+        meta[f"{arch}.feed_forward_length"] = ff // size
+    return GGUFFile(g.path, meta, tensors, g.file_bytes)
+
+
+class RowParallel:
+    """A row-parallel linear layer: the local partial product, then one ``all_sum`` over the group.
+
+    A bias (if any) is added by rank 0 only, so the sum carries it exactly once.
+    """
+
+    def __init__(self, inner, group):
+        import mlx.core as mx
+
+        self.inner = inner
+        self.group = group
+        self._mx = mx
+        if group.rank() != 0 and getattr(inner, "bias", None) is not None:
+            inner.bias = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes
+
+    def params(self):
+        return self.inner.params()
+
+    def __call__(self, x):
+        return self._mx.distributed.all_sum(self.inner(x), group=self.group)
+
+
+def parallelize(model, group) -> Any:
+    """Make a model built from a :func:`shard_gguf` view compute the full model across ``group``.
+
+    Every ``attn.o`` and dense ``ffn.down`` becomes :class:`RowParallel`. A MoE layer
+    must expose ``shard_experts(rank, size, group)`` (experts are already sliced by
+    the view); a layer that does not is refused rather than silently computing a wrong sum.
+    """
+    if group.size() == 1:
+        return model
+    if getattr(model, "is_embedding_model", False):
+        raise InputError("tensor parallelism serves decoder (chat) models only")
+    for layer in model.layers:
+        layer.attn.o = RowParallel(layer.attn.o, group)
+        ffn = layer.ffn
+        if hasattr(ffn, "down") and hasattr(ffn, "gate"):
+            ffn.down = RowParallel(ffn.down, group)
+        elif hasattr(ffn, "shard_experts"):
+            ffn.shard_experts(group.rank(), group.size(), group)
+        else:
+            raise InputError(f"tensor parallelism does not support the feed-forward layer "
+                             f"{type(ffn).__name__} yet")
+    return model
+
+
+def load_shard(path, rank: int, size: int, group, ctx: int | None = None):
+    """An ``MlxModelRunner`` over rank ``rank``'s share of ``path`` (the whole model when ``size == 1``).
+
+    Its KV caches hold the rank's KV heads only, so ``kv_bytes_per_token`` is per rank.
+    """
+    from hf2q.engine.models import build_model
+    from hf2q.engine.runner import MlxModelRunner, compute_dtype
+    from hf2q.formats.gguf_file import open_gguf
+
+    g = open_gguf(path)
+    if g.arch == "bert":
+        raise InputError(f"{g.path.name}: tensor parallelism serves decoder (chat) models only")
+    view = shard_gguf(g, rank, size)
+    dtype = compute_dtype(g.arch)
+    model = parallelize(build_model(view, dtype), group)
+    runner = MlxModelRunner(view, model, dtype, ctx)
+    runner.gguf = g  # names, tokenizer and metadata of the real file
+    return runner

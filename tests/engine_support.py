@@ -1,0 +1,54 @@
+"""Helpers shared by the engine tests: tiny checkpoints converted to F32 GGUF once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from hf2q.formats.gguf_file import open_gguf
+
+
+def convert_f32(src: Path, out: Path) -> Path:
+    from hf2q.cli import main
+
+    if not out.exists():
+        code = main(["convert", str(src), "-q", "f32", "-o", str(out), "--no-integrity"])
+        assert code == 0, f"hf2q convert failed for {src}"
+    return out
+
+
+def layer_types_pattern(hf_dir: Path) -> list[bool] | None:
+    """Per-layer 'is sliding' flags from a Gemma3 config (None when it has no layer_types)."""
+    import json
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    types = cfg.get("layer_types")
+    return None if types is None else [t == "sliding_attention" for t in types]
+
+
+def load_runner(gguf: Path, hf_dir: Path | None = None):
+    """Load with MlxModelRunner; for Gemma3 make sure the sliding-window layout is the HF one.
+
+    llama.cpp's Gemma3 default (5 local : 1 global) is right for real checkpoints; a tiny
+    3-layer checkpoint has its own ``layer_types``, which a GGUF states with
+    ``gemma3.attention.sliding_window_pattern`` (bool per layer). If the converter did not
+    write it, the key is supplied here from the HF config so the graph under test is the
+    one transformers runs.
+    """
+    from hf2q.engine.models import build_model
+    from hf2q.engine.runner import MlxModelRunner, compute_dtype
+
+    g = open_gguf(gguf)
+    key = "gemma3.attention.sliding_window_pattern"
+    if g.arch == "gemma3" and key not in g.metadata and hf_dir is not None:
+        pattern = layer_types_pattern(hf_dir)
+        if pattern is not None:
+            g.metadata[key] = pattern
+    dtype = compute_dtype(g.arch)
+    return MlxModelRunner(g, build_model(g, dtype), dtype, None)
+
+
+def random_tokens(n: int, low: int = 5, high: int = 1000, seed: int = 0) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(low, high, n)]

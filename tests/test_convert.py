@@ -1,0 +1,175 @@
+"""``hf2q convert`` end to end on tiny checkpoints, checked against independent readers.
+
+References: the ``safetensors`` library (source weights), the ``gguf`` package's reader and
+numpy dequantizers (our output), ``hashlib`` (integrity hashes). Byte parity with llama.cpp
+itself lives in ``test_llamacpp_parity.py``; the type policy in ``test_policy.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGUFReader
+from safetensors.numpy import load_file, save_file
+
+
+def _tensor(r: GGUFReader, name: str):
+    return next(t for t in r.tensors if t.name == name)
+
+
+def _as_f32(t) -> np.ndarray:
+    """A GGUF tensor as float32 in numpy (row-major) shape, via gguf-py's own dequantizers."""
+    data = np.asarray(t.data)
+    if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        return data.astype(np.float32).reshape(list(reversed(t.shape.tolist())))
+    return gguf.quants.dequantize(data, t.tensor_type).reshape(list(reversed(t.shape.tolist())))
+
+
+def test_f16_tensors_equal_rounded_source(cli, tiny_checkpoint, tmp_path):
+    src = tiny_checkpoint("llama")
+    out = tmp_path / "m.gguf"
+    res = cli("convert", src, "-q", "f16", "-o", out)
+    assert res.code == 0, res.err
+    weights = load_file(src / "model.safetensors")
+    r = GGUFReader(out)
+    assert r.fields["general.architecture"].contents() == "llama"
+    assert r.fields["general.file_type"].contents() == int(gguf.LlamaFileType.MOSTLY_F16)
+    emb = _tensor(r, "token_embd.weight")
+    assert emb.tensor_type == gguf.GGMLQuantizationType.F16
+    np.testing.assert_array_equal(_as_f32(emb), weights["model.embed_tokens.weight"].astype(np.float16))
+    norm = _tensor(r, "blk.1.ffn_norm.weight")
+    assert norm.tensor_type == gguf.GGMLQuantizationType.F32
+    np.testing.assert_array_equal(_as_f32(norm), weights["model.layers.1.post_attention_layernorm.weight"])
+    # Q rows are permuted (rotate-half → interleaved) but hold the same values
+    q = _as_f32(_tensor(r, "blk.0.attn_q.weight"))
+    hf_q = weights["model.layers.0.self_attn.q_proj.weight"].astype(np.float16).astype(np.float32)
+    assert not np.array_equal(q, hf_q)
+    np.testing.assert_array_equal(np.sort(q, axis=None), np.sort(hf_q, axis=None))
+    assert not (tmp_path / "m.gguf.tmp").exists()
+
+
+def test_q8_0_is_close_and_report_is_honest(cli, tiny_checkpoint, tmp_path):
+    src = tiny_checkpoint("qwen3")
+    out = tmp_path / "q.gguf"
+    rep_path = tmp_path / "report.json"
+    res = cli("convert", src, "-q", "q8_0", "-o", out, "--json-report", rep_path)
+    assert res.code == 0, res.err
+    rep = json.loads(rep_path.read_text())
+    weights = load_file(src / "model.safetensors")
+    r = GGUFReader(out)
+    entry = next(t for t in rep["tensors"] if t["name"] == "blk.0.ffn_up.weight")
+    t = _tensor(r, "blk.0.ffn_up.weight")
+    assert t.tensor_type == gguf.GGMLQuantizationType.Q8_0 and entry["type"] == "Q8_0"
+    assert entry["bytes"] == int(t.n_bytes)
+    x = weights["model.layers.0.mlp.up_proj.weight"]
+    y = _as_f32(t)
+    rmse = float(np.sqrt(np.mean((x.astype(np.float64) - y) ** 2)))
+    assert entry["rmse"] == pytest.approx(rmse, rel=1e-6)  # ≤256 rows: the sample is the whole tensor
+    assert rmse < 0.01 * float(np.abs(x).max())
+    assert entry["cosine"] > 0.999
+    # integrity: every input file hashed, and the hashes are right
+    for rel, digest in rep["inputs_sha256"].items():
+        assert hashlib.sha256((src / rel).read_bytes()).hexdigest() == digest
+    assert "model.safetensors" in rep["inputs_sha256"] and "config.json" in rep["inputs_sha256"]
+    assert rep["output_bytes"] == out.stat().st_size
+    assert rep["total_tensor_bytes"] == sum(int(t.n_bytes) for t in r.tensors)
+    assert set(rep["timings_s"]) >= {"read_s", "quantize_s", "write_s", "total_s"}
+
+
+def test_no_integrity_skips_hashes(cli, tiny_checkpoint, tmp_path):
+    out = tmp_path / "q.gguf"
+    assert cli("convert", tiny_checkpoint("llama"), "-q", "q4_0", "-o", out, "--no-integrity").code == 0
+    rep = json.loads((tmp_path / "q.gguf.report.json").read_text())
+    assert rep["inputs_sha256"] == {} and rep["integrity_checked"] is False
+
+
+def test_dry_run_plan_matches_the_written_file(cli, tiny_checkpoint, tmp_path):
+    src = tiny_checkpoint("gemma3")
+    dry = cli("convert", src, "-q", "q4_k_m", "--dry-run", "-o", tmp_path / "never.gguf")
+    assert dry.code == 0, dry.err
+    assert not (tmp_path / "never.gguf").exists()
+    planned = {}
+    for line in dry.out.splitlines()[1:-1]:
+        name, *_, qtype, nbytes = line.split()
+        planned[name] = (qtype, int(nbytes))
+    out = tmp_path / "g.gguf"
+    assert cli("convert", src, "-q", "q4_k_m", "-o", out).code == 0
+    r = GGUFReader(out)
+    assert planned == {t.name: (t.tensor_type.name, int(t.n_bytes)) for t in r.tensors}
+    total = int(dry.out.splitlines()[-1].split()[3])
+    assert total == sum(int(t.n_bytes) for t in r.tensors)
+
+
+def test_sharded_checkpoint_gives_identical_output(cli, tiny_checkpoint, tmp_path):
+    """Split the checkpoint into two shards + index.json: the GGUF must not change by a byte."""
+    src = tiny_checkpoint("llama")
+    sharded = tmp_path / "sharded"
+    shutil.copytree(src, sharded)
+    (sharded / "model.safetensors").unlink()
+    weights = load_file(src / "model.safetensors")
+    names = sorted(weights)
+    half = len(names) // 2
+    shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+    weight_map = {}
+    for fname, keys in shards.items():
+        save_file({k: weights[k] for k in keys}, sharded / fname)
+        weight_map.update({k: fname for k in keys})
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    assert cli("convert", src, "-q", "q5_1", "-o", a, "--no-integrity").code == 0
+    assert cli("convert", sharded, "-q", "q5_1", "-o", b, "--no-integrity").code == 0
+    ra, rb = GGUFReader(a), GGUFReader(b)
+    assert [t.name for t in ra.tensors] == [t.name for t in rb.tensors]
+    for x, y in zip(ra.tensors, rb.tensors):
+        assert bytes(np.asarray(x.data).view(np.uint8)) == bytes(np.asarray(y.data).view(np.uint8)), x.name
+
+
+def test_moe_experts_are_stacked(cli, tiny_checkpoint, tmp_path):
+    src = tiny_checkpoint("qwen3_moe")
+    out = tmp_path / "moe.gguf"
+    assert cli("convert", src, "-q", "f32", "-o", out).code == 0
+    weights = load_file(src / "model.safetensors")
+    r = GGUFReader(out)
+    cfg = json.loads((src / "config.json").read_text())
+    n_exp = cfg["num_experts"]
+    down = _as_f32(_tensor(r, "blk.1.ffn_down_exps.weight"))
+    assert down.shape[0] == n_exp
+    fused = "model.layers.1.mlp.experts.down_proj"
+    if fused in weights:  # transformers 5 layout: one [E, d, ff] tensor
+        np.testing.assert_array_equal(down, weights[fused])
+    else:
+        for e in range(n_exp):
+            np.testing.assert_array_equal(down[e], weights[f"model.layers.1.mlp.experts.{e}.down_proj.weight"])
+    assert r.fields["qwen3moe.expert_count"].contents() == n_exp
+
+
+def test_gemma_norms_get_plus_one_and_window_metadata(cli, tiny_checkpoint, tmp_path):
+    src = tiny_checkpoint("gemma3")
+    out = tmp_path / "g.gguf"
+    assert cli("convert", src, "-q", "f16", "-o", out).code == 0
+    weights = load_file(src / "model.safetensors")
+    r = GGUFReader(out)
+    got = _as_f32(_tensor(r, "blk.0.attn_q_norm.weight"))
+    np.testing.assert_array_equal(got, weights["model.layers.0.self_attn.q_norm.weight"] + np.float32(1))
+    cfg = json.loads((src / "config.json").read_text())
+    assert r.fields["gemma3.attention.sliding_window"].contents() == cfg["sliding_window"]
+
+
+def test_bert_pooling_and_wordpiece(cli, minilm_hf, tmp_path):
+    out = tmp_path / "minilm.gguf"
+    assert cli("convert", minilm_hf, "-q", "f16", "-o", out, "--no-integrity").code == 0
+    r = GGUFReader(out)
+    assert r.fields["bert.pooling_type"].contents() == int(gguf.PoolingType.MEAN)
+    assert r.fields["tokenizer.ggml.model"].contents() == "bert"
+    toks = r.fields["tokenizer.ggml.tokens"].contents()
+    vocab = (Path(minilm_hf) / "vocab.txt").read_text(encoding="utf-8").splitlines()
+    assert len(toks) == len(vocab)
+    i = vocab.index("##ing")
+    assert toks[i] == "ing" and toks[vocab.index("hello")] == "\u2581hello"
+    assert _tensor(r, "position_embd.weight").tensor_type == gguf.GGMLQuantizationType.F32

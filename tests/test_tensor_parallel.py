@@ -1,0 +1,265 @@
+"""Tensor parallelism over ``mx.distributed`` (ring backend, ranks on 127.0.0.1).
+
+The reference is always the same GGUF run by the plain single-process ``MlxModelRunner``:
+a tensor-parallel group must produce the same greedy tokens and (up to float summation
+order) the same logits for every engine call the runtime makes — chunked prefill, batched
+decode of sequences of different lengths, trim + re-prefill (prefix reuse), KV export and
+import. Weight slicing is checked against ``gguf``'s own dequantizer.
+
+Each group runs in a child process (``mx.distributed.init`` is once per process): the
+child runs :func:`scenario` on ``tp_launch.runner_factory(path, N)`` and saves what it
+saw; the test runs the same scenario on one rank in-process and compares.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import quants
+
+from hf2q.engine.tensor_parallel import head_plan, shard_gguf, slice_tensor
+from hf2q.errors import InputError
+from hf2q.formats.gguf_file import open_gguf
+
+ROOT = Path(__file__).resolve().parents[1]
+CTX = 256
+GROUP_TIMEOUT_S = 240  # a whole child run (start-up of N ranks on a busy 2-core machine + the scenario)
+
+
+# ---------------------------------------------------------------------------- models
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory, tiny_checkpoint):
+    """``tiny_gguf(family, quant)`` → a GGUF converted by hf2q from the tiny random checkpoint."""
+    from hf2q.cli import main
+
+    out_dir = tmp_path_factory.mktemp("tp-models")
+    made: dict[tuple[str, str], Path] = {}
+
+    def make(family: str, quant: str) -> Path:
+        if (family, quant) not in made:
+            out = out_dir / f"{family}-{quant}.gguf"
+            assert main(["convert", str(tiny_checkpoint(family)), "--quant", quant, "-o", str(out)]) == 0
+            made[family, quant] = out
+        return made[family, quant]
+    return make
+
+
+# ---------------------------------------------------------------------------- the scenario
+
+def scenario(runner, prompt: list[int], n_decode: int = 6) -> dict[str, np.ndarray]:
+    """Every call the serving runtime makes, in a fixed order; returns logits and greedy tokens."""
+    out: dict[str, np.ndarray] = {}
+    a = runner.new_sequence()
+    runner.prefill(a, prompt[:5])
+    out["prefill_a"] = runner.prefill(a, prompt[5:])  # chunked prefill
+    toks = [int(out["prefill_a"].argmax())]
+    steps = []
+    for _ in range(n_decode):
+        lg = runner.decode([a], [toks[-1]])[0]
+        steps.append(lg)
+        toks.append(int(lg.argmax()))
+    out["decode_a"] = np.stack(steps)
+    out["tokens_a"] = np.asarray(toks)
+    b = runner.new_sequence()
+    out["prefill_b"] = runner.prefill(b, prompt[2:5])
+    tb, ta = int(out["prefill_b"].argmax()), toks[-1]
+    batched = []
+    for _ in range(3):  # sequences of different lengths in one batched step
+        lg = runner.decode([a, b], [ta, tb])
+        batched.append(lg)
+        ta, tb = int(lg[0].argmax()), int(lg[1].argmax())
+    out["decode_ab"] = np.stack(batched)
+    a.trim(4)  # prefix reuse: keep 4 positions, recompute the rest
+    out["after_trim"] = runner.prefill(a, prompt[4:7])
+    kv = runner.export_kv(b, 0, b.length)
+    out["kv_k0"] = kv["k.0"]
+    c = runner.new_sequence()
+    runner.import_kv(c, kv, b.length)
+    out["decode_imported"] = runner.decode([c], [7])[0]
+    del a  # released on the followers with the next command
+    out["decode_after_release"] = runner.decode([b], [9])[0]
+    out["lengths"] = np.asarray([b.length, c.length])
+    return out
+
+
+DRIVER = r"""
+import json, os, signal, sys, time
+import numpy as np
+sys.path.insert(0, {root!r})
+from tests.test_tensor_parallel import scenario
+from hf2q.engine import tp_launch
+path, size, outdir, prompt, then = sys.argv[1], int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]), sys.argv[5]
+t0 = time.monotonic()
+runner = tp_launch.runner_factory(path, size, {ctx})()
+t1 = time.monotonic()
+np.savez(os.path.join(outdir, "result.npz"), **scenario(runner, prompt))
+info = {{"start_s": t1 - t0, "scenario_s": time.monotonic() - t1, "pids": runner.followers.pids,
+        "kv_bytes_per_token": runner.kv_bytes_per_token}}
+if then == "kill":  # a follower dies: the next call must raise, and so must every later one
+    seq = runner.new_sequence()
+    os.kill(runner.followers.pids[0], signal.SIGKILL)
+    errors = []
+    for _ in range(2):
+        t = time.monotonic()
+        try:
+            runner.decode([seq], [1])
+            errors.append(None)
+        except Exception as e:
+            errors.append([type(e).__name__, str(e), time.monotonic() - t])
+    info["errors"] = errors
+json.dump(info, open(os.path.join(outdir, "info.json"), "w"))
+if then == "vanish":  # rank 0 disappears without a word: followers must exit on their own
+    os._exit(0)
+runner.close()
+"""
+
+
+def run_group(path: Path, size: int, prompt: list[int], tmp_path: Path, then: str = "close") -> tuple[dict, dict]:
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER.format(root=str(ROOT), ctx=CTX))
+    proc = subprocess.run([sys.executable, str(script), str(path), str(size), str(tmp_path), json.dumps(prompt),
+                           then], cwd=ROOT, capture_output=True, text=True, timeout=GROUP_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = json.loads((tmp_path / "info.json").read_text())
+    with np.load(tmp_path / "result.npz") as z:
+        return {k: z[k] for k in z.files}, info
+
+
+def reference(path: Path, prompt: list[int]) -> dict[str, np.ndarray]:
+    from hf2q.engine.runner import MlxModelRunner
+
+    return scenario(MlxModelRunner.load(path, ctx=CTX), prompt)
+
+
+def assert_same_run(tp: dict, ref: dict, rtol: float) -> None:
+    for key in ref:
+        if key.startswith(("tokens", "lengths")):
+            np.testing.assert_array_equal(tp[key], ref[key], err_msg=key)
+        else:
+            scale = float(np.abs(ref[key]).max())
+            np.testing.assert_allclose(tp[key], ref[key], rtol=0, atol=rtol * scale, err_msg=key)
+    # greedy choices at every position where the reference has a clear winner
+    for key in ("prefill_a", "decode_a", "decode_ab", "after_trim", "decode_imported"):
+        r, t = ref[key].reshape(-1, ref[key].shape[-1]), tp[key].reshape(-1, tp[key].shape[-1])
+        top2 = np.sort(r, axis=-1)[:, -2:]
+        clear = (top2[:, 1] - top2[:, 0]) > 1e-3 * np.abs(r).max()
+        np.testing.assert_array_equal(t.argmax(-1)[clear], r.argmax(-1)[clear], err_msg=key)
+
+
+def gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return True
+
+
+# ---------------------------------------------------------------------------- slicing (no processes)
+
+def test_head_plans_cover_every_head_once():
+    for n_heads, n_kv, size in [(4, 2, 2), (32, 8, 4), (16, 8, 8), (9, 3, 3), (4, 1, 2), (8, 2, 4)]:
+        plans = [head_plan(n_heads, n_kv, size, r) for r in range(size)]
+        q = [h for p in plans for h in range(p.q_start, p.q_start + p.q_count)]
+        assert q == list(range(n_heads))
+        group = n_heads // n_kv
+        for p in plans:  # every query head's KV head is on the same rank
+            for h in range(p.q_start, p.q_start + p.q_count):
+                assert p.kv_start <= h // group < p.kv_start + p.kv_count
+        assert sorted({p.kv_start for p in plans}) == list(range(0, n_kv, max(1, n_kv // size)))
+
+
+def test_unsplittable_head_counts_are_input_errors():
+    with pytest.raises(InputError, match="9 attention heads do not split over 2"):
+        head_plan(9, 3, 2, 0)
+    with pytest.raises(InputError, match="4 KV heads do not split over 6"):
+        head_plan(24, 4, 6, 0)
+
+
+@pytest.mark.parametrize("quant", ["q4_0", "q8_0", "f32"])
+def test_shards_reassemble_the_weights(tiny_gguf, quant):
+    """Row and block-aligned column slices of every sharded tensor dequantize (gguf-py) to the full tensor."""
+    g = open_gguf(tiny_gguf("llama", quant))
+    shards = [shard_gguf(g, r, 2) for r in range(2)]
+    axes = {"attn_q": 0, "attn_k": 0, "attn_v": 0, "ffn_gate": 0, "ffn_up": 0, "attn_output": 1, "ffn_down": 1}
+    checked = 0
+    for name, t in g.tensors.items():
+        kind = name.split(".")[2] if name.startswith("blk.") else None
+        full = quants.dequantize(np.asarray(t.data), t.qtype).reshape(t.shape)
+        parts = [quants.dequantize(np.ascontiguousarray(s.tensors[name].data), t.qtype)
+                 .reshape(s.tensors[name].shape) for s in shards]
+        if kind in axes:
+            assert parts[0].shape[axes[kind]] == t.shape[axes[kind]] // 2
+            np.testing.assert_array_equal(np.concatenate(parts, axis=axes[kind]), full, err_msg=name)
+            checked += 1
+        else:  # replicated: norms, embeddings
+            for p in parts:
+                np.testing.assert_array_equal(p, full, err_msg=name)
+    assert checked == 7 * 2
+    meta = shards[1].metadata
+    assert meta["llama.attention.head_count"] == 2 and meta["llama.attention.head_count_kv"] == 1
+
+
+def test_column_cut_inside_a_quant_block_is_refused(tiny_gguf):
+    t = open_gguf(tiny_gguf("llama", "q4_0")).tensors["blk.0.ffn_down.weight"]
+    with pytest.raises(InputError, match="not aligned to the 32-element Q4_0 blocks"):
+        slice_tensor(t, -1, 0, 48)
+
+
+def test_smollm2_does_not_split_in_two(smollm2_gguf):
+    """SmolLM2-135M has 9 heads / 3 KV heads: TP=2 is refused up front (one line), TP=3 plans."""
+    from hf2q.engine.tp_launch import plan_split
+
+    with pytest.raises(InputError, match="9 attention heads do not split over 2 ranks"):
+        plan_split(smollm2_gguf, 2)
+    assert [p.q_count for p in plan_split(smollm2_gguf, 3)] == [3, 3, 3]
+
+
+# ---------------------------------------------------------------------------- real groups
+
+@pytest.mark.slow
+def test_two_ranks_match_one_rank_llama_then_followers_outlive_nobody(tiny_gguf, tmp_path):
+    path = tiny_gguf("llama", "f32")
+    prompt = [1, 504, 3094, 1210, 282, 253, 3467, 30, 1205, 314]
+    tp, info = run_group(path, 2, prompt, tmp_path, then="vanish")
+    ref = reference(path, prompt)
+    assert_same_run(tp, ref, rtol=1e-5)
+    spec = open_gguf(path)
+    head_dim = int(spec.get(".attention.key_length"))
+    assert info["kv_bytes_per_token"] == 2 * 1 * head_dim * 2 * 4  # 2 layers × 1 of 2 KV heads × K,V × f32
+    deadline = time.monotonic() + 15
+    while not all(gone(p) for p in info["pids"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(gone(p) for p in info["pids"]), "a follower outlived rank 0"
+
+
+@pytest.mark.slow
+def test_two_ranks_match_one_rank_quantized_qwen3_and_a_dead_rank_fails_closed(tiny_gguf, tmp_path):
+    path = tiny_gguf("qwen3", "q4_0")
+    prompt = [151644, 872, 198, 9707, 11, 1246, 525, 498, 30, 151645]
+    tp, info = run_group(path, 2, prompt, tmp_path, then="kill")
+    ref = reference(path, prompt)
+    assert_same_run(tp, ref, rtol=1e-4)
+    first, second = info["errors"]
+    assert first is not None and second is not None, "a call after a rank died did not raise"
+    assert first[0] == "GroupBroken" and second[0] == "GroupBroken"
+    assert first[2] < 10, f"took {first[2]:.1f} s to notice the dead rank"
+    assert "rank 1" in first[1] or "peer was lost" in first[1]
+
+
+@pytest.mark.slow
+def test_smollm2_q4_1_at_three_ranks_matches_one_rank(smollm2_gguf, tmp_path):
+    """The real SmolLM2-135M Q4_1 (9 heads / 3 KV → 3 ranks), a real chat prompt, greedy T=0."""
+    from hf2q.text.tokenizer import GGUFTokenizer
+
+    prompt = GGUFTokenizer.from_gguf(smollm2_gguf).encode("<|im_start|>user\nWhat is the capital of France?")
+    assert len(prompt) >= 8
+    tp, _ = run_group(smollm2_gguf, 3, prompt, tmp_path)
+    ref = reference(smollm2_gguf, prompt)
+    assert_same_run(tp, ref, rtol=1e-3)
