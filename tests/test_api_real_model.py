@@ -196,3 +196,27 @@ async def test_four_agent_conversations_cached_streamed_and_continued():
                 json.loads(call["function"]["arguments"])
         snap = runtime.snapshot()
         assert all(s.phase == "idle" for s in snap.slots)
+
+
+async def test_json_schema_response_and_stop_strings_on_the_real_model():
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "population_millions": {"type": "integer"}},
+              "required": ["city", "population_millions"], "additionalProperties": False}
+    async with real_server(slots=2) as (url, _runtime, _model), httpx.AsyncClient(base_url=url, timeout=900) as c:
+        ask = [{"role": "user", "content": "What is the capital of France?"}]
+        r = await c.post("/v1/chat/completions", json={
+            "messages": ask, "temperature": 0, "max_tokens": 40,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}})
+        out = r.json()["choices"][0]
+        assert out["finish_reason"] == "stop", out
+        obj = json.loads(out["message"]["content"])
+        assert set(obj) == {"city", "population_millions"} and isinstance(obj["population_millions"], int)
+        # greedy answer, then the same request cut by a stop string inside it
+        plain = (await c.post("/v1/chat/completions", json={"messages": ask, "temperature": 0,
+                                                             "max_tokens": 12})).json()
+        text = plain["choices"][0]["message"]["content"]
+        assert "Paris" in text  # SmolLM2's known greedy answer (MODELS.md)
+        cut = (await c.post("/v1/chat/completions", json={"messages": ask, "temperature": 0, "max_tokens": 12,
+                                                           "stop": ["Paris"]})).json()
+        assert cut["choices"][0]["message"]["content"] == text[: text.index("Paris")]
+        assert cut["choices"][0]["finish_reason"] == "stop"

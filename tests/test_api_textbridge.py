@@ -131,7 +131,7 @@ def test_reasoning_and_tool_call_split_from_a_thinking_template():
                   "<tool_call>\n" + json.dumps({"name": "write_file", "arguments": args}, ensure_ascii=False)
                   + "\n</tool_call>")
     body = {"messages": [{"role": "user", "content": "write it"}], "tools": TOOLS}
-    asm, deltas, decoder, prepared = run_decoder(model, body, completion)
+    asm, _deltas, decoder, prepared = run_decoder(model, body, completion)
     assert "".join(asm.reasoning).strip() == "I should write the file."
     assert "".join(asm.content).strip() == "Writing it now."
     (call,) = asm.complete_calls
@@ -148,7 +148,7 @@ def test_tool_call_cut_by_max_tokens_is_never_emitted():
     completion = "<tool_call>\n" + json.dumps({"name": "write_file", "arguments": {"path": "x", "text": "y" * 50}})
     body = {"messages": [{"role": "user", "content": "write it"}], "tools": TOOLS,
             "chat_template_kwargs": {"enable_thinking": False}}
-    asm, deltas, decoder, _ = run_decoder(model, body, completion + "\n</tool_call>", cut_tokens=12)
+    asm, _deltas, decoder, _ = run_decoder(model, body, completion + "\n</tool_call>", cut_tokens=12)
     assert asm.calls == {} and decoder.truncated_call
     from hf2q.api.shapes import finish_reason_for
 

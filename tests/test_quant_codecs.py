@@ -59,10 +59,20 @@ def _first_diff(got: np.ndarray, want: np.ndarray) -> str:
     return f"{len(bad)} bytes differ, first at (row, byte) {bad[:3].tolist()}"
 
 
+@pytest.fixture(params=["jit", "numpy"])
+def fast_quantize(request):
+    """Both fast paths: the compiled kernels (numba) and the vectorised numpy fallback."""
+    if request.param == "jit":
+        if not codec.numba_installed():
+            pytest.skip("numba is not installed")
+        return codec.jit_quantize
+    return codec.numpy_quantize
+
+
 @pytest.mark.parametrize("set_name,qtype", _cases("q_"))
-def test_fast_quantize_is_byte_identical_to_llama_cpp(set_name, qtype):
+def test_fast_quantize_is_byte_identical_to_llama_cpp(set_name, qtype, fast_quantize):
     data = fixture_set(set_name)
-    got = codec.quantize(data["x"].astype(np.float32), T[qtype])
+    got = fast_quantize(data["x"].astype(np.float32), T[qtype])
     want = data[f"q_{qtype}"]
     assert got.dtype == np.uint8 and got.shape == want.shape
     assert np.array_equal(got, want), _first_diff(got, want)
@@ -136,11 +146,11 @@ def _imatrix_cases():
 
 
 @pytest.mark.parametrize("set_name,key", _imatrix_cases())
-def test_fast_imatrix_quantize_is_byte_identical_to_llama_cpp(set_name, key):
+def test_fast_imatrix_quantize_is_byte_identical_to_llama_cpp(set_name, key, fast_quantize):
     """qw_*: dense positive imatrix; qz_*: imatrix with zeros (incl. whole zero sub-blocks)."""
     data = fixture_set(set_name)
     weights = data["imatrix_sparse" if key.startswith("qz_") else "imatrix"]
-    got = codec.quantize(data["x"].astype(np.float32), T[key[3:]], imatrix=weights)
+    got = fast_quantize(data["x"].astype(np.float32), T[key[3:]], imatrix=weights)
     assert np.array_equal(got, data[key]), _first_diff(got, data[key])
 
 
@@ -230,6 +240,85 @@ def test_threads_and_chunking_do_not_change_bytes(monkeypatch):
         monkeypatch.setattr(codec, "CHUNK_ELEMENTS", 1 << 16)
         assert np.array_equal(codec.quantize(x, T[name], threads=1), one)
         monkeypatch.setattr(codec, "CHUNK_ELEMENTS", 1024)
+
+
+needs_numba = pytest.mark.skipif(not codec.numba_installed(), reason="numba is not installed")
+QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", *K_TYPES)
+
+
+def _awkward_rows(n: int) -> np.ndarray:
+    """_extra_inputs plus rows that hit the degenerate branches: zeros, a constant, one spike, tiny values."""
+    spike = np.zeros(n)
+    spike[5] = 3.0
+    tiny = np.random.default_rng(8).standard_normal(n) * 1e-7
+    rows = np.vstack([_extra_inputs(n), np.zeros(n), np.full(n, 0.25), spike, tiny])
+    return rows.astype(np.float16).astype(np.float32)
+
+
+@needs_numba
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
+def test_jit_and_numpy_paths_agree(qtype, monkeypatch):
+    """Three super-blocks (24 legacy blocks) per row so SIMD batches end mid-matrix, chunks that
+    start mid-row (imatrix positions must follow), several threads, with and without imatrix."""
+    x = _awkward_rows(768)
+    rng = np.random.default_rng(77)
+    weights = np.where(rng.random(768) < 0.15, 0.0, rng.lognormal(0, 1.5, 768)).astype(np.float32)
+    for imatrix in (None, weights):
+        want = codec.numpy_quantize(x, T[qtype], threads=1, imatrix=imatrix)
+        assert np.array_equal(codec.jit_quantize(x, T[qtype], threads=1, imatrix=imatrix), want)
+        monkeypatch.setattr(codec, "CHUNK_ELEMENTS", 512)  # 2 super-blocks / 16 blocks per chunk
+        got = codec.jit_quantize(x, T[qtype], threads=3, imatrix=imatrix)
+        monkeypatch.undo()
+        assert np.array_equal(got, want), _first_diff(got, want)
+
+
+@needs_numba
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", *K_TYPES])
+def test_jit_path_equals_reference_on_new_inputs(qtype):
+    x = _awkward_rows(256)[[0, 2, 5, 6, 7, 8]]
+    weights = np.random.default_rng(4).gamma(0.5, 1.0, 256).astype(np.float32)
+    for imatrix in (None, weights):
+        got = codec.jit_quantize(x, T[qtype], imatrix=imatrix)
+        want = codec.reference_quantize(x, T[qtype], imatrix=imatrix)
+        assert np.array_equal(got, want), _first_diff(got, want)
+
+
+def test_no_jit_env_selects_the_numpy_path(monkeypatch):
+    data = fixture_set("random1024")
+    monkeypatch.setenv("HF2Q_NO_JIT", "1")
+    assert not codec.jit_active()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the compiled path ran although HF2Q_NO_JIT=1")
+
+    monkeypatch.setattr(codec, "_quantize_jit", refuse)
+    for name in ("Q4_K", "Q8_0"):
+        assert np.array_equal(codec.quantize(data["x"].astype(np.float32), T[name]), data[f"q_{name}"])
+    monkeypatch.setenv("HF2Q_NO_JIT", "0")
+    assert codec.jit_active() == codec.numba_installed()
+
+
+@needs_numba
+def test_jit_float_helpers_match_numpy_rounding():
+    """The compiled fp16 / nearest_int helpers against numpy's conversions and ggml_common, bit for bit."""
+    from hf2q.kernels import ggml_jit_common as jc
+    from hf2q.kernels.ggml_common import fp16_bits, nearest_int
+
+    rng = np.random.default_rng(21)
+    special = np.array([0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001, 0x7F800001,
+                        0x477FEFFF, 0x477FF000, 0x38800000, 0x387FFFFF, 0x33000000, 0x33000001, 0x32FFFFFF,
+                        0x3F801000, 0x3F803000, 0x3F802FFF, 0x4B400000, 0xCB400001, 0x5F000000], dtype=np.uint32)
+    halfish = (rng.standard_normal(6000) * 10.0 ** rng.uniform(-9, 5, 6000)).astype(np.float32)
+    values = np.concatenate([rng.integers(0, 2**32, 6000, dtype=np.uint64).astype(np.uint32).view(np.float32),
+                             special.view(np.float32), halfish])
+    got = np.array([jc.fp16_bits(v) for v in values], dtype=np.uint16)
+    assert np.array_equal(got, fp16_bits(values))
+    halves = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    back = np.array([jc.half_f32(np.int64(h)) for h in halves], dtype=np.float32)
+    assert np.array_equal(back.view(np.uint32), halves.view(np.float16).astype(np.float32).view(np.uint32))
+    with np.errstate(all="ignore"):
+        wide = np.concatenate([halfish * 1e3, values[np.isfinite(values)][:3000]])
+        assert np.array_equal(np.array([jc.nearest_int(v) for v in wide]), nearest_int(wide))
 
 
 def test_row_bytes_and_shapes_follow_ggml_sizes():
