@@ -9,12 +9,20 @@ import numpy as np
 from hf2q.formats.gguf_file import open_gguf
 
 
+_CONVERTED: dict[str, Path] = {}
+
+
 def convert_f32(src: Path, out: Path) -> Path:
+    """``hf2q convert SRC -q f32``; converted once per test session and shared across modules."""
     from hf2q.cli import main
 
+    key = str(src)
+    if key in _CONVERTED and _CONVERTED[key].exists():
+        return _CONVERTED[key]
     if not out.exists():
         code = main(["convert", str(src), "-q", "f32", "-o", str(out), "--no-integrity"])
         assert code == 0, f"hf2q convert failed for {src}"
+    _CONVERTED[key] = out
     return out
 
 

@@ -77,7 +77,7 @@ def test_dtype_mismatched_safetensors(cli, llama_copy, tmp_path):
     header = json.loads(raw[8:8 + n])
     name = next(k for k, v in header.items() if k != "__metadata__" and v["dtype"] == "F32")
     header[name]["dtype"] = "F16"
-    new = json.dumps(header).encode()
+    new = json.dumps(header, separators=(",", ":")).encode()
     new += b" " * (n - len(new)) if len(new) <= n else b""
     assert len(new) == n
     st.write_bytes(raw[:8] + new + raw[8 + n:])

@@ -44,9 +44,9 @@ def _strip_mode(q: dict) -> dict:
 CASES = [
     ("llama", "mlx-4", 64),
     ("qwen3_moe", "mlx-4", 64),
-    ("gemma3", "mlx-mixed-3-6", 64),
+    ("llama", "mlx-mixed-2-6", 32),
     ("qwen3", "mlx-8", 32),
-    pytest.param("llama", "mlx-mixed-2-6", 32, marks=pytest.mark.slow),
+    pytest.param("gemma3", "mlx-mixed-3-6", 64, marks=pytest.mark.slow),
     pytest.param("qwen3", "mlx-3", 128, marks=pytest.mark.slow),
     pytest.param("qwen3", "mlx-mixed-3-4", 64, marks=pytest.mark.slow),
     pytest.param("qwen3_moe", "mlx-mixed-4-6", 64, marks=pytest.mark.slow),

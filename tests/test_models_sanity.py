@@ -102,6 +102,10 @@ def test_tiny_shapes_match_the_real_layouts(tiny_checkpoint):
     g = json.loads((tiny_checkpoint("gemma3") / "config.json").read_text())
     assert {"sliding_attention", "full_attention"} <= set(g["layer_types"]) and g["sliding_window"] < 64
     assert g["num_key_value_heads"] == 1 and g["tie_word_embeddings"] and "rope_local_base_freq" in g
+    # the flat key mlx-lm reads must describe the same layer pattern as transformers' layer_types
+    pattern = g["sliding_window_pattern"]
+    assert g["layer_types"] == ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                                for i in range(g["num_hidden_layers"])]
     q = json.loads((tiny_checkpoint("qwen3") / "config.json").read_text())
     assert q["num_attention_heads"] * q["head_dim"] != q["hidden_size"]  # as in Qwen3-0.6B
     assert q["num_attention_heads"] > q["num_key_value_heads"]

@@ -109,3 +109,18 @@ def test_partial_marker_is_held_back():
     assert s.feed("<th") == ("", "")
     assert s.feed("ink>\nidea</th") == ("idea", "")
     assert s.feed("ink>\n\nDone") == ("", "Done")
+
+
+@pytest.mark.parametrize(("name", "kwargs", "opened"), [
+    ("deepseek-ai-DeepSeek-V4-Flash-0731", {"enable_thinking": True}, True),
+    ("deepseek-ai-DeepSeek-V4-Flash-0731", {"enable_thinking": False}, False),
+    ("Qwen-Qwen3-0.6B", {"enable_thinking": True}, False),  # Qwen3 writes <think> itself
+    ("Qwen-Qwen3-0.6B", {"enable_thinking": False}, False),
+    ("google-gemma-4-31B-it", {"enable_thinking": True}, False),
+])
+def test_prompt_state_per_template(name, kwargs, opened):
+    tpl = _template(name)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    for with_tools in (None, tools):  # tool instructions may mention the markers themselves
+        prompt = tpl.render([{"role": "user", "content": "hi"}], tools=with_tools, **kwargs)
+        assert splitter_for(tpl, prompt).in_reasoning is opened

@@ -263,3 +263,97 @@ def test_smollm2_q4_1_at_three_ranks_matches_one_rank(smollm2_gguf, tmp_path):
     tp, _ = run_group(smollm2_gguf, 3, prompt, tmp_path)
     ref = reference(smollm2_gguf, prompt)
     assert_same_run(tp, ref, rtol=1e-3)
+
+
+# ---------------------------------------------------------------------------- through the serving runtime
+
+async def serve_prompts(rt, prompts: list[list[int]], max_tokens: int = 8) -> list[list[int]]:
+    """Run ``prompts`` concurrently through the actor runtime at T=0, then the first again (slot reuse)."""
+    import trio
+
+    from hf2q.actors.runtime import AdmissionRejected
+    from hf2q.sched.requests import Failed, GenerationRequest, SamplingParams, Token
+
+    async def one(i: int, prompt: list[int], out: list) -> None:
+        try:
+            events = await rt.submit(GenerationRequest(f"r{i}", tuple(prompt), SamplingParams(max_tokens=max_tokens)))
+        except AdmissionRejected as e:
+            out[i] = [f"rejected {e.status} {e.code}"]
+            return
+        toks = []
+        async with events:
+            async for ev in events:
+                if isinstance(ev, Token):
+                    toks.append(ev.token_id)
+                elif isinstance(ev, Failed):
+                    toks.append(f"failed {ev.status} {ev.code}")
+        out[i] = toks
+
+    results: list = [None] * (len(prompts) + 1)
+    async with trio.open_nursery() as nursery:
+        for i, p in enumerate(prompts):
+            nursery.start_soon(one, i, p, results)
+    await one(len(prompts), prompts[0], results)
+    return results
+
+
+def runtime_config():
+    from hf2q.actors.runtime import RuntimeConfig
+
+    return RuntimeConfig(slots=2, ctx=CTX, prefill_chunk=4, gpu_deadline_s=60)
+
+
+RUNTIME_DRIVER = r"""
+import json, os, signal, sys
+sys.path.insert(0, {root!r})
+import trio
+from tests.test_tensor_parallel import runtime_config, serve_prompts
+from hf2q.actors.runtime import open_runtime
+from hf2q.engine import tp_launch
+
+def followers():
+    out = []
+    for pid in os.listdir("/proc"):
+        try:
+            stat = open(f"/proc/{{pid}}/stat").read().rsplit(")", 1)[1].split()
+            cmd = open(f"/proc/{{pid}}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if pid.isdigit() and int(stat[1]) == os.getpid() and b"hf2q.engine.tp_launch" in cmd:
+            out.append(int(pid))
+    return out
+
+async def main(path, size, prompts):
+    async with open_runtime(tp_launch.runner_factory(path, size, {ctx}), runtime_config()) as rt:
+        assert await rt.wait_ready(), rt.readiness()
+        tokens = await serve_prompts(rt, prompts)
+        pids = followers()
+        os.kill(pids[0], signal.SIGKILL)  # a rank dies: the engine must fail closed
+        after = await serve_prompts(rt, prompts[:1], max_tokens=2)
+        ready, detail = rt.readiness()
+        print(json.dumps({{"tokens": tokens, "after": after, "ready": ready, "detail": detail, "pids": pids}}))
+
+trio.run(main, sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]))
+"""
+
+
+@pytest.mark.slow
+async def test_runtime_on_two_ranks_serves_what_one_rank_serves_and_fails_closed(tiny_gguf, tmp_path):
+    """The GPU-owner thread builds rank 0 (``runner_factory``); slots, chunked prefill, batched decode, reuse."""
+    from hf2q.actors.runtime import open_runtime
+    from hf2q.engine.tp_launch import runner_factory
+
+    path = tiny_gguf("llama", "q8_0")
+    prompts = [[1, 504, 3094, 1210, 282, 253, 3467, 30, 1205], [1, 2129, 314, 5, 1140, 2616]]
+    script = tmp_path / "runtime_driver.py"
+    script.write_text(RUNTIME_DRIVER.format(root=str(ROOT), ctx=CTX))
+    proc = subprocess.run([sys.executable, str(script), str(path), "2", json.dumps(prompts)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=GROUP_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    async with open_runtime(runner_factory(path, 1, CTX), runtime_config()) as rt:
+        assert await rt.wait_ready()
+        want = await serve_prompts(rt, prompts)
+    assert got["tokens"] == want and all(len(t) == 8 for t in want)
+    assert got["after"] == [["failed 503 engine_unhealthy"], ["rejected 503 engine_unhealthy"]], got["after"]
+    assert got["ready"] is False and "tensor-parallel" in got["detail"], got["detail"]

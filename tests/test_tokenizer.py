@@ -256,3 +256,17 @@ def test_from_gguf_reader_equals_from_path():
     text = "<|user|>\nHello  wörld 🦙<|end|>"
     assert from_reader.encode(text) == from_path.encode(text)
     assert from_reader.eos_ids == from_path.eos_ids and from_reader.special_ids == from_path.special_ids
+
+
+def test_user_defined_tokens_always_split_control_only_when_parsed():
+    """llama.cpp's rule: user-defined pieces are matched in any text, control tokens only on request."""
+    tok = _vocab_tokenizer("gemma-4")
+    tool_call = tok.encode("<|tool_call>", add_special=False)
+    turn = tok.encode("<|turn>", add_special=False, parse_special=True)
+    assert len(tool_call) == 1 and len(turn) == 1 and turn[0] in tok.special_ids
+    text = "a<|tool_call>b<|turn>"
+    literal = tok.encode(text, add_special=False, parse_special=False)
+    parsed = tok.encode(text, add_special=False, parse_special=True)
+    assert tool_call[0] in literal and turn[0] not in literal
+    assert tool_call[0] in parsed and parsed[-1] == turn[0]
+    assert tok.decode(literal) == tok.decode(parsed) == text

@@ -27,6 +27,7 @@ replicated on the ``size / n_kv`` ranks whose query heads use it.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -225,8 +226,8 @@ def parallelize(model, group) -> Any:
     return model
 
 
-def load_shard(path, rank: int, size: int, group, ctx: int | None = None):
-    """An ``MlxModelRunner`` over rank ``rank``'s share of ``path`` (the whole model when ``size == 1``).
+def load_shard(model: str | Path | GGUFFile, rank: int, size: int, group, ctx: int | None = None):
+    """An ``MlxModelRunner`` over rank ``rank``'s share of ``model`` (a path or an opened GGUF).
 
     Its KV caches hold the rank's KV heads only, so ``kv_bytes_per_token`` is per rank.
     """
@@ -234,7 +235,7 @@ def load_shard(path, rank: int, size: int, group, ctx: int | None = None):
     from hf2q.engine.runner import MlxModelRunner, compute_dtype
     from hf2q.formats.gguf_file import open_gguf
 
-    g = open_gguf(path)
+    g = model if isinstance(model, GGUFFile) else open_gguf(model)
     if g.arch == "bert":
         raise InputError(f"{g.path.name}: tensor parallelism serves decoder (chat) models only")
     view = shard_gguf(g, rank, size)

@@ -80,12 +80,12 @@ def rank_env(backend: str, rank: int, size: int, workdir: Path, ports: list[int]
     return env
 
 
-def plan_split(path: str | Path, size: int):
-    """Every rank's ``HeadPlan``; raises ``InputError`` when the model cannot be split ``size`` ways."""
+def plan_split(model, size: int):
+    """Every rank's ``HeadPlan`` for ``model`` (path or opened GGUF); ``InputError`` when it cannot split ``size`` ways."""
     from hf2q.engine.tensor_parallel import head_plan, shard_gguf
-    from hf2q.formats.gguf_file import open_gguf
+    from hf2q.formats.gguf_file import GGUFFile, open_gguf
 
-    g = open_gguf(path)
+    g = model if isinstance(model, GGUFFile) else open_gguf(model)
     if g.arch == "bert":
         raise InputError(f"{g.path.name}: tensor parallelism serves decoder (chat) models only")
     n_heads = int(g.require(".attention.head_count"))
@@ -141,7 +141,10 @@ def launch(path: str | Path, size: int, ctx: int | None = None, *, backend: str 
 
     from hf2q.engine.tensor_parallel import load_shard
 
-    plans = plan_split(path, size)
+    from hf2q.formats.gguf_file import open_gguf
+
+    gguf = open_gguf(path)  # parsed once here: big tokenizers make parsing take seconds
+    plans = plan_split(gguf, size)
     backend = backend or choose_backend()
     deadline = time.monotonic() + timeout_s
     workdir = tempfile.TemporaryDirectory(prefix="hf2q-tp-")
@@ -193,7 +196,7 @@ def launch(path: str | Path, size: int, ctx: int | None = None, *, backend: str 
             raise GroupBroken(f"mx.distributed.init({backend!r}) failed: {group}")
         if group.size() != size:
             raise GroupBroken(f"mx.distributed.init({backend!r}) formed a group of {group.size()}, not {size}")
-        local = load_shard(path, 0, size, group, ctx)
+        local = load_shard(gguf, 0, size, group, ctx)
         ready: set[int] = set()
         for r, conn in links.items():
             conn.settimeout(0.2)

@@ -94,18 +94,27 @@ def _meta_int(meta: dict[str, Any], key: str) -> int | None:
 
 
 def _spm_merges(vocab: dict[str, int], scores: np.ndarray, types: np.ndarray) -> list[tuple[str, str]]:
-    """Rank every (left, right) → piece split by the merged piece's score, best first."""
+    """Rank every (left, right) → piece split by the merged piece's score, best first.
+
+    SentencePiece BPE merges the adjacent pair whose concatenation is the best-scoring
+    piece; ranking all such splits by that score gives ``tokenizers``' BPE the same choice.
+    (Hot loop for 262k-piece vocabularies: plain lists and ``in`` tests, no per-item numpy.)
+    """
+    skip = {CONTROL, BYTE, UNUSED, UNKNOWN}
+    score_of, type_of = scores.tolist(), types.tolist()
     ranked = []
+    add = ranked.append
     for piece, pid in vocab.items():
-        if len(piece) < 2 or types[pid] in (CONTROL, BYTE, UNUSED, UNKNOWN):
+        n = len(piece)
+        if n < 2 or type_of[pid] in skip:
             continue
-        score = float(scores[pid])
-        for cut in range(1, len(piece)):
-            left, right = piece[:cut], piece[cut:]
-            lid = vocab.get(left)
-            rid = vocab.get(right)
-            if lid is not None and rid is not None:
-                ranked.append((-score, pid, cut, left, right))
+        key = -score_of[pid]
+        for cut in range(1, n):
+            left = piece[:cut]
+            if left in vocab:
+                right = piece[cut:]
+                if right in vocab:
+                    add((key, pid, cut, left, right))
     ranked.sort()
     return [(left, right) for _, _, _, left, right in ranked]
 

@@ -1,0 +1,99 @@
+"""``hf2q doctor``: every reported fact matches what the test finds out on its own."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import platform
+import shutil
+
+import pytest
+
+from hf2q import doctor
+
+
+def _checks(out: str) -> dict:
+    data = json.loads(out)
+    return data, {c["name"]: c for c in data["checks"]}
+
+
+def test_json_report_matches_the_environment(cli, monkeypatch, tmp_path):
+    import mlx.core as mx
+
+    cache = tmp_path / "cache"
+    (cache / "pypi-models" / "some-model").mkdir(parents=True)
+    (cache / "pypi-models" / "some-model" / "w.gguf").write_bytes(b"x" * 1000)
+    (cache / "repos" / "org__name").mkdir(parents=True)
+    (cache / "repos" / "org__name" / "model.safetensors").write_bytes(b"y" * 24)
+    (cache / "repos" / "org__name.tmp-123").mkdir()  # an interrupted download is not listed
+    monkeypatch.setenv("HF2Q_CACHE", str(cache))
+
+    r = cli("doctor", "--json")
+    assert r.code == 0, r.out
+    data, c = _checks(r.out)
+    assert data["ok"] is True
+    assert c["python"]["data"]["version"] == platform.python_version() and c["python"]["core"]
+    assert c["mlx"]["status"] == "ok"
+    assert c["mlx"]["data"]["version"] == mx.__version__
+    assert c["mlx"]["data"]["device"] == str(mx.default_device())
+    assert c["core libraries"]["data"]["versions"]["gguf"] == importlib.metadata.version("gguf")
+    free = shutil.disk_usage(tmp_path).free
+    assert abs(c["disk"]["data"]["free_bytes"] - free) < 512 << 20
+    entries = {(e["kind"], e["name"]): e["bytes"] for e in c["model cache"]["data"]["entries"]}
+    assert entries == {("pypi-models", "some-model"): 1000, ("repos", "org__name"): 24}
+    for mod in ("torch", "transformers", "mlx_lm", "llguidance"):
+        assert (c["optional"]["data"]["versions"][mod] is not None) == (importlib.util.find_spec(mod) is not None)
+    assert c["llama.cpp"]["status"] == "warn"  # nothing built in this empty cache
+
+
+def test_llama_cpp_build_is_detected(cli, llama_cpp_bin, monkeypatch):
+    monkeypatch.setenv("HF2Q_CACHE", str(llama_cpp_bin.parent.parent))
+    _, c = _checks(cli("doctor", "--json").out)
+    assert c["llama.cpp"]["status"] == "ok"
+    assert c["llama.cpp"]["data"]["tools"]["llama-quantize"] == str(llama_cpp_bin / "llama-quantize")
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or shutil.which("ldd") is None, reason="needs Linux ldd")
+def test_blas_check_names_the_blas_mlx_links(cli):
+    """The BLAS that ``ldd`` says MLX's native library links is the one doctor reports."""
+    import subprocess
+    from pathlib import Path
+
+    import mlx.core as mx
+
+    lib = Path(mx.__file__).parent / "lib" / "libmlx.so"
+    ldd = subprocess.run(["ldd", str(lib if lib.exists() else mx.__file__)], capture_output=True, text=True).stdout
+    linked = [line.split()[0] for line in ldd.splitlines() if "blas" in line.split()[0].lower()]
+    assert linked, ldd
+    _, c = _checks(cli("doctor", "--json").out)
+    reported = [Path(p).name for p in c["blas"]["data"]["libraries"]]
+    assert all(name in reported for name in linked)
+    if c["mlx"]["data"]["backend"] == "cpu" and all("openblas" not in n for n in reported):
+        assert c["blas"]["status"] == "warn"
+
+
+def test_text_output_and_failing_core_check(cli, monkeypatch):
+    r = cli("doctor")
+    assert r.code == 0 and "core checks passed" in r.out and "mlx" in r.out
+
+    real_import = doctor._import
+
+    def broken(name):
+        if name == "mlx.core":
+            raise ImportError("libmlx.so: cannot open shared object file")
+        return real_import(name)
+
+    monkeypatch.setattr(doctor, "_import", broken)
+    r = cli("doctor")
+    assert r.code == 1 and "core checks FAILED" in r.out and "FAIL  mlx" in r.out
+    r = cli("doctor", "--json")
+    data, c = _checks(r.out)
+    assert r.code == 1 and data["ok"] is False and c["mlx"]["status"] == "fail"
+
+
+@pytest.mark.parametrize("free,status", [(1 << 30, "warn"), (100 << 30, "ok")])
+def test_low_disk_is_a_warning_not_a_failure(free, status, monkeypatch, tmp_path):
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(200 << 30, 0, free))
+    c = doctor.check_disk(tmp_path / "not" / "yet")
+    assert c.status == status and not c.core and c.data["free_bytes"] == free
