@@ -55,7 +55,7 @@ def test_f16_tensors_equal_rounded_source(cli, tiny_checkpoint, tmp_path):
 
 
 def test_q8_0_is_close_and_report_is_honest(cli, tiny_checkpoint, tmp_path):
-    src = tiny_checkpoint("qwen3")
+    src = tiny_checkpoint("llama")
     out = tmp_path / "q.gguf"
     rep_path = tmp_path / "report.json"
     res = cli("convert", src, "-q", "q8_0", "-o", out, "--json-report", rep_path)
@@ -68,6 +68,7 @@ def test_q8_0_is_close_and_report_is_honest(cli, tiny_checkpoint, tmp_path):
     assert t.tensor_type == gguf.GGMLQuantizationType.Q8_0 and entry["type"] == "Q8_0"
     assert entry["bytes"] == int(t.n_bytes)
     x = weights["model.layers.0.mlp.up_proj.weight"]
+    assert x.shape[0] <= 256
     y = _as_f32(t)
     rmse = float(np.sqrt(np.mean((x.astype(np.float64) - y) ** 2)))
     assert entry["rmse"] == pytest.approx(rmse, rel=1e-6)  # ≤256 rows: the sample is the whole tensor
@@ -90,7 +91,7 @@ def test_no_integrity_skips_hashes(cli, tiny_checkpoint, tmp_path):
 
 
 def test_dry_run_plan_matches_the_written_file(cli, tiny_checkpoint, tmp_path):
-    src = tiny_checkpoint("gemma3")
+    src = tiny_checkpoint("llama")
     dry = cli("convert", src, "-q", "q4_k_m", "--dry-run", "-o", tmp_path / "never.gguf")
     assert dry.code == 0, dry.err
     assert not (tmp_path / "never.gguf").exists()
@@ -99,9 +100,10 @@ def test_dry_run_plan_matches_the_written_file(cli, tiny_checkpoint, tmp_path):
         name, *_, qtype, nbytes = line.split()
         planned[name] = (qtype, int(nbytes))
     out = tmp_path / "g.gguf"
-    assert cli("convert", src, "-q", "q4_k_m", "-o", out).code == 0
+    assert cli("convert", src, "-q", "q4_k_m", "-o", out, "--no-integrity").code == 0
     r = GGUFReader(out)
     assert planned == {t.name: (t.tensor_type.name, int(t.n_bytes)) for t in r.tensors}
+    assert len({q for q, _ in planned.values()}) >= 3  # a real mix: F32 norms, Q6_K embd, fallbacks
     total = int(dry.out.splitlines()[-1].split()[3])
     assert total == sum(int(t.n_bytes) for t in r.tensors)
 
@@ -130,10 +132,11 @@ def test_sharded_checkpoint_gives_identical_output(cli, tiny_checkpoint, tmp_pat
         assert bytes(np.asarray(x.data).view(np.uint8)) == bytes(np.asarray(y.data).view(np.uint8)), x.name
 
 
+@pytest.mark.slow  # gguf-py's reader needs ~30 s for Qwen's 151k-token vocabulary
 def test_moe_experts_are_stacked(cli, tiny_checkpoint, tmp_path):
     src = tiny_checkpoint("qwen3_moe")
     out = tmp_path / "moe.gguf"
-    assert cli("convert", src, "-q", "f32", "-o", out).code == 0
+    assert cli("convert", src, "-q", "f32", "-o", out, "--no-integrity").code == 0
     weights = load_file(src / "model.safetensors")
     r = GGUFReader(out)
     cfg = json.loads((src / "config.json").read_text())
@@ -149,10 +152,11 @@ def test_moe_experts_are_stacked(cli, tiny_checkpoint, tmp_path):
     assert r.fields["qwen3moe.expert_count"].contents() == n_exp
 
 
+@pytest.mark.slow  # gguf-py's reader needs ~50 s for Gemma's 262k-token vocabulary
 def test_gemma_norms_get_plus_one_and_window_metadata(cli, tiny_checkpoint, tmp_path):
     src = tiny_checkpoint("gemma3")
     out = tmp_path / "g.gguf"
-    assert cli("convert", src, "-q", "f16", "-o", out).code == 0
+    assert cli("convert", src, "-q", "f16", "-o", out, "--no-integrity").code == 0
     weights = load_file(src / "model.safetensors")
     r = GGUFReader(out)
     got = _as_f32(_tensor(r, "blk.0.attn_q_norm.weight"))

@@ -136,7 +136,7 @@ def test_bad_input_through_a_subprocess(tmp_path):
     """The installed entry point behaves the same: one line, exit 3, no traceback."""
     out = tmp_path / "o.gguf"
     r = subprocess.run([sys.executable, "-m", "hf2q", "convert", str(tmp_path / "nope"), "-q", "q8_0",
-                        "-o", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+                        "-o", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
     assert r.returncode == 3
     assert r.stderr.strip().count("\n") == 0 and r.stderr.startswith("hf2q: error:"), r.stderr
     assert not out.exists()

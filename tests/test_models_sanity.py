@@ -174,3 +174,55 @@ def test_hf_copy_still_answers(which, chat, prompt, answer, request):
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=12, do_sample=False)
     assert answer in tok.decode(out[0, ids.shape[1]:])
+
+
+# ---------------------------------------------------------------------------- tokenizers vs llama.cpp
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["smollm2", "gemma3"])
+def test_gguf_derived_tokenizers_match_llama_cpp(which, llama_cpp_bin, request):
+    """The tokenizer folders made from the GGUFs tokenize like stock llama.cpp does on the same GGUF
+    (llama-server's /tokenize), over llama.cpp's own tokenizer test strings."""
+    import subprocess
+    import time
+
+    import httpx
+    from transformers import AutoTokenizer
+
+    from tests.models.tokenizer_files import llama_cpp_models_dir, tokenizer_dir
+    from tests.tools import llama_cpp
+
+    gguf_path = request.getfixturevalue(f"{which}_gguf")
+    port = _free_port()
+    proc = subprocess.Popen([str(llama_cpp_bin / "llama-server"), "-m", str(gguf_path), "--port", str(port),
+                             "-t", "1", "-c", "256"], env=llama_cpp.env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "llama-server did not start"
+            time.sleep(0.5)
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir(which))
+        texts = (llama_cpp_models_dir() / "ggml-vocab-llama-bpe.gguf.inp").read_text().split("\n__ggml_vocab_test__\n")
+        texts += [TEXT, "2024-11-29 12345 ½ 3.14159"]
+        for text in texts:
+            ref = httpx.post(f"{url}/tokenize", json={"content": text, "add_special": False},
+                             timeout=30).json()["tokens"]
+            assert tok(text, add_special_tokens=False).input_ids == ref, repr(text)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -283,6 +283,16 @@ def test_jit_path_equals_reference_on_new_inputs(qtype):
         assert np.array_equal(got, want), _first_diff(got, want)
 
 
+def test_read_only_input_is_accepted():
+    """Memory-mapped checkpoints arrive as read-only arrays; every path must take them as they are."""
+    data = fixture_set("random1024")
+    x = data["x"].astype(np.float32)
+    x.flags.writeable = False
+    for name in ("Q4_K", "Q5_0"):
+        assert np.array_equal(codec.quantize(x, T[name]), data[f"q_{name}"])
+        assert np.array_equal(codec.quantize(x, T[name], imatrix=data["imatrix"]), data[f"qw_{name}"])
+
+
 def test_no_jit_env_selects_the_numpy_path(monkeypatch):
     data = fixture_set("random1024")
     monkeypatch.setenv("HF2Q_NO_JIT", "1")

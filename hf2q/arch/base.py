@@ -13,8 +13,9 @@ Gemma's ``norm + 1``, BERT's unused pooler dropped.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterable
+from typing import Any, ClassVar
 
 import attrs
 import gguf
@@ -22,7 +23,7 @@ import numpy as np
 
 from hf2q.errors import InputError
 from hf2q.sources.hf_config import optional, require
-from hf2q.sources.safetensors_reader import SafetensorsCheckpoint
+from hf2q.sources.safetensors_reader import SafetensorsCheckpoint, to_f32
 
 T = gguf.GGMLQuantizationType
 V = gguf.GGUFValueType
@@ -69,7 +70,6 @@ class Direct(RowSource):
             ncols = self.shape[-1]
             raw = ck.raw(self.name).reshape(-1, ncols)
             sel = raw[self.row_order[lo:hi]] if self.row_order is not None else raw[lo:hi]
-            from hf2q.sources.safetensors_reader import to_f32
             x = to_f32(np.asarray(sel), ck.entry(self.name).dtype)
         if self.add:
             x = x + np.float32(self.add)
@@ -88,7 +88,6 @@ class Stacked(RowSource):
         return tuple(dict.fromkeys(p[0] for p in self.parts))
 
     def rows(self, ck, lo, hi):
-        from hf2q.sources.safetensors_reader import to_f32
         per = self.shape[1]
         out = []
         r = lo
@@ -327,5 +326,3 @@ def permute_rows(n_rows: int, n_head: int) -> np.ndarray:
     idx = np.arange(n_rows).reshape(n_head, 2, half).swapaxes(1, 2).reshape(-1)
     return idx
 
-
-Loader = Callable[[SafetensorsCheckpoint, int, int], np.ndarray]

@@ -22,7 +22,7 @@ class Bert(Family):
 
     @staticmethod
     def _canonical(hf_name: str) -> str:
-        name = hf_name[5:] if hf_name.startswith("bert.") else hf_name
+        name = hf_name.removeprefix("bert.")
         if name.endswith(".gamma"):
             name = name[:-6] + ".weight"
         if name.endswith(".beta"):

@@ -13,7 +13,8 @@ tensor padded to ``ALIGNMENT``.
 from __future__ import annotations
 
 import struct
-from typing import BinaryIO, Sequence
+from collections.abc import Sequence
+from typing import BinaryIO
 
 import attrs
 import gguf

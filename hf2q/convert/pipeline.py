@@ -10,6 +10,7 @@ file is fsynced and renamed only when every tensor is written (``hf2q.atomic``),
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
 import time
@@ -164,7 +165,7 @@ def _encode_rows(x: np.ndarray, qtype, pool: ThreadPoolExecutor | None, threads:
         return encode(round_like_export(x, qtype), qtype, 1)
     bounds = np.linspace(0, n, min(n, 4 * threads) + 1).astype(int)
     parts = list(pool.map(lambda ab: encode(round_like_export(x[ab[0]:ab[1]], qtype), qtype, 1),
-                          zip(bounds[:-1], bounds[1:])))
+                          itertools.pairwise(bounds)))
     return np.concatenate(parts, axis=0)
 
 
@@ -227,11 +228,8 @@ def convert_gguf(src: Path, output: Path, quant: QuantName, threads: int | None 
     output = Path(output)
     _check_output_dir(output)
     try:
-        hashes: dict[str, str] = {}
-        if integrity:
-            t0 = time.perf_counter()
-            hashes = hash_inputs(plan.src, plan.checkpoint.files)
-            timings["hash_s"] = time.perf_counter() - t0
+        # hashing overlaps the conversion (hashlib releases the GIL on large buffers)
+        hasher = _BackgroundHash(plan) if integrity else None
         rows = []
         total_elems = sum(t.n_elements for t in plan.tensors)
         try:
@@ -242,6 +240,7 @@ def convert_gguf(src: Path, output: Path, quant: QuantName, threads: int | None 
                         rows.append(write_tensor(plan, i, stream, threads, timings, bar, pool))
                 if not stream.finished():
                     raise ConversionError("internal error: not every tensor was written")
+                hashes = hasher.result(timings) if hasher else {}
         except OSError as e:
             raise _write_error(e, plan) from None
     finally:
@@ -250,6 +249,37 @@ def convert_gguf(src: Path, output: Path, quant: QuantName, threads: int | None 
     rep = report_mod.build(plan, output, hashes, rows, timings, threads)
     report_mod.write(rep, report_path or report_mod.default_path(output))
     return rep
+
+
+class _BackgroundHash:
+    """sha256 of the inputs on a worker thread while tensors are converted."""
+
+    def __init__(self, plan: ConversionPlan):
+        import threading
+
+        self._result: dict[str, str] = {}
+        self._error: BaseException | None = None
+        self._elapsed = 0.0
+        self._thread = threading.Thread(target=self._run, args=(plan.src, list(plan.checkpoint.files)),
+                                        name="hf2q-hash", daemon=True)
+        self._thread.start()
+
+    def _run(self, src, files) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._result = hash_inputs(src, files)
+        except BaseException as e:  # noqa: BLE001 — re-raised in the caller's thread
+            self._error = e
+        self._elapsed = time.perf_counter() - t0
+
+    def result(self, timings: dict) -> dict[str, str]:
+        self._thread.join()
+        timings["hash_s"] = self._elapsed
+        if self._error is not None:
+            if isinstance(self._error, OSError):
+                raise InputError(f"cannot read an input file for hashing: {self._error}")
+            raise self._error
+        return self._result
 
 
 def _check_output_dir(output: Path) -> None:

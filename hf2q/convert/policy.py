@@ -17,7 +17,7 @@ attn_v counter (``i_attention_wv``) depends on that order.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import attrs
 import gguf

@@ -128,11 +128,21 @@ def run(args) -> int:
         from hf2q.fetch import default_chat_model
 
         model_path = default_chat_model()
+    from hf2q.formats.gguf_file import open_gguf
+
+    from hf2q.engine.models import FAMILIES
+
+    header = open_gguf(model_path)  # validates the file before anything heavy
+    if header.arch not in FAMILIES:
+        raise InputError(f"{model_path.name}: unsupported architecture {header.arch or '(none)'!r} "
+                         f"(supported: {', '.join(sorted(FAMILIES))})")
+    if not header.get("tokenizer.ggml.model") or not header.get("tokenizer.ggml.tokens"):
+        raise InputError(f"{model_path.name}: no tokenizer metadata (tokenizer.ggml.model / tokens)")
+    tokenizer = GGUFTokenizer.from_gguf(model_path)
+    prompt = render_prompt(args, model_path, tokenizer)
     runner = MlxModelRunner.load(model_path, ctx=getattr(args, "ctx", None))
     if runner.is_embedding_model:
         raise InputError(f"{model_path.name} is an embedding model; generate needs a chat/text model")
-    tokenizer = GGUFTokenizer.from_gguf(model_path)
-    prompt = render_prompt(args, model_path, tokenizer)
     params = _params(args)
 
     if not args.benchmark:

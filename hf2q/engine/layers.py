@@ -4,7 +4,9 @@ embeddings, norms, RoPE attention over slot KV caches, gated MLPs.
 Weights stay quantized in MLX's affine form (``quant_repack``). On the CPU backend
 MLX's quantized matmul is slow for many rows (≈1 GFLOP/s), so a linear layer fed more
 than ``DENSE_ROWS`` rows dequantizes its weight to float32 for that call and runs one
-BLAS sgemm instead; single-token decode keeps the quantized matvec. See docs/ENGINE.md.
+BLAS sgemm instead; decode (few rows) runs the C kernel of ``hf2q.kernels.cpu_qmatvec``
+directly on the packed MLX buffers (MLX's own quantized matvec is ~4x slower there).
+See docs/ENGINE.md.
 """
 
 from __future__ import annotations
@@ -60,6 +62,14 @@ class Linear:
         else:
             raise InputError(f"tensor {t.name}: unsupported GGUF type {t.qtype.name}")
         mx.eval(self.params())
+        self._host = None
+        if self.quantized and len(t.shape) == 2 and on_cpu():
+            from hf2q.kernels import cpu_qmatvec
+
+            if cpu_qmatvec.kernel() is not None:
+                # zero-copy numpy views of the MLX buffers for the C decode kernel
+                self._host = (np.asarray(memoryview(self.weight)).view(np.uint8).reshape(t.shape[0], -1),
+                              np.asarray(memoryview(self.scales)), np.asarray(memoryview(self.biases)))
 
     def params(self) -> list[mx.array]:
         ps = [self.weight] + ([self.scales, self.biases] if self.quantized else [])
@@ -82,6 +92,12 @@ class Linear:
             y = x @ self.weight.T
         elif on_cpu() and rows > DENSE_ROWS:
             y = x @ self.dense().T
+        elif self._host is not None:
+            from hf2q.kernels.cpu_qmatvec import qmatvec
+
+            xs = x.reshape(rows, x.shape[-1]).astype(mx.float32)
+            mx.eval(xs)
+            y = mx.array(qmatvec(*self._host, np.array(xs), self.bits)).reshape(*x.shape[:-1], self.shape[0])
         else:
             y = mx.quantized_matmul(x, self.weight, self.scales, self.biases, transpose=True,
                                     group_size=self.group_size, bits=self.bits)

@@ -12,8 +12,7 @@ each rank reads (from the memory-mapped GGUF) and holds only its share:
   all-reduces (attention, MLP), the minimum for a sequential residual stream.
 * MoE (``*_exps`` tensors ``[experts, out, in]``): experts split by expert index; the
   router stays replicated, so every rank computes the same top-k and only the experts it
-  owns contribute before the ``all_sum`` (needs the engine's MoE layer; see
-  ``shard_experts``).
+  owns contribute before the ``all_sum`` (:class:`ExpertParallelMoE`).
 * embeddings, norms and the LM head stay replicated: after each all-reduce every rank
   holds the same hidden state, so every rank can produce the logits.
 
@@ -202,12 +201,59 @@ class RowParallel:
         return self._mx.distributed.all_sum(self.inner(x), group=self.group)
 
 
+class ExpertParallelMoE:
+    """A routed MoE feed-forward whose experts are split by expert index over the ranks.
+
+    Built around the engine's ``MoEFeedForward`` (``router``, ``gate_exps``/``up_exps``/
+    ``down_exps`` ``Linear``s holding this rank's ``E / size`` experts, ``top_k``,
+    ``normalize``). The router is replicated, so every rank picks the same top-k experts
+    and weights for a token; each rank applies only the chosen experts it owns (the others
+    get weight 0) and one ``all_sum`` adds the ranks' shares.
+    """
+
+    def __init__(self, ffn, rank: int, size: int, group):
+        import mlx.core as mx
+
+        self.ffn = ffn
+        self.router, self.gate_exps, self.up_exps, self.down_exps = ffn.router, ffn.gate_exps, ffn.up_exps, ffn.down_exps
+        self.group = group
+        self.n_local = int(ffn.gate_exps.shape[0])
+        self.first = rank * self.n_local
+        self._mx = mx
+
+    @property
+    def nbytes(self) -> int:
+        return sum(lin.nbytes for lin in (self.ffn.router, self.ffn.gate_exps, self.ffn.up_exps, self.ffn.down_exps))
+
+    def __call__(self, x):
+        from hf2q.engine.layers import silu
+
+        mx, f = self._mx, self.ffn
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        probs = mx.softmax(f.router(flat).astype(mx.float32), axis=-1, precise=True)
+        k = f.top_k
+        idx = mx.argpartition(-probs, kth=k - 1, axis=-1)[:, :k]
+        weights = mx.take_along_axis(probs, idx, axis=-1)
+        if f.normalize:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        local = idx - self.first
+        mine = (local >= 0) & (local < self.n_local)
+        local = mx.where(mine, local, 0).astype(idx.dtype)
+        weights = mx.where(mine, weights, 0.0)
+        xe = flat[:, None, None, :]
+        h = silu(f.gate_exps.gather(xe, local)) * f.up_exps.gather(xe, local)  # [N, k, 1, ff]
+        out = f.down_exps.gather(h, local)[:, :, 0, :]  # [N, k, hidden]
+        y = (out * weights[..., None].astype(out.dtype)).sum(axis=1)
+        return mx.distributed.all_sum(y.reshape(shape), group=self.group)
+
+
 def parallelize(model, group) -> Any:
     """Make a model built from a :func:`shard_gguf` view compute the full model across ``group``.
 
-    Every ``attn.o`` and dense ``ffn.down`` becomes :class:`RowParallel`. A MoE layer
-    must expose ``shard_experts(rank, size, group)`` (experts are already sliced by
-    the view); a layer that does not is refused rather than silently computing a wrong sum.
+    Every ``attn.o`` and dense ``ffn.down`` becomes :class:`RowParallel`; a routed MoE
+    feed-forward becomes :class:`ExpertParallelMoE`. Any other feed-forward is refused
+    rather than silently computing a wrong sum.
     """
     if group.size() == 1:
         return model
@@ -218,8 +264,8 @@ def parallelize(model, group) -> Any:
         ffn = layer.ffn
         if hasattr(ffn, "down") and hasattr(ffn, "gate"):
             ffn.down = RowParallel(ffn.down, group)
-        elif hasattr(ffn, "shard_experts"):
-            ffn.shard_experts(group.rank(), group.size(), group)
+        elif all(hasattr(ffn, a) for a in ("router", "gate_exps", "up_exps", "down_exps", "top_k")):
+            layer.ffn = ExpertParallelMoE(ffn, group.rank(), group.size(), group)
         else:
             raise InputError(f"tensor parallelism does not support the feed-forward layer "
                              f"{type(ffn).__name__} yet")

@@ -175,9 +175,6 @@ def _imatrix_args(x: np.ndarray, qtype, imatrix, fast: bool):
 
 def _quantize_jit(x: np.ndarray, qtype, threads: int, imatrix) -> np.ndarray:
     """The compiled path: each worker runs one numba kernel call over a run of whole blocks."""
-    from . import ggml_jit_kquants as jk
-    from . import ggml_jit_legacy as jl
-
     rows, n = x.shape
     blk, size = GGML_QUANT_SIZES[qtype]
     blocks = x.reshape(-1, blk)
@@ -192,12 +189,20 @@ def _quantize_jit(x: np.ndarray, qtype, threads: int, imatrix) -> np.ndarray:
         with np.errstate(over="ignore"):
             sigma2 = np.repeat(row_sigma2(x), n // blk)
 
+    # importing a kernel module compiles its kernels (first run) or loads them from numba's cache
+    if qtype in K_TYPES:
+        from .ggml_jit_kquants import KIND, quantize_k_blocks
+
+        def run(chunk, s, e):
+            quantize_k_blocks(chunk, qw, s, use_qw, KIND[qtype.name], out[s:e])
+    else:
+        from .ggml_jit_legacy import KIND, quantize_legacy_blocks
+
+        def run(chunk, s, e):
+            quantize_legacy_blocks(chunk, qw, sigma2[s:e] if use_qw else sigma2, s, use_qw, KIND[qtype.name], out[s:e])
+
     def work(s: int, e: int) -> None:
-        if qtype in K_TYPES:
-            jk.quantize_k_blocks(blocks[s:e], qw, s, use_qw, jk.KIND[qtype.name], out[s:e])
-        else:
-            jl.quantize_legacy_blocks(blocks[s:e], qw, sigma2[s:e] if use_qw else sigma2, s, use_qw,
-                                      jl.KIND[qtype.name], out[s:e])
+        run(blocks[s:e] if blocks.flags.writeable else blocks[s:e].copy(), s, e)  # kernels take writable arrays
 
     # a few chunks per thread balance uneven blocks; a chunk never drops below CHUNK_ELEMENTS
     per_chunk = max(CHUNK_ELEMENTS // blk, -(-nb // (threads * 4)))

@@ -13,12 +13,12 @@ fast-math and without FMA contraction):
 * ``error_model="numpy"``: a division by zero gives inf/NaN like C instead of raising;
 * comparisons are written out (``if v > m: m = v``) so NaN takes the same branch as in C.
 
-Only imported when the compiled path is used (``codec.jit_active()``).  Nothing here
-compiles at import time; each kernel compiles on its first call and is cached on disk
-(``cache=True``) for later processes.
+Only imported when the compiled path is used (``codec.jit_active()``).  Every kernel has
+explicit signatures: importing a ``ggml_jit_*`` module compiles its kernels the first time
+(tens of seconds for all of them) and loads them from numba's on-disk cache afterwards.
 """
 
-# ruff: noqa: FURB136, PLR1730  (explicit comparisons keep C's NaN behaviour, which min()/max() would not)
+# ruff: noqa: PLR1730  (explicit comparisons keep C's NaN behaviour, which min()/max() would not)
 
 from __future__ import annotations
 
@@ -35,9 +35,14 @@ ONE = np.float32(1.0)
 TWO_POW_24 = np.float32(16777216.0)
 
 
-def kernel(fn):
-    """The one set of compile options for every exact kernel (see the module docstring)."""
-    return njit(cache=True, nogil=True, error_model="numpy", fastmath=False)(fn)
+def kernel(*signatures: str):
+    """Compile with the one set of options every exact kernel uses (see the module docstring).
+
+    Explicit signatures compile (or load from the cache) once at import, and stop numba from
+    compiling a new specialisation for every literal argument a caller passes (``nmax=15``
+    and ``nmax=31`` would otherwise be two compilations of the same search).
+    """
+    return njit(list(signatures), cache=True, nogil=True, error_model="numpy", fastmath=False)
 
 
 @intrinsic
@@ -64,14 +69,14 @@ def bits_f32(typingctx, bits):
     return types.float32(types.int32), codegen
 
 
-@kernel
+@kernel("int64(float32)")
 def nearest_int(v):
     """llama.cpp's ``nearest_int``: add 1.5·2**23 in float32, read the low 23 bits (wraps when large)."""
     bits = f32_bits(np.float32(v + MAGIC))
     return (np.int64(bits) & 0x007FFFFF) - 0x00400000
 
 
-@kernel
+@kernel("int64(float32)", "int64(float64)")
 def trunc_int(v):
     """C's float → int conversion on x86 (``cvttss2si``): truncation, INT_MIN for NaN / out of range."""
     if v >= 2147483648.0 or v < -2147483648.0 or np.isnan(v):
@@ -79,7 +84,7 @@ def trunc_int(v):
     return np.int64(v)
 
 
-@kernel
+@kernel("int64(float32)")
 def fp16_bits(value):
     """float32 → IEEE half bits, round to nearest even; NaN → 0x7E00 with the sign kept (ggml's rule)."""
     u = np.int64(f32_bits(np.float32(value))) & 0xFFFFFFFF
@@ -101,7 +106,7 @@ def fp16_bits(value):
     return sign | np.int64(np.rint(scaled))
 
 
-@kernel
+@kernel("float32(int64)")
 def half_f32(h):
     """IEEE half bits → float32 (exact)."""
     sign = (h & 0x8000) << 16
@@ -117,7 +122,7 @@ def half_f32(h):
     return bits_f32(np.int32(np.int64(bits) - (np.int64(1) << 32) if bits >= (1 << 31) else bits))
 
 
-@kernel
+@kernel("float32(uint8[::1], int64, float32)")
 def store_half(out, offset, value):
     """Write ``value`` as a little-endian fp16 at ``out[offset:offset+2]``; returns the stored value."""
     h = fp16_bits(value)
@@ -126,7 +131,7 @@ def store_half(out, offset, value):
     return half_f32(h)
 
 
-@kernel
+@kernel("UniTuple(float32, 2)(float32[::1])")
 def first_absmax(x):
     """(largest |v|, the first v achieving it), 0/0 when all are zero: ``if (|v| > amax) …``."""
     amax = ZERO
@@ -139,7 +144,7 @@ def first_absmax(x):
     return amax, vmax
 
 
-@kernel
+@kernel("float32(float32[::1])")
 def positive_max(x):
     """``m = 0; for v: if (v > m) m = v``."""
     m = ZERO
@@ -147,8 +152,3 @@ def positive_max(x):
         if x[i] > m:
             m = x[i]
     return m
-
-
-@kernel
-def clamp(v, lo, hi):
-    return lo if v < lo else (hi if v > hi else v)

@@ -18,7 +18,7 @@ from .ggml_jit_common import GROUP_MAX_EPS, kernel, nearest_int, store_half
 QK_K = 256
 
 
-@kernel
+@kernel("void(int64[::1], uint8[::1], int64)")
 def pack_2bit(L, out, off):
     """256 two-bit levels → 64 bytes: byte l of each 128-half holds values l, l+32, l+64, l+96."""
     for half in range(2):
@@ -28,7 +28,7 @@ def pack_2bit(L, out, off):
                                         | (L[j + l + 96] << 6)) & 0xFF
 
 
-@kernel
+@kernel("void(float32[::1], int64[::1], int64[::1], float32, float32, uint8[::1])")
 def finish_q2_k(x, L, sc, d, dmin, out):
     for j in range(16):
         out[j] = sc[j]
@@ -45,14 +45,14 @@ def finish_q2_k(x, L, sc, d, dmin, out):
     pack_2bit(L, out, 16)
 
 
-@kernel
+@kernel("UniTuple(int64, 2)(int64, int64[::1])")
 def _scale_min_k4(j, q):
     if j < 4:
         return q[j] & 63, q[j + 4] & 63
     return (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4)
 
 
-@kernel
+@kernel("void(float32[::1], int64[::1], int64[::1], int64[::1], float32, float32, int64, int64[::1], uint8[::1])")
 def finish_q45(x, L, ls, lm, d, dmin, nmax, packed, out):
     """Pack 6-bit scales/mins (12 bytes), store d/dmin, re-quantize, pack levels (Q4_K or Q5_K)."""
     for j in range(12):
@@ -100,7 +100,7 @@ def finish_q45(x, L, ls, lm, d, dmin, nmax, packed, out):
             out[48 + n // 2 + j] = l1 | (l2 << 4)
 
 
-@kernel
+@kernel("void(float32[::1], int64[::1], int64[::1], float32, int64[::1], uint8[::1])")
 def finish_q3_k(x, L, levels6, d, packed, out):
     """Pack sixteen 6-bit scales, store d, re-quantize to -4..3, pack hmask and the low 2 bits."""
     for j in range(12):
@@ -137,7 +137,7 @@ def finish_q3_k(x, L, levels6, d, packed, out):
 
 
 
-@kernel
+@kernel("void(float32[::1], int64[::1], float32[::1], uint8[::1])")
 def finish_q6_k(x, L, scales, out):
     """Q6_K: one fp16 scale for the sixteen int8 sub-block scales, levels -32..31 in 4+2 bits."""
     max_abs = np.float32(0.0)

@@ -26,7 +26,7 @@ BLOCK_BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 BATCH = 4  # super-blocks searched side by side: 32-64 lanes fill AVX-512 registers a few times over
 
 
-@kernel
+@kernel("float32(float32[::1], int64)")
 def _sigma2(x, factor):
     """σ² of a super-block: Σx² / 256 (times 2 for Q3_K/Q4_K/Q5_K), summed in index order."""
     total = ZERO
@@ -37,7 +37,7 @@ def _sigma2(x, factor):
     return np.float32(total / np.float32(QK_K))
 
 
-@kernel
+@kernel("void(float32[:, ::1], float32[:, ::1], int64, int64, int64, int64, boolean, int64, float32[:, ::1], float32[:, ::1], float32[::1])")
 def _lanes_in(x, qw, first_block, b0, nbb, kind, use_qw, sub, X, W, sw):
     """Super-blocks b0 … b0+nbb-1 → columns ``X[i, k·nsub + j]`` = value i of sub-block j of
     super-block k, with the per-value weights of the type's search in ``W`` and (imatrix)
@@ -76,7 +76,7 @@ def _lanes_in(x, qw, first_block, b0, nbb, kind, use_qw, sub, X, W, sw):
             sw[lane] = total
 
 
-@kernel
+@kernel("void(int32[:, ::1], int64, int64, int64[::1])")
 def _levels_out(Lx, k, sub, L):
     """Lane levels of super-block k back into its 256-value order."""
     nsub = QK_K // sub
@@ -85,7 +85,7 @@ def _levels_out(Lx, k, sub, L):
             L[sub * j + i] = Lx[i, k * nsub + j]
 
 
-@kernel
+@kernel("void(float32[::1], int64[::1], float32[::1], float32[::1], float32[::1], boolean, int64[::1], int64[::1], int64[::1], uint8[::1])")
 def _q2_k(x, L, scales, mins, sw, use_qw, Ls, Lm, aux16, out):
     if use_qw:
         d = make_qp(scales, 15, sw, Ls, aux16)
@@ -113,7 +113,7 @@ def _q2_k(x, L, scales, mins, sw, use_qw, Ls, Lm, aux16, out):
     finish_q2_k(x, L, Ls, d, dmin, out)
 
 
-@kernel
+@kernel("void(float32[::1], int64[::1], float32[::1], float32[::1], float32[::1], boolean, int64, int64[::1], int64[::1], int64[::1], int64[::1], uint8[::1])")
 def _q45_k(x, L, scales, mins, sw, use_qw, nmax, Ls, Lm, aux16, packed, out):
     if use_qw:
         d = make_qp(scales, 63, sw, Ls, aux16)
@@ -135,7 +135,7 @@ def _q45_k(x, L, scales, mins, sw, use_qw, nmax, Ls, Lm, aux16, packed, out):
                nmax, packed, out)
 
 
-@kernel
+@kernel("void(float32[::1], int64[::1], float32[::1], int64[::1], int64[::1], uint8[::1])")
 def _q3_k_plain(x, L, scales, Ls, packed, out):
     """Q3_K without imatrix: scalar make_q3_quants per sub-block, 6-bit scales from the signed max."""
     for j in range(16):
@@ -154,7 +154,7 @@ def _q3_k_plain(x, L, scales, Ls, packed, out):
     finish_q3_k(x, L, Ls, d, packed, out)
 
 
-@kernel
+@kernel("void(float32[:, ::1], float32[:, ::1], int64, boolean, int64, uint8[:, ::1])")
 def quantize_k_blocks(x, qw, first_block, use_qw, kind, out):
     """Quantize super-blocks ``x`` [nb, 256] into ``out`` [nb, block_bytes].
 

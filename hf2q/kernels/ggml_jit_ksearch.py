@@ -1,14 +1,14 @@
 """Compiled scale searches of llama.cpp's quantizers, one sub-block at a time (numba).
 
-``make_qkx2`` (also ``make_qkx3_quants``: same loop with the weights passed in),
 ``make_qx`` (``make_qx_quants``, rmse_type 1), ``make_q3`` (``make_q3_quants`` with rmse)
 and ``make_qp`` (``make_qp_quants``) written as the plain loops of the C, float32
-throughout.  Each takes 1-D float32 views, writes the chosen integer levels into ``L``
+throughout — for the searches that run once per super-block or are too branchy for lanes
+(the per-sub-block searches ``make_qkx2/3`` and ``make_qx`` run in ``ggml_jit_lanes``).  Each takes 1-D float32 views, writes the chosen integer levels into ``L``
 (int32, same length) using ``scratch`` (int32, same length) for candidates, and returns
 the scale(s).  ``ggml_kquants_ref`` / ``ggml_imatrix_ref`` are the readable Python twins.
 """
 
-# ruff: noqa: FURB136, PLR1730  (explicit comparisons keep C's NaN behaviour, which min()/max() would not)
+# ruff: noqa: FURB136  (explicit comparisons keep C's NaN behaviour, which min()/max() would not)
 
 from __future__ import annotations
 
@@ -17,82 +17,7 @@ import numpy as np
 from .ggml_jit_common import GROUP_MAX_EPS, ONE, ZERO, first_absmax, kernel, nearest_int
 
 
-@kernel
-def _affine_levels(x, lo, iscale, nmax, out):
-    for i in range(x.shape[0]):
-        lv = nearest_int(np.float32(iscale * np.float32(x[i] - lo)))
-        out[i] = 0 if lv < 0 else (nmax if lv > nmax else lv)
-
-
-@kernel
-def _affine_error(x, w, scale, mn, L, use_mad):
-    err = ZERO
-    for i in range(x.shape[0]):
-        diff = np.float32(np.float32(scale * np.float32(L[i])) + mn) - x[i]
-        diff = abs(diff) if use_mad else np.float32(diff * diff)
-        err = np.float32(err + np.float32(w[i] * diff))
-    return err
-
-
-@kernel
-def make_qkx2(x, w, nmax, rmin, rdelta, nstep, use_mad, L, scratch):
-    """Affine fit x ≈ scale·L + min, L ∈ [0, nmax]; returns (scale, -min)."""
-    n = x.shape[0]
-    lo = x[0]
-    hi = x[0]
-    sum_w = w[0]
-    sum_x = np.float32(sum_w * x[0])
-    for i in range(1, n):
-        if x[i] < lo:
-            lo = x[i]
-        if x[i] > hi:
-            hi = x[i]
-        sum_w = np.float32(sum_w + w[i])
-        sum_x = np.float32(sum_x + np.float32(w[i] * x[i]))
-    if lo > 0:
-        lo = ZERO
-    if hi == lo:
-        for i in range(n):
-            L[i] = 0
-        return ZERO, -lo
-    fmax = np.float32(nmax)
-    rmin32 = np.float32(rmin)
-    rdelta32 = np.float32(rdelta)
-    iscale = np.float32(fmax / np.float32(hi - lo))
-    scale = np.float32(ONE / iscale)
-    _affine_levels(x, lo, iscale, nmax, L)
-    best_error = _affine_error(x, w, scale, lo, L, use_mad)
-    for step in range(nstep + 1):
-        iscale = np.float32(np.float32(np.float32(rmin32 + np.float32(rdelta32 * np.float32(step))) + fmax)
-                            / np.float32(hi - lo))
-        _affine_levels(x, lo, iscale, nmax, scratch)
-        sum_l = ZERO
-        sum_l2 = ZERO
-        sum_xl = ZERO
-        for i in range(n):
-            lf = np.float32(scratch[i])
-            wl = np.float32(w[i] * lf)
-            sum_l = np.float32(sum_l + wl)
-            sum_l2 = np.float32(sum_l2 + np.float32(wl * lf))
-            sum_xl = np.float32(sum_xl + np.float32(wl * x[i]))
-        D = np.float32(np.float32(sum_w * sum_l2) - np.float32(sum_l * sum_l))
-        if D > 0:
-            this_scale = np.float32(np.float32(np.float32(sum_w * sum_xl) - np.float32(sum_x * sum_l)) / D)
-            this_min = np.float32(np.float32(np.float32(sum_l2 * sum_x) - np.float32(sum_l * sum_xl)) / D)
-            if this_min > 0:
-                this_min = ZERO
-                this_scale = np.float32(sum_xl / sum_l2)
-            cur_error = _affine_error(x, w, this_scale, this_min, scratch, use_mad)
-            if cur_error < best_error:
-                for i in range(n):
-                    L[i] = scratch[i]
-                best_error = cur_error
-                scale = this_scale
-                lo = this_min
-    return scale, -lo
-
-
-@kernel
+@kernel("UniTuple(float32, 2)(float32[::1], float32[::1], boolean, int64, float32, int64[::1])")
 def _symmetric_fit(x, w, has_w, nmax, iscale, out):
     """Levels clamp(nearest_int(iscale·x), -nmax, nmax-1) into ``out``; returns (Σw·x·l, Σw·l²)."""
     sumlx = ZERO
@@ -108,7 +33,7 @@ def _symmetric_fit(x, w, has_w, nmax, iscale, out):
     return sumlx, suml2
 
 
-@kernel
+@kernel("float32(float32[::1], int64, float32[::1], boolean, int64[::1], int64[::1])")
 def make_qx(x, nmax, w, has_w, L, scratch):
     """Symmetric fit (weights x² unless ``has_w``) trying 19 scales around -nmax/max; L in [0, 2·nmax)."""
     n = x.shape[0]
@@ -136,7 +61,7 @@ def make_qx(x, nmax, w, has_w, L, scratch):
     return scale
 
 
-@kernel
+@kernel("float32(float32[::1], int64, int64[::1])")
 def make_q3(x, nmax, L):
     """Symmetric fit (weights x²) refined one value at a time, up to 5 passes; L in [0, 2·nmax)."""
     n = x.shape[0]
@@ -182,7 +107,7 @@ def make_q3(x, nmax, L):
     return np.float32(sumlx / suml2) if suml2 > 0 else ZERO
 
 
-@kernel
+@kernel("float32(float32[::1], float32[::1], float32, int64[::1])")
 def _qp_error(x, w, scale, L):
     err = ZERO
     for i in range(x.shape[0]):
@@ -191,7 +116,7 @@ def _qp_error(x, w, scale, L):
     return err
 
 
-@kernel
+@kernel("float32(float32[::1], int64, float32[::1], int64[::1], int64[::1])")
 def make_qp(x, nmax, w, L, scratch):
     """Weighted fit of non-negative ``x`` to levels 0..nmax (stored through uint8); returns the scale."""
     n = x.shape[0]

@@ -21,14 +21,14 @@ import numpy as np
 from .ggml_jit_common import GROUP_MAX_EPS, MAGIC, ONE, ZERO, f32_bits, kernel
 
 
-@kernel
+@kernel("int64(float32, int64, int64)")
 def _round_clamped(v, lo, hi):
     """clamp(nearest_int(v), lo, hi) for a float32 ``v`` (llama.cpp's rounding, including its wrap)."""
     r = (np.int32(f32_bits(np.float32(v + MAGIC))) & 0x007FFFFF) - 0x00400000
     return lo if r < lo else (hi if r > hi else r)
 
 
-@kernel
+@kernel("void(float32[:, ::1], float32[::1], float32[::1], int64, int32[:, ::1])")
 def _affine_levels(X, lo, iscale, nmax, out):
     n, nl = X.shape
     for i in range(n):
@@ -36,7 +36,7 @@ def _affine_levels(X, lo, iscale, nmax, out):
             out[i, j] = _round_clamped(np.float32(iscale[j] * np.float32(X[i, j] - lo[j])), 0, nmax)
 
 
-@kernel
+@kernel("void(float32[:, ::1], float32[:, ::1], float32[::1], float32[::1], int32[:, ::1], boolean, float32[::1])")
 def _affine_error(X, W, scale, mn, L, use_mad, err):
     n, nl = X.shape
     for j in range(nl):
@@ -53,7 +53,7 @@ def _affine_error(X, W, scale, mn, L, use_mad, err):
                 err[j] = np.float32(err[j] + np.float32(W[i, j] * np.float32(diff * diff)))
 
 
-@kernel
+@kernel("void(float32[:, ::1], float32[:, ::1], int64, float64, float64, int64, boolean, int32[:, ::1], float32[::1], float32[::1])")
 def make_qkx2_lanes(X, W, nmax, rmin, rdelta, nstep, use_mad, L, scale, the_min):
     """``make_qkx2_quants`` / ``make_qkx3_quants`` for every column of ``X`` [n, lanes] (weights ``W``).
 
@@ -154,7 +154,7 @@ def make_qkx2_lanes(X, W, nmax, rmin, rdelta, nstep, use_mad, L, scale, the_min)
             the_min[j] = -lo[j]
 
 
-@kernel
+@kernel("void(float32[:, ::1], float32[:, ::1], int64, float32[::1], int32[:, ::1], float32[::1], float32[::1])")
 def _symmetric_fit(X, W, nmax, iscale, out, sumlx, suml2):
     n, nl = X.shape
     for j in range(nl):
@@ -169,7 +169,7 @@ def _symmetric_fit(X, W, nmax, iscale, out, sumlx, suml2):
             suml2[j] = np.float32(suml2[j] + np.float32(np.float32(W[i, j] * lf) * lf))
 
 
-@kernel
+@kernel("void(float32[:, ::1], float32[:, ::1], int64, int32[:, ::1], float32[::1])")
 def make_qx_lanes(X, W, nmax, L, scale):
     """``make_qx_quants`` (rmse_type 1, weights ``W`` — pass X² for the no-imatrix case) per column.
 

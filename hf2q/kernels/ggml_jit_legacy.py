@@ -23,13 +23,13 @@ BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}
 BATCH = 64  # imatrix blocks searched side by side (one SIMD lane each)
 
 
-@kernel
+@kernel("void(int64[::1], uint8[::1], int64)")
 def _pack_nibbles(q, out, off):
     for j in range(16):
         out[off + j] = (q[j] & 0xF) | ((q[j + 16] & 0xF) << 4)
 
 
-@kernel
+@kernel("void(int64[::1], uint8[::1], int64)")
 def _pack_high_bits(q, out, off):
     """Bit 4 of each value → a little-endian uint32 at ``out[off:off+4]``."""
     qh = 0
@@ -39,12 +39,12 @@ def _pack_high_bits(q, out, off):
         out[off + k] = (qh >> (8 * k)) & 0xFF
 
 
-@kernel
+@kernel("float32(float32)")
 def _inverse(d):
     return np.float32(ONE / d) if d != 0 else ZERO
 
 
-@kernel
+@kernel("float32(float32[::1], int64, int64[::1])")
 def _symmetric(x, half, q):
     """Q4_0 (half 8) / Q5_0 (half 16): d = first-absmax / -half, q = trunc(x/d + half + 0.5) ≤ 2·half-1."""
     _, vmax = first_absmax(x)
@@ -57,7 +57,7 @@ def _symmetric(x, half, q):
     return d
 
 
-@kernel
+@kernel("UniTuple(float32, 2)(float32[::1], int64, int64[::1])")
 def _affine(x, levels, q):
     """Q4_1 / Q5_1: d = (max - min) / levels, q = trunc((x - min)/d + 0.5)."""
     lo = np.float32(3.4028234663852886e38)
@@ -74,7 +74,7 @@ def _affine(x, levels, q):
     return d, lo
 
 
-@kernel
+@kernel("void(float32[::1], uint8[::1])")
 def _q8_0(x, out):
     amax = ZERO
     for j in range(QK):
@@ -90,7 +90,22 @@ def _q8_0(x, out):
         out[2 + j] = trunc_int(r if s >= 0 else -r) & 0xFF
 
 
-@kernel
+@kernel("void(int64[::1], int64, uint8[::1])")
+def _pack_levels(q, kind, out):
+    """Level bytes of Q4_0 (at 2) / Q4_1 (at 4) / Q5_0 (qh at 2) / Q5_1 (qh at 4)."""
+    if kind == 0:
+        _pack_nibbles(q, out, 2)
+    elif kind == 1:
+        _pack_nibbles(q, out, 4)
+    elif kind == 2:
+        _pack_high_bits(q, out, 2)
+        _pack_nibbles(q, out, 6)
+    else:
+        _pack_high_bits(q, out, 4)
+        _pack_nibbles(q, out, 8)
+
+
+@kernel("void(float32[::1], int64, int64[::1], uint8[::1])")
 def _plain_block(x, kind, q, out):
     if kind == 4:
         _q8_0(x, out)
@@ -106,22 +121,7 @@ def _plain_block(x, kind, q, out):
     _pack_levels(q, kind, out)
 
 
-@kernel
-def _pack_levels(q, kind, out):
-    """Level bytes of Q4_0 (at 2) / Q4_1 (at 4) / Q5_0 (qh at 2) / Q5_1 (qh at 4)."""
-    if kind == 0:
-        _pack_nibbles(q, out, 2)
-    elif kind == 1:
-        _pack_nibbles(q, out, 4)
-    elif kind == 2:
-        _pack_high_bits(q, out, 2)
-        _pack_nibbles(q, out, 6)
-    else:
-        _pack_high_bits(q, out, 4)
-        _pack_nibbles(q, out, 8)
-
-
-@kernel
+@kernel("void(float32[:, ::1], float32[:, ::1], float32[::1], int64, int64, int64, int64, uint8[:, ::1])")
 def _weighted_blocks(x, qw, sigma2, first_block, b0, nbb, kind, out):
     """Blocks b0 … b0+nbb-1 with imatrix: weights qw·sqrt(σ² + x²), the searches run with one
     block per lane (``ggml_jit_lanes``), then each block's scale(s) and levels are stored."""
@@ -155,7 +155,7 @@ def _weighted_blocks(x, qw, sigma2, first_block, b0, nbb, kind, out):
         _pack_levels(q, kind, ob)
 
 
-@kernel
+@kernel("void(float32[:, ::1], float32[:, ::1], float32[::1], int64, boolean, int64, uint8[:, ::1])")
 def quantize_legacy_blocks(x, qw, sigma2, first_block, use_qw, kind, out):
     """Quantize blocks ``x`` [nb, 32] into ``out`` [nb, block_bytes].
 

@@ -17,8 +17,8 @@ import json
 import mmap
 import os
 import struct
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import attrs
 import numpy as np
@@ -199,7 +199,7 @@ class SafetensorsCheckpoint:
                 pass
         self._maps.clear()
 
-    def __enter__(self) -> "SafetensorsCheckpoint":
+    def __enter__(self) -> SafetensorsCheckpoint:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -20,7 +20,8 @@ from pathlib import Path
 from tests.models.cache import build_once
 from tests.models.tokenizer_files import copy_tokenizer
 
-VERSION = "v1"
+SMOLLM2_VERSION = "v3"  # v3: SmolLM2 tokenizer splits digits (tokenizer_files v3)
+GEMMA3_VERSION = "v1"
 
 
 def smollm2_gguf() -> Path:
@@ -46,7 +47,7 @@ def minilm_hf_dir() -> Path:
 
 def smollm2_hf_dir() -> Path:
     """HF-format copy of the SmolLM2 GGUF (LlamaForCausalLM + SmolLM2's tokenizer and ChatML template)."""
-    return build_once(f"smollm2-135m-instruct-hf-{VERSION}",
+    return build_once(f"smollm2-135m-instruct-hf-{SMOLLM2_VERSION}",
                       lambda out: _hf_copy(smollm2_gguf(), "smollm2", out, {"rope_theta": 100000.0}))
 
 
@@ -59,7 +60,7 @@ def gemma3_hf_dir() -> Path:
         return {"rope_theta": full, "rope_local_base_freq": local, "rope_scaling": None,
                 "sliding_window_pattern": cfg.get("_sliding_window_pattern", 6)}  # mlx-lm reads this key
 
-    return build_once(f"gemma-3-270m-hf-{VERSION}", lambda out: _hf_copy(gemma3_gguf(), "gemma3", out, legacy))
+    return build_once(f"gemma-3-270m-hf-{GEMMA3_VERSION}", lambda out: _hf_copy(gemma3_gguf(), "gemma3", out, legacy))
 
 
 def _choose_dtype(model) -> tuple[object, str]:

@@ -13,7 +13,7 @@ parameter gets extra seeded noise so that no tensor is a constant (norm weights 
 zero biases, or Gemma's zero-centred norms would hide a converter that drops or mis-offsets
 them), and matrices are scaled so logits have a std of 1-2 (see ``_perturb``).
 
-Folders are cached under ``<hf2q cache>/test-models/tiny-<family>-v2/`` and built once.
+Folders are cached under ``<hf2q cache>/test-models/tiny-<family>-<version>/`` and built once.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from pathlib import Path
 from tests.models.cache import build_once
 from tests.models.tokenizer_files import copy_tokenizer, vocab_size
 
-VERSION = "v2"  # v2: weights scaled up so logits are not flat
+# bumped when a family's files change (v2: weights scaled so logits are not flat;
+# llama v4: SmolLM2 tokenizer with its digit splitting)
+VERSIONS = {"llama": "v4", "qwen3": "v3", "qwen3_moe": "v3", "gemma3": "v3", "bert": "v3"}
 FAMILIES = ("llama", "qwen3", "qwen3_moe", "gemma3", "bert")
 SEED = 0
 
@@ -91,7 +93,7 @@ def checkpoint(family: str) -> Path:
     """Path of the tiny ``family`` checkpoint (built on first use, then reused)."""
     if family not in _SPECS:
         raise ValueError(f"unknown tiny family {family!r}; known: {', '.join(FAMILIES)}")
-    return build_once(f"tiny-{family}-{VERSION}", lambda out: _build(family, out))
+    return build_once(f"tiny-{family}-{VERSIONS[family]}", lambda out: _build(family, out))
 
 
 def spec(family: str) -> dict:

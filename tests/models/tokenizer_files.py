@@ -16,7 +16,7 @@ all tested on real vocabularies:
   ``models/templates/Qwen-Qwen3-0.6B.jinja``.
 * ``bert``     — all-MiniLM-L6-v2's WordPiece files, copied.
 
-Each folder is built once into the hf2q cache (``test-models/tokenizers/<name>-v1``).
+Each folder is built once into the hf2q cache (``test-models/tokenizers/<name>-<version>``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ from pathlib import Path
 
 from tests.models.cache import build_once
 
-VERSION = "v1"
+# bumped per tokenizer when its files change (smollm2 v3: digits split one by one, as its real
+# tokenizer.json does, and a tokenizer class that keeps that pre-tokenizer under transformers 5)
+VERSIONS = {"smollm2": "v3", "gemma3": "v1", "qwen3": "v1", "bert": "v1"}
 
 # Qwen2/Qwen3 pre-tokenizer split (the same expression as Qwen's tokenizer.json).
 QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -62,7 +64,7 @@ def tokenizer_dir(name: str) -> Path:
     builders = {"smollm2": _build_smollm2, "gemma3": _build_gemma3, "qwen3": _build_qwen3, "bert": _build_bert}
     if name not in builders:
         raise ValueError(f"unknown tokenizer {name!r}; known: {sorted(builders)}")
-    return build_once(f"tokenizers/{name}-{VERSION}", builders[name])
+    return build_once(f"tokenizers/{name}-{VERSIONS[name]}", builders[name])
 
 
 def vocab_size(name: str) -> int:
@@ -106,9 +108,25 @@ def _from_gguf(gguf_path: Path, out: Path, tokenizer_class: str, max_length: int
 
 
 def _build_smollm2(out: Path) -> None:
+    """SmolLM2's BPE from its GGUF, with the digit splitting transformers' GGUF loader drops.
+
+    The real tokenizer.json (StarCoder lineage) pre-tokenizes with ``Digits(individual)``
+    before byte-level BPE, which llama.cpp reproduces as its ``smollm`` pre-tokenizer; without
+    it " ½" or "2024" would be split differently from the real model and from llama.cpp.
+    """
+    from tokenizers import Tokenizer, pre_tokenizers
+
     from hf2q.fetch import SMOLLM2, fetch
 
-    _from_gguf(fetch(SMOLLM2), out, "GPT2Tokenizer", 8192)
+    # transformers 5 maps "GPT2Tokenizer" to a class that replaces the pre-tokenizer with plain
+    # ByteLevel; the generic fast class keeps tokenizer.json as written
+    _from_gguf(fetch(SMOLLM2), out, "PreTrainedTokenizerFast", 8192)
+    tk = Tokenizer.from_file(str(out / "tokenizer.json"))
+    tk.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+    ])
+    tk.save(str(out / "tokenizer.json"))
 
 
 def _build_gemma3(out: Path) -> None:
