@@ -177,3 +177,21 @@ def test_bert_pooling_and_wordpiece(cli, minilm_hf, tmp_path):
     i = vocab.index("##ing")
     assert toks[i] == "ing" and toks[vocab.index("hello")] == "\u2581hello"
     assert _tensor(r, "position_embd.weight").tensor_type == gguf.GGMLQuantizationType.F32
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_sources_widen_exactly(cli, tiny_checkpoint, tmp_path, dtype):
+    """bf16 / f16 checkpoints: the F32 output equals torch's own widening of the stored values."""
+    import torch
+    from safetensors.torch import load_file as load_torch, save_file as save_torch
+
+    src = tiny_checkpoint("llama")
+    half = tmp_path / "half"
+    shutil.copytree(src, half)
+    tensors = {k: v.to(getattr(torch, dtype)).contiguous() for k, v in load_torch(src / "model.safetensors").items()}
+    save_torch(tensors, half / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "h.gguf"
+    assert cli("convert", half, "-q", "f32", "-o", out, "--no-integrity").code == 0
+    r = GGUFReader(out)
+    got = _as_f32(_tensor(r, "blk.1.ffn_down.weight"))
+    np.testing.assert_array_equal(got, tensors["model.layers.1.mlp.down_proj.weight"].float().numpy())

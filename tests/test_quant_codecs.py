@@ -308,6 +308,24 @@ def test_no_jit_env_selects_the_numpy_path(monkeypatch):
     assert codec.jit_active() == codec.numba_installed()
 
 
+def test_unusable_numba_falls_back_to_numpy(monkeypatch, caplog):
+    """An installed numba whose kernels fail to load is reported once; quantize keeps working."""
+    import sys
+
+    from hf2q.errors import ConversionError
+
+    data = fixture_set("random1024")
+    monkeypatch.setattr(codec, "_JIT_BROKEN", None)
+    monkeypatch.setitem(sys.modules, "hf2q.kernels.ggml_jit_kquants", None)  # import now raises ImportError
+    got = codec.quantize(data["x"].astype(np.float32), T.Q4_K)
+    assert np.array_equal(got, data["q_Q4_K"])
+    if codec.numba_installed():
+        assert "compiled quantizers unavailable" in caplog.text
+        assert not codec.jit_active()
+        with pytest.raises(ConversionError, match="could not be loaded"):
+            codec.jit_quantize(data["x"].astype(np.float32), T.Q4_K)
+
+
 @needs_numba
 def test_jit_float_helpers_match_numpy_rounding():
     """The compiled fp16 / nearest_int helpers against numpy's conversions and ggml_common, bit for bit."""

@@ -32,7 +32,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -91,7 +91,7 @@ class GroupBroken(RuntimeError):
 class ShardedSequence:
     """Rank 0's handle on one sequence; every rank holds its heads' KV under the same id."""
 
-    def __init__(self, runner: "DistributedRunner", seq_id: int, local):
+    def __init__(self, runner: DistributedRunner, seq_id: int, local):
         self._runner = runner
         self.seq_id = seq_id
         self.local = local
@@ -179,7 +179,7 @@ class DistributedRunner:
         log.error("%s", self._broken)
         try:
             self._on_fault()
-        except Exception:  # noqa: BLE001 — tearing down is best effort
+        except Exception:
             log.exception("stopping the tensor-parallel followers failed")
 
     # ---- the ModelRunner contract ---------------------------------------------------------

@@ -95,6 +95,15 @@ class SequenceCache:
         self._length += n_tokens
 
 
+def _padded(buf: mx.array, n: int) -> mx.array:
+    """The first ``n`` positions of a cache buffer, zero-padded when its capacity is smaller
+    (masked out anyway; a short sequence in a batch never grows its own cache for it)."""
+    if buf.shape[1] >= n:
+        return buf[:, :n, :]
+    pad = mx.zeros((buf.shape[0], n - buf.shape[1], buf.shape[2]), dtype=buf.dtype)
+    return mx.concatenate([buf, pad], axis=1)
+
+
 class ForwardBatch:
     """The sequences one forward advances; built by the runner, consumed by attention layers."""
 
@@ -105,8 +114,8 @@ class ForwardBatch:
         self.n_new = n_new
         self.offsets = [c.length for c in self.caches]
         self.total = max(self.offsets) + n_new  # keys attended over (padded)
-        for c in self.caches:
-            c.reserve(self.total)
+        for c, off in zip(self.caches, self.offsets):
+            c.reserve(off + n_new)  # each cache grows only for its own tokens
         self._masks: dict[int | None, mx.array | str | None] = {}
         self._np_masks: dict[int | None, np.ndarray | None] = {}
 
@@ -148,8 +157,8 @@ class ForwardBatch:
         for i, (c, off) in enumerate(zip(self.caches, self.offsets)):
             c.keys[layer][:, off:off + T, :] = k[i]
             c.values[layer][:, off:off + T, :] = v[i]
-            ks.append(c.keys[layer][:, : self.total, :])
-            vs.append(c.values[layer][:, : self.total, :])
+            ks.append(_padded(c.keys[layer], self.total))
+            vs.append(_padded(c.values[layer], self.total))
         return mx.stack(ks), mx.stack(vs)
 
     def finish(self) -> None:

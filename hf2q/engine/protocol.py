@@ -32,6 +32,7 @@ class SequenceKV(Protocol):
 class ModelRunner(Protocol):
     vocab_size: int
     n_ctx_train: int
+    n_ctx: int  # the context this runner was loaded for (``--ctx``, default n_ctx_train); longer → InputError
     kv_bytes_per_token: int  # all layers, K and V, at the engine's KV dtype
     eos_token_ids: frozenset[int]
     is_embedding_model: bool

@@ -34,10 +34,16 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-from hf2q.engine.distributed_runner import DistributedRunner, GroupBroken, follow, recv_message, send_message
+from hf2q.engine.distributed_runner import (
+    DistributedRunner,
+    GroupBroken,
+    follow,
+    recv_message,
+    send_message,
+)
 from hf2q.errors import InputError
 
 log = logging.getLogger("hf2q.tp")
@@ -140,7 +146,6 @@ def launch(path: str | Path, size: int, ctx: int | None = None, *, backend: str 
     import mlx.core as mx
 
     from hf2q.engine.tensor_parallel import load_shard
-
     from hf2q.formats.gguf_file import open_gguf
 
     gguf = open_gguf(path)  # parsed once here: big tokenizers make parsing take seconds
@@ -155,8 +160,9 @@ def launch(path: str | Path, size: int, ctx: int | None = None, *, backend: str 
     procs = []
     for r in range(1, size):
         env = {**os.environ, **rank_env(backend, r, size, Path(workdir.name), ports), TOKEN_ENV: token}
-        if backend == "nccl":
-            env["CUDA_VISIBLE_DEVICES"] = str(r)
+        if backend == "nccl":  # one GPU per rank: the r-th of those this process may use
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+            env["CUDA_VISIBLE_DEVICES"] = visible[r].strip() if len(visible) > r and visible[r].strip() else str(r)
         cmd = [sys.executable, "-m", "hf2q.engine.tp_launch", "--rank", str(r), "--size", str(size),
                "--model", str(path), "--control", f"127.0.0.1:{listener.getsockname()[1]}",
                "--backend", backend, "--parent", str(os.getpid())]
@@ -170,7 +176,7 @@ def launch(path: str | Path, size: int, ctx: int | None = None, *, backend: str 
         def accept_one() -> bool:
             try:
                 conn, _ = listener.accept()
-            except socket.timeout:
+            except TimeoutError:
                 return len(links) == size - 1
             conn.settimeout(10)
             msg = recv_message(conn)
@@ -207,7 +213,7 @@ def launch(path: str | Path, size: int, ctx: int | None = None, *, backend: str 
                     continue
                 try:
                     msg = recv_message(conn)
-                except socket.timeout:
+                except TimeoutError:
                     continue
                 if msg is None:
                     raise GroupBroken(f"tensor-parallel rank {r} closed its control connection during start-up")

@@ -31,13 +31,14 @@ the compiled kernels release the GIL).
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from ..errors import InputError
+from ..errors import ConversionError, InputError
 from . import ggml_float, ggml_kquants, ggml_legacy
 
 T = GGMLQuantizationType
@@ -52,6 +53,8 @@ IMATRIX_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1}) | K_TYPES
 # elements per chunk handed to one worker: big enough to amortise numpy call overhead,
 # small enough that a chunk's temporaries stay cache-friendly.
 CHUNK_ELEMENTS = 1 << 16
+
+_JIT_BROKEN: str | None = None  # why the compiled kernels could not be loaded, once that happened
 
 
 def _check_type(qtype) -> GGMLQuantizationType:
@@ -173,7 +176,32 @@ def _imatrix_args(x: np.ndarray, qtype, imatrix, fast: bool):
     return extra
 
 
-def _quantize_jit(x: np.ndarray, qtype, threads: int, imatrix) -> np.ndarray:
+def _jit_kernels(qtype):
+    """(kind, entry point) of the compiled kernels for ``qtype``, or None when they cannot be loaded.
+
+    Importing a kernel module compiles its kernels (first run) or loads them from numba's cache.
+    A numba that is installed but unusable (ABI mismatch, unsupported CPU) is reported once
+    and the numpy codecs take over.
+    """
+    global _JIT_BROKEN
+    if _JIT_BROKEN is not None:
+        return None
+    try:
+        if qtype in K_TYPES:
+            from .ggml_jit_kquants import KIND
+            from .ggml_jit_kquants import quantize_k_blocks as entry
+        else:
+            from .ggml_jit_legacy import KIND
+            from .ggml_jit_legacy import quantize_legacy_blocks as entry
+    except Exception as e:  # noqa: BLE001 — any failure to build the kernels means: use numpy
+        _JIT_BROKEN = f"{type(e).__name__}: {e}".splitlines()[0]
+        logging.getLogger(__name__).warning("compiled quantizers unavailable (%s); using the numpy codecs",
+                                            _JIT_BROKEN)
+        return None
+    return KIND[qtype.name], entry
+
+
+def _quantize_jit(x: np.ndarray, qtype, threads: int, imatrix, kernels) -> np.ndarray:
     """The compiled path: each worker runs one numba kernel call over a run of whole blocks."""
     rows, n = x.shape
     blk, size = GGML_QUANT_SIZES[qtype]
@@ -189,17 +217,13 @@ def _quantize_jit(x: np.ndarray, qtype, threads: int, imatrix) -> np.ndarray:
         with np.errstate(over="ignore"):
             sigma2 = np.repeat(row_sigma2(x), n // blk)
 
-    # importing a kernel module compiles its kernels (first run) or loads them from numba's cache
+    kind, entry = kernels
     if qtype in K_TYPES:
-        from .ggml_jit_kquants import KIND, quantize_k_blocks
-
         def run(chunk, s, e):
-            quantize_k_blocks(chunk, qw, s, use_qw, KIND[qtype.name], out[s:e])
+            entry(chunk, qw, s, use_qw, kind, out[s:e])
     else:
-        from .ggml_jit_legacy import KIND, quantize_legacy_blocks
-
         def run(chunk, s, e):
-            quantize_legacy_blocks(chunk, qw, sigma2[s:e] if use_qw else sigma2, s, use_qw, KIND[qtype.name], out[s:e])
+            entry(chunk, qw, sigma2[s:e] if use_qw else sigma2, s, use_qw, kind, out[s:e])
 
     def work(s: int, e: int) -> None:
         run(blocks[s:e] if blocks.flags.writeable else blocks[s:e].copy(), s, e)  # kernels take writable arrays
@@ -222,7 +246,7 @@ def numba_installed() -> bool:
 def jit_active() -> bool:
     """Whether ``quantize`` runs the compiled kernels: numba installed and ``HF2Q_NO_JIT`` unset (or 0)."""
     flag = os.environ.get("HF2Q_NO_JIT", "").strip().lower()
-    return flag in ("", "0", "false", "no") and numba_installed()
+    return flag in ("", "0", "false", "no") and _JIT_BROKEN is None and numba_installed()
 
 
 def _quantize(x, qtype, threads, imatrix, fast: bool, jit: bool = False) -> np.ndarray:
@@ -237,9 +261,10 @@ def _quantize(x, qtype, threads, imatrix, fast: bool, jit: bool = False) -> np.n
         raise InputError(f"cannot quantize to {qtype.name}: the input contains NaN or infinite values "
                          "(weights beyond ±65504 overflow float16)")
     threads = _default_threads() if threads is None else max(1, int(threads))
-    if jit:
+    kernels = _jit_kernels(qtype) if jit else None
+    if kernels is not None:
         with np.errstate(all="ignore"):  # row_sigma2 may overflow on raw float32 input, as in C
-            return _quantize_jit(x, qtype, threads, imatrix)
+            return _quantize_jit(x, qtype, threads, imatrix, kernels)
     blk, size = GGML_QUANT_SIZES[qtype]
     qfn, _ = _block_codec(qtype, fast)
     extra = None
@@ -272,6 +297,9 @@ def jit_quantize(x: np.ndarray, qtype, threads: int | None = None, imatrix: np.n
     """Same contract as :func:`quantize` through the compiled kernels (needs numba, ignores ``HF2Q_NO_JIT``)."""
     if not numba_installed():
         raise InputError("the compiled quantizers need numba (pip install numba)")
+    qtype = _check_type(qtype)
+    if qtype not in FLOAT_TYPES and _jit_kernels(qtype) is None:
+        raise ConversionError(f"the compiled quantizers could not be loaded ({_JIT_BROKEN})")
     return _quantize(x, qtype, threads, imatrix, fast=True, jit=True)
 
 

@@ -42,7 +42,14 @@ def kernel(*signatures: str):
     compiling a new specialisation for every literal argument a caller passes (``nmax=15``
     and ``nmax=31`` would otherwise be two compilations of the same search).
     """
-    return njit(list(signatures), cache=True, nogil=True, error_model="numpy", fastmath=False)
+    def compile_(fn):
+        options = {"nogil": True, "error_model": "numpy", "fastmath": False}
+        try:
+            return njit(list(signatures), cache=True, **options)(fn)
+        except RuntimeError:  # no writable cache location at all: compile for this process only
+            return njit(list(signatures), **options)(fn)
+
+    return compile_
 
 
 @intrinsic
@@ -74,14 +81,6 @@ def nearest_int(v):
     """llama.cpp's ``nearest_int``: add 1.5·2**23 in float32, read the low 23 bits (wraps when large)."""
     bits = f32_bits(np.float32(v + MAGIC))
     return (np.int64(bits) & 0x007FFFFF) - 0x00400000
-
-
-@kernel("int64(float32)", "int64(float64)")
-def trunc_int(v):
-    """C's float → int conversion on x86 (``cvttss2si``): truncation, INT_MIN for NaN / out of range."""
-    if v >= 2147483648.0 or v < -2147483648.0 or np.isnan(v):
-        return np.int64(-2147483648)
-    return np.int64(v)
 
 
 @kernel("int64(float32)")

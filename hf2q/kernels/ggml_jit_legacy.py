@@ -8,19 +8,19 @@ with an importance matrix they follow ``quantize_row_q*_impl``: weights
 ``quantize_legacy_blocks`` is the one entry point.
 """
 
-# ruff: noqa: PLR1730  (explicit comparisons keep C's NaN behaviour, which min()/max() would not)
+# ruff: noqa: FURB136  (explicit comparisons keep C's NaN behaviour, which min()/max() would not)
 
 from __future__ import annotations
 
 import numpy as np
 
-from .ggml_jit_common import ONE, ZERO, first_absmax, kernel, store_half, trunc_int
+from .ggml_jit_common import ONE, ZERO, kernel, store_half
 from .ggml_jit_lanes import make_qkx2_lanes, make_qx_lanes
 
 QK = 32
 KIND = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4}
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}
-BATCH = 64  # imatrix blocks searched side by side (one SIMD lane each)
+BATCH = 64  # blocks processed side by side (one SIMD lane each)
 
 
 @kernel("void(int64[::1], uint8[::1], int64)")
@@ -39,57 +39,6 @@ def _pack_high_bits(q, out, off):
         out[off + k] = (qh >> (8 * k)) & 0xFF
 
 
-@kernel("float32(float32)")
-def _inverse(d):
-    return np.float32(ONE / d) if d != 0 else ZERO
-
-
-@kernel("float32(float32[::1], int64, int64[::1])")
-def _symmetric(x, half, q):
-    """Q4_0 (half 8) / Q5_0 (half 16): d = first-absmax / -half, q = trunc(x/d + half + 0.5) ≤ 2·half-1."""
-    _, vmax = first_absmax(x)
-    d = np.float32(vmax / np.float32(-half))
-    idv = _inverse(d)
-    offset = np.float32(np.float32(half) + np.float32(0.5))
-    for j in range(QK):
-        v = trunc_int(np.float32(np.float32(x[j] * idv) + offset))
-        q[j] = min(2 * half - 1, v)
-    return d
-
-
-@kernel("UniTuple(float32, 2)(float32[::1], int64, int64[::1])")
-def _affine(x, levels, q):
-    """Q4_1 / Q5_1: d = (max - min) / levels, q = trunc((x - min)/d + 0.5)."""
-    lo = np.float32(3.4028234663852886e38)
-    hi = -lo
-    for j in range(QK):
-        if x[j] < lo:
-            lo = x[j]
-        if x[j] > hi:
-            hi = x[j]
-    d = np.float32(np.float32(hi - lo) / np.float32(levels))
-    idv = _inverse(d)
-    for j in range(QK):
-        q[j] = trunc_int(np.float32(np.float32(np.float32(x[j] - lo) * idv) + np.float32(0.5)))
-    return d, lo
-
-
-@kernel("void(float32[::1], uint8[::1])")
-def _q8_0(x, out):
-    amax = ZERO
-    for j in range(QK):
-        a = abs(x[j])
-        if a > amax:
-            amax = a
-    d = np.float32(amax / np.float32(127))
-    idv = _inverse(d)
-    store_half(out, 0, d)
-    for j in range(QK):
-        s = np.float32(x[j] * idv)
-        r = np.floor(np.float64(abs(s)) + 0.5)  # roundf: halves away from zero (exact in float64)
-        out[2 + j] = trunc_int(r if s >= 0 else -r) & 0xFF
-
-
 @kernel("void(int64[::1], int64, uint8[::1])")
 def _pack_levels(q, kind, out):
     """Level bytes of Q4_0 (at 2) / Q4_1 (at 4) / Q5_0 (qh at 2) / Q5_1 (qh at 4)."""
@@ -105,20 +54,86 @@ def _pack_levels(q, kind, out):
         _pack_nibbles(q, out, 8)
 
 
-@kernel("void(float32[::1], int64, int64[::1], uint8[::1])")
-def _plain_block(x, kind, q, out):
-    if kind == 4:
-        _q8_0(x, out)
-        return
-    if kind == 0 or kind == 2:
-        store_half(out, 0, _symmetric(x, 8 if kind == 0 else 16, q))
-    else:
-        d, lo = _affine(x, 15 if kind == 1 else 31, q)
-        store_half(out, 0, d)
-        store_half(out, 2, lo)
-        for j in range(QK):  # Q4_1 clamps; Q5_1 goes through uint8_t unclamped
-            q[j] = min(15, q[j]) if kind == 1 else q[j] & 0xFF
-    _pack_levels(q, kind, out)
+@kernel("int64(float32)")
+def _cvtt(v):
+    """C's float → int on x86 (``cvttss2si``): truncation; INT_MIN for NaN and out-of-range values.
+    Written as a select so that loops over lanes stay vectorisable."""
+    inside = v > -2147483904.0 and v < 2147483648.0  # NaN compares false
+    return np.int64(v) if inside else np.int64(-2147483648)
+
+
+@kernel("void(float32[:, ::1], int64, int64, int64, uint8[:, ::1])")
+def _plain_blocks(x, b0, nbb, kind, out):
+    """Blocks b0 … b0+nbb-1 without imatrix (``quantize_row_q*_ref``), one block per lane:
+    per-block extremes → d (and min) → levels, then each block's bytes."""
+    X = np.empty((QK, nbb), np.float32)
+    for k in range(nbb):
+        for i in range(QK):
+            X[i, k] = x[b0 + k, i]
+    d = np.empty(nbb, np.float32)
+    lo = np.empty(nbb, np.float32)
+    idv = np.empty(nbb, np.float32)
+    Q = np.empty((QK, nbb), np.int64)
+    if kind == 1 or kind == 3:  # Q4_1 / Q5_1: min and max (C starts from ±FLT_MAX)
+        hi = np.empty(nbb, np.float32)
+        for k in range(nbb):
+            lo[k] = np.float32(3.4028234663852886e38)
+            hi[k] = -lo[k]
+        for i in range(QK):
+            for k in range(nbb):
+                v = X[i, k]
+                lo[k] = v if v < lo[k] else lo[k]
+                hi[k] = v if v > hi[k] else hi[k]
+        levels = np.float32(15 if kind == 1 else 31)
+        for k in range(nbb):
+            d[k] = np.float32(np.float32(hi[k] - lo[k]) / levels)
+            idv[k] = np.float32(ONE / d[k]) if d[k] != 0 else ZERO
+        for i in range(QK):
+            for k in range(nbb):
+                q = _cvtt(np.float32(np.float32(np.float32(X[i, k] - lo[k]) * idv[k]) + np.float32(0.5)))
+                Q[i, k] = min(15, q) if kind == 1 else q & 0xFF  # Q5_1 goes through uint8_t unclamped
+    else:  # Q4_0 / Q5_0 / Q8_0: the first value of largest magnitude (Q8_0 needs only the magnitude)
+        amax = np.zeros(nbb, np.float32)
+        vmax = np.zeros(nbb, np.float32)
+        for i in range(QK):
+            for k in range(nbb):
+                v = X[i, k]
+                bigger = abs(v) > amax[k]
+                amax[k] = abs(v) if bigger else amax[k]
+                vmax[k] = v if bigger else vmax[k]
+        if kind == 4:
+            for k in range(nbb):
+                d[k] = np.float32(amax[k] / np.float32(127))
+                idv[k] = np.float32(ONE / d[k]) if d[k] != 0 else ZERO
+            for i in range(QK):
+                for k in range(nbb):
+                    s = np.float32(X[i, k] * idv[k])
+                    r = np.floor(np.float64(abs(s)) + 0.5)  # roundf: halves away from zero (exact in float64)
+                    r = r if s >= 0 else -r
+                    inside = r > -2147483649.0 and r < 2147483648.0
+                    Q[i, k] = (np.int64(r) if inside else np.int64(-2147483648)) & 0xFF
+        else:
+            half = 8 if kind == 0 else 16
+            offset = np.float32(np.float32(half) + np.float32(0.5))
+            for k in range(nbb):
+                d[k] = np.float32(vmax[k] / np.float32(-half))
+                idv[k] = np.float32(ONE / d[k]) if d[k] != 0 else ZERO
+            for i in range(QK):
+                for k in range(nbb):
+                    Q[i, k] = min(2 * half - 1, _cvtt(np.float32(np.float32(X[i, k] * idv[k]) + offset)))
+    q = np.empty(QK, np.int64)
+    for k in range(nbb):
+        ob = out[b0 + k]
+        store_half(ob, 0, d[k])
+        if kind == 4:
+            for i in range(QK):
+                ob[2 + i] = Q[i, k]
+            continue
+        if kind == 1 or kind == 3:
+            store_half(ob, 2, lo[k])
+        for i in range(QK):
+            q[i] = Q[i, k]
+        _pack_levels(q, kind, ob)
 
 
 @kernel("void(float32[:, ::1], float32[:, ::1], float32[::1], int64, int64, int64, int64, uint8[:, ::1])")
@@ -168,6 +183,5 @@ def quantize_legacy_blocks(x, qw, sigma2, first_block, use_qw, kind, out):
         for b0 in range(0, nb, BATCH):
             _weighted_blocks(x, qw, sigma2, first_block, b0, min(BATCH, nb - b0), kind, out)
         return
-    q = np.empty(QK, np.int64)
-    for b in range(nb):
-        _plain_block(x[b], kind, q, out[b])
+    for b0 in range(0, nb, BATCH):
+        _plain_blocks(x, b0, min(BATCH, nb - b0), kind, out)

@@ -1,0 +1,130 @@
+"""Write a random-weight GGUF of a real architecture's *shape* (e.g. Qwen3-8B) for speed work.
+
+Speed does not depend on the values, so each tensor is one small block of real quantized
+rows (random normal weights quantized by our codecs) tiled to full size: writing an 8 B
+model takes seconds instead of the minutes a full quantization would. The tokenizer
+metadata is copied from a vocab GGUF (llama.cpp's ggml-vocab-qwen2.gguf) when given.
+
+    python bench/synth_gguf.py --shape qwen3-8b --mix q4_k_m -o /tmp/q8b.gguf [--vocab-gguf V.gguf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import gguf  # noqa: E402
+from gguf import GGMLQuantizationType as T  # noqa: E402
+
+from hf2q.kernels import codec  # noqa: E402
+
+SHAPES = {
+    "qwen3-8b": dict(hidden=4096, layers=36, ffn=12288, heads=32, kv_heads=8, head_dim=128, vocab=151936),
+    "qwen3-0.6b": dict(hidden=1024, layers=28, ffn=3072, heads=16, kv_heads=8, head_dim=128, vocab=151936),
+    "qwen3-tiny": dict(hidden=256, layers=2, ffn=512, heads=4, kv_heads=2, head_dim=64, vocab=151936),
+}
+
+# per-role types for the mixes we time (llama.cpp's q4_k_m gives attn_v / ffn_down Q6_K in about half
+# the layers; using Q6_K for all of them is the slower, conservative choice)
+MIXES = {
+    "q4_k_m": {"default": T.Q4_K, "attn_v": T.Q6_K, "ffn_down": T.Q6_K, "output": T.Q6_K, "token_embd": T.Q4_K},
+    "q8_0": {"default": T.Q8_0, "output": T.Q8_0, "token_embd": T.Q8_0},
+    "q4_0": {"default": T.Q4_0, "output": T.Q6_K, "token_embd": T.Q4_0},
+}
+
+
+def tiled_tensor(rows: int, cols: int, qtype, rng) -> np.ndarray:
+    tile_rows = min(rows, 64)
+    w = (rng.standard_normal((tile_rows, cols)) * 0.02).astype(np.float16).astype(np.float32)
+    q = codec.quantize(w, qtype)
+    reps = -(-rows // tile_rows)
+    return np.tile(q, (reps, 1))[:rows]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--mix", default="q4_k_m", choices=sorted(MIXES))
+    ap.add_argument("--layers", type=int, default=None, help="override the layer count")
+    ap.add_argument("--vocab-gguf", default=None, help="copy tokenizer.* metadata from this GGUF")
+    ap.add_argument("-o", "--output", required=True)
+    a = ap.parse_args()
+    s = dict(SHAPES[a.shape])
+    if a.layers:
+        s["layers"] = a.layers
+    mix = MIXES[a.mix]
+    rng = np.random.default_rng(0)
+    t0 = time.time()
+    w = gguf.GGUFWriter(a.output, "qwen3")
+    w.add_name(f"random {a.shape} {a.mix}")
+    w.add_block_count(s["layers"])
+    w.add_context_length(40960)
+    w.add_embedding_length(s["hidden"])
+    w.add_feed_forward_length(s["ffn"])
+    w.add_head_count(s["heads"])
+    w.add_head_count_kv(s["kv_heads"])
+    w.add_key_length(s["head_dim"])
+    w.add_value_length(s["head_dim"])
+    w.add_rope_freq_base(1_000_000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_file_type(15 if a.mix == "q4_k_m" else 7 if a.mix == "q8_0" else 2)
+    if a.vocab_gguf:
+        r = gguf.GGUFReader(a.vocab_gguf)
+        for field in r.fields.values():
+            if not field.name.startswith("tokenizer."):
+                continue
+            v = field.contents()
+            vt = field.types[0]
+            if vt == gguf.GGUFValueType.ARRAY:
+                w.add_key_value(field.name, v, vt, sub_type=field.types[-1])
+            else:
+                w.add_key_value(field.name, v, vt)
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list([f"<t{i}>" for i in range(s["vocab"])])
+        w.add_eos_token_id(s["vocab"] - 1)
+
+    def add(name: str, rows: int, cols: int, role: str):
+        qt = mix.get(role, mix["default"])
+        data = tiled_tensor(rows, cols, qt, rng)
+        w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qt)
+
+    def norm(name: str, n: int):
+        w.add_tensor(name, np.ones(n, dtype=np.float32))
+
+    h, hd = s["hidden"], s["head_dim"]
+    add("token_embd.weight", s["vocab"], h, "token_embd")
+    for i in range(s["layers"]):
+        p = f"blk.{i}."
+        norm(p + "attn_norm.weight", h)
+        add(p + "attn_q.weight", s["heads"] * hd, h, "attn_q")
+        add(p + "attn_k.weight", s["kv_heads"] * hd, h, "attn_k")
+        add(p + "attn_v.weight", s["kv_heads"] * hd, h, "attn_v")
+        add(p + "attn_output.weight", h, s["heads"] * hd, "attn_output")
+        norm(p + "attn_q_norm.weight", hd)
+        norm(p + "attn_k_norm.weight", hd)
+        norm(p + "ffn_norm.weight", h)
+        add(p + "ffn_gate.weight", s["ffn"], h, "ffn_gate")
+        add(p + "ffn_up.weight", s["ffn"], h, "ffn_up")
+        add(p + "ffn_down.weight", h, s["ffn"], "ffn_down")
+    norm("output_norm.weight", h)
+    add("output.weight", s["vocab"], h, "output")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    size = Path(a.output).stat().st_size
+    print(json.dumps({"output": a.output, "shape": a.shape, "mix": a.mix, "bytes": size,
+                      "seconds": round(time.time() - t0, 1)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
