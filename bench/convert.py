@@ -3,7 +3,8 @@
 Same machine, same thread count, same HF input (the HF copies of SmolLM2-135M and
 Gemma3-270m from ``tests.models.real``). For each model × quant we record wall seconds and
 peak RSS of each side (per process, from ``wait4``; llama.cpp's figure is the max of its two
-steps, its wall time their sum) and the ratios hf2q / llama.cpp. Prints one JSON document.
+steps, its wall time their sum — the F16 export is measured once per model and charged to
+every quant, as each real run of that pipeline would pay it) and the ratios hf2q / llama.cpp. Prints one JSON document.
 
     python bench/convert.py [--threads 2] [--quants q8_0,q4_k_m,q6_k] [--models smollm2,gemma3]
                             [--no-integrity] [-o results.json]
@@ -47,7 +48,19 @@ def largest_tensor_bytes(src: Path) -> int:
         return max(e.nbytes for e in ck)
 
 
-def bench_one(src: Path, quant: str, threads: int, work: Path, integrity: bool) -> dict:
+def llamacpp_f16(src: Path, threads: int, work: Path) -> tuple[Path, float, int]:
+    """llama.cpp's first step (HF → F16 GGUF), measured once per model and charged to every quant."""
+    from tests.tools import llama_cpp
+
+    f16 = work / "llamacpp-f16.gguf"
+    env = dict(llama_cpp.env(), OMP_NUM_THREADS=str(threads), PYTHONPATH=str(llama_cpp.gguf_py_dir()))
+    wall, rss = run_measured([sys.executable, str(llama_cpp.convert_script()), str(src), "--outtype", "f16",
+                              "--outfile", str(f16)], env)
+    return f16, wall, rss
+
+
+def bench_one(src: Path, quant: str, threads: int, work: Path, integrity: bool,
+              f16_step: tuple[Path, float, int]) -> dict:
     from tests.tools import llama_cpp
 
     env = llama_cpp.env()
@@ -58,16 +71,13 @@ def bench_one(src: Path, quant: str, threads: int, work: Path, integrity: bool) 
         cmd.append("--no-integrity")
     h_wall, h_rss = run_measured(cmd, env)
 
-    f16 = work / "llamacpp-f16.gguf"
-    conv_env = dict(env, PYTHONPATH=str(llama_cpp.gguf_py_dir()))
-    c_wall, c_rss = run_measured([sys.executable, str(llama_cpp.convert_script()), str(src), "--outtype", "f16",
-                                  "--outfile", str(f16)], conv_env)
+    f16, c_wall, c_rss = f16_step
     theirs = work / f"llamacpp-{quant}.gguf"
     q_wall, q_rss = run_measured([str(llama_cpp.tool("llama-quantize")), str(f16), str(theirs), quant,
                                   str(threads)], env)
     l_wall, l_rss = c_wall + q_wall, max(c_rss, q_rss)
     same_size = ours.stat().st_size == theirs.stat().st_size
-    for p in (ours, theirs, f16, ours.with_name(ours.name + ".report.json")):
+    for p in (ours, theirs, ours.with_name(ours.name + ".report.json")):
         p.unlink(missing_ok=True)
     return {
         "quant": quant,
@@ -101,8 +111,9 @@ def main(argv=None) -> int:
         for model in args.models.split(","):
             src = Path(sources[model]())
             largest = largest_tensor_bytes(src)
+            f16_step = llamacpp_f16(src, args.threads, Path(tmp))
             for quant in args.quants.split(","):
-                r = bench_one(src, quant, args.threads, Path(tmp), not args.no_integrity)
+                r = bench_one(src, quant, args.threads, Path(tmp), not args.no_integrity, f16_step)
                 r["model"] = model
                 r["largest_tensor_mb"] = round(largest / 2**20, 1)
                 r["rss_target_mb"] = round((2 * largest + 300 * 2**20) / 2**20, 1)
@@ -110,6 +121,7 @@ def main(argv=None) -> int:
                 r["wall_target_met"] = r["wall_ratio"] <= 0.66
                 results.append(r)
                 print(json.dumps(r), file=sys.stderr)
+            f16_step[0].unlink(missing_ok=True)
     doc = {"benchmark": "convert", "threads": args.threads, "machine": platform.machine(),
            "cpus": os.cpu_count(), "integrity": not args.no_integrity, "results": results}
     text = json.dumps(doc, indent=1)

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `tests.models` / `tests.tools` importable however pytest is started
     sys.path.insert(0, str(ROOT))
 
-from hf2q.paths import cache_root  # noqa: E402
+from hf2q.paths import cache_root
 
 # Subprocesses (llama.cpp's convert script, `python -m hf2q`) must see the same cache as we do;
 # a value set by the caller (CI, an engineer) wins.

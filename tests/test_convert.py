@@ -183,7 +183,8 @@ def test_bert_pooling_and_wordpiece(cli, minilm_hf, tmp_path):
 def test_half_precision_sources_widen_exactly(cli, tiny_checkpoint, tmp_path, dtype):
     """bf16 / f16 checkpoints: the F32 output equals torch's own widening of the stored values."""
     import torch
-    from safetensors.torch import load_file as load_torch, save_file as save_torch
+    from safetensors.torch import load_file as load_torch
+    from safetensors.torch import save_file as save_torch
 
     src = tiny_checkpoint("llama")
     half = tmp_path / "half"

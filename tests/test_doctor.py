@@ -63,7 +63,7 @@ def test_blas_check_names_the_blas_mlx_links(cli):
     import mlx.core as mx
 
     lib = Path(mx.__file__).parent / "lib" / "libmlx.so"
-    ldd = subprocess.run(["ldd", str(lib if lib.exists() else mx.__file__)], capture_output=True, text=True).stdout
+    ldd = subprocess.run(["ldd", str(lib if lib.exists() else mx.__file__)], capture_output=True, text=True, check=True).stdout
     linked = [line.split()[0] for line in ldd.splitlines() if "blas" in line.split()[0].lower()]
     assert linked, ldd
     _, c = _checks(cli("doctor", "--json").out)

@@ -87,7 +87,7 @@ def test_damaged_cache_is_fetched_again(fake_hub, published, tmp_path):
 
 
 def test_revisions_and_new_commits(fake_hub, published, tiny_checkpoint, tmp_path):
-    src, old_commit = published
+    src, _old_commit = published
     new_commit = fake_hub.add_repo(REPO, tiny_checkpoint("qwen3"))  # main moves on
     fake_hub.add_repo(REPO, src, revision="v1.0")  # a tag at the old content
     out = hub.resolve_repo(REPO, "main", tmp_path)

@@ -20,7 +20,7 @@ def _mlx_lm_reference(src, out, quant: str, group_size: int):
     """mlx-lm's own converter on the same HF folder (the independent reference)."""
     convert = importlib.import_module("mlx_lm.convert")
     q = mlx_policy.parse_mlx_quant(quant)
-    kwargs = dict(quantize=True, q_group_size=group_size, q_bits=q.bits)
+    kwargs = {"quantize": True, "q_group_size": group_size, "q_bits": q.bits}
     if q.mixed:
         kwargs["quant_predicate"] = "mixed_" + quant.removeprefix("mlx-mixed-").replace("-", "_")
     convert.convert(hf_path=str(src), mlx_path=str(out), **kwargs)

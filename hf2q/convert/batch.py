@@ -133,9 +133,9 @@ def make_jobs(plan: dict, plan_path: Path, args: argparse.Namespace) -> list[Job
     base = plan_path.parent
     quants = [_check_quant(q) for q in plan["quants"]]
     formats = plan.get("formats")
-    if formats is not None:
-        if not isinstance(formats, list) or not formats or any(f not in FORMATS for f in formats):
-            raise InputError(f"plan: formats must be a list drawn from {', '.join(FORMATS)}")
+    if formats is not None and (not isinstance(formats, list) or not formats
+                                or any(f not in FORMATS for f in formats)):
+        raise InputError(f"plan: formats must be a list drawn from {', '.join(FORMATS)}")
     group_size = plan.get("group_size", getattr(args, "group_size", None))
     if group_size is not None and group_size not in (32, 64, 128):
         raise InputError(f"plan: group_size must be 32, 64 or 128 (got {group_size!r})")

@@ -111,7 +111,7 @@ def dry_run(src: Path, quant: MlxQuant, group_size: int) -> list[str]:
         b = mlx_policy.quantized_bytes(p.shape, p.bits, p.group_size, fbytes) if p.bits else n * fbytes
         total += b
         kind = f"{p.bits}b/g{p.group_size}" if p.bits else "float"
-        lines.append(f"{p.name:60} {str(list(p.shape)):>22} {kind:>12} {b:>12}")
+        lines.append(f"{p.name:60} {list(p.shape)!s:>22} {kind:>12} {b:>12}")
     lines.append(f"total {total} bytes ({total / 2**20:.1f} MiB) in {len(plans)} tensors, {quant.name}")
     return lines
 

@@ -67,9 +67,16 @@ class Linear:
             from hf2q.kernels import cpu_qmatvec
 
             if cpu_qmatvec.kernel() is not None:
-                # zero-copy numpy views of the MLX buffers for the C decode kernel
-                self._host = (np.asarray(memoryview(self.weight)).view(np.uint8).reshape(t.shape[0], -1),
-                              np.asarray(memoryview(self.scales)), np.asarray(memoryview(self.biases)))
+                # zero-copy numpy views of the MLX buffers for the C decode kernel; odd widths
+                # (3/5/6-bit) unpack slowly, so they keep one byte per weight for it instead
+                sc, bi = np.asarray(memoryview(self.scales)), np.asarray(memoryview(self.biases))
+                if self.bits in (4, 8):
+                    self._host = (np.asarray(memoryview(self.weight)).view(np.uint8).reshape(t.shape[0], -1),
+                                  sc, bi, self.bits)
+                else:
+                    from hf2q.engine.quant_repack import unpack_bits
+
+                    self._host = (unpack_bits(a.packed, self.bits, t.shape[-1]), sc, bi, 8)
 
     def params(self) -> list[mx.array]:
         ps = [self.weight] + ([self.scales, self.biases] if self.quantized else [])
@@ -97,7 +104,8 @@ class Linear:
 
             xs = x.reshape(rows, x.shape[-1]).astype(mx.float32)
             mx.eval(xs)
-            y = mx.array(qmatvec(*self._host, np.array(xs), self.bits)).reshape(*x.shape[:-1], self.shape[0])
+            packed, sc, bi, bits = self._host
+            y = mx.array(qmatvec(packed, sc, bi, np.array(xs), bits)).reshape(*x.shape[:-1], self.shape[0])
         else:
             y = mx.quantized_matmul(x, self.weight, self.scales, self.biases, transpose=True,
                                     group_size=self.group_size, bits=self.bits)

@@ -67,11 +67,18 @@ def pack_bits(q: np.ndarray, bits: int) -> np.ndarray:
 
 
 def unpack_bits(packed: np.ndarray, bits: int, n: int) -> np.ndarray:
-    """Inverse of :func:`pack_bits` (for tests and re-quantization)."""
+    """Inverse of :func:`pack_bits`: uint8 ``[..., n]`` (8 values span exactly ``bits`` bytes)."""
     raw = np.ascontiguousarray(packed).view(np.uint8)
-    stream = np.unpackbits(raw, axis=-1, bitorder="little")[..., : n * bits]
-    vals = stream.reshape(*raw.shape[:-1], n, bits).astype(np.uint8)
-    return (vals << np.arange(bits, dtype=np.uint8)).sum(-1, dtype=np.uint8)
+    lead = raw.shape[:-1]
+    chunks = raw.reshape(*lead, n // 8, bits).astype(np.uint64)
+    word = np.zeros(chunks.shape[:-1], dtype=np.uint64)
+    for i in range(bits):
+        word |= chunks[..., i] << np.uint64(8 * i)
+    mask = np.uint64((1 << bits) - 1)
+    out = np.empty((*lead, n // 8, 8), dtype=np.uint8)
+    for i in range(8):
+        out[..., i] = (word >> np.uint64(bits * i)) & mask
+    return out.reshape(*lead, n)
 
 
 def _blocks(raw: np.ndarray, rows: int, type_size: int) -> np.ndarray:

@@ -86,33 +86,39 @@ void qmv8(const uint8_t* w, const float* sc, const float* bi, const float* x, co
     }
 }
 
-void qmvn(const uint8_t* w, const float* sc, const float* bi, const float* x, const float* xs,
-          float* y, int r0, int r1, int n, int batch, int ystride, int bits) {
-    const int G = n / 32;
-    const int64_t row_bytes = (int64_t)n * bits / 8;
-    const uint64_t mask = (1u << bits) - 1u;
-    uint8_t q[n];
-    for (int r = r0; r < r1; r++) {
-        const uint8_t* wr = w + (int64_t)r * row_bytes;
-        /* 8 values occupy exactly `bits` bytes of the little-endian stream */
-        for (int j = 0; j < n / 8; j++) {
-            uint64_t word = 0;
-            memcpy(&word, wr + (int64_t)j * bits, bits);
-            for (int i = 0; i < 8; i++) q[j * 8 + i] = (uint8_t)((word >> (bits * i)) & mask);
-        }
-        for (int b = 0; b < batch; b++) {
-            const float* xb = x + (int64_t)b * n;
-            const float* s = xs + (int64_t)b * G;
-            float acc = 0.f;
-            for (int g = 0; g < G; g++) {
-                float d = 0.f;
-                for (int i = 0; i < 32; i++) d += (float)q[g * 32 + i] * xb[g * 32 + i];
-                acc += sc[(int64_t)r * G + g] * d + bi[(int64_t)r * G + g] * s[g];
-            }
-            y[(int64_t)b * ystride + r] = acc;
-        }
-    }
+/* widths other than 4 and 8: 8 values occupy exactly BITS bytes of the little-endian
+   stream; a compile-time width lets the unpack loop unroll and vectorise. */
+#define QMV_BITS(BITS)                                                                          \
+void qmv##BITS(const uint8_t* w, const float* sc, const float* bi, const float* x, const float* xs, \
+               float* y, int r0, int r1, int n, int batch, int ystride) {                       \
+    const int G = n / 32;                                                                       \
+    const int64_t row_bytes = (int64_t)n * BITS / 8;                                            \
+    const uint64_t mask = (1u << BITS) - 1u;                                                    \
+    uint8_t q[n];                                                                               \
+    for (int r = r0; r < r1; r++) {                                                             \
+        const uint8_t* wr = w + (int64_t)r * row_bytes;                                         \
+        for (int j = 0; j < n / 8; j++) {                                                       \
+            uint64_t word = 0;                                                                  \
+            memcpy(&word, wr + (int64_t)j * BITS, BITS);                                        \
+            for (int i = 0; i < 8; i++) q[j * 8 + i] = (uint8_t)((word >> (BITS * i)) & mask);  \
+        }                                                                                       \
+        for (int b = 0; b < batch; b++) {                                                       \
+            const float* xb = x + (int64_t)b * n;                                               \
+            const float* s = xs + (int64_t)b * G;                                               \
+            float acc = 0.f;                                                                    \
+            for (int g = 0; g < G; g++) {                                                       \
+                float d = 0.f;                                                                  \
+                for (int i = 0; i < 32; i++) d += (float)q[g * 32 + i] * xb[g * 32 + i];        \
+                acc += sc[(int64_t)r * G + g] * d + bi[(int64_t)r * G + g] * s[g];              \
+            }                                                                                   \
+            y[(int64_t)b * ystride + r] = acc;                                                  \
+        }                                                                                       \
+    }                                                                                           \
 }
+QMV_BITS(2)
+QMV_BITS(3)
+QMV_BITS(5)
+QMV_BITS(6)
 """
 
 _LIB: ctypes.CDLL | None = None
@@ -157,7 +163,8 @@ def _compile() -> ctypes.CDLL | None:
     l.prep.argtypes = [_P, _P, _P, _P, _I, _I]
     l.qmv4.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I]
     l.qmv8.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I]
-    l.qmvn.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I]
+    for bits in (2, 3, 5, 6):
+        getattr(l, f"qmv{bits}").argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I]
     return l
 
 
@@ -209,7 +216,7 @@ def qmatvec(packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, x: np.nd
         elif bits == 8:
             lib.qmv8(w, s, b, _ptr(x), _ptr(xs), _ptr(y), r0, r1, n, batch, rows)
         else:
-            lib.qmvn(w, s, b, _ptr(x), _ptr(xs), _ptr(y), r0, r1, n, batch, rows, bits)
+            getattr(lib, f"qmv{bits}")(w, s, b, _ptr(x), _ptr(xs), _ptr(y), r0, r1, n, batch, rows)
 
     if _POOL is None or rows * n < (1 << 16):
         part(0, rows)

@@ -5,7 +5,8 @@ per-value weights → a scale search per sub-block → super-block scales → fp
 re-quantize → pack.  Here the searches of ``BATCH`` super-blocks run side by side
 (``ggml_jit_lanes``: one SIMD lane per sub-block, same arithmetic order as the C), then
 each super-block is finished on its own (``ggml_jit_kpack``).  Q3_K without imatrix keeps
-the scalar ``make_q3_quants`` (its greedy refinement is branchy and already fast).
+the scalar ``make_q3_quants``: its greedy refinement usually stops after a pass or two, which
+lanes cannot exploit.
 
 ``quantize_k_blocks`` is the one entry point: a single compiled function keeps the
 first-use compile time down.
@@ -168,8 +169,8 @@ def quantize_k_blocks(x, qw, first_block, use_qw, kind, out):
     Lm = np.empty(16, np.int64)
     aux16 = np.empty(16, np.int64)
     packed = np.empty(12, np.int64)
-    scales16 = np.empty(16, np.float32)
-    if kind == 1 and not use_qw:
+    if kind == 1 and not use_qw:  # Q3_K's greedy make_q3_quants stays scalar: it usually stops early
+        scales16 = np.empty(16, np.float32)
         for b in range(nb):
             _q3_k_plain(x[b], L, scales16, Ls, packed, out[b])
         return

@@ -2,9 +2,11 @@
 
 ``make_qx`` (``make_qx_quants``, rmse_type 1), ``make_q3`` (``make_q3_quants`` with rmse)
 and ``make_qp`` (``make_qp_quants``) written as the plain loops of the C, float32
-throughout — for the searches that run once per super-block or are too branchy for lanes
-(the per-sub-block searches ``make_qkx2/3`` and ``make_qx`` run in ``ggml_jit_lanes``).  Each takes 1-D float32 views, writes the chosen integer levels into ``L``
-(int32, same length) using ``scratch`` (int32, same length) for candidates, and returns
+throughout — for the searches that run once per super-block on its 8 or 16 sub-block
+scales, and for ``make_q3``, whose greedy refinement usually stops after a pass or two:
+side by side in lanes (``ggml_jit_lanes``) every lane would run every pass, which measured
+slower.  Each takes 1-D float32 views, writes the chosen integer levels into ``L``
+(int64, same length) using ``scratch`` (int64, same length) for candidates, and returns
 the scale(s).  ``ggml_kquants_ref`` / ``ggml_imatrix_ref`` are the readable Python twins.
 """
 

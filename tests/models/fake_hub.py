@@ -76,7 +76,7 @@ class FakeHub:
         r = self.repos[repo_id].get(rev)
         return ("RevisionNotFound", None) if r is None else ("", r)
 
-    def start(self) -> "FakeHub":
+    def start(self) -> FakeHub:
         hub = self
 
         class Handler(BaseHTTPRequestHandler):

@@ -35,57 +35,57 @@ SEED = 0
 # llama.cpp's convert_hf_to_gguf.py) use the flat names, so they are written too.
 _SPECS: dict[str, dict] = {
     # SmolLM2-135M: hidden 576, 9 heads / 3 KV (head_dim 64), tied embeddings, rope 1e5.
-    "llama": dict(
-        tokenizer="smollm2", config="LlamaConfig", kind="causal",
-        kwargs=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5,
-                    tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-                    rope_parameters={"rope_type": "default", "rope_theta": 100000.0}),
-        legacy=dict(rope_theta=100000.0), scales=(5.0, 3.0),
-    ),
+    "llama": {
+        "tokenizer": "smollm2", "config": "LlamaConfig", "kind": "causal",
+        "kwargs": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                    "num_key_value_heads": 2, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+                    "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2,
+                    "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}},
+        "legacy": {"rope_theta": 100000.0}, "scales": (5.0, 3.0),
+    },
     # Qwen3-0.6B: hidden 1024, 16 heads × 128 (≠ hidden), 8 KV, q/k norms, tied embeddings.
-    "qwen3": dict(
-        tokenizer="qwen3", config="Qwen3Config", kind="causal",
-        kwargs=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-6,
-                    tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645,
-                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
-        legacy=dict(rope_theta=1000000.0), scales=(5.0, 3.0),
-    ),
+    "qwen3": {
+        "tokenizer": "qwen3", "config": "Qwen3Config", "kind": "causal",
+        "kwargs": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                    "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+                    "tie_word_embeddings": True, "bos_token_id": 151643, "eos_token_id": 151645,
+                    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}},
+        "legacy": {"rope_theta": 1000000.0}, "scales": (5.0, 3.0),
+    },
     # Qwen3-30B-A3B: 128 experts top-8 (here 4 experts top-2), normalised top-k, untied.
-    "qwen3_moe": dict(
-        tokenizer="qwen3", config="Qwen3MoeConfig", kind="causal",
-        kwargs=dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
-                    num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-                    max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                    bos_token_id=151643, eos_token_id=151645,
-                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
-        legacy=dict(rope_theta=1000000.0, num_experts=4),  # transformers 5 renames it num_local_experts
-        scales=(5.0, 3.0),
-    ),
+    "qwen3_moe": {
+        "tokenizer": "qwen3", "config": "Qwen3MoeConfig", "kind": "causal",
+        "kwargs": {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 2,
+                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "num_experts": 4,
+                    "num_experts_per_tok": 2, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                    "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+                    "bos_token_id": 151643, "eos_token_id": 151645,
+                    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}},
+        "legacy": {"rope_theta": 1000000.0, "num_experts": 4},  # transformers 5 renames it num_local_experts
+        "scales": (5.0, 3.0),
+    },
     # Gemma3-270m: 4 heads / 1 KV, head_dim 256, sliding window 512 with 5 local : 1 global,
     # two rope bases, q/k norms, (1 + w) norms, tied. Here: 2 sliding layers + 1 global, window 16.
-    "gemma3": dict(
-        tokenizer="gemma3", config="Gemma3TextConfig", kind="causal",
-        kwargs=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                    num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32, sliding_window=16,
-                    layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-                    max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                    bos_token_id=2, eos_token_id=1, pad_token_id=0,
-                    rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
-                                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
-        legacy=dict(rope_theta=1000000.0, rope_local_base_freq=10000.0, rope_scaling=None,
-                    _sliding_window_pattern=3, sliding_window_pattern=3),  # mlx-lm reads the latter
-        scales=(3.0, 3.0),  # Gemma multiplies embeddings by sqrt(hidden): a smaller embedding scale
-    ),
+    "gemma3": {
+        "tokenizer": "gemma3", "config": "Gemma3TextConfig", "kind": "causal",
+        "kwargs": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
+                    "num_key_value_heads": 1, "head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 16,
+                    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+                    "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+                    "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
+                    "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+        "legacy": {"rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "rope_scaling": None,
+                    "_sliding_window_pattern": 3, "sliding_window_pattern": 3},  # mlx-lm reads the latter
+        "scales": (3.0, 3.0),  # Gemma multiplies embeddings by sqrt(hidden): a smaller embedding scale
+    },
     # all-MiniLM-L6-v2: BertModel, hidden 384, 12 heads, mean pooling (sentence-transformers files).
-    "bert": dict(
-        tokenizer="bert", config="BertConfig", kind="base",
-        kwargs=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                    max_position_embeddings=512, type_vocab_size=2, layer_norm_eps=1e-12, pad_token_id=0),
-        legacy=dict(),
-    ),
+    "bert": {
+        "tokenizer": "bert", "config": "BertConfig", "kind": "base",
+        "kwargs": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                    "max_position_embeddings": 512, "type_vocab_size": 2, "layer_norm_eps": 1e-12, "pad_token_id": 0},
+        "legacy": {},
+    },
 }
 
 

@@ -142,7 +142,16 @@ def _gguf_strings(reader, key: str) -> list[str]:
 
 def _build_qwen3(out: Path) -> None:
     import gguf
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+    )
 
     reader = gguf.GGUFReader(llama_cpp_models_dir() / "ggml-vocab-qwen2.gguf")
     tokens = _gguf_strings(reader, "tokenizer.ggml.tokens")
