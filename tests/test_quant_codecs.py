@@ -315,6 +315,7 @@ def test_unusable_numba_falls_back_to_numpy(monkeypatch, caplog):
     from hf2q.errors import ConversionError
 
     data = fixture_set("random1024")
+    monkeypatch.delenv("HF2Q_NO_JIT", raising=False)
     monkeypatch.setattr(codec, "_JIT_BROKEN", None)
     monkeypatch.setitem(sys.modules, "hf2q.kernels.ggml_jit_kquants", None)  # import now raises ImportError
     got = codec.quantize(data["x"].astype(np.float32), T.Q4_K)
