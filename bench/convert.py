@@ -76,7 +76,7 @@ def bench_one(src: Path, quant: str, threads: int, work: Path, integrity: bool,
     q_wall, q_rss = run_measured([str(llama_cpp.tool("llama-quantize")), str(f16), str(theirs), quant,
                                   str(threads)], env)
     l_wall, l_rss = c_wall + q_wall, max(c_rss, q_rss)
-    same_size = ours.stat().st_size == theirs.stat().st_size
+    sizes = (ours.stat().st_size, theirs.stat().st_size)
     for p in (ours, theirs, ours.with_name(ours.name + ".report.json")):
         p.unlink(missing_ok=True)
     return {
@@ -86,7 +86,7 @@ def bench_one(src: Path, quant: str, threads: int, work: Path, integrity: bool,
                       "convert_f16_s": round(c_wall, 2), "quantize_s": round(q_wall, 2)},
         "wall_ratio": round(h_wall / l_wall, 3),
         "rss_ratio": round(h_rss / l_rss, 3),
-        "same_output_size": same_size,
+        "output_mb": {"hf2q": round(sizes[0] / 2**20, 2), "llama_cpp": round(sizes[1] / 2**20, 2)},
     }
 
 

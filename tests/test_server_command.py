@@ -131,3 +131,9 @@ def test_serve_default_model_chat_then_sigterm_drains(tmp_path):
     records = [json.loads(ln) for ln in err.splitlines() if ln.startswith("{")]
     assert any(r.get("msg") == "finished" and r.get("completion_tokens") for r in records), err
     assert any(r.get("msg") == "draining" for r in records), err
+
+
+def test_tensor_parallel_that_cannot_split_exits_3(smollm2_path):
+    r = hf2q("serve", "--model", str(smollm2_path), "--port", "0", "--tensor-parallel", "2")
+    assert r.returncode == 3
+    assert "--tensor-parallel" in one_error_line(r.stderr)

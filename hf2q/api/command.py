@@ -43,8 +43,17 @@ def check_gguf(path: Path, flag: str = "--model") -> Path:
     return path
 
 
-def runner_factory(path: Path, ctx: int | None):
-    """Called inside the GPU-owner thread: the only place the serving path touches MLX."""
+def runner_factory(path: Path, ctx: int | None, tensor_parallel: int = 1):
+    """Called inside the GPU-owner thread: the only place the serving path touches MLX.
+
+    With ``tensor_parallel > 1`` the runner is rank 0 of a group that
+    ``hf2q.engine.tp_launch`` starts (docs/TENSOR_PARALLEL.md).
+    """
+    if tensor_parallel > 1:
+        from hf2q.engine.tp_launch import runner_factory as tp_runner_factory
+
+        return tp_runner_factory(path, tensor_parallel, ctx)
+
     def build():
         from hf2q.engine.runner import MlxModelRunner
 
@@ -74,8 +83,10 @@ def run(args) -> int:
         model_path = check_gguf(default_chat_model())
     embed_path = check_gguf(Path(args.embedding_model).expanduser(), "--embedding-model") \
         if args.embedding_model else None
-    if args.tensor_parallel != 1:
-        raise InputError("--tensor-parallel > 1 is not supported by this build")
+    if args.tensor_parallel > 1:
+        from hf2q.engine.tp_launch import plan_split
+
+        plan_split(model_path, args.tensor_parallel)  # a model that cannot split N ways: exit 3 before starting
     if not 0 <= args.port <= 65535:
         raise InputError(f"--port must be 0..65535, got {args.port}")
     check_port_free(args.host, args.port)
@@ -120,7 +131,7 @@ async def _serve(args, model_path: Path, chat_model, embed_path, embed_model, st
     failure: list[str] = []
     async with AsyncExitStack() as stack:
         runtime = await stack.enter_async_context(
-            open_runtime(runner_factory(model_path, args.ctx), config, kv_store=store))
+            open_runtime(runner_factory(model_path, args.ctx, args.tensor_parallel), config, kv_store=store))
         embed_runtime = None
         if embed_path is not None:
             embed_runtime = await stack.enter_async_context(

@@ -74,6 +74,12 @@ class MlxModelRunner:
             n_layers, kv_heads, head_dim = model.kv_shape
             self.kv_bytes_per_token = n_layers * kv_heads * head_dim * 2 * dtype.size
         self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_steps": 0, "decode_s": 0.0}
+        self.host_decoder = None
+        if not self.is_embedding_model:
+            from hf2q.engine.cpu_decode import HostDecoder
+
+            if HostDecoder.supported(model):
+                self.host_decoder = HostDecoder(model)
 
     @classmethod
     def load(cls, gguf_path: str | Path, ctx: int | None = None) -> "MlxModelRunner":
@@ -123,13 +129,17 @@ class MlxModelRunner:
             self._check_room(s, 1)
         self._check_tokens(tokens)
         t0 = time.perf_counter()
-        fb = ForwardBatch(seqs, 1)
-        logits = self.model(mx.array(np.asarray(tokens, dtype=np.int32)[:, None]), fb)
-        mx.eval(logits, fb.eval_state())
-        fb.finish()
+        if self.host_decoder is not None:
+            out = self.host_decoder.step(np.asarray(tokens, dtype=np.int32), list(seqs))
+        else:
+            fb = ForwardBatch(seqs, 1)
+            logits = self.model(mx.array(np.asarray(tokens, dtype=np.int32)[:, None]), fb)
+            mx.eval(logits, fb.eval_state())
+            fb.finish()
+            out = np.array(logits)
         self.stats["decode_steps"] += 1
         self.stats["decode_s"] += time.perf_counter() - t0
-        return np.array(logits)
+        return out
 
     # ---- embeddings ----------------------------------------------------------------
 

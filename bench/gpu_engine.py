@@ -1,0 +1,100 @@
+"""Engine speed and correctness on a GPU (the lent H200), JSON out.
+
+1. Synthesises random-weight GGUFs of a big real shape (default Qwen3-8B) in the given
+   mixes with ``bench/synth_gguf.py`` and times hf2q's ``MlxModelRunner`` (pp512, pp2048 in
+   2048-token transactions, tg128) with ``bench/decode.py``'s ``bench_hf2q``.
+2. Prints those next to the peer figures measured on the same GPU model
+   (../shared/device/README.md: llama.cpp CUDA and mlx-lm 0.32.2), with ratios.
+3. Correctness: for each small GGUF given with ``--check``, last-token logits on the GPU vs
+   the CPU backend (subprocess with ``HF2Q_DEVICE=cpu``), max-abs and greedy agreement.
+
+    python bench/gpu_engine.py --vocab-gguf V.gguf --mixes q4_k_m,q8_0 --check tiny.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# tokens/s measured on one H200 with the random-weight Qwen3-8B shape (shared/device/README.md)
+PEERS = {
+    "q4_k_m": {"llama.cpp": {"pp512": 9489, "pp2048": 9870, "tg128": 264.5},
+               "mlx-lm 4-bit g64": {"pp2048": 6640, "tg128": 95.6}},
+    "q8_0": {"llama.cpp": {"pp512": 10806, "pp2048": 11233, "tg128": 238.8},
+             "mlx-lm 8-bit g64": {"pp512": 9036, "pp2048": 10088, "tg128": 189.6}},
+}
+
+
+def logits_probe(path: str) -> list[float]:
+    import mlx.core as mx
+    import numpy as np
+
+    from hf2q.engine.runner import MlxModelRunner
+
+    if os.environ.get("HF2Q_DEVICE") == "cpu":
+        mx.set_default_device(mx.cpu)
+    r = MlxModelRunner.load(path)
+    s = r.new_sequence()
+    toks = [int(t) for t in np.random.default_rng(1).integers(1, min(r.vocab_size, 1000), 40)]
+    return r.prefill(s, toks).astype("float64").tolist()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-8b")
+    ap.add_argument("--mixes", default="q4_k_m,q8_0")
+    ap.add_argument("--vocab-gguf", default=None)
+    ap.add_argument("--work", default="/tmp/hf2q-gpu")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--check", action="append", default=[])
+    ap.add_argument("--probe", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.probe:
+        print(json.dumps(logits_probe(a.probe)))
+        return 0
+    import mlx.core as mx
+    import numpy as np
+
+    result = {"device": str(mx.default_device()), "mlx": mx.__version__, "shape": a.shape, "runs": {}, "checks": {}}
+    for path in a.check:
+        gpu = np.array(logits_probe(path))
+        env = {**os.environ, "HF2Q_DEVICE": "cpu"}
+        cpu = np.array(json.loads(subprocess.run([sys.executable, __file__, "--probe", path], env=env,
+                                                 capture_output=True, text=True, check=True).stdout))
+        result["checks"][Path(path).name] = {"max_abs": float(np.abs(gpu - cpu).max()),
+                                             "scale": float(np.abs(cpu).max()),
+                                             "argmax_equal": bool(gpu.argmax() == cpu.argmax())}
+        print(json.dumps({"check": Path(path).name, **result["checks"][Path(path).name]}), flush=True)
+    from bench.decode import bench_hf2q
+
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    for mix in a.mixes.split(","):
+        out = work / f"{a.shape}-{mix}.gguf"
+        if not out.exists():
+            cmd = [sys.executable, str(ROOT / "bench/synth_gguf.py"), "--shape", a.shape, "--mix", mix, "-o", str(out)]
+            if a.vocab_gguf:
+                cmd += ["--vocab-gguf", a.vocab_gguf]
+            subprocess.run(cmd, check=True)
+        t0 = time.time()
+        ours = bench_hf2q(out, [512, 2048], 128, a.reps, 2048)
+        row = {"hf2q": {k: round(v, 1) for k, v in ours.items()}, "bytes": out.stat().st_size,
+               "seconds": round(time.time() - t0, 1)}
+        for peer, figs in PEERS.get(mix, {}).items():
+            row[f"ratio_vs_{peer}"] = {k: round(ours[k] / v, 3) for k, v in figs.items() if k in ours}
+        result["runs"][mix] = row
+        print(json.dumps({"mix": mix, **row}), flush=True)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
