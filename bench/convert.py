@@ -30,12 +30,14 @@ sys.path.insert(0, str(ROOT))
 
 def run_measured(cmd: list[str], env: dict | None = None) -> tuple[float, int]:
     """(wall seconds, peak RSS bytes) of one child process; raises on failure."""
-    t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(p.pid, 0)
-    wall = time.perf_counter() - t0
-    p.returncode = os.waitstatus_to_exitcode(status)
-    err = p.stderr.read().decode(errors="replace") if p.stderr else ""
+    with tempfile.TemporaryFile() as log:  # a file, not a pipe: a chatty child must never block on it
+        t0 = time.perf_counter()
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
+        _, status, usage = os.wait4(p.pid, 0)
+        wall = time.perf_counter() - t0
+        p.returncode = os.waitstatus_to_exitcode(status)
+        log.seek(0)
+        err = log.read().decode(errors="replace")
     if p.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:3])} … failed ({p.returncode}): {err[-1500:]}")
     return wall, usage.ru_maxrss * 1024

@@ -25,9 +25,10 @@ def test_qmatvec_matches_mlx_quantized_matmul(bits):
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=2e-4)
 
 
-def test_host_attention_matches_sdpa():
+@pytest.mark.parametrize("T", [64, 600])  # 600: several query blocks, each on its own key range
+def test_host_attention_matches_sdpa(T):
     rng = np.random.default_rng(0)
-    B, H, Hkv, T, L, D = 1, 6, 2, 64, 128, 32
+    B, H, Hkv, L, D = 1, 6, 2, T + 64, 32
     q = mx.array(rng.standard_normal((B, H, T, D)).astype(np.float32))
     k = mx.array(rng.standard_normal((B, Hkv, L, D)).astype(np.float32))
     v = mx.array(rng.standard_normal((B, Hkv, L, D)).astype(np.float32))

@@ -22,7 +22,7 @@ import attrs
 import gguf
 import numpy as np
 
-from hf2q.arch.base import Metadata, PlannedTensor
+from hf2q.arch.base import Direct, Metadata, PlannedTensor
 from hf2q.arch.registry import family_for
 from hf2q.atomic import atomic_output
 from hf2q.convert import report as report_mod
@@ -34,7 +34,7 @@ from hf2q.progress import progress_bar
 from hf2q.sources.hf_config import load_config
 from hf2q.sources.integrity import hash_inputs
 from hf2q.sources.safetensors_reader import SafetensorsCheckpoint
-from hf2q.sources.tokenizer_meta import add_tokenizer
+from hf2q.sources.tokenizer_meta import add_tokenizer, release_tokenizer_cache
 
 log = logging.getLogger("hf2q.convert")
 T = gguf.GGMLQuantizationType
@@ -74,6 +74,7 @@ def build_plan(src: Path, quant: QuantName, has_imatrix: bool = False) -> Conver
     except ValueError as e:
         raise InputError(str(e)) from None
     md = build_metadata(family, src, cfg, quant)
+    release_tokenizer_cache()
     return ConversionPlan(src, family, ck, quant, tensors, types, layouts, md)
 
 
@@ -191,6 +192,8 @@ def write_tensor(plan: ConversionPlan, i: int, out: GGUFStream, threads: int, ti
             out.write(q)
         except OSError as e:
             raise _write_error(e, plan) from None
+        if isinstance(src, Direct) and src.row_order is None:
+            plan.checkpoint.release(src.name, lo, hi)
         t3 = time.perf_counter()
         picked = [r - lo for r in range(lo, hi) if r in sample]
         if picked:
@@ -235,6 +238,7 @@ def convert_gguf(src: Path, output: Path, quant: QuantName, threads: int | None 
         try:
             with atomic_output(output) as f, progress_bar(f"convert → {quant.name}", total_elems) as bar:
                 stream = GGUFStream(f, plan.metadata.entries, plan.layouts)
+                plan.metadata.entries.clear()  # the vocabulary is written; free its strings
                 with ThreadPoolExecutor(max_workers=threads) as pool:
                     for i in range(len(plan.tensors)):
                         rows.append(write_tensor(plan, i, stream, threads, timings, bar, pool))

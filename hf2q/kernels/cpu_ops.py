@@ -57,12 +57,10 @@ def gelu_tanh_mul(gate: mx.array, up: mx.array) -> mx.array:
     return mx.array(t)
 
 
-def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask_np: np.ndarray | None) -> mx.array:
-    """Grouped-query attention ``[B, H, T, D]`` with the softmax on the host.
+QUERY_BLOCK = 256
 
-    Heads that share a KV head are stacked so each QKᵀ and PV product is one large matmul.
-    ``mask_np``: bool ``[B, 1, T, L]`` (True = attend) or None.
-    """
+
+def _attention_block(q, keys, values, scale, mask_np):
     B, H, T, D = q.shape
     Hkv, L = keys.shape[1], keys.shape[2]
     rep = H // Hkv
@@ -75,6 +73,32 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask_
     s /= s.sum(axis=-1, keepdims=True)
     out = mx.array(s.reshape(B, Hkv, rep * T, L)) @ values
     return out.reshape(B, H, T, values.shape[-1])
+
+
+def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask_np: np.ndarray | None) -> mx.array:
+    """Grouped-query attention ``[B, H, T, D]`` with the softmax on the host.
+
+    Heads that share a KV head are stacked so each QKᵀ and PV product is one large matmul.
+    Long chunks go in blocks of ``QUERY_BLOCK`` queries, each against only the key range
+    its mask allows (the causal triangle and sliding window are skipped, and the score
+    block stays cache-sized). ``mask_np``: bool ``[B, 1, T, L]`` (True = attend) or None.
+    """
+    T, L = q.shape[2], keys.shape[2]
+    if T <= QUERY_BLOCK:
+        return _attention_block(q, keys, values, scale, mask_np)
+    outs = []
+    for t0 in range(0, T, QUERY_BLOCK):
+        t1 = min(T, t0 + QUERY_BLOCK)
+        k0, k1, m = 0, L, None
+        if mask_np is not None:
+            m = mask_np[:, :, t0:t1, :]
+            cols = np.flatnonzero(m.any(axis=(0, 1, 2)))
+            k0, k1 = int(cols[0]), int(cols[-1]) + 1
+            m = m[..., k0:k1]
+            if m.all():
+                m = None
+        outs.append(_attention_block(q[:, :, t0:t1], keys[:, :, k0:k1], values[:, :, k0:k1], scale, m))
+    return mx.concatenate(outs, axis=2)
 
 
 def attention_on_host(q: mx.array, n_keys: int) -> bool:

@@ -177,15 +177,25 @@ class SafetensorsCheckpoint:
     def f32(self, name: str) -> np.ndarray:
         return self.rows_f32(name)
 
-    def release(self, name: str) -> None:
-        """Tell the kernel we are done with this tensor's pages (keeps RSS near one tensor)."""
+    def release(self, name: str, first_row: int | None = None, stop_row: int | None = None) -> None:
+        """Tell the kernel we are done with this tensor's pages (or rows ``[first_row, stop_row)`` of it).
+
+        Pages of a read-only file mapping count towards RSS once touched; dropping them after
+        each slab keeps peak RSS near one slab instead of the largest tensor.
+        """
         e = self.entry(name)
         m = self._maps.get(e.path)
         if m is None or not hasattr(m, "madvise"):
             return
+        begin, end = e.begin, e.end
+        if first_row is not None and len(e.shape) > 1:
+            row = e.nbytes // e.shape[0]
+            begin, end = e.begin + first_row * row, min(e.end, e.begin + (stop_row or e.shape[0]) * row)
         page = mmap.PAGESIZE
-        start = e.begin - e.begin % page
-        length = e.end - start
+        start = begin - begin % page
+        length = end - start
+        if length <= 0:
+            return
         try:
             m.madvise(mmap.MADV_DONTNEED, start, length)
         except (OSError, ValueError, AttributeError):

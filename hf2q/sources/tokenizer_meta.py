@@ -113,6 +113,11 @@ def _looks_special(token: str) -> bool:
             or token.startswith("<unused") and token.endswith(">"))
 
 
+def release_tokenizer_cache() -> None:
+    """Drop parsed tokenizer files (hundreds of MB of Python objects for a 262k vocabulary)."""
+    _parse_json.cache_clear()
+
+
 def load_tokenizer_json(src: Path) -> dict:
     return _load_json(src / "tokenizer.json")
 
