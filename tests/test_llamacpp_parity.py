@@ -234,11 +234,13 @@ def _generate(bin_dir: Path, model: Path, prompt: str, n: int = 16) -> str:
 @pytest.mark.parametrize("model,quant,prompt,expect", [
     ("smollm2_hf", "q4_k_m", "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
      "Paris"),
-    ("gemma3_hf", "q8_0", "The capital of France is", "Paris"),
+    ("gemma3_hf", "q8_0", "The capital of France is", "France"),  # a 270m base model: it rambles
 ], ids=["smollm2", "gemma3"])
 def test_stock_llamacpp_generates_from_our_gguf(model, quant, prompt, expect, request, oracle, tmp_path):
+    """Stock llama.cpp loads our file and generates the same greedy text as from its own conversion."""
     src = request.getfixturevalue(model)
     out = tmp_path / f"{model}.gguf"
     _convert(src, quant, out)
     text = _generate(oracle, out, prompt)
     assert expect in text, text[-500:]
+    assert text == _generate(oracle, llamacpp_reference(src, quant), prompt)

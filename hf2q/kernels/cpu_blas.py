@@ -12,8 +12,8 @@ hf2q cache with its SONAME rewritten to ``libgfortran.so.5`` (same-length-or-sho
 string patch of the dynamic string table) and load it first, so the loader finds the
 dependency already present. Everything is best effort: any failure leaves MLX on its
 own BLAS and :func:`status` says why. ``HF2Q_NO_FAST_BLAS=1`` disables it;
-``HF2Q_BLAS_THREADS`` (or ``OPENBLAS_NUM_THREADS``) sets its thread count (default: all
-cores on an idle machine, 1 on a busy one — see :func:`auto_threads`).
+``HF2Q_BLAS_THREADS`` (or ``OPENBLAS_NUM_THREADS``) sets its thread count (default 1:
+spinning OpenBLAS threads collapse on a machine whose cores are shared).
 """
 
 from __future__ import annotations
@@ -25,16 +25,6 @@ import sys
 from pathlib import Path
 
 _STATE: dict[str, str] = {"blas": "not attempted"}
-
-
-def auto_threads() -> int:
-    """All cores when the machine is otherwise idle (1-minute load < half the cores), else 1."""
-    cores = os.cpu_count() or 1
-    try:
-        busy = os.getloadavg()[0]
-    except OSError:
-        busy = 0.0
-    return cores if busy < cores / 2 else 1
 
 
 def _site_dirs() -> list[Path]:
@@ -74,9 +64,10 @@ def preload() -> str:
     if os.environ.get("HF2Q_NO_FAST_BLAS"):
         _STATE["blas"] = "disabled by HF2Q_NO_FAST_BLAS"
         return _STATE["blas"]
-    # OpenBLAS busy-waits between calls; with more threads than idle cores (a shared box)
-    # that collapses throughput 20-50x, so use all cores only when the machine is idle.
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", str(os.environ.get("HF2Q_BLAS_THREADS") or auto_threads()))
+    # OpenBLAS busy-waits between calls; with more threads than idle cores (a shared box,
+    # or load that arrives after start-up) throughput collapses 20-50x (measured: a 2048-token
+    # SmolLM2 prefill chunk went from ~10 s to 187 s), so one thread unless asked.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", str(os.environ.get("HF2Q_BLAS_THREADS") or 1))
     try:
         openblas = _find("cmeel.prefix/lib/libopenblas.so.0")
         if openblas is None:

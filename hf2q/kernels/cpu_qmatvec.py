@@ -7,8 +7,8 @@ system C compiler, cached under the hf2q cache) a small C kernel over the same p
 weights is made: ``y[b, r] = Σ_g scale[r,g]·(q[r,g]·x[b,g]) + bias[r,g]·Σx[b,g]``.
 
 Each row is first unpacked to bytes (4-bit nibbles, or any width via 64-bit words),
-then the 32-element group dot products run as vectorisable float loops. Rows are split across ``HF2Q_CPU_THREADS`` Python threads (default: all cores, at
-most 4, on an idle machine; 1 on a busy one); ctypes releases the GIL for the call. When no compiler is available
+then the 32-element group dot products run as vectorisable float loops. Rows can be split across ``HF2Q_CPU_THREADS`` Python threads (default 1: on a shared
+2-core box the hand-offs cost more than they gain); ctypes releases the GIL for the call. When no compiler is available
 :func:`kernel` returns None and callers keep MLX's own path.
 """
 
@@ -132,9 +132,7 @@ def _threads() -> int:
     env = os.environ.get("HF2Q_CPU_THREADS")
     if env:
         return max(1, int(env))
-    from hf2q.kernels.cpu_blas import auto_threads
-
-    return max(1, min(4, auto_threads()))
+    return 1
 
 
 def _compile() -> ctypes.CDLL | None:

@@ -19,6 +19,7 @@ import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Self
 
 import attrs
 import numpy as np
@@ -209,7 +210,7 @@ class SafetensorsCheckpoint:
                 pass
         self._maps.clear()
 
-    def __enter__(self) -> SafetensorsCheckpoint:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
