@@ -37,18 +37,24 @@ def run(args: argparse.Namespace) -> int:
     else:
         raise UsageError("convert needs SRC (an HF model directory) or --repo ID")
     q = parse_gguf_quant(args.quant)
+    imatrix = None
     if args.imatrix:
-        raise InputError("--imatrix is not supported for GGUF output yet")
-    if q.needs_imatrix:
-        raise InputError(f"{q.name} needs an importance matrix (--imatrix); try q2_k or q3_k_s")
+        from hf2q.sources.imatrix import read_imatrix
+        imatrix = read_imatrix(args.imatrix)  # read once; bad files stop here with exit 3
+        log.info("imatrix %s: %d entries, %d chunks", args.imatrix, len(imatrix.weights), imatrix.chunk_count)
+    elif q.needs_imatrix and args.dry_run:  # llama-quantize --dry-run also only warns
+        log.warning("%s will need an importance matrix (--imatrix FILE) to actually convert", q.name)
+    elif q.needs_imatrix:
+        raise InputError(f"{q.name} needs an importance matrix (--imatrix FILE); try q2_k or q3_k_s")
 
     if args.dry_run:
-        for line in dry_run(src, q):
+        for line in dry_run(src, q, has_imatrix=imatrix is not None):
             print(line)
         return 0
     output = Path(args.output) if args.output else default_output(src, q.name)
     rep = convert_gguf(src, output, q, threads=args.threads, integrity=not args.no_integrity,
-                       report_path=Path(args.json_report) if args.json_report else None)
+                       report_path=Path(args.json_report) if args.json_report else None,
+                       imatrix=imatrix, imatrix_arg=args.imatrix)
     t = rep["timings_s"]
     print(f"wrote {output} ({rep['output_bytes'] / 2**20:.1f} MiB, {rep['tensor_count']} tensors, "
           f"{rep['bits_per_weight']:.2f} bpw) in {t['total_s']:.1f}s")

@@ -27,11 +27,14 @@ from hf2q.arch.registry import family_for
 from hf2q.atomic import atomic_output
 from hf2q.convert import report as report_mod
 from hf2q.convert.gguf_writer import GGUFStream, TensorLayout, layout
+from hf2q.convert.imatrix_plan import add_metadata, tensor_weights
+from hf2q.convert.imatrix_plan import describe as describe_imatrix
 from hf2q.convert.policy import ModelFacts, TensorFacts, plan_types
 from hf2q.convert.quant_names import QuantName
 from hf2q.errors import ConversionError, InputError
 from hf2q.progress import progress_bar
 from hf2q.sources.hf_config import load_config
+from hf2q.sources.imatrix import ImatrixFile
 from hf2q.sources.integrity import hash_inputs
 from hf2q.sources.safetensors_reader import SafetensorsCheckpoint
 from hf2q.sources.tokenizer_meta import add_tokenizer, release_tokenizer_cache
@@ -52,6 +55,8 @@ class ConversionPlan:
     types: list[gguf.GGMLQuantizationType]
     layouts: list[TensorLayout]
     metadata: Metadata
+    # per tensor: imatrix weights [n_expert, ncols] or None; empty when converting without an imatrix
+    imatrix_rows: list[np.ndarray | None] = attrs.field(factory=list)
 
     @property
     def total_bytes(self) -> int:
@@ -93,8 +98,11 @@ def build_metadata(family, src: Path, cfg: dict, quant: QuantName) -> Metadata:
 
 
 # --------------------------------------------------------------------------- encoding
-def encode(x: np.ndarray, qtype: gguf.GGMLQuantizationType, threads: int) -> np.ndarray:
-    """float32 rows → bytes of ``qtype`` (hf2q's codecs; gguf-py's for what they lack)."""
+def encode(x: np.ndarray, qtype: gguf.GGMLQuantizationType, threads: int,
+           imatrix: np.ndarray | None = None) -> np.ndarray:
+    """float32 rows → bytes of ``qtype`` (hf2q's codecs; gguf-py's for what they lack).
+
+    ``imatrix``: per-column importance weights for every row of ``x`` (llama.cpp's quant_weights)."""
     if qtype == T.F32:
         return np.ascontiguousarray(x, dtype="<f4")
     if qtype == T.F16:
@@ -104,7 +112,9 @@ def encode(x: np.ndarray, qtype: gguf.GGMLQuantizationType, threads: int) -> np.
     except ImportError:  # pragma: no cover — codecs not installed in this tree
         codec = None
     if codec is not None and qtype in codec.SUPPORTED:
-        return codec.quantize(x, qtype, threads)
+        return codec.quantize(x, qtype, threads, imatrix=imatrix)
+    if imatrix is not None:
+        raise ConversionError(f"no importance-weighted quantizer for {qtype.name}")
     try:
         return gguf.quants.quantize(x, qtype)
     except (NotImplementedError, gguf.QuantError) as e:
@@ -159,13 +169,35 @@ def _sample_rows(n_rows: int) -> np.ndarray:
     return np.linspace(0, n_rows - 1, ERROR_SAMPLE_ROWS).astype(np.int64)
 
 
-def _encode_rows(x: np.ndarray, qtype, pool: ThreadPoolExecutor | None, threads: int) -> np.ndarray:
-    """Round + encode a slab, split into row chunks across the worker pool (one codec thread each)."""
+def _encode_rows(x: np.ndarray, qtype, pool: ThreadPoolExecutor | None, threads: int,
+                 first_row: int = 0, imatrix: np.ndarray | None = None, rows_per_expert: int = 0) -> np.ndarray:
+    """Round + encode a slab (rows ``first_row…`` of the tensor), split into row chunks across the
+    worker pool (one codec thread each).
+
+    ``imatrix`` is ``[n_expert, ncols]``: expert ``e`` owns tensor rows ``[e·rows_per_expert,
+    (e+1)·rows_per_expert)`` and its own weights, so the slab is first cut at expert boundaries
+    (llama-quantize's chunks never cross one either)."""
+    if imatrix is None:
+        return _encode_chunked(x, qtype, pool, threads, None)
+    if rows_per_expert <= 0 or (first_row + x.shape[0] - 1) // rows_per_expert >= imatrix.shape[0]:
+        raise ConversionError("internal error: tensor rows beyond the imatrix's experts")
+    parts = []
+    a = 0
+    while a < x.shape[0]:
+        e = (first_row + a) // rows_per_expert
+        b = min(x.shape[0], (e + 1) * rows_per_expert - first_row)
+        parts.append(_encode_chunked(x[a:b], qtype, pool, threads, imatrix[e]))
+        a = b
+    return np.concatenate(parts, axis=0)
+
+
+def _encode_chunked(x: np.ndarray, qtype, pool: ThreadPoolExecutor | None, threads: int,
+                    weights: np.ndarray | None) -> np.ndarray:
     n = x.shape[0]
     if pool is None or threads <= 1 or n < 2 * threads or x.size < (1 << 16):
-        return encode(round_like_export(x, qtype), qtype, 1)
+        return encode(round_like_export(x, qtype), qtype, 1, weights)
     bounds = np.linspace(0, n, min(n, 4 * threads) + 1).astype(int)
-    parts = list(pool.map(lambda ab: encode(round_like_export(x[ab[0]:ab[1]], qtype), qtype, 1),
+    parts = list(pool.map(lambda ab: encode(round_like_export(x[ab[0]:ab[1]], qtype), qtype, 1, weights),
                           itertools.pairwise(bounds)))
     return np.concatenate(parts, axis=0)
 
@@ -176,6 +208,8 @@ def write_tensor(plan: ConversionPlan, i: int, out: GGUFStream, threads: int, ti
     src = t.source
     ncols = t.shape[-1]
     n_rows = src.n_rows
+    weights = plan.imatrix_rows[i] if plan.imatrix_rows else None
+    rows_per_expert = n_rows // weights.shape[0] if weights is not None else 0
     slab = max(1, SLAB_BYTES // (4 * ncols))
     sample = set(_sample_rows(n_rows).tolist())
     stats = ErrorStats()
@@ -186,7 +220,7 @@ def write_tensor(plan: ConversionPlan, i: int, out: GGUFStream, threads: int, ti
         if x.shape != (hi - lo, ncols):
             raise ConversionError(f"{t.name}: produced rows of shape {x.shape}, expected {(hi - lo, ncols)}")
         t1 = time.perf_counter()
-        q = _encode_rows(x, qtype, pool, threads)
+        q = _encode_rows(x, qtype, pool, threads, lo, weights, rows_per_expert)
         t2 = time.perf_counter()
         try:
             out.write(q)
@@ -220,8 +254,13 @@ def _write_error(e: OSError, plan: ConversionPlan) -> ConversionError:
 
 def convert_gguf(src: Path, output: Path, quant: QuantName, threads: int | None = None,
                  integrity: bool = True, report_path: Path | None = None,
-                 has_imatrix: bool = False) -> dict:
-    """Convert and return the report dict (also written to ``report_path``)."""
+                 has_imatrix: bool = False, imatrix: ImatrixFile | None = None,
+                 imatrix_arg: str | None = None) -> dict:
+    """Convert and return the report dict (also written to ``report_path``).
+
+    ``imatrix`` (read once by the caller) weights every quantized tensor it has an entry for, as
+    ``llama-quantize --imatrix imatrix_arg`` does, and is recorded in the file's metadata."""
+    has_imatrix = has_imatrix or imatrix is not None
     threads = threads or os.cpu_count() or 1
     timings = {"plan_s": 0.0, "hash_s": 0.0, "read_s": 0.0, "quantize_s": 0.0, "write_s": 0.0,
                "error_s": 0.0, "total_s": 0.0}
@@ -229,8 +268,11 @@ def convert_gguf(src: Path, output: Path, quant: QuantName, threads: int | None 
     plan = build_plan(src, quant, has_imatrix)
     timings["plan_s"] = time.perf_counter() - t_start
     output = Path(output)
-    _check_output_dir(output)
     try:
+        if imatrix is not None:
+            plan.imatrix_rows = tensor_weights(imatrix, plan.tensors, plan.types, quant.ftype)
+            add_metadata(plan.metadata, imatrix, imatrix_arg or str(imatrix.path))
+        _check_output_dir(output)
         # hashing overlaps the conversion (hashlib releases the GIL on large buffers)
         hasher = _BackgroundHash(plan) if integrity else None
         rows = []
@@ -251,6 +293,8 @@ def convert_gguf(src: Path, output: Path, quant: QuantName, threads: int | None 
         plan.checkpoint.close()
     timings["total_s"] = time.perf_counter() - t_start
     rep = report_mod.build(plan, output, hashes, rows, timings, threads)
+    if imatrix is not None:
+        rep["imatrix"] = describe_imatrix(imatrix)
     report_mod.write(rep, report_path or report_mod.default_path(output))
     return rep
 

@@ -84,7 +84,8 @@ class HostDecoder:
             if not isinstance(f, GatedMLP) or f.act not in (silu, gelu_tanh):
                 return False
             lins = [layer.attn.q, layer.attn.k, layer.attn.v, layer.attn.o, f.gate, f.up, f.down, model.lm_head]
-            if any(lin.quantized and lin._host is None for lin in lins):
+            # wrapped layers (e.g. tensor-parallel RowParallel with an all_sum) keep the MLX graph
+            if any(not isinstance(lin, Linear) or (lin.quantized and lin._host is None) for lin in lins):
                 return False
         return True
 
