@@ -62,7 +62,7 @@ def smollm2_setup(smollm2_hf, llama_cpp_bin, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.llamacpp
-@pytest.mark.parametrize("quant", ["q4_k_m", "q2_k_s"])
+@pytest.mark.parametrize("quant", ["q4_k_m", "q2_k_s", "q4_0"])
 def test_smollm2_matches_llama_quantize_with_imatrix(quant, smollm2_setup, cli, tmp_path):
     src, f16, imatrix = smollm2_setup
     theirs = tmp_path / "theirs.gguf"
@@ -82,8 +82,10 @@ def test_smollm2_matches_llama_quantize_with_imatrix(quant, smollm2_setup, cli, 
         name = "blk.3.ffn_down.weight"
         assert plain[name][0] == tensors[name][0] and plain[name][2] != tensors[name][2]
         assert plain["blk.1.attn_q.weight"] == tensors["blk.1.attn_q.weight"]  # no entry: unweighted
-    else:
+    elif quant == "q2_k_s":
         assert tensors["blk.5.ffn_down.weight"][0].name == "Q2_K"
+    else:  # with an imatrix llama.cpp gives q4_0's first n_layer/8 ffn_down Q4_1 (without: Q4_0)
+        assert [tensors[f"blk.{i}.ffn_down.weight"][0].name for i in (2, 3)] == ["Q4_1", "Q4_0"]
 
 
 @pytest.mark.slow
