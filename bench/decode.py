@@ -58,6 +58,9 @@ def bench_hf2q(gguf: Path, prefill: list[int], tg: int, reps: int, chunk: int) -
     from hf2q.engine.runner import MlxModelRunner
 
     r = MlxModelRunner.load(gguf)
+    warm = r.new_sequence()  # first calls compile kernels (GPU) and fault weights in: not timed
+    r.decode([warm], [int(np.argmax(r.prefill(warm, _tokens(min(chunk, max(prefill)), r.vocab_size))))])
+    del warm
     out = {}
     for n in prefill:
         toks = _tokens(n, r.vocab_size)

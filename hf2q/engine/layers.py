@@ -12,6 +12,7 @@ See docs/ENGINE.md.
 from __future__ import annotations
 
 import math
+import os
 
 import mlx.core as mx
 import numpy as np
@@ -40,6 +41,10 @@ def float_array(t: GGUFTensor, dtype) -> mx.array:
     return mx.array(quants.dequantize(np.asarray(t.data), t.qtype).reshape(t.shape)).astype(dtype)
 
 
+#: ``HF2Q_EXACT_SCALES=1`` keeps float32 group scales on GPUs (bit-faithful to the GGUF, slower).
+EXACT_GPU_SCALES = os.environ.get("HF2Q_EXACT_SCALES", "0") not in ("", "0")
+
+
 class Linear:
     """``y = x @ W.T (+ b)`` with W either float or MLX-affine quantized (leading expert dims allowed)."""
 
@@ -58,6 +63,11 @@ class Linear:
             self.scales = mx.array(a.scales.reshape(*lead, -1))
             self.biases = mx.array(a.biases.reshape(*lead, -1))
             self.bits, self.group_size, self.exact = a.bits, a.group_size, a.exact
+            if not on_cpu() and self.scales.dtype != dtype and not EXACT_GPU_SCALES:
+                # GPU kernels take their fast path when scales match the activations; float32
+                # scales (kept where f16 would round, e.g. Q4_K's d*sc) cost 2-4x in decode.
+                # The rounding is ~2^-11 of a scale, far below the quantization error.
+                self.scales, self.biases = self.scales.astype(dtype), self.biases.astype(dtype)
             self.quantized = True
         else:
             raise InputError(f"tensor {t.name}: unsupported GGUF type {t.qtype.name}")
