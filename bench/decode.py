@@ -57,7 +57,11 @@ def prepare(hf_dir: Path, quant: str, work: Path) -> tuple[Path, Path]:
 def bench_hf2q(gguf: Path, prefill: list[int], tg: int, reps: int, chunk: int) -> dict:
     from hf2q.engine.runner import MlxModelRunner
 
-    r = MlxModelRunner.load(gguf)
+    return bench_runner(MlxModelRunner.load(gguf), prefill, tg, reps, chunk)
+
+
+def bench_runner(r, prefill: list[int], tg: int, reps: int, chunk: int) -> dict:
+    """Time any ``ModelRunner`` (single-process or tensor-parallel rank 0)."""
     warm = r.new_sequence()  # first calls compile kernels (GPU) and fault weights in: not timed
     r.decode([warm], [int(np.argmax(r.prefill(warm, _tokens(min(chunk, max(prefill)), r.vocab_size))))])
     del warm
