@@ -25,6 +25,7 @@ import numpy as np
 from hf2q.atomic import atomic_write_text
 from hf2q.errors import InputError
 from hf2q.paths import cache_root
+from hf2q.sources.integrity import sha256_file
 
 BLOCK_TOKENS = 256
 """Tokens per block; only full blocks are stored."""
@@ -32,19 +33,10 @@ BLOCK_TOKENS = 256
 ROOT_PARENT = "0" * 64
 """The parent hash of a prompt's first block."""
 
-_HASH_CHUNK = 8 << 20
 
 
 def _content_cache_file() -> Path:
     return cache_root() / "kv-fingerprints.json"
-
-
-def _hash_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def gguf_content_hash(gguf_path: str | os.PathLike) -> str:
@@ -65,7 +57,7 @@ def gguf_content_hash(gguf_path: str | os.PathLike) -> str:
     if isinstance(memo.get(key), str):
         return memo[key]
     try:
-        digest = _hash_file(real)
+        digest = sha256_file(real)
     except OSError as e:
         raise InputError(f"cannot read model {str(gguf_path)!r}: {e.strerror or e}") from None
     # drop stale entries for the same path, keep the memo small
