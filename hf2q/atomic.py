@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
@@ -59,3 +60,19 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def replace_dir(tmp: Path, dest: Path) -> None:
+    """Put the finished directory ``tmp`` at ``dest`` (replacing an old one), then fsync the parent.
+
+    The old directory is first renamed aside, so ``dest`` is always either the old or the new
+    complete tree; the set-aside copy is removed last.
+    """
+    old = None
+    if dest.exists():
+        old = dest.with_name(f"{dest.name}.old-{os.getpid()}")
+        os.replace(dest, old)
+    os.replace(tmp, dest)
+    fsync_dir(dest.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -15,7 +15,6 @@ import importlib
 import importlib.metadata
 import importlib.util
 import json
-import os
 import platform
 import shutil
 import sys
@@ -24,7 +23,7 @@ from pathlib import Path
 import attrs
 
 from hf2q import __version__
-from hf2q.paths import cache_root
+from hf2q.paths import cache_root, tree_bytes
 
 CORE_LIBS = ("numpy", "trio", "gguf", "safetensors", "tokenizers", "jinja2", "quart", "quart_trio", "hypercorn",
              "transitions", "attrs", "rich", "huggingface_hub")
@@ -118,17 +117,6 @@ def check_blas(mlx_check: Check) -> Check:
     return Check("blas", "ok", ", ".join(names) or "none needed on the GPU backend", data=data)
 
 
-def _dir_bytes(p: Path) -> int:
-    total = 0
-    for root, _, files in os.walk(p):
-        for f in files:
-            try:
-                total += os.lstat(os.path.join(root, f)).st_size
-            except OSError:
-                pass
-    return total
-
-
 def check_disk(root: Path) -> Check:
     probe = root
     while not probe.exists() and probe != probe.parent:
@@ -150,7 +138,7 @@ def check_model_cache(root: Path) -> Check:
         for item in sorted(d.iterdir()):
             if item.name.startswith(("_", ".")) or ".tmp" in item.name:
                 continue
-            entries.append({"kind": sub, "name": item.name, "bytes": _dir_bytes(item) if item.is_dir()
+            entries.append({"kind": sub, "name": item.name, "bytes": tree_bytes(item) if item.is_dir()
                             else item.stat().st_size})
     total = sum(e["bytes"] for e in entries)
     detail = (f"{len(entries)} item(s), {total / 2**30:.2f} GiB in {root}" if entries

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from hf2q import __version__
-from hf2q.atomic import atomic_write_text, fsync_dir
+from hf2q.atomic import atomic_write_text, fsync_dir, replace_dir
 from hf2q.convert import mlx_policy
 from hf2q.convert.mlx_policy import MlxQuant, TensorPlan
 from hf2q.errors import ConversionError, InputError, UsageError
@@ -263,11 +263,4 @@ def _publish(tmp: Path, out: Path) -> None:
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
     fsync_dir(tmp)
-    old = None
-    if out.exists():
-        old = out.with_name(f"{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-    os.replace(tmp, out)
-    fsync_dir(out.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    replace_dir(tmp, out)

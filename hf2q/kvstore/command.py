@@ -23,7 +23,7 @@ from hf2q.errors import InputError, UsageError
 from hf2q.kvstore.blockfile import BLOCK_SUFFIX, BlockFileError, read_meta
 from hf2q.kvstore.locks import LockBusy, exclusive_use
 from hf2q.kvstore.recovery import BLOCKS_DIR, QUARANTINE_DIR
-from hf2q.paths import cache_root
+from hf2q.paths import cache_root, tree_bytes
 
 
 def human_bytes(n: int) -> str:
@@ -33,22 +33,6 @@ def human_bytes(n: int) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     raise AssertionError
-
-
-def _tree_bytes(path: Path) -> int:
-    if path.is_symlink() or not path.is_dir():
-        try:
-            return path.lstat().st_size
-        except OSError:
-            return 0
-    total = 0
-    for dirpath, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, name)).st_size
-            except OSError:
-                pass
-    return total
 
 
 def _confirm(what: str, yes: bool) -> bool:
@@ -99,7 +83,7 @@ def _kv_scan(root: Path) -> dict:
     quarantined = list(qdir.iterdir()) if qdir.is_dir() else []
     return {"by_fingerprint": dict(by_fp), "temps": temps, "temp_bytes": temp_bytes,
             "unverified": unreadable, "unverified_bytes": unreadable_bytes,
-            "quarantined": len(quarantined), "quarantine_bytes": sum(_tree_bytes(p) for p in quarantined)}
+            "quarantined": len(quarantined), "quarantine_bytes": sum(tree_bytes(p) for p in quarantined)}
 
 
 def _kv_total(scan: dict) -> int:
@@ -171,7 +155,7 @@ def _model_list(root: Path) -> int:
     for entry in sorted(root.iterdir()):
         children = sorted(entry.iterdir()) if entry.is_dir() and not entry.is_symlink() else [entry]
         for child in children:
-            size = _tree_bytes(child)
+            size = tree_bytes(child)
             total += size
             print(f"{human_bytes(size):>12}  {child.relative_to(root)}")
     print(f"total {human_bytes(total)}")
@@ -187,7 +171,7 @@ def _model_clear(root: Path, yes: bool) -> int:
         return 0
     freed = 0
     for entry in list(root.iterdir()):
-        size = _tree_bytes(entry)
+        size = tree_bytes(entry)
         try:
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry)
@@ -214,6 +198,6 @@ def run(args) -> int:
     if action == "list":
         return _model_list(root)
     if action == "size":
-        print(_tree_bytes(root) if root.exists() else 0)
+        print(tree_bytes(root) if root.exists() else 0)
         return 0
     return _model_clear(root, args.yes)

@@ -23,7 +23,7 @@ import shutil
 import time
 from pathlib import Path
 
-from hf2q.atomic import atomic_write_text, fsync_dir
+from hf2q.atomic import atomic_write_text, replace_dir
 from hf2q.errors import ConversionError, InputError
 from hf2q.paths import cache_root
 from hf2q.sources.integrity import sha256_file
@@ -172,14 +172,7 @@ def _download(repo_id: str, revision: str, commit: str, dest: Path, endpoint: st
                       for p in files},
         }
         _write_receipt(tmp, rec)
-        old = None
-        if dest.exists():
-            old = dest.with_name(f"{dest.name}.old-{os.getpid()}")
-            os.replace(dest, old)
-        os.replace(tmp, dest)
-        fsync_dir(dest.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("fetched %s@%s (commit %s) into %s", repo_id, revision, commit, dest)
