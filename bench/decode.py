@@ -64,6 +64,8 @@ def bench_runner(r, prefill: list[int], tg: int, reps: int, chunk: int) -> dict:
     """Time any ``ModelRunner`` (single-process or tensor-parallel rank 0)."""
     warm = r.new_sequence()  # first calls compile kernels (GPU) and fault weights in: not timed
     r.decode([warm], [int(np.argmax(r.prefill(warm, _tokens(min(chunk, max(prefill)), r.vocab_size))))])
+    if hasattr(r, "decode_async"):  # and the device-sampling kernels of the pipelined path
+        _pipelined_greedy(r, 2)
     del warm
     out = {}
     for n in prefill:
@@ -85,8 +87,28 @@ def bench_runner(r, prefill: list[int], tg: int, reps: int, chunk: int) -> dict:
         for _ in range(tg):
             tok = int(np.argmax(r.decode([s], [tok])[0]))
         times.append(time.perf_counter() - t0)
-    out[f"tg{tg}"] = tg / statistics.median(times)
+    out[f"tg{tg}_sync" if hasattr(r, "decode_async") else f"tg{tg}"] = tg / statistics.median(times)
+    if hasattr(r, "decode_async"):  # greedy sampled on the device, step n+1 queued before n is read
+        out[f"tg{tg}"] = tg / statistics.median(_pipelined_greedy(r, tg) for _ in range(reps))
     return out
+
+
+def _pipelined_greedy(r, tg: int) -> float:
+    """Seconds for ``tg`` greedy decode steps through ``decode_async`` (as ``hf2q generate`` runs them)."""
+    from hf2q.engine.device_sampler import DeviceSampler
+    from hf2q.sched.requests import SamplingParams
+
+    s = r.new_sequence()
+    tok = int(np.argmax(r.prefill(s, _tokens(16, r.vocab_size))))
+    samplers = [DeviceSampler(SamplingParams(temperature=0.0))]
+    t0 = time.perf_counter()
+    pending = r.decode_async([s], [tok], samplers)
+    for _ in range(tg - 1):
+        nxt = r.decode_async([s], pending, samplers)
+        pending.result()
+        pending = nxt
+    pending.result()
+    return time.perf_counter() - t0
 
 
 def bench_mlx_lm(mlx_dir: Path, prefill: list[int], tg: int, reps: int) -> dict:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hf2q.engine.device_sampler import device_capable
 from hf2q.errors import InputError
 
 log = logging.getLogger("hf2q.generate")
@@ -81,12 +82,13 @@ def _params(args):
 
 
 def generate_once(runner, prompt: list[int], params, on_token=None) -> dict:
-    """Prefill + decode one request; returns counts and timings (seconds)."""
-    from hf2q.engine.sampler import Sampler
+    """Prefill + decode one request; returns counts and timings (seconds).
 
+    Settings the device sampler covers run pipelined (``runner.decode_async``: step *n+1* is
+    queued before step *n*'s token is read); penalties and biases take the host sampler.
+    """
     if len(prompt) + 1 > runner.n_ctx:
         raise InputError(f"prompt of {len(prompt)} tokens does not fit the context of {runner.n_ctx} tokens")
-    sampler = Sampler(params)
     seq = runner.new_sequence()
     t0 = time.perf_counter()
     for i in range(0, len(prompt), PREFILL_CHUNK):
@@ -94,24 +96,61 @@ def generate_once(runner, prompt: list[int], params, on_token=None) -> dict:
     t1 = time.perf_counter()
     generated: list[int] = []
     budget = min(params.max_tokens, runner.n_ctx - len(prompt))
-    reason = "length"
-    while True:
-        token, _, _ = sampler.sample(logits, generated)
-        generated.append(token)
-        if token in runner.eos_token_ids:
-            reason = "stop"
-            break
-        if on_token is not None:
-            on_token(token)
-        if len(generated) >= budget:
-            break
-        logits = runner.decode([seq], [token])[0]
+    decode = _decode_pipelined if device_capable(params) and hasattr(runner, "decode_async") else _decode_host
+    reason = decode(runner, seq, logits, params, budget, generated, on_token)
     t2 = time.perf_counter()
     steps = max(len(generated) - 1, 0)  # decode steps after the first (prefill-sampled) token
     return {"prompt_tokens": len(prompt), "generated_tokens": len(generated), "finish_reason": reason,
             "prefill_s": t1 - t0, "decode_s": t2 - t1, "decode_steps": steps,
             "prefill_tokens_per_sec": len(prompt) / (t1 - t0) if t1 > t0 else 0.0,
             "decode_tokens_per_sec": steps / (t2 - t1) if steps and t2 > t1 else 0.0}
+
+
+def _decode_host(runner, seq, logits, params, budget, generated, on_token) -> str:
+    from hf2q.engine.sampler import Sampler
+
+    sampler = Sampler(params)
+    while True:
+        token, _, _ = sampler.sample(logits, generated)
+        generated.append(token)
+        if token in runner.eos_token_ids:
+            return "stop"
+        if on_token is not None:
+            on_token(token)
+        if len(generated) >= budget:
+            return "length"
+        logits = runner.decode([seq], [token])[0]
+
+
+def _decode_pipelined(runner, seq, logits, params, budget, generated, on_token) -> str:
+    """Step *k+2* is queued before token *k+1* is read; a stop read late trims the extra position."""
+    import mlx.core as mx
+
+    from hf2q.engine.device_sampler import DeviceSampler, sample_rows
+
+    samplers = [DeviceSampler(params)]
+    token = int(np.array(sample_rows(mx.array(np.asarray(logits, dtype=np.float32)[None]), samplers)[0])[0])
+    generated.append(token)
+    if token in runner.eos_token_ids:
+        return "stop"
+    if on_token is not None:
+        on_token(token)
+    if len(generated) >= budget:
+        return "length"
+    pending = runner.decode_async([seq], [token], samplers)
+    while True:
+        ahead = runner.decode_async([seq], pending, samplers) if len(generated) + 1 < budget else None
+        token = int(pending.result()[0][0])
+        generated.append(token)
+        if token in runner.eos_token_ids:
+            if ahead is not None:
+                seq.trim(seq.length - 1)  # the queued step consumed the stop token
+            return "stop"
+        if on_token is not None:
+            on_token(token)
+        if ahead is None:
+            return "length"
+        pending = ahead
 
 
 def run(args) -> int:

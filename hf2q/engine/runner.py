@@ -10,6 +10,10 @@ one thread, because MLX streams are per thread):
   one bounded transaction; callers chunk long prompts (``--prefill-chunk``).
 * ``decode(seqs, tokens)`` → float32 ``[N, vocab]``: every sequence advances one token
   in a single batched forward, whatever their lengths.
+* ``decode_async(seqs, tokens, samplers)`` → :class:`PendingTokens`: the same step with the
+  next tokens sampled on the device (``hf2q.engine.device_sampler``) and evaluated
+  asynchronously; ``tokens`` may be the previous step's ``PendingTokens``, so step *n+1* is
+  built and queued while step *n* still runs (the host reads *n* with ``result()``).
 * ``embed(batch)`` → L2-normalised ``[N, dim]`` (embedding models only).
 * ``export_kv(seq, start, end)`` / ``import_kv(seq, arrays, n)`` — host copies of KV
   positions, keys ``k.{layer}`` / ``v.{layer}``, float32 ``[kv_heads, n, head_dim]``.
@@ -54,6 +58,27 @@ def eos_ids(g: GGUFFile) -> frozenset[int]:
         if t in END_OF_GENERATION_TEXTS:
             ids.add(i)
     return frozenset(ids)
+
+
+class PendingTokens:
+    """The sampled tokens of a queued decode step; ``result()`` waits for them."""
+
+    __slots__ = ("tokens", "logprobs", "_host")
+
+    def __init__(self, tokens: mx.array, logprobs: mx.array):
+        self.tokens, self.logprobs, self._host = tokens, logprobs, None
+
+    @classmethod
+    def ready(cls, tokens: np.ndarray, logprobs: np.ndarray) -> "PendingTokens":
+        p = cls(mx.array(tokens.astype(np.int32)), mx.array(logprobs.astype(np.float32)))
+        p._host = (tokens.astype(np.int64), logprobs.astype(np.float32))
+        return p
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(token ids [N] int64, logprobs [N] float32)`` on the host."""
+        if self._host is None:
+            self._host = (np.array(self.tokens).astype(np.int64), np.array(self.logprobs, dtype=np.float32))
+        return self._host
 
 
 class MlxModelRunner:
@@ -140,6 +165,49 @@ class MlxModelRunner:
         self.stats["decode_steps"] += 1
         self.stats["decode_s"] += time.perf_counter() - t0
         return out
+
+    def decode_async(self, seqs: Sequence[SequenceCache], tokens: "Sequence[int] | PendingTokens",
+                     samplers) -> "PendingTokens":
+        """One decode step whose next tokens are sampled on the device and not waited for.
+
+        ``tokens`` is a list of ints or the ``PendingTokens`` of the previous step over the same
+        sequences. The caches advance at once; if the caller stops early (a stop token read
+        from the previous step), it trims the extra position with ``seq.trim``.
+        """
+        from hf2q.engine.device_sampler import sample_rows
+
+        if len(seqs) != len(samplers):
+            raise ValueError("decode_async needs one sampler per sequence")
+        if self.host_decoder is not None:  # host numpy step: synchronous anyway
+            ints = tokens.result()[0] if isinstance(tokens, PendingTokens) else tokens
+            host_logits = self.decode(seqs, [int(t) for t in ints])
+            if all(s.params.temperature == 0.0 for s in samplers):  # argmax on the host: no MLX round trip
+                toks = np.argmax(host_logits, axis=-1)
+                top = host_logits[np.arange(len(toks)), toks]
+                lse = top + np.log(np.exp(host_logits - top[:, None]).sum(axis=-1))
+                return PendingTokens.ready(toks, top - lse)
+            logits = mx.array(host_logits)
+        else:
+            if isinstance(tokens, PendingTokens):
+                if len(tokens.tokens) != len(seqs):
+                    raise ValueError("decode needs one token per sequence")
+                ids = tokens.tokens[:, None]
+            else:
+                if len(seqs) != len(tokens):
+                    raise ValueError("decode needs one token per sequence")
+                self._check_tokens(tokens)
+                ids = mx.array(np.asarray(tokens, dtype=np.int32)[:, None])
+            if len({id(s) for s in seqs}) != len(seqs):
+                raise ValueError("a sequence appears twice in one decode step")
+            for s in seqs:
+                self._check_room(s, 1)
+            fb = ForwardBatch(seqs, 1)
+            logits = self.model(ids, fb)
+            fb.finish()
+            self.stats["decode_steps"] += 1
+        toks, logprobs = sample_rows(logits, samplers)
+        mx.async_eval(toks, logprobs)
+        return PendingTokens(toks, logprobs)
 
     # ---- embeddings ----------------------------------------------------------------
 
