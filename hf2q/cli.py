@@ -124,6 +124,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--gpu-deadline", type=float, default=120.0, help="seconds before a GPU step is declared hung")
     p.add_argument("--max-request-bytes", type=parse_size, default=64 << 20)
     p.add_argument("--tensor-parallel", type=_positive_int, default=1, help="ranks (mx.distributed)")
+    p.add_argument("--memory-limit", type=parse_size, default=None,
+                   help="memory one rank may use for weights + KV, e.g. 40G (default: 90%% of the device)")
     p.add_argument("--model-name", default=None, help="id reported by /v1/models (default: file stem)")
 
 

@@ -43,6 +43,14 @@ def check_gguf(path: Path, flag: str = "--model") -> Path:
     return path
 
 
+def check_memory(model_path: Path, args) -> None:
+    """Refuse (exit 3) a model whose weights + KV budget exceed what one rank may use."""
+    from hf2q.engine.memory_plan import check_model
+
+    check_model(model_path, args.tensor_parallel, ctx=args.ctx, slots=args.slots, kv_budget=args.kv_cache_budget,
+                limit=args.memory_limit)
+
+
 def runner_factory(path: Path, ctx: int | None, tensor_parallel: int = 1):
     """Called inside the GPU-owner thread: the only place the serving path touches MLX.
 
@@ -87,6 +95,7 @@ def run(args) -> int:
         from hf2q.engine.tp_launch import plan_split
 
         plan_split(model_path, args.tensor_parallel)  # a model that cannot split N ways: exit 3 before starting
+    check_memory(model_path, args)
     if not 0 <= args.port <= 65535:
         raise InputError(f"--port must be 0..65535, got {args.port}")
     check_port_free(args.host, args.port)

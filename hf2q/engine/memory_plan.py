@@ -1,0 +1,124 @@
+"""Will a model fit one device (or one rank's share of it)? Decided before any weight is read.
+
+Loading a model that does not fit ends in an allocator failure deep inside MLX, minutes
+in, possibly after other ranks have started. This module predicts, from the GGUF header
+alone, what a rank will hold — its shard of the weights in the engine's in-memory form
+(``quant_repack``: affine groups of 32 with two scale/bias values per group; the 16-element
+K-quants as 8-bit) plus its share of the KV budget — and compares it with the memory a
+rank may use (``--memory-limit``, default 90 % of the device). A refusal names the
+tensor-parallel size that would fit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+from gguf import GGMLQuantizationType as T
+
+from hf2q.errors import InputError
+from hf2q.formats.gguf_file import GGUFFile, GGUFTensor
+
+#: bits per weight of the affine form each GGUF type is loaded as (``quant_repack.to_affine``)
+AFFINE_BITS = {T.Q4_0: 4, T.Q4_1: 4, T.Q4_K: 4, T.Q5_0: 5, T.Q5_1: 5, T.Q5_K: 5, T.Q8_0: 8,
+               T.Q2_K: 8, T.Q3_K: 8, T.Q6_K: 8}
+GROUP = 32
+#: the share of a device's memory a rank uses unless ``--memory-limit`` says otherwise
+DEFAULT_FRACTION = 0.9
+
+
+def tensor_bytes(t: GGUFTensor, float_bytes: int, scale_bytes: int) -> int:
+    """Bytes ``t`` occupies once loaded: packed weights + scales + biases, or floats."""
+    n = math.prod(t.shape)
+    bits = AFFINE_BITS.get(t.qtype)
+    if bits is None:
+        return n * float_bytes
+    return n * bits // 8 + 2 * (n // GROUP) * scale_bytes
+
+
+@attrs.frozen
+class RankNeed:
+    size: int
+    weights: int  # bytes of weights on the most loaded rank
+    kv: int  # that rank's share of the KV budget
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv
+
+
+def rank_need(g: GGUFFile, size: int, kv_budget: int, *, float_bytes: int, scale_bytes: int) -> RankNeed:
+    """What the most loaded of ``size`` ranks holds (``InputError`` when ``g`` cannot split ``size`` ways)."""
+    from hf2q.engine.tensor_parallel import shard_gguf
+
+    worst = 0
+    for rank in range(size):
+        view = shard_gguf(g, rank, size)
+        worst = max(worst, sum(tensor_bytes(t, float_bytes, scale_bytes) for t in view.tensors.values()))
+    return RankNeed(size, worst, -(-kv_budget // size))
+
+
+def device_memory() -> int:
+    """Bytes of memory of the default MLX device (GPU memory, or system RAM for the CPU)."""
+    import mlx.core as mx
+
+    info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
+    for key in ("memory_size", "total_memory"):
+        if info.get(key):
+            return int(info[key])
+    import psutil
+
+    return int(psutil.virtual_memory().total)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def check_fits(g: GGUFFile, size: int, kv_budget: int, limit: int, *, float_bytes: int, scale_bytes: int,
+               max_size: int = 8) -> RankNeed:
+    """The need of each of ``size`` ranks, or an ``InputError`` that says what would fit."""
+    need = rank_need(g, size, kv_budget, float_bytes=float_bytes, scale_bytes=scale_bytes)
+    if need.total <= limit:
+        return need
+    hint = ""
+    for bigger in range(size + 1, max_size + 1):
+        try:
+            other = rank_need(g, bigger, kv_budget, float_bytes=float_bytes, scale_bytes=scale_bytes)
+        except InputError:
+            continue  # the heads or blocks do not split this many ways
+        if other.total <= limit:
+            hint = f"; it fits at --tensor-parallel {bigger} ({_gib(other.total)} per rank)"
+            break
+    if not hint and need.kv > need.weights // 4:
+        hint = "; lower --ctx, --slots or --kv-cache-budget"
+    raise InputError(f"{g.path.name} needs {_gib(need.total)} per rank at --tensor-parallel {size} "
+                     f"({_gib(need.weights)} weights + {_gib(need.kv)} KV), more than the {_gib(limit)} "
+                     f"a rank may use (--memory-limit){hint}")
+
+
+def check_model(path, size: int, *, ctx: int | None, slots: int, kv_budget: int | None,
+                limit: int | None) -> RankNeed:
+    """``check_fits`` for a GGUF path with the server's settings, on the default MLX device.
+
+    The KV budget defaults to the scheduler's (``slots × ctx`` tokens), the limit to
+    ``DEFAULT_FRACTION`` of the device's memory.
+    """
+    import mlx.core as mx
+
+    from hf2q.engine.runner import compute_dtype
+    from hf2q.formats.gguf_file import open_gguf
+    from hf2q.info import kv_bytes_per_token
+
+    g = open_gguf(path)
+    dtype = compute_dtype(g.arch)
+    on_cpu = mx.default_device() == mx.cpu
+    if kv_budget is None:
+        kv_budget = slots * (ctx or int(g.get(".context_length", 4096))) * kv_bytes_per_token(g, dtype.size)
+    if limit is None:
+        limit = int(device_memory() * DEFAULT_FRACTION)
+    # scales: float32 on the CPU (and with HF2Q_EXACT_SCALES), the activation dtype on GPUs
+    from hf2q.engine.layers import EXACT_GPU_SCALES
+
+    scale_bytes = 4 if on_cpu or EXACT_GPU_SCALES else dtype.size
+    return check_fits(g, size, kv_budget, limit, float_bytes=dtype.size, scale_bytes=scale_bytes)
