@@ -138,12 +138,23 @@ class ForwardBatch:
         self._np_masks[window] = m
         return m
 
-    def mask(self, window: int | None) -> mx.array | None:
-        """The same mask as an MLX array, for ``mx.fast.scaled_dot_product_attention``."""
+    def mask(self, window: int | None) -> mx.array | str | None:
+        """The same mask for ``mx.fast.scaled_dot_product_attention``.
+
+        A plain causal chunk of one sequence is ``"causal"`` (MLX aligns it to the last key,
+        which is exactly "prefix + chunk"): the fused kernels then skip the masked tiles
+        instead of reading a ``[T, L]`` boolean array.
+        """
         if window not in self._masks:
             m = self.mask_np(window)
-            self._masks[window] = None if m is None else mx.array(m)
+            if m is not None and len(self.caches) == 1 and self._plain_causal(window):
+                self._masks[window] = "causal"
+            else:
+                self._masks[window] = None if m is None else mx.array(m)
         return self._masks[window]
+
+    def _plain_causal(self, window: int | None) -> bool:
+        return window is None or window >= self.total
 
     def update(self, layer: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         """Store new ``k, v`` ``[B, kv_heads, n_new, d]``; return all keys/values ``[B, kv_heads, total, d]``."""
