@@ -26,9 +26,17 @@ from tests.models.tokenizer_files import copy_tokenizer, vocab_size
 
 # bumped when a family's files change (v2: weights scaled so logits are not flat;
 # llama v4: SmolLM2 tokenizer with its digit splitting)
-VERSIONS = {"llama": "v4", "qwen3": "v3", "qwen3_moe": "v3", "gemma3": "v3", "bert": "v3"}
+VERSIONS = {"llama": "v4", "qwen3": "v3", "qwen3_moe": "v3", "gemma3": "v3", "bert": "v3",
+            "llama_rope_llama3": "v1", "llama_rope_linear": "v1", "llama_rope_yarn": "v1", "gemma3_rope_linear": "v1"}
 FAMILIES = ("llama", "qwen3", "qwen3_moe", "gemma3", "bert")
 SEED = 0
+
+# the tiny llama's shape without its rope settings (shared by the rope-scaling variants)
+_LLAMA_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "bos_token_id": 1,
+                "eos_token_id": 2, "pad_token_id": 2}
+_LLAMA3_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 64}
 
 # family → (tokenizer, transformers config class name, auto-model kind, config kwargs, legacy keys)
 # Legacy keys: transformers 5 writes ``rope_parameters``; the real Hub configs (and mlx-lm,
@@ -79,6 +87,33 @@ _SPECS: dict[str, dict] = {
                     "_sliding_window_pattern": 3, "sliding_window_pattern": 3},  # mlx-lm reads the latter
         "scales": (3.0, 3.0),  # Gemma multiplies embeddings by sqrt(hidden): a smaller embedding scale
     },
+    # Rope-scaling variants of the tiny llama (not in FAMILIES): a short original context (64) so the
+    # scaling bites within a ~200-token test; base 1e4 and head_dim 16 put pairs on every branch
+    # (kept, blended, scaled). Llama 3.1's rope_scaling, in both the new and the legacy keys.
+    "llama_rope_llama3": {
+        "tokenizer": "smollm2", "config": "LlamaConfig", "kind": "causal",
+        "kwargs": {**_LLAMA_SHAPE, "max_position_embeddings": 2048,
+                    "rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, **_LLAMA3_SCALING}},
+        "legacy": {"rope_theta": 10000.0, "rope_scaling": {"rope_type": "llama3", **_LLAMA3_SCALING}},
+        "scales": (5.0, 3.0),
+    },
+    "llama_rope_linear": {
+        "tokenizer": "smollm2", "config": "LlamaConfig", "kind": "causal",
+        "kwargs": {**_LLAMA_SHAPE, "max_position_embeddings": 2048,
+                    "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}},
+        "legacy": {"rope_theta": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+        "scales": (5.0, 3.0),
+    },
+    # YaRN: max_position_embeddings = factor × original, so transformers' attention factor is 0.1·ln(4) + 1
+    "llama_rope_yarn": {
+        "tokenizer": "smollm2", "config": "LlamaConfig", "kind": "causal",
+        "kwargs": {**_LLAMA_SHAPE, "max_position_embeddings": 256,
+                    "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                        "original_max_position_embeddings": 64}},
+        "legacy": {"rope_theta": 10000.0, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                           "original_max_position_embeddings": 64}},
+        "scales": (5.0, 3.0),
+    },
     # all-MiniLM-L6-v2: BertModel, hidden 384, 12 heads, mean pooling (sentence-transformers files).
     "bert": {
         "tokenizer": "bert", "config": "BertConfig", "kind": "base",
@@ -88,11 +123,20 @@ _SPECS: dict[str, dict] = {
     },
 }
 
+# Gemma 3 4B/12B/27B: linear rope scaling (factor 8) on the global layers only; sliding layers keep plain rope
+_SPECS["gemma3_rope_linear"] = {
+    **_SPECS["gemma3"],
+    "kwargs": {**_SPECS["gemma3"]["kwargs"], "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    "legacy": {**_SPECS["gemma3"]["legacy"], "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+}
+
 
 def checkpoint(family: str) -> Path:
     """Path of the tiny ``family`` checkpoint (built on first use, then reused)."""
     if family not in _SPECS:
-        raise ValueError(f"unknown tiny family {family!r}; known: {', '.join(FAMILIES)}")
+        raise ValueError(f"unknown tiny family {family!r}; known: {', '.join(_SPECS)}")
     return build_once(f"tiny-{family}-{VERSIONS[family]}", lambda out: _build(family, out))
 
 
