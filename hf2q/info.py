@@ -68,6 +68,15 @@ def inspect(path, ctx: int | None = None, slots: int = 4, kv_budget: int | None 
     bad_types = sorted({t.qtype.name for t in g.tensors.values() if t.qtype not in SUPPORTED_TYPES})
     if bad_types:
         reasons.append(f"unsupported tensor type(s) {', '.join(bad_types)}")
+    if arch in FAMILIES and arch not in EMBEDDING_ARCHS:
+        try:  # the engine's own reading of the header: rope scaling, head layout (no weights loaded)
+            from hf2q.engine.models.llama import common_config
+
+            common_config(g, traditional=False)
+        except InputError as e:
+            reasons.append(str(e).split(": ", 1)[-1])
+        except (KeyError, ValueError, TypeError) as e:
+            reasons.append(f"unreadable model metadata ({e})")
     tokens = g.get("tokenizer.ggml.tokens")
     tok_model = g.get("tokenizer.ggml.model")
     has_tokenizer = bool(tokens) and bool(tok_model)

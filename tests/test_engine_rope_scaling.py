@@ -279,3 +279,5 @@ def test_generate_refuses_unsupported_rope_scaling(changes, message, scaled, tmp
     res = cli("generate", "--model", path, "--prompt", "hi", "--raw", "--max-tokens", "2")
     _assert_one_line(res)
     assert message in res.err
+    info = cli("info", path)  # the static preflight reaches the same verdict
+    assert info.out.strip().splitlines()[-1].startswith("Serve support: rejected") and message in info.out
