@@ -1,18 +1,20 @@
-"""A host (numpy + C kernel) decode step for decoder models on the CPU backend.
+"""A host (C kernels over numpy buffers) decode step for decoder models on the CPU backend.
 
 On MLX's CPU backend every small op costs 25–300 µs of dispatch (``rms_norm`` on 576
 values: ~110–290 µs), so a SmolLM2 decode step spent about two thirds of its time outside
-the matvecs. For decode (a few rows) this module runs the same graph in numpy, with the
-quantized matvecs in ``hf2q.kernels.cpu_qmatvec`` and the KV written straight into the
-MLX cache buffers through writable zero-copy views. Prefill stays on MLX (large, BLAS
-bound). It covers dense families (llama, qwen3, gemma3); anything it does not know
-(MoE, non-float activations) reports ``supported() == False`` and the MLX path runs.
-Tests compare both paths token for token.
+the matvecs. For decode (a few rows) this module runs the same graph itself: the quantized
+matvecs in ``hf2q.kernels.cpu_qmatvec`` (q/k/v as one call, gate/up as one call), the norms,
+RoPE, attention and activations in ``hf2q.kernels.cpu_decode_ops``, all over float32 work
+buffers allocated once per batch size, with the K/V written straight into the MLX cache
+buffers through their addresses. That keeps a layer at about ten ctypes calls and no numpy
+temporaries. Prefill stays on MLX (large, BLAS bound). It covers dense families (llama,
+qwen3, gemma3); anything it does not know (MoE, non-float activations) reports
+``supported() == False`` and the MLX path runs. Tests compare both paths token for token.
 """
 
 from __future__ import annotations
 
-import math
+import ctypes
 import os
 
 import mlx.core as mx
@@ -29,49 +31,130 @@ def _np(a: mx.array) -> np.ndarray:
     return v
 
 
-class HostLinear:
+class _Vec:
+    """A small float32 weight vector (norm weights) we own, with its address for the C ops."""
+
+    def __init__(self, a: mx.array):
+        self.array = np.array(_np(a), dtype=np.float32, copy=True)
+        self.ptr = self.array.ctypes.data
+
+
+def _addr(a: mx.array) -> int:
+    """Address of an evaluated, contiguous MLX buffer (writable: the KV caches are written in place)."""
+    mv = memoryview(a)
+    if not mv.c_contiguous or mv.shape != tuple(a.shape):
+        raise ValueError("non-contiguous MLX buffer")
+    return ctypes.addressof(ctypes.c_char.from_buffer(mv))
+
+
+class HostProjection:
+    """Linears sharing one input, evaluated together into one ``[B, Σ out]`` buffer
+    (``[q | k | v]``, ``[gate | up]``): one kernel call when all are quantized for the host
+    kernel, numpy matmuls for float weights."""
+
+    def __init__(self, lins: list[Linear]):
+        from hf2q.kernels.cpu_qmatvec import QMatrixGroup
+
+        self.out = sum(int(lin.shape[0]) for lin in lins)
+        biases = [None if lin.bias is None else _np(lin.bias) for lin in lins]
+        self.bias = None if all(b is None for b in biases) else np.concatenate(
+            [np.zeros(lin.shape[0], np.float32) if b is None else b for lin, b in zip(lins, biases)])
+        self.group = None
+        self.parts: list[tuple[int, int, object]] = []
+        if all(lin.quantized for lin in lins):
+            self.group = QMatrixGroup([lin._host for lin in lins])
+        else:
+            col = 0
+            for lin in lins:
+                w = QMatrixGroup([lin._host]) if lin.quantized else _np(lin.weight)
+                self.parts.append((col, col + int(lin.shape[0]), w))
+                col += int(lin.shape[0])
+
+    def run(self, x: np.ndarray, x_ptr: int, y: np.ndarray, y_ptr: int, B: int) -> None:
+        """``y[:B] = x[:B] @ W.T (+ bias)``; the pointers are those of ``x`` and ``y``."""
+        if self.group is not None:
+            self.group.run(x_ptr, y_ptr, B)
+        else:
+            for a, b, w in self.parts:
+                y[:B, a:b] = w(x[:B]) if callable(w) else x[:B] @ w.T
+        if self.bias is not None:
+            y[:B] += self.bias
+
+
+class HostEmbedding:
+    """Embedding rows dequantized in numpy from the host copy of the weight (``w = scale·q + bias``
+    per 32-group), which costs microseconds where an MLX gather + dequantize costs ~0.5 ms."""
+
     def __init__(self, lin: Linear):
         self.lin = lin
         self.float_w = None if lin.quantized else _np(lin.weight)
-        self.bias = None if lin.bias is None else _np(lin.bias)
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
+    def __call__(self, ids: np.ndarray, out: np.ndarray) -> None:
         if self.float_w is not None:
-            y = x @ self.float_w.T
+            out[...] = self.float_w[ids]
+            return
+        if self.lin._host is None:
+            out[...] = np.asarray(self.lin.rows(mx.array(ids.astype(np.int32))), dtype=np.float32)
+            return
+        packed, sc, bi, bits = self.lin._host
+        q = packed[ids]
+        B, n = out.shape
+        if bits == 8:
+            qf = q.astype(np.float32)
+        elif bits == 4:
+            qf = np.empty((B, n), dtype=np.float32)
+            qf[:, 0::2] = q & 15
+            qf[:, 1::2] = q >> 4
         else:
-            from hf2q.kernels.cpu_qmatvec import qmatvec
+            from hf2q.engine.quant_repack import unpack_bits
 
-            packed, sc, bi, bits = self.lin._host
-            y = qmatvec(packed, sc, bi, x, bits)
-        return y + self.bias if self.bias is not None else y
+            qf = unpack_bits(q, bits, n).astype(np.float32)
+        w = qf.reshape(B, -1, 32)
+        w *= sc[ids][..., None]
+        w += bi[ids][..., None]
+        out[...] = w.reshape(B, n)
 
 
-def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    return x * (1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)) * w
+class _Workspace:
+    """The float32 buffers of one decode step for batch size ``B`` and their addresses."""
+
+    def __init__(self, B: int, sizes: dict[str, int]):
+        self.arrays = {k: np.zeros((B, n), dtype=np.float32) for k, n in sizes.items()}
+        self.ptr = {k: a.ctypes.data for k, a in self.arrays.items()}
 
 
 class HostDecoder:
+    """The decode step of one dense decoder model, run on the host (see the module docstring)."""
+
     def __init__(self, model):
+        from hf2q.kernels.cpu_decode_ops import library
+
+        self.ops = library()
         self.model = model
         cfg = model.cfg
         self.cfg = cfg
-        self.embed = model.embed
-        self.lm_head = HostLinear(model.lm_head)
-        self.norm = _np(model.norm)
+        self.embed = HostEmbedding(model.embed)
+        self.lm_head = HostProjection([model.lm_head])
+        self.norm = _Vec(model.norm)
+        H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.layers = []
         for layer in model.layers:
             a, f = layer.attn, layer.ffn
             entry = {
-                "attn_norm": _np(layer.attn_norm), "ffn_norm": _np(layer.ffn_norm),
-                "q": HostLinear(a.q), "k": HostLinear(a.k), "v": HostLinear(a.v), "o": HostLinear(a.o),
-                "gate": HostLinear(f.gate), "up": HostLinear(f.up), "down": HostLinear(f.down),
-                "act": f.act, "window": a.window, "base": a.base, "scale": a.scale,
+                "attn_norm": _Vec(layer.attn_norm), "ffn_norm": _Vec(layer.ffn_norm),
+                "qkv": HostProjection([a.q, a.k, a.v]), "o": HostProjection([a.o]),
+                "gate_up": HostProjection([f.gate, f.up]), "down": HostProjection([f.down]),
+                "act": 0 if f.act is silu else 1, "window": a.window or 0, "base": a.base, "scale": a.scale,
             }
             if cfg.qk_norm:
-                entry["q_norm"], entry["k_norm"] = _np(a.q_norm), _np(a.k_norm)
+                entry["q_norm"], entry["k_norm"] = _Vec(a.q_norm), _Vec(a.k_norm)
             if cfg.sandwich_norms:
-                entry["post_attn"], entry["post_ffn"] = _np(layer.post_attn_norm), _np(layer.post_ffn_norm)
+                entry["post_attn"], entry["post_ffn"] = _Vec(layer.post_attn_norm), _Vec(layer.post_ffn_norm)
             self.layers.append(entry)
+        self.ffn = int(model.layers[0].ffn.gate.shape[0])
+        self.sizes = {"x": cfg.hidden, "h": cfg.hidden, "qkv": (H + 2 * Hkv) * D, "att": H * D,
+                      "o": cfg.hidden, "gu": 2 * self.ffn, "a": self.ffn, "f": cfg.hidden}
+        self._workspaces: dict[int, _Workspace] = {}
 
     @staticmethod
     def supported(model) -> bool:
@@ -79,9 +162,18 @@ class HostDecoder:
             return False
         if getattr(model, "dtype", None) != mx.float32 or not hasattr(model, "layers"):
             return False
+        from hf2q.kernels.cpu_decode_ops import library
+
+        if library() is None:
+            return False
+        c = model.cfg
+        if c.rope_dims % 2 or c.rope_dims > c.head_dim or c.n_heads % c.n_kv_heads:
+            return False
         for layer in model.layers:
             f = layer.ffn
             if not isinstance(f, GatedMLP) or f.act not in (silu, gelu_tanh):
+                return False
+            if f.gate.shape[0] != model.layers[0].ffn.gate.shape[0]:
                 return False
             lins = [layer.attn.q, layer.attn.k, layer.attn.v, layer.attn.o, f.gate, f.up, f.down, model.lm_head]
             # wrapped layers (e.g. tensor-parallel RowParallel with an all_sum) keep the MLX graph
@@ -93,8 +185,12 @@ class HostDecoder:
         """x [B, H, D] at positions pos [B]; same conventions as ``mx.fast.rope``."""
         c = self.cfg
         d = c.rope_dims
-        inv = base ** (-np.arange(0, d // 2, dtype=np.float64) * 2.0 / d)
-        ang = (pos.astype(np.float64)[:, None] * c.rope_scale) * inv[None, :]  # [B, d/2]
+        scaled = base == c.rope_base  # rope scaling: layers on rope_base only (as the MLX graph)
+        if scaled and c.rope_freqs is not None:  # custom periods (Llama 3 rope_freqs, YaRN)
+            inv = 1.0 / np.asarray(c.rope_freqs, dtype=np.float64)
+        else:
+            inv = base ** (-np.arange(0, d // 2, dtype=np.float64) * 2.0 / d)
+        ang = (pos.astype(np.float64)[:, None] * (c.rope_scale if scaled else 1.0)) * inv[None, :]  # [B, d/2]
         cos = np.cos(ang).astype(np.float32)[:, None, :]
         sin = np.sin(ang).astype(np.float32)[:, None, :]
         out = x.copy()
@@ -108,61 +204,87 @@ class HostDecoder:
             out[..., d // 2:d] = x1 * sin + x2 * cos
         return out
 
+    def _rope_table(self, pos: np.ndarray, base: float) -> np.ndarray:
+        """``[B, d]``: cos of each pair's angle, then its sin — read off :meth:`_rope` applied to
+        the unit vector (1, 0) of every pair, so the C kernel rotates exactly as ``_rope`` does."""
+        c = self.cfg
+        d = c.rope_dims
+        probe = np.zeros((len(pos), 1, c.head_dim), dtype=np.float32)
+        first = probe[..., 0:d:2] if c.rope_traditional else probe[..., : d // 2]
+        first[...] = 1.0
+        out = self._rope(probe, pos, base)[:, 0, :]
+        if c.rope_traditional:
+            cos, sin = out[:, 0:d:2], out[:, 1:d:2]
+        else:
+            cos, sin = out[:, : d // 2], out[:, d // 2:d]
+        return np.ascontiguousarray(np.concatenate([cos, sin], axis=1), dtype=np.float32)
+
+    def _kv_addresses(self, caches) -> tuple:
+        """Per layer, the K and V buffer addresses of every sequence (``c_void_p[L * B]``,
+        layer-major) and each sequence's capacity; fetched every step, since MLX-side writes
+        (prefill, import, trim) may move a buffer."""
+        L, B = len(self.layers), len(caches)
+        kp, vp = (ctypes.c_void_p * (L * B))(), (ctypes.c_void_p * (L * B))()
+        cap = (ctypes.c_int * B)()
+        for b, s in enumerate(caches):
+            mx.eval(s.keys, s.values)
+            cap[b] = int(s.keys[0].shape[1])
+            for li in range(L):
+                k, v = s.keys[li], s.values[li]
+                if k.dtype != mx.float32 or k.shape[1] != cap[b] or v.shape[1] != cap[b]:
+                    raise ValueError("host decode needs float32 KV buffers of one capacity")
+                kp[li * B + b] = _addr(k)
+                vp[li * B + b] = _addr(v)
+        return kp, vp, cap
+
     def step(self, tokens: np.ndarray, caches) -> np.ndarray:
         """One decode step for ``len(caches)`` sequences; returns float32 logits ``[N, vocab]``."""
-        c = self.cfg
+        c, ops = self.cfg, self.ops
         B = len(caches)
         pos = np.array([s.length for s in caches])
         for s, p in zip(caches, pos):
             s.reserve(int(p) + 1)
-        x = np.array(self.embed.rows(mx.array(tokens.astype(np.int32))), dtype=np.float32).reshape(B, -1)
+        ws = self._workspaces.get(B)
+        if ws is None:
+            ws = self._workspaces[B] = _Workspace(B, self.sizes)
+        A, P = ws.arrays, ws.ptr
+        x = A["x"]
+        self.embed(tokens.astype(np.intp), x)
         if c.embed_scale != 1.0:
             x *= np.float32(c.embed_scale)
-        H, Hkv, D = c.n_heads, c.n_kv_heads, c.head_dim
-        rep = H // Hkv
-        eps = c.norm_eps
+        kp, vp, cap = self._kv_addresses(caches)
+        kp0, vp0, step = ctypes.addressof(kp), ctypes.addressof(vp), B * ctypes.sizeof(ctypes.c_void_p)
+        cpos = (ctypes.c_int * B)(*[int(p) for p in pos])
+        H, Hkv, D, d = c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dims
+        hidden, eps, qs = c.hidden, c.norm_eps, (H + 2 * Hkv) * D
+        tables = {base: self._rope_table(pos, base) for base in {L["base"] for L in self.layers}}
+        table_ptr = {base: t.ctypes.data for base, t in tables.items()}
+        ops.rms_norm(P["x"], hidden, self.layers[0]["attn_norm"].ptr, P["h"], hidden, B, 1, hidden, eps)
         for li, L in enumerate(self.layers):
-            h = _rms(x, L["attn_norm"], eps)
-            q = L["q"](h).reshape(B, H, D)
-            k = L["k"](h).reshape(B, Hkv, D)
-            v = L["v"](h).reshape(B, Hkv, D)
+            L["qkv"].run(A["h"], P["h"], A["qkv"], P["qkv"], B)
             if c.qk_norm:
-                q = _rms(q, L["q_norm"], eps)
-                k = _rms(k, L["k_norm"], eps)
-            q = self._rope(q, pos, L["base"])
-            k = self._rope(k, pos, L["base"])
-            att = np.empty((B, H, D), dtype=np.float32)
-            for b, s in enumerate(caches):
-                p = int(pos[b])
-                K = _np(s.keys[li])
-                V = _np(s.values[li])
-                K[:, p, :] = k[b]
-                V[:, p, :] = v[b]
-                lo = 0 if L["window"] is None else max(0, p + 1 - L["window"])
-                Kb, Vb = K[:, lo:p + 1, :], V[:, lo:p + 1, :]  # [Hkv, n, D]
-                qb = q[b].reshape(Hkv, rep, D) * np.float32(L["scale"])
-                sc = np.matmul(qb, Kb.transpose(0, 2, 1))  # [Hkv, rep, n]
-                sc -= sc.max(axis=-1, keepdims=True)
-                np.exp(sc, out=sc)
-                sc /= sc.sum(axis=-1, keepdims=True)
-                att[b] = np.matmul(sc, Vb).reshape(H, D)
-            o = L["o"](att.reshape(B, H * D))
+                ops.rms_norm(P["qkv"], qs, L["q_norm"].ptr, P["qkv"], qs, B, H, D, eps)
+                k_at = P["qkv"] + 4 * H * D
+                ops.rms_norm(k_at, qs, L["k_norm"].ptr, k_at, qs, B, Hkv, D, eps)
+            ops.rope(P["qkv"], qs, table_ptr[L["base"]], B, H + Hkv, D, d, int(c.rope_traditional))
+            if ops.attend(P["qkv"], qs, kp0 + li * step, vp0 + li * step, cap, cpos, L["window"], P["att"],
+                          B, H, Hkv, D, L["scale"]):
+                raise MemoryError("host attention: out of memory")
+            L["o"].run(A["att"], P["att"], A["o"], P["o"], B)
             if c.sandwich_norms:
-                o = _rms(o, L["post_attn"], eps)
-            x = x + o
-            h = _rms(x, L["ffn_norm"], eps)
-            g, u = L["gate"](h), L["up"](h)
-            if L["act"] is silu:
-                a = g / (1.0 + np.exp(-g)) * u
-            else:
-                a = 0.5 * g * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g * g * g))) * u
-            f = L["down"](a.astype(np.float32))
+                ops.rms_norm(P["o"], hidden, L["post_attn"].ptr, P["o"], hidden, B, 1, hidden, eps)
+            ops.add_rms(P["x"], P["o"], B * hidden, L["ffn_norm"].ptr, P["h"], B, hidden, eps)
+            L["gate_up"].run(A["h"], P["h"], A["gu"], P["gu"], B)
+            ops.glu(P["gu"], P["a"], B, self.ffn, L["act"])
+            L["down"].run(A["a"], P["a"], A["f"], P["f"], B)
             if c.sandwich_norms:
-                f = _rms(f, L["post_ffn"], eps)
-            x = x + f
-        logits = self.lm_head(_rms(x, self.norm, eps).astype(np.float32))
+                ops.rms_norm(P["f"], hidden, L["post_ffn"].ptr, P["f"], hidden, B, 1, hidden, eps)
+            nxt = self.layers[li + 1]["attn_norm"] if li + 1 < len(self.layers) else self.norm
+            ops.add_rms(P["x"], P["f"], B * hidden, nxt.ptr, P["h"], B, hidden, eps)
+        logits = np.empty((B, self.lm_head.out), dtype=np.float32)
+        self.lm_head.run(A["h"], P["h"], logits, logits.ctypes.data, B)
         if c.final_softcap:
-            logits = np.tanh(logits / c.final_softcap) * c.final_softcap
+            logits = (np.tanh(logits / c.final_softcap) * c.final_softcap).astype(np.float32)
         for s in caches:
             s.advance(1)
-        return logits.astype(np.float32)
+        return logits

@@ -1,0 +1,271 @@
+"""The small per-layer ops of a CPU decode step (RMS norm, RoPE, attention over the KV
+cache, gated activations) as one compiled C library.
+
+Once the quantized matvecs (:mod:`hf2q.kernels.cpu_qmatvec`) became fast, a SmolLM2 decode
+step spent more time in the ~40 numpy calls per layer around them (1–3 µs of dispatch each,
+plus temporaries) than in the matvecs. Each op here is one ctypes call over caller-owned
+float32 buffers passed as raw addresses, so the host decoder (``hf2q.engine.cpu_decode``)
+makes about ten calls per layer. :mod:`hf2q.kernels.cpu_decode_ops_ref` states each op in
+numpy; the tests hold the two together and the whole step against the MLX graph.
+
+Conventions: every buffer is float32 and C-contiguous along its last axis; strides are in
+elements. The KV cache buffers are ``[kv_heads, capacity, head_dim]`` (``SequenceCache``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+from hf2q.kernels.cpu_build import build_library
+from hf2q.kernels.cpu_qmatvec import kernel
+
+SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#include <stdlib.h>
+#include <string.h>
+
+/* For b < B and h < heads: the n values at x + b*xs + h*n, scaled by 1/rms and w, go to
+   out + b*os + h*n (in place allowed). heads > 1 covers per-head q/k norms. */
+void rms_norm(const float* x, int64_t xs, const float* w, float* out, int64_t os, int B, int heads, int n, float eps) {
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < heads; h++) {
+            const float* v = x + b * xs + (int64_t)h * n;
+            float* o = out + b * os + (int64_t)h * n;
+            float ss = 0.f;
+            for (int i = 0; i < n; i++) ss += v[i] * v[i];
+            const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+            for (int i = 0; i < n; i++) o[i] = v[i] * inv * w[i];
+        }
+}
+
+/* In place on heads vectors of D values at x + b*xs + h*D; cs [B, d]: cos in the first d/2,
+   sin in the second. traditional: pairs (2i, 2i+1); else (i, i + d/2). Dims >= d pass through. */
+void rope(float* x, int64_t xs, const float* cs, int B, int heads, int D, int d, int traditional) {
+    const int half = d / 2;
+    for (int b = 0; b < B; b++) {
+        const float* c = cs + (int64_t)b * d;
+        const float* s = c + half;
+        for (int h = 0; h < heads; h++) {
+            float* v = x + b * xs + (int64_t)h * D;
+            if (traditional) {
+                for (int i = 0; i < half; i++) {
+                    const float x1 = v[2 * i], x2 = v[2 * i + 1];
+                    v[2 * i] = x1 * c[i] - x2 * s[i];
+                    v[2 * i + 1] = x1 * s[i] + x2 * c[i];
+                }
+            } else {
+                for (int i = 0; i < half; i++) {
+                    const float x1 = v[i], x2 = v[i + half];
+                    v[i] = x1 * c[i] - x2 * s[i];
+                    v[i + half] = x1 * s[i] + x2 * c[i];
+                }
+            }
+        }
+    }
+}
+
+/* exp(x) for x in [-87, 88] (clamped), ~2 ulp: 2^n · p(r) with r = x - n·ln2 split in two
+   parts and a degree-6 polynomial. Plain C with no calls, so loops over it vectorize. */
+static inline float exp_approx(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = __builtin_roundf(x * 1.44269504088896341f);
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.3888889e-3f;
+    p = p * r + 8.3333333e-3f;
+    p = p * r + 4.1666667e-2f;
+    p = p * r + 1.6666667e-1f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t e = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &e, sizeof scale);
+    return p * scale;
+}
+
+/* out[j] = scale · (q · K[j]) for j < n (K rows of D floats). With AVX-512 and D % 16 == 0,
+   four rows at a time whose four horizontal sums share one shuffle tree (for head_dim 64 the
+   sums, not the FMAs, were most of the work). */
+static void scores(const float* q, const float* K, int D, int n, float scale, float* out) {
+    int j = 0;
+#if defined(__AVX512F__)
+    if (D % 16 == 0) {
+        for (; j + 4 <= n; j += 4) {
+            const float* k0 = K + (int64_t)j * D;
+            __builtin_prefetch(k0 + 16 * D);
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int i = 0; i < D; i += 16) {
+                const __m512 qv = _mm512_loadu_ps(q + i);
+                a0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k0 + i), a0);
+                a1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k0 + D + i), a1);
+                a2 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k0 + 2 * D + i), a2);
+                a3 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k0 + 3 * D + i), a3);
+            }
+            /* per 128-bit block: [a0 a1 a2 a3] partial sums, then the four blocks added */
+            const __m512 t01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+            const __m512 t23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+            const __m512d d01 = _mm512_castps_pd(t01), d23 = _mm512_castps_pd(t23);
+            const __m512 u = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(d01, d23)),
+                                           _mm512_castpd_ps(_mm512_unpackhi_pd(d01, d23)));
+            const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(u),
+                                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)));
+            const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+            _mm_storeu_ps(out + j, _mm_mul_ps(s4, _mm_set1_ps(scale)));
+        }
+    }
+#endif
+    for (; j < n; j++) {
+        const float* kj = K + (int64_t)j * D;
+        float dot = 0.f;
+        for (int i = 0; i < D; i++) dot += q[i] * kj[i];
+        out[j] = dot * scale;
+    }
+}
+
+/* o = Σ_j p[j] · V[j] over n rows of D floats. With AVX-512 and D % 64 == 0: 64 columns at a
+   time held in registers, two rows per step into separate accumulators (FMA latency). */
+static void weighted_sum(const float* p, const float* V, int D, int n, float* o) {
+#if defined(__AVX512F__)
+    if (D % 64 == 0) {
+        for (int i0 = 0; i0 < D; i0 += 64) {
+            __m512 a[8];
+            for (int k = 0; k < 8; k++) a[k] = _mm512_setzero_ps();
+            int j = 0;
+            for (; j + 2 <= n; j += 2) {
+                const float* v0 = V + (int64_t)j * D + i0;
+                const float* v1 = v0 + D;
+                __builtin_prefetch(v0 + 16 * D);
+                const __m512 p0 = _mm512_set1_ps(p[j]), p1 = _mm512_set1_ps(p[j + 1]);
+                for (int k = 0; k < 4; k++) {
+                    a[k] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * k), a[k]);
+                    a[4 + k] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * k), a[4 + k]);
+                }
+            }
+            if (j < n) {
+                const __m512 p0 = _mm512_set1_ps(p[j]);
+                for (int k = 0; k < 4; k++)
+                    a[k] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(V + (int64_t)j * D + i0 + 16 * k), a[k]);
+            }
+            for (int k = 0; k < 4; k++) _mm512_storeu_ps(o + i0 + 16 * k, _mm512_add_ps(a[k], a[4 + k]));
+        }
+        return;
+    }
+#endif
+    for (int i = 0; i < D; i++) o[i] = 0.f;
+    for (int j = 0; j < n; j++) {
+        const float* vj = V + (int64_t)j * D;
+        for (int i = 0; i < D; i++) o[i] += p[j] * vj[i];
+    }
+}
+
+/* One decode position per sequence. qkv row b (stride qs) holds q [H, D], k [Hkv, D], v [Hkv, D].
+   k/v are written into the caches kc[b], vc[b] ([Hkv, cap[b], D]) at pos[b]; each query head
+   h attends (softmax(scale * q.K)) over positions [lo, pos[b]] of KV head h / (H / Hkv), lo
+   = pos - window + 1 when window > 0. out [B, H*D]. The query heads sharing a KV head are
+   done one after another over the same K/V rows, which stay in cache between them. Returns -1 when out of memory. */
+int attend(const float* qkv, int64_t qs, float* const* kc, float* const* vc, const int* cap, const int* pos,
+           int window, float* out, int B, int H, int Hkv, int D, float scale) {
+    const int rep = H / Hkv;
+    int longest = 1;
+    for (int b = 0; b < B; b++) longest = pos[b] + 1 > longest ? pos[b] + 1 : longest;
+    float* S = malloc(sizeof(float) * (size_t)longest * rep);
+    if (!S) return -1;
+    for (int b = 0; b < B; b++) {
+        const float* q = qkv + b * qs;
+        const float* k = q + (int64_t)H * D;
+        const float* v = k + (int64_t)Hkv * D;
+        const int64_t C = cap[b];
+        const int t = pos[b];
+        for (int kh = 0; kh < Hkv; kh++) {
+            memcpy(kc[b] + ((int64_t)kh * C + t) * D, k + (int64_t)kh * D, sizeof(float) * D);
+            memcpy(vc[b] + ((int64_t)kh * C + t) * D, v + (int64_t)kh * D, sizeof(float) * D);
+        }
+        const int lo = window > 0 && t + 1 > window ? t + 1 - window : 0;
+        const int len = t + 1 - lo;
+        for (int kh = 0; kh < Hkv; kh++) {
+            const float* K = kc[b] + ((int64_t)kh * C + lo) * D;
+            const float* V = vc[b] + ((int64_t)kh * C + lo) * D;
+            const float* qh = q + (int64_t)kh * rep * D;
+            for (int r = 0; r < rep; r++) scores(qh + (int64_t)r * D, K, D, len, scale, S + (int64_t)r * len);
+            float inv[rep];
+            for (int r = 0; r < rep; r++) {
+                float* sr = S + (int64_t)r * len;
+                float m = -INFINITY;
+                for (int j = 0; j < len; j++) m = sr[j] > m ? sr[j] : m;
+                float sum = 0.f;
+                for (int j = 0; j < len; j++) {
+                    sr[j] = exp_approx(sr[j] - m);
+                    sum += sr[j];
+                }
+                inv[r] = 1.0f / sum;
+            }
+            for (int r = 0; r < rep; r++) {
+                float* o = out + ((int64_t)b * H + kh * rep + r) * D;
+                weighted_sum(S + (int64_t)r * len, V, D, len, o);
+                for (int i = 0; i < D; i++) o[i] *= inv[r];
+            }
+        }
+    }
+    free(S);
+    return 0;
+}
+
+/* gu [B, 2F] = [gate | up] -> out [B, F] = act(gate) * up; kind 0: silu, 1: gelu (tanh form). */
+void glu(const float* gu, float* out, int B, int F, int kind) {
+    for (int b = 0; b < B; b++) {
+        const float* g = gu + (int64_t)b * 2 * F;
+        const float* u = g + F;
+        float* o = out + (int64_t)b * F;
+        if (kind == 0) {
+            for (int i = 0; i < F; i++) o[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
+        } else {
+            for (int i = 0; i < F; i++) {
+                const float x = g[i];
+                /* 1 + tanh(z) = 2 / (1 + exp(-2z)) */
+                const float z = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+                o[i] = x / (1.0f + exp_approx(-2.0f * z)) * u[i];
+            }
+        }
+    }
+}
+
+/* y += x over n values, then (when w) out = rms_norm(y) — the residual add fused with the next norm. */
+void add_rms(float* y, const float* x, int64_t n_total, const float* w, float* out, int B, int n, float eps) {
+    for (int64_t i = 0; i < n_total; i++) y[i] += x[i];
+    if (w) rms_norm(y, n, w, out, n, B, 1, n, eps);
+}
+"""
+
+_LIB: ctypes.CDLL | None = None
+_TRIED = False
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled ops (None when the matvec kernel is off or there is no compiler)."""
+    global _LIB, _TRIED
+    if not _TRIED:
+        _TRIED = True
+        if kernel() is None:
+            return None
+        try:
+            lib = build_library("cpu_decode_ops", SOURCE)
+        except OSError:
+            lib = None
+        if lib is not None:
+            lib.rms_norm.argtypes = [_P, _L, _P, _P, _L, _I, _I, _I, _F]
+            lib.rms_norm.restype = None
+            lib.rope.argtypes = [_P, _L, _P, _I, _I, _I, _I, _I]
+            lib.rope.restype = None
+            lib.attend.argtypes = [_P, _L, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _F]
+            lib.attend.restype = _I
+            lib.glu.argtypes = [_P, _P, _I, _I, _I]
+            lib.glu.restype = None
+            lib.add_rms.argtypes = [_P, _P, _L, _P, _P, _I, _I, _F]
+            lib.add_rms.restype = None
+        _LIB = lib
+    return _LIB

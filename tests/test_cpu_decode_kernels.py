@@ -1,0 +1,281 @@
+"""The CPU decode kernels and the host decode step.
+
+* the quantized matvec (every width, batch 1..9, odd row counts and group counts) against the
+  numpy reference of what it computes and against MLX's own ``quantized_matmul``, on every
+  vector ISA the machine can build (AVX-512, AVX2, portable C);
+* the per-layer decode ops (norms, RoPE, attention over KV buffers, gated activations)
+  against their numpy reference;
+* the whole host decode step against the MLX graph with MLX's quantized matmuls (no hf2q
+  kernel on that side), token for token on tiny quantized models of each family and on SmolLM2;
+  batched host decode against single decodes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from contextlib import contextmanager
+
+import hf2q.engine  # noqa: F401
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from hf2q.kernels import cpu_decode_ops_ref as ops_ref
+from hf2q.kernels import cpu_qmatvec, cpu_qmatvec_ref
+from tests.engine_support import load_runner, random_tokens
+
+pytestmark = pytest.mark.skipif(cpu_qmatvec.kernel() is None, reason="no C compiler")
+
+
+def _quantized(rows: int, n: int, bits: int, seed: int):
+    rng = np.random.default_rng(seed)
+    w = mx.array(rng.standard_normal((rows, n)).astype(np.float32))
+    wq, s, b = mx.quantize(w, group_size=32, bits=bits)
+    mx.eval(wq, s, b)
+    return wq, s, b, np.asarray(memoryview(wq)).view(np.uint8).reshape(rows, -1), np.asarray(memoryview(s)), \
+        np.asarray(memoryview(b))
+
+
+def _mlx_reference(x, wq, s, b, bits):
+    return np.array(mx.quantized_matmul(mx.array(x), wq, s, b, transpose=True, group_size=32, bits=bits))
+
+
+@pytest.fixture(scope="module", params=["native", "avx2", "portable"])
+def isa_kernel(request):
+    """The matvec library built for one vector ISA (skipped when this CPU cannot run it)."""
+    if request.param == "native":
+        yield cpu_qmatvec.kernel()
+        return
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HF2Q_NO_AVX512", "1")
+    if request.param == "portable":
+        mp.setenv("HF2Q_NO_AVX2", "1")
+    lib = cpu_qmatvec._compile()
+    mp.undo()
+    want = {"avx2": 256, "portable": 0}[request.param]
+    if lib is None or lib.simd_width() != want:
+        pytest.skip(f"{request.param} build not available here")
+    saved = cpu_qmatvec._LIB
+    cpu_qmatvec._LIB = lib
+    yield lib
+    cpu_qmatvec._LIB = saved
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_qmatvec_matches_reference_and_mlx(bits, isa_kernel):
+    # rows: below / at / across the 4-row tiles; n: odd group counts (3 groups) and SmolLM2's width
+    for rows, n in [(1, 32), (7, 96), (37, 576), (130, 160)]:
+        wq, s, b, packed, sc, bi = _quantized(rows, n, bits, seed=rows * 10 + bits)
+        for batch in range(1, 10):
+            x = np.random.default_rng(batch).standard_normal((batch, n)).astype(np.float32)
+            got = cpu_qmatvec.qmatvec(packed, sc, bi, x, bits)
+            exact = cpu_qmatvec_ref.qmatvec(packed, sc, bi, x, bits)
+            scale = np.abs(exact).max() + 1.0
+            assert got.shape == (batch, rows) and got.dtype == np.float32
+            np.testing.assert_allclose(got, exact, rtol=0, atol=2e-6 * scale * np.sqrt(n))
+            np.testing.assert_allclose(got, _mlx_reference(x, wq, s, b, bits), rtol=1e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("bits", [3, 5, 6])
+def test_odd_widths_as_unpacked_bytes(bits):
+    """Linear hands 3/5/6-bit weights to the kernel as one byte per weight (bits=8)."""
+    from hf2q.engine.quant_repack import unpack_bits
+
+    wq, s, b, packed, sc, bi = _quantized(45, 192, bits, seed=bits)
+    x = np.random.default_rng(0).standard_normal((5, 192)).astype(np.float32)
+    got = cpu_qmatvec.qmatvec(unpack_bits(packed.view(np.uint32), bits, 192), sc, bi, x, 8)
+    np.testing.assert_allclose(got, _mlx_reference(x, wq, s, b, bits), rtol=1e-4, atol=2e-4)
+
+
+def test_reference_unpack_matches_mlx_dequantize():
+    for bits in (2, 3, 4, 5, 6, 8):
+        wq, s, b, packed, sc, bi = _quantized(9, 64, bits, seed=bits)
+        ours = cpu_qmatvec_ref.dequantize(packed, sc, bi, bits)
+        theirs = np.array(mx.dequantize(wq, s, b, group_size=32, bits=bits))
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5)
+
+
+def test_group_of_matrices_equals_separate_calls():
+    mats = [_quantized(r, 96, bits, seed=r)[3:] + (bits,) for r, bits in [(13, 4), (6, 8), (9, 5), (32, 4)]]
+    group = cpu_qmatvec.QMatrixGroup(mats)
+    for batch in (1, 4, 6):
+        x = np.random.default_rng(batch).standard_normal((batch, 96)).astype(np.float32)
+        alone = np.concatenate([cpu_qmatvec.qmatvec(*m[:3], x, m[3]) for m in mats], axis=1)
+        np.testing.assert_array_equal(group(x), alone)
+    with pytest.raises(ValueError):
+        group(np.zeros((1, 64), np.float32))
+    with pytest.raises(ValueError):
+        cpu_qmatvec.QMatrixGroup([mats[0], _quantized(4, 64, 4, 0)[3:] + (4,)])
+
+
+# ---------------------------------------------------------------------------- per-layer ops
+
+def _ops():
+    from hf2q.kernels.cpu_decode_ops import library
+
+    lib = library()
+    assert lib is not None
+    return lib
+
+
+def _p(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+def test_rms_norm_op_per_row_and_per_head():
+    ops, rng = _ops(), np.random.default_rng(0)
+    x = rng.standard_normal((3, 5 * 16)).astype(np.float32)
+    w = rng.standard_normal(16).astype(np.float32)
+    out = np.empty_like(x)
+    ops.rms_norm(_p(x), 80, _p(w), _p(out), 80, 3, 5, 16, 1e-6)  # 5 heads of 16 per row
+    ref = ops_ref.rms_norm(x.reshape(3, 5, 16), w, 1e-6).reshape(3, 80)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+    w80 = rng.standard_normal(80).astype(np.float32)
+    ref = ops_ref.rms_norm(x, w80, 1e-5)
+    ops.rms_norm(_p(x), 80, _p(w80), _p(x), 80, 3, 1, 80, 1e-5)  # in place, one vector per row
+    np.testing.assert_allclose(x, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("traditional", [True, False])
+def test_rope_op(traditional):
+    ops, rng = _ops(), np.random.default_rng(1)
+    B, heads, D, d, stride = 2, 3, 32, 24, 3 * 32 + 8  # partial rotary dims, padded rows
+    buf = rng.standard_normal((B, stride)).astype(np.float32)
+    ang = rng.uniform(0, 50, (B, d // 2))
+    table = np.concatenate([np.cos(ang), np.sin(ang)], axis=1).astype(np.float32)
+    x = buf[:, : heads * D].reshape(B, heads, D).copy()
+    tail = buf[:, heads * D:].copy()
+    ops.rope(_p(buf), stride, _p(table), B, heads, D, d, int(traditional))
+    ref = ops_ref.rope(x, table[:, : d // 2], table[:, d // 2:], traditional)
+    np.testing.assert_allclose(buf[:, : heads * D].reshape(B, heads, D), ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(buf[:, heads * D:], tail)
+
+
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("D", [24, 16, 64, 128])  # the generic loops, and each vector path
+def test_attend_op_writes_kv_and_attends(window, D):
+    ops, rng = _ops(), np.random.default_rng(2)
+    B, H, Hkv, cap = 3, 6, 2, 40
+    pos = [0, 7, 34]
+    K = [rng.standard_normal((Hkv, cap, D)).astype(np.float32) for _ in range(B)]
+    V = [rng.standard_normal((Hkv, cap, D)).astype(np.float32) for _ in range(B)]
+    qkv = rng.standard_normal((B, (H + 2 * Hkv) * D)).astype(np.float32)
+    out = np.empty((B, H * D), np.float32)
+    kp = (ctypes.c_void_p * B)(*[_p(k) for k in K])
+    vp = (ctypes.c_void_p * B)(*[_p(v) for v in V])
+    rc = ops.attend(_p(qkv), qkv.shape[1], kp, vp, (ctypes.c_int * B)(*[cap] * B), (ctypes.c_int * B)(*pos),
+                    window, _p(out), B, H, Hkv, D, 0.3)
+    assert rc == 0
+    for b in range(B):  # the new k, v landed at pos[b]
+        np.testing.assert_array_equal(K[b][:, pos[b]], qkv[b, H * D:(H + Hkv) * D].reshape(Hkv, D))
+        np.testing.assert_array_equal(V[b][:, pos[b]], qkv[b, (H + Hkv) * D:].reshape(Hkv, D))
+    ref = ops_ref.attend(qkv[:, : H * D].reshape(B, H, D), K, V, pos, window, 0.3)
+    np.testing.assert_allclose(out.reshape(B, H, D), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", [0, 1])
+def test_glu_op(kind):
+    ops, rng = _ops(), np.random.default_rng(3)
+    B, F = 3, 100
+    gu = (rng.standard_normal((B, 2 * F)) * 4).astype(np.float32)
+    out = np.empty((B, F), np.float32)
+    ops.glu(_p(gu), _p(out), B, F, kind)
+    np.testing.assert_allclose(out, ops_ref.glu(gu[:, :F], gu[:, F:], kind), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------- the host decode step
+
+@contextmanager
+def _mlx_graph_only(runner):
+    """Decode through the MLX graph with MLX's own quantized matmuls (no hf2q kernel)."""
+    m = runner.model
+    lins = [m.embed, m.lm_head] + [lin for layer in m.layers for lin in (
+        layer.attn.q, layer.attn.k, layer.attn.v, layer.attn.o, layer.ffn.gate, layer.ffn.up, layer.ffn.down)]
+    saved = [(lin, lin._host) for lin in lins]
+    host = runner.host_decoder
+    runner.host_decoder = None
+    for lin in lins:
+        lin._host = None
+    try:
+        yield
+    finally:
+        runner.host_decoder = host
+        for lin, h in saved:
+            lin._host = h
+
+
+@pytest.fixture(scope="module")
+def quantized_runners(tiny_checkpoint, tmp_path_factory):
+    from hf2q.cli import main
+
+    out = {}
+    for family, quant in [("llama", "q4_0"), ("llama", "q8_0"), ("qwen3", "q5_0"), ("gemma3", "q4_0")]:
+        src = tiny_checkpoint(family)
+        path = tmp_path_factory.mktemp(f"{family}-{quant}") / "m.gguf"
+        assert main(["convert", str(src), "-q", quant, "-o", str(path), "--no-integrity"]) == 0
+        out[(family, quant)] = load_runner(path, src)
+    return out
+
+
+@pytest.mark.parametrize("key", [("llama", "q4_0"), ("llama", "q8_0"), ("qwen3", "q5_0"), ("gemma3", "q4_0")])
+def test_host_decode_equals_mlx_graph_token_for_token(key, quantized_runners):
+    r = quantized_runners[key]
+    assert r.host_decoder is not None
+    prompts = [random_tokens(n, seed=200 + n) for n in (4, 21, 9)]  # gemma3's window is 16
+    host_seqs = [r.new_sequence() for _ in prompts]
+    mlx_seqs = [r.new_sequence() for _ in prompts]
+    toks = [int(np.argmax(r.prefill(s, p))) for s, p in zip(host_seqs, prompts)]
+    for s, p in zip(mlx_seqs, prompts):
+        r.prefill(s, p)
+    for _ in range(10):
+        host = r.decode(host_seqs, toks)
+        with _mlx_graph_only(r):
+            ref = r.decode(mlx_seqs, toks)
+        np.testing.assert_allclose(host, ref, rtol=0, atol=1e-4 * max(1.0, float(np.abs(ref).max())))
+        assert list(np.argmax(host, -1)) == list(np.argmax(ref, -1))
+        toks = [int(t) for t in np.argmax(ref, -1)]
+
+
+def test_host_embedding_rows_match_mlx(quantized_runners):
+    from hf2q.engine.cpu_decode import HostEmbedding
+
+    ids = np.array([0, 7, 511, 3, 7])
+    for r in quantized_runners.values():
+        emb = r.model.embed
+        out = np.empty((len(ids), emb.shape[1]), np.float32)
+        HostEmbedding(emb)(ids, out)
+        ref = np.array(emb.rows(mx.array(ids.astype(np.int32))))
+        np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_batched_host_decode_equals_single_decodes(quantized_runners):
+    r = quantized_runners[("gemma3", "q4_0")]
+    prompts = [random_tokens(n, seed=300 + n) for n in (2, 5, 17, 8, 30)]  # 5 rows: a 4-tile and a tail
+    batch = [r.new_sequence() for _ in prompts]
+    alone = [r.new_sequence() for _ in prompts]
+    toks = [int(np.argmax(r.prefill(s, p))) for s, p in zip(batch, prompts)]
+    for s, p in zip(alone, prompts):
+        r.prefill(s, p)
+    for _ in range(6):
+        together = r.decode(batch, toks)
+        single = np.stack([r.decode([s], [t])[0] for s, t in zip(alone, toks)])
+        np.testing.assert_allclose(together, single, rtol=0, atol=1e-5 * max(1.0, float(np.abs(single).max())))
+        toks = [int(t) for t in np.argmax(single, -1)]
+        assert list(np.argmax(together, -1)) == toks
+
+
+@pytest.mark.slow
+def test_smollm2_host_decode_equals_mlx_graph(smollm2_gguf):
+    from hf2q.engine.runner import MlxModelRunner
+
+    r = MlxModelRunner.load(smollm2_gguf)
+    assert r.host_decoder is not None
+    prompt = random_tokens(12, low=100, high=20000, seed=7)
+    a, b = r.new_sequence(), r.new_sequence()
+    host_toks = [int(np.argmax(r.prefill(a, prompt)))]
+    mlx_toks = [int(np.argmax(r.prefill(b, prompt)))]
+    for _ in range(24):
+        host_toks.append(int(np.argmax(r.decode([a], [host_toks[-1]])[0])))
+        with _mlx_graph_only(r):
+            mlx_toks.append(int(np.argmax(r.decode([b], [mlx_toks[-1]])[0])))
+    assert host_toks == mlx_toks
