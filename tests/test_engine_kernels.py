@@ -58,3 +58,209 @@ def test_fast_blas_is_loaded():
 
     status = cpu_blas.status()
     assert status.startswith("openblas") or "disabled" in status or "unavailable" in status
+
+
+# --- fused CPU attention (hf2q/kernels/cpu_attention.py) -------------------------------------------------
+
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+
+from hf2q.kernels import cpu_attention, cpu_attention_ref, cpu_blas  # noqa: E402
+
+
+def _needs_fused_kernel():
+    if cpu_attention.kernel() is None:
+        pytest.skip("no C compiler or no fast BLAS")
+
+
+@pytest.fixture(params=[1, 2], ids=["1-worker", "2-workers"])
+def blas_workers(request, monkeypatch):
+    """Run a test with the shared BLAS pool at 1 and at 2 workers (tiles/slices taken from a shared counter)."""
+    if request.param == 1:
+        monkeypatch.setattr(cpu_blas, "_POOL", [None])
+        monkeypatch.setenv("HF2Q_BLAS_THREADS", "1")
+        yield 1
+        return
+    pool = ThreadPoolExecutor(2, initializer=cpu_blas.single_threaded_here)
+    monkeypatch.setattr(cpu_blas, "_POOL", [pool])
+    monkeypatch.setenv("HF2Q_BLAS_THREADS", "2")
+    yield 2
+    pool.shutdown()
+
+
+def _qkv(rng, B, H, Hkv, T, L, D, Dv=None):
+    Dv = Dv or D
+    q = rng.standard_normal((B, H, T, D)).astype(np.float32)
+    k = rng.standard_normal((B, Hkv, L, D)).astype(np.float32)
+    v = rng.standard_normal((B, Hkv, L, Dv)).astype(np.float32)
+    return q, k, v
+
+
+def _causal(T, offset, L, window=None):
+    qpos = offset + np.arange(T)[:, None]
+    kpos = np.arange(L)[None, :]
+    m = kpos <= qpos
+    if window is not None:
+        m &= kpos > qpos - window
+    return m[None, None]
+
+
+# (B, H, Hkv, T, offset, D, window): T not a multiple of any tile, offsets > 0, GQA groups of 3 and 1,
+# head sizes on the register-blocked path (64, 128) and on the BLAS path (32), T = 1 (one decode row)
+ATTENTION_CASES = {
+    "causal-gqa3-d64": (1, 9, 3, 300, 0, 64, None),
+    "offset-gqa3-d64": (1, 9, 3, 181, 437, 64, None),
+    "window-gqa2-d64": (1, 4, 2, 333, 200, 64, 48),
+    "mha-d128": (1, 2, 2, 130, 70, 128, None),
+    "blas-path-d32": (1, 6, 2, 300, 64, 32, 24),
+    "t1-decode-row": (1, 9, 3, 1, 777, 64, None),
+    "t1-window": (1, 4, 1, 1, 500, 64, 100),
+}
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES.values(), ids=ATTENTION_CASES.keys())
+def test_fused_attention_matches_reference_and_sdpa(case, blas_workers):
+    _needs_fused_kernel()
+    B, H, Hkv, T, off, D, window = case
+    L = off + T
+    rng = np.random.default_rng(T + off + D)
+    q, k, v = _qkv(rng, B, H, Hkv, T, L, D)
+    mask = _causal(T, off, L, window)
+    scale = D ** -0.5
+    got = cpu_attention.attention(mx.array(q), mx.array(k), mx.array(v), scale, mask)
+    assert got is not None
+    got = np.array(got)
+    ref = cpu_attention_ref.attention(q, k, v, scale, mask)
+    np.testing.assert_allclose(got, ref, atol=2e-5, rtol=1e-4)
+    sdpa = np.array(mx.fast.scaled_dot_product_attention(mx.array(q), mx.array(k), mx.array(v), scale=scale,
+                                                         mask=mx.array(mask)))
+    np.testing.assert_allclose(got, sdpa, atol=2e-5, rtol=1e-4)
+
+
+def test_fused_attention_unmasked_and_sliced_cache(blas_workers):
+    """No mask (every key), keys/values as a slice of a larger cache buffer (strided, zero-copy)."""
+    _needs_fused_kernel()
+    rng = np.random.default_rng(7)
+    q, k, v = _qkv(rng, 1, 6, 3, 77, 512, 64)
+    kc, vc = mx.array(k), mx.array(v)
+    ks, vs = kc[:, :, :200, :], vc[:, :, :200, :]  # like SequenceCache: capacity > length
+    got = np.array(cpu_attention.attention(mx.array(q), ks, vs, 0.3, None))
+    ref = cpu_attention_ref.attention(q, k[:, :, :200], v[:, :, :200], 0.3, None)
+    np.testing.assert_allclose(got, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_fused_attention_batched_decode_padding():
+    """A batched decode step: each row attends to its own sequence length (padding beyond it)."""
+    _needs_fused_kernel()
+    rng = np.random.default_rng(3)
+    lengths = [40, 300, 129]
+    B, L = len(lengths), max(lengths)
+    q, k, v = _qkv(rng, B, 9, 3, 1, L, 64)
+    mask = np.zeros((B, 1, 1, L), dtype=bool)
+    for b, n in enumerate(lengths):
+        mask[b, 0, 0, :n] = True
+    got = np.array(cpu_attention.attention(mx.array(q), mx.array(k), mx.array(v), 0.125, mask))
+    ref = cpu_attention_ref.attention(q, k, v, 0.125, mask)
+    np.testing.assert_allclose(got, ref, atol=2e-5, rtol=1e-4)
+    sdpa = np.array(mx.fast.scaled_dot_product_attention(mx.array(q), mx.array(k), mx.array(v), scale=0.125,
+                                                         mask=mx.array(mask)))
+    np.testing.assert_allclose(got, sdpa, atol=2e-5, rtol=1e-4)
+
+
+def test_irregular_mask_falls_back_to_numpy_path():
+    """A mask whose allowed keys are not one range per row is not the fused kernel's: it declines,
+    and cpu_ops.attention still gives the right answer through its numpy path."""
+    rng = np.random.default_rng(5)
+    q, k, v = _qkv(rng, 1, 4, 2, 64, 128, 64)
+    mask = _causal(64, 64, 128).copy()
+    mask[..., 10:20] = False  # a hole inside the allowed range
+    assert cpu_attention.row_ranges(mask, 1, 64, 128) is None
+    assert cpu_attention.attention(mx.array(q), mx.array(k), mx.array(v), 0.125, mask) is None
+    got = np.array(cpu_ops.attention(mx.array(q), mx.array(k), mx.array(v), 0.125, mask))
+    np.testing.assert_allclose(got, cpu_attention_ref.attention(q, k, v, 0.125, mask), atol=2e-5, rtol=1e-4)
+
+
+def test_row_ranges_of_window_mask():
+    mask = _causal(5, 3, 8, window=3)
+    lo, hi = cpu_attention.row_ranges(mask, 1, 5, 8)
+    for t in range(5):
+        allowed = np.flatnonzero(mask[0, 0, t])
+        assert (lo[0, t], hi[0, t]) == (allowed[0], allowed[-1] + 1)
+
+
+# --- host prefill products (cpu_blas.matmul_t, activations, Linear / GatedMLP host path) -----------------
+
+@pytest.mark.parametrize("pinned", [False, True], ids=["openblas-threads", "row-slices-on-pool"])
+def test_matmul_t_matches_numpy(blas_workers, pinned, monkeypatch):
+    if not cpu_blas.has_matmul():
+        pytest.skip("no fast BLAS")
+    monkeypatch.setattr(cpu_blas, "_OPENBLAS_PINNED", pinned)
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((3 * cpu_blas.SLICE_ROWS + 17, 200)).astype(np.float32)
+    w = rng.standard_normal((150, 160)).astype(np.float32)
+    xs = x[:, 20:180]  # strided rows: lda != k
+    got = cpu_blas.matmul_t(xs, w)
+    ref = xs.astype(np.float64) @ w.T.astype(np.float64)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-3)
+
+
+def test_host_activations_in_place_match_numpy(blas_workers):
+    rng = np.random.default_rng(2)
+    g = (rng.standard_normal((300, 1000)) * 4).astype(np.float32)
+    u = rng.standard_normal((300, 1000)).astype(np.float32)
+    g64, u64 = g.astype(np.float64), u.astype(np.float64)
+    silu_ref = g64 / (1 + np.exp(-g64)) * u64
+    gelu_ref = 0.5 * g64 * (1 + np.tanh(np.sqrt(2 / np.pi) * (g64 + 0.044715 * g64 ** 3))) * u64
+    np.testing.assert_allclose(cpu_ops.silu_mul_inplace(g.copy(), u), silu_ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(cpu_ops.gelu_tanh_mul_inplace(g.copy(), u), gelu_ref, rtol=1e-5, atol=1e-5)
+
+
+def _q8_linear(rng, out_dim, in_dim):
+    from gguf import GGMLQuantizationType, quants
+
+    from hf2q.engine.layers import Linear
+    from hf2q.formats.gguf_file import GGUFTensor
+
+    w = rng.standard_normal((out_dim, in_dim)).astype(np.float32)
+    raw = quants.quantize(w, GGMLQuantizationType.Q8_0)
+    t = GGUFTensor(name="w", qtype=GGMLQuantizationType.Q8_0, shape=(out_dim, in_dim), data=raw, nbytes=raw.nbytes)
+    return Linear(t, mx.float32), quants.dequantize(raw, GGMLQuantizationType.Q8_0).astype(np.float64)
+
+
+@pytest.mark.parametrize("budget_mb", ["0", "512"], ids=["dense-cache-off", "dense-cache-on"])
+def test_linear_and_gated_mlp_host_prefill(budget_mb, monkeypatch):
+    """The CPU prefill path (host sgemm over the dequantized weight, kept or not) against float64 numpy
+    over gguf's own dequantization; a repeated call (cached weight) gives the same result."""
+    if not cpu_blas.has_matmul():
+        pytest.skip("no fast BLAS")
+    from hf2q.engine import layers
+
+    monkeypatch.setenv("HF2Q_DENSE_CACHE_MB", budget_mb)
+    rng = np.random.default_rng(4)
+    gate, wg = _q8_linear(rng, 96, 64)
+    up, wu = _q8_linear(rng, 96, 64)
+    down, wd = _q8_linear(rng, 64, 96)
+    x = rng.standard_normal((1, 40, 64)).astype(np.float32)
+    assert gate.on_host(40)
+    ref = x[0].astype(np.float64) @ wg.T
+    for _ in range(2):
+        np.testing.assert_allclose(np.array(gate(mx.array(x)))[0], ref, rtol=1e-4, atol=1e-4)
+    assert (gate._dense_kept is not None) == (budget_mb != "0")
+    mlp = layers.GatedMLP(gate, up, down)
+    g, u = x[0].astype(np.float64) @ wg.T, x[0].astype(np.float64) @ wu.T
+    mlp_ref = (g / (1 + np.exp(-g)) * u) @ wd.T
+    # float32 sums of terms ~|mlp_ref|.max(): absolute tolerance on that scale
+    np.testing.assert_allclose(np.array(mlp(mx.array(x)))[0], mlp_ref, rtol=1e-4, atol=1e-5 * np.abs(mlp_ref).max())
+
+
+def test_thread_count_follows_machine_load(monkeypatch):
+    """Unset HF2Q_BLAS_THREADS: all usable cores on an idle machine, one when other work fills them."""
+    monkeypatch.delenv("HF2Q_BLAS_THREADS", raising=False)
+    monkeypatch.setattr(cpu_blas, "threads", lambda: 4)
+    monkeypatch.setattr(cpu_blas, "_OTHERS", [0.0])
+    monkeypatch.setattr(cpu_blas, "_other_runnable", lambda: 0)
+    assert cpu_blas.active_threads() == 4
+    monkeypatch.setattr(cpu_blas, "_other_runnable", lambda: 6)
+    counts = [cpu_blas.active_threads() for _ in range(20)]
+    assert counts[-1] == 1 and counts == sorted(counts, reverse=True)
+    monkeypatch.setenv("HF2Q_BLAS_THREADS", "4")  # an explicit count is kept whatever the load
+    assert cpu_blas.active_threads() == 4

@@ -6,13 +6,21 @@ MLX's quantized matmul is slow for many rows (≈1 GFLOP/s), so a linear layer f
 than ``DENSE_ROWS`` rows dequantizes its weight to float32 for that call and runs one
 BLAS sgemm instead; decode (few rows) runs the C kernel of ``hf2q.kernels.cpu_qmatvec``
 directly on the packed MLX buffers (MLX's own quantized matvec is ~4x slower there).
-See docs/ENGINE.md.
+
+CPU prefill runs on the host: the input is read through a zero-copy view of the MLX
+buffer, the product is one OpenBLAS sgemm per row slice split over the BLAS workers
+(``hf2q.kernels.cpu_blas``), and a gated MLP keeps gate/up/activation/down in numpy with a
+single hand-back to MLX. The float32 copy of a quantized weight is kept between calls
+while the total kept stays under ``HF2Q_DENSE_CACHE_MB`` (default 512; 0 = never): all of
+a small model's weights (SmolLM2-135M: 0.43 GB) so later chunks skip dequantizing, only
+the first layers of a large one. See docs/ENGINE.md.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import weakref
 
 import mlx.core as mx
 import numpy as np
@@ -39,6 +47,37 @@ def float_array(t: GGUFTensor, dtype) -> mx.array:
     from gguf import quants
 
     return mx.array(quants.dequantize(np.asarray(t.data), t.qtype).reshape(t.shape)).astype(dtype)
+
+
+def host_prefill(rows: int) -> bool:
+    """Whether a product over ``rows`` rows runs on the host BLAS path (CPU prefill)."""
+    if not on_cpu() or rows <= DENSE_ROWS:
+        return False
+    from hf2q.kernels import cpu_blas
+
+    return cpu_blas.has_matmul()
+
+
+def host_rows(x: mx.array) -> np.ndarray:
+    """``x [..., n]`` float32 as a numpy ``[rows, n]`` view of the evaluated MLX buffer (copied only
+    when its layout cannot be viewed that way)."""
+    mx.eval(x)
+    a = np.asarray(memoryview(x))
+    return a.reshape(-1, a.shape[-1])
+
+
+def _dense_cache_budget() -> int:
+    try:
+        return int(float(os.environ.get("HF2Q_DENSE_CACHE_MB", "512")) * 2 ** 20)
+    except ValueError:
+        return 512 * 2 ** 20
+
+
+_DENSE_KEPT = [0]  # bytes of float32 weight copies currently kept
+
+
+def _release_dense(nbytes: int) -> None:
+    _DENSE_KEPT[0] -= nbytes
 
 
 #: ``HF2Q_EXACT_SCALES=1`` keeps float32 group scales on GPUs (bit-faithful to the GGUF, slower).
@@ -72,6 +111,7 @@ class Linear:
         else:
             raise InputError(f"tensor {t.name}: unsupported GGUF type {t.qtype.name}")
         mx.eval(self.params())
+        self._dense_kept: np.ndarray | None = None
         self._host = None
         if self.quantized and len(t.shape) == 2 and on_cpu():
             from hf2q.kernels import cpu_qmatvec
@@ -103,8 +143,38 @@ class Linear:
         return mx.dequantize(self.weight, self.scales, self.biases, group_size=self.group_size,
                              bits=self.bits).astype(self.dtype)
 
+    def dense_host(self) -> np.ndarray:
+        """The float32 weight ``[out, in]`` as numpy (a view of the MLX buffer; quantized weights are
+        dequantized, and the result kept while the ``HF2Q_DENSE_CACHE_MB`` budget allows)."""
+        if self._dense_kept is not None:
+            return self._dense_kept
+        w = self.dense()
+        mx.eval(w)
+        a = np.asarray(memoryview(w))
+        if not self.quantized:
+            self._dense_kept = a
+        elif _DENSE_KEPT[0] + a.nbytes <= _dense_cache_budget():
+            _DENSE_KEPT[0] += a.nbytes
+            weakref.finalize(self, _release_dense, a.nbytes)
+            self._dense_kept = a
+        return a
+
+    def host_matmul(self, x: np.ndarray) -> np.ndarray:
+        """``x [rows, in]`` float32 numpy → ``[rows, out]`` numpy (CPU prefill path)."""
+        from hf2q.kernels import cpu_blas
+
+        y = cpu_blas.matmul_t(x, self.dense_host())
+        if self.bias is not None:
+            y += np.asarray(memoryview(self.bias))
+        return y
+
+    def on_host(self, rows: int) -> bool:
+        return len(self.shape) == 2 and self.dtype == mx.float32 and host_prefill(rows)
+
     def __call__(self, x: mx.array) -> mx.array:
         rows = math.prod(x.shape[:-1])
+        if self.on_host(rows) and x.dtype == mx.float32:
+            return mx.array(self.host_matmul(host_rows(x))).reshape(*x.shape[:-1], self.shape[0])
         if not self.quantized:
             y = x @ self.weight.T
         elif on_cpu() and rows > DENSE_ROWS:
@@ -168,6 +238,14 @@ class GatedMLP:
     def __call__(self, x: mx.array) -> mx.array:
         from hf2q.kernels import cpu_ops
 
+        rows = math.prod(x.shape[:-1])
+        if (self.act in (silu, gelu_tanh) and x.dtype == mx.float32
+                and all(lin.on_host(rows) for lin in (self.gate, self.up, self.down))):
+            # CPU prefill: gate, up, the activation (in place) and down all on the host
+            xh = host_rows(x)
+            g, u = self.gate.host_matmul(xh), self.up.host_matmul(xh)
+            (cpu_ops.silu_mul_inplace if self.act is silu else cpu_ops.gelu_tanh_mul_inplace)(g, u)
+            return mx.array(self.down.host_matmul(g)).reshape(*x.shape[:-1], self.down.shape[0])
         if self.act is silu:
             h = cpu_ops.silu_mul(self.gate(x), self.up(x))
         elif self.act is gelu_tanh:

@@ -11,20 +11,38 @@ lack. The MLX wheel bundles a libgfortran under a hashed name; we copy it once i
 hf2q cache with its SONAME rewritten to ``libgfortran.so.5`` (same-length-or-shorter
 string patch of the dynamic string table) and load it first, so the loader finds the
 dependency already present. Everything is best effort: any failure leaves MLX on its
-own BLAS and :func:`status` says why. ``HF2Q_NO_FAST_BLAS=1`` disables it;
-``HF2Q_BLAS_THREADS`` (or ``OPENBLAS_NUM_THREADS``) sets its thread count (default 1:
-spinning OpenBLAS threads collapse on a machine whose cores are shared).
+own BLAS and :func:`status` says why. ``HF2Q_NO_FAST_BLAS=1`` disables it.
+
+Threads (``HF2Q_BLAS_THREADS``, default: the cores this process may use). OpenBLAS's
+workers busy-wait for work (by default 2^28 cycles after each call); on the shared 2-core
+box, with another process on one core, that spin once collapsed a 2-thread prefill
+20-50x, so hf2q used to run one thread. Now OpenBLAS gets ``OPENBLAS_THREAD_TIMEOUT=4``
+(its workers sleep almost at once; a prefill product is one large call, so the wake-up
+is noise), and the work hf2q splits itself — the fused attention kernel, the
+activations — runs on our own :func:`pool`, whose idle workers sleep on a queue and whose
+busy ones take the next tile from a shared counter, so a worker on a contended core just
+does fewer tiles. Pool workers call OpenBLAS single-threaded. Measured on the shared box
+with an extra busy-loop process: SmolLM2 pp2048 6.3 s with 2 threads vs 7.5 s with 1.
+:func:`matmul_t` hands a whole product to OpenBLAS when it is threaded (its threads share
+the packed weight panels; slicing rows ourselves repacked the weight per slice and ran
+~20% slower) and slices rows over the pool only when OpenBLAS was pinned to one thread.
 """
 
 from __future__ import annotations
 
 import ctypes
 import glob
+import itertools
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
+
 _STATE: dict[str, str] = {"blas": "not attempted"}
+_LIB: ctypes.CDLL | None = None
+_OPENBLAS_PINNED = False  # the user set OPENBLAS_NUM_THREADS=1: keep it, slice rows over our pool
 
 
 def _site_dirs() -> list[Path]:
@@ -59,21 +77,25 @@ def _patched_gfortran(src: Path, cache: Path) -> Path:
 
 def preload() -> str:
     """Load OpenBLAS globally (idempotent). Returns a one-line status."""
+    global _LIB
     if _STATE["blas"] != "not attempted":
         return _STATE["blas"]
     if os.environ.get("HF2Q_NO_FAST_BLAS"):
         _STATE["blas"] = "disabled by HF2Q_NO_FAST_BLAS"
         return _STATE["blas"]
     # OpenBLAS busy-waits between calls; with more threads than idle cores (a shared box,
-    # or load that arrives after start-up) throughput collapses 20-50x (measured: a 2048-token
-    # SmolLM2 prefill chunk went from ~10 s to 187 s), so one thread unless asked.
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", str(os.environ.get("HF2Q_BLAS_THREADS") or 1))
+    # or load that arrives after start-up) throughput collapsed 20-50x (measured: a 2048-token
+    # SmolLM2 prefill chunk went from ~10 s to 187 s): a short spin timeout (module docstring).
+    global _OPENBLAS_PINNED
+    _OPENBLAS_PINNED = os.environ.get("OPENBLAS_NUM_THREADS") == "1"
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", str(threads()))
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
     try:
         openblas = _find("cmeel.prefix/lib/libopenblas.so.0")
         if openblas is None:
             raise OSError("cmeel-openblas is not installed")
         try:
-            ctypes.CDLL(str(openblas), mode=ctypes.RTLD_GLOBAL)
+            lib = ctypes.CDLL(str(openblas), mode=ctypes.RTLD_GLOBAL)
         except OSError:
             gfortran = _find("mlx_cpu.libs/libgfortran-*.so*")
             quadmath = _find("mlx_cpu.libs/libquadmath-*.so*")
@@ -84,7 +106,8 @@ def preload() -> str:
             if quadmath is not None:
                 ctypes.CDLL(str(quadmath), mode=ctypes.RTLD_GLOBAL)
             ctypes.CDLL(str(_patched_gfortran(gfortran, cache_root() / "blas")), mode=ctypes.RTLD_GLOBAL)
-            ctypes.CDLL(str(openblas), mode=ctypes.RTLD_GLOBAL)
+            lib = ctypes.CDLL(str(openblas), mode=ctypes.RTLD_GLOBAL)
+        _LIB = lib
         _STATE["blas"] = f"openblas ({openblas})"
     except OSError as e:
         _STATE["blas"] = f"reference BLAS (fast BLAS unavailable: {e})"
@@ -93,3 +116,151 @@ def preload() -> str:
 
 def status() -> str:
     return _STATE["blas"]
+
+
+def sgemm_address() -> int | None:
+    """Address of the loaded OpenBLAS ``cblas_sgemm`` (for C kernels that tile their own products),
+    or None when only MLX's reference BLAS is there."""
+    if _LIB is None:
+        return None
+    return ctypes.cast(_LIB.cblas_sgemm, ctypes.c_void_p).value
+
+
+def single_threaded_here() -> None:
+    """Make OpenBLAS calls from the current thread run on that thread alone (a worker of our own
+    thread pool must not fan out again). Needs ``openblas_set_num_threads_local`` (OpenBLAS ≥ 0.3.27);
+    older builds keep their global setting."""
+    fn = getattr(_LIB, "openblas_set_num_threads_local", None) if _LIB is not None else None
+    if fn is not None:
+        fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+        fn(1)
+
+
+def threads() -> int:
+    """Threads for the large CPU products: ``HF2Q_BLAS_THREADS``, default the cores this process may use."""
+    try:
+        return max(1, int(os.environ["HF2Q_BLAS_THREADS"]))
+    except (KeyError, ValueError):
+        try:
+            return max(1, len(os.sched_getaffinity(0)))
+        except (AttributeError, OSError):
+            return os.cpu_count() or 1
+
+
+_OTHERS = [0.0]  # smoothed count of other runnable threads on the machine
+_OPENBLAS_SET = [0]
+
+
+def active_threads() -> int:
+    """Threads to use for the next product: ``HF2Q_BLAS_THREADS`` when set; otherwise the usable cores
+    minus the other runnable work on the machine (``/proc/loadavg``, smoothed), at least 1.
+
+    Every threaded product ends in a barrier; on a core that other processes hold, our thread
+    waits in the run queue for its slice and the whole product waits with it. Measured on the
+    shared 2-core box: 2 threads beat 1 with one other busy process (pp2048 6.3 vs 7.5 s) and
+    lost badly with three (5.6k tokens: 36 s vs 27 s), so the count follows the load."""
+    n = threads()
+    if n == 1 or os.environ.get("HF2Q_BLAS_THREADS"):
+        return n
+    others = _other_runnable()
+    if others is None:
+        return n
+    _OTHERS[0] = 0.7 * _OTHERS[0] + 0.3 * others
+    return max(1, min(n, n + 1 - round(_OTHERS[0])))
+
+
+def _other_runnable() -> int | None:
+    """Runnable threads on the machine right now, less the one asking (None where unknown)."""
+    try:
+        with open("/proc/loadavg") as f:
+            return max(0, int(f.read().split()[3].split("/")[0]) - 1)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def use_openblas_threads(n: int) -> None:
+    """Set OpenBLAS's thread count for the following calls (no-op when unchanged)."""
+    if _LIB is None or _OPENBLAS_SET[0] == n or _OPENBLAS_PINNED:
+        return
+    fn = getattr(_LIB, "openblas_set_num_threads", None)
+    if fn is not None:
+        fn.argtypes, fn.restype = [ctypes.c_int], None
+        fn(n)
+        _OPENBLAS_SET[0] = n
+
+
+_POOL: list[ThreadPoolExecutor | None] = []
+
+
+def pool() -> ThreadPoolExecutor | None:
+    """The shared worker pool (None with one thread). Workers run OpenBLAS single-threaded."""
+    if not _POOL:
+        n = threads()
+        _POOL.append(ThreadPoolExecutor(n, thread_name_prefix="hf2q-blas", initializer=single_threaded_here)
+                     if n > 1 else None)
+    return _POOL[0]
+
+
+def run_shared(n_workers: int, work) -> None:
+    """Run ``work()`` on ``n_workers`` workers at once (the caller's thread when one); ``work`` takes
+    its slices from a shared counter itself."""
+    p = pool()
+    k = min(n_workers, active_threads()) if p is not None else 1
+    if k <= 1:
+        work()
+    else:
+        for f in [p.submit(work) for _ in range(k)]:
+            f.result()
+
+
+_SGEMM: list = []
+
+
+def _sgemm():
+    if not _SGEMM:
+        fn = ctypes.CFUNCTYPE(None, *([ctypes.c_int] * 6), ctypes.c_float, ctypes.c_void_p, ctypes.c_int,
+                              ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int)
+        _SGEMM.append(fn(sgemm_address()))
+    return _SGEMM[0]
+
+
+#: rows per slice of a threaded product: large enough for BLAS to run near full speed
+SLICE_ROWS = 256
+
+
+def has_matmul() -> bool:
+    return sgemm_address() is not None
+
+
+def matmul_t(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``x [n, k] @ w[m, k].T`` → float32 ``[n, m]`` with the loaded OpenBLAS: one call (threaded by
+    OpenBLAS itself), or rows in slices over :func:`pool` when OpenBLAS is single-threaded. ``x`` and
+    ``w`` float32 with contiguous rows (any row stride)."""
+    n, k = x.shape
+    m = w.shape[0]
+    if x.strides[1] != 4:
+        x = np.ascontiguousarray(x)
+    if w.strides[1] != 4:
+        w = np.ascontiguousarray(w)
+    if out is None:
+        out = np.empty((n, m), dtype=np.float32)
+    sgemm = _sgemm()
+    lda, ldb, ldc = x.strides[0] // 4, w.strides[0] // 4, out.strides[0] // 4
+    xp, wp, op = x.ctypes.data, w.ctypes.data, out.ctypes.data
+    slices = itertools.count()
+    n_slices = -(-n // SLICE_ROWS)
+
+    def work() -> None:
+        for i in iter(slices.__next__, None):
+            if i >= n_slices:
+                return
+            r0 = i * SLICE_ROWS
+            rows = min(SLICE_ROWS, n - r0)
+            sgemm(101, 111, 112, rows, m, k, 1.0, xp + r0 * lda * 4, lda, wp, ldb, 0.0, op + r0 * ldc * 4, ldc)
+
+    if n_slices == 1 or pool() is None or threads() == 1 or not _OPENBLAS_PINNED:
+        use_openblas_threads(active_threads() if n * m * k >= (1 << 22) else 1)
+        sgemm(101, 111, 112, n, m, k, 1.0, xp, lda, wp, ldb, 0.0, op, ldc)
+    else:
+        run_shared(n_slices, work)
+    return out

@@ -4,8 +4,11 @@ MLX's CPU ``exp``/``sigmoid``/``tanh`` run ~10x slower than numpy's SIMD loops (
 softmax over 512x1536x9 scores 370 ms vs 34 ms), which made attention and the MLP
 activations dominate prefill. On the CPU device, for tensors large enough that the
 host round trip is noise, these helpers evaluate the input, do the transcendental part
-in numpy (in place, float32) and hand back an MLX array. Matmuls stay in MLX, where
-they reach the optimised BLAS (``cpu_blas``). Small tensors (decode) stay in MLX.
+on the host (in place, float32) and hand back an MLX array. Attention goes to the fused
+kernel of ``cpu_attention`` when it applies (a numpy path stays for the rest); the
+``*_inplace`` activations serve the host prefill MLP of ``hf2q.engine.layers`` directly
+(SwiGLU as one vectorised C pass, row slices on the BLAS workers). Small tensors
+(decode) stay in MLX.
 """
 
 from __future__ import annotations
@@ -27,34 +30,66 @@ def _host(x: mx.array) -> np.ndarray:
     return np.array(x, copy=True)
 
 
+def silu_mul_inplace(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """``g ← silu(g) * u`` on float32 numpy arrays, in place (row slices on the BLAS workers)."""
+    from hf2q.kernels import cpu_attention
+
+    def part(gs: np.ndarray, us: np.ndarray) -> None:
+        if cpu_attention.silu_mul_inplace(gs, us):
+            return
+        e = np.negative(gs)
+        np.exp(e, out=e)
+        e += 1.0
+        np.divide(gs, e, out=gs)
+        gs *= us
+
+    _by_rows(part, g, u)
+    return g
+
+
+def gelu_tanh_mul_inplace(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """``g ← gelu_tanh(g) * u`` on float32 numpy arrays, in place."""
+    def part(gs: np.ndarray, us: np.ndarray) -> None:
+        t = gs * gs
+        t *= 0.044715 * gs
+        t += gs
+        t *= math.sqrt(2.0 / math.pi)
+        np.tanh(t, out=t)
+        t += 1.0
+        t *= 0.5
+        gs *= t
+        gs *= us
+
+    _by_rows(part, g, u)
+    return g
+
+
+def _by_rows(fn, g: np.ndarray, u: np.ndarray) -> None:
+    """``fn`` over row slices of 2-D ``g, u`` on the BLAS workers (numpy drops the GIL in ufuncs)."""
+    from hf2q.kernels import cpu_blas
+
+    p = cpu_blas.pool()
+    n = cpu_blas.active_threads() if p is not None else 1
+    if n == 1 or g.ndim != 2 or g.shape[0] < 2 * 64:
+        fn(g, u)
+        return
+    bounds = [g.shape[0] * i // n for i in range(n + 1)]
+    for f in [p.submit(fn, g[a:b], u[a:b]) for a, b in zip(bounds, bounds[1:])]:
+        f.result()
+
+
 def silu_mul(gate: mx.array, up: mx.array) -> mx.array:
     """``silu(gate) * up``."""
     if not _use_host(gate):
         return gate * mx.sigmoid(gate) * up
-    g = _host(gate)
-    e = np.negative(g)
-    np.exp(e, out=e)
-    e += 1.0
-    np.divide(g, e, out=g)
-    g *= _host(up)
-    return mx.array(g)
+    return mx.array(silu_mul_inplace(_host(gate), _host(up)))
 
 
 def gelu_tanh_mul(gate: mx.array, up: mx.array) -> mx.array:
     """``gelu_tanh(gate) * up`` (Gemma's GeGLU)."""
     if not _use_host(gate):
         return 0.5 * gate * (1.0 + mx.tanh(math.sqrt(2.0 / math.pi) * (gate + 0.044715 * gate ** 3))) * up
-    g = _host(gate)
-    t = g * g
-    t *= 0.044715 * g
-    t += g
-    t *= math.sqrt(2.0 / math.pi)
-    np.tanh(t, out=t)
-    t += 1.0
-    t *= 0.5
-    t *= g
-    t *= _host(up)
-    return mx.array(t)
+    return mx.array(gelu_tanh_mul_inplace(_host(gate), _host(up)))
 
 
 QUERY_BLOCK = 256
@@ -82,7 +117,14 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask_
     Long chunks go in blocks of ``QUERY_BLOCK`` queries, each against only the key range
     its mask allows (the causal triangle and sliding window are skipped, and the score
     block stays cache-sized). ``mask_np``: bool ``[B, 1, T, L]`` (True = attend) or None.
+    The fused C kernel of :mod:`hf2q.kernels.cpu_attention` serves every case it can; this
+    numpy path remains for the rest (no compiler, no fast BLAS, an irregular mask).
     """
+    from hf2q.kernels import cpu_attention
+
+    fused = cpu_attention.attention(q, keys, values, scale, mask_np)
+    if fused is not None:
+        return fused
     T, L = q.shape[2], keys.shape[2]
     if T <= QUERY_BLOCK:
         return _attention_block(q, keys, values, scale, mask_np)

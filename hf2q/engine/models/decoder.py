@@ -33,7 +33,11 @@ class DecoderConfig:
     rope_base: float
     rope_dims: int
     rope_traditional: bool  # GGUF "normal" rope (llama: q/k rows permuted at convert time)
-    rope_scale: float = 1.0
+    rope_scale: float = 1.0  # MLX position scale: 1/factor for linear rope scaling
+    # custom per-pair RoPE periods (Llama 3 rope_freqs, YaRN); MLX rotates pair i by
+    # position·rope_scale/rope_freqs[i] (then base must be None). Both scalings apply to the
+    # layers on rope_base only: layers with their own base (gemma3 local) keep plain RoPE.
+    rope_freqs: mx.array | None = None
     rope_base_local: float | None = None  # for sliding-window layers (gemma3)
     sliding_window: int | None = None
     is_local: Callable[[int], bool] = lambda i: False
@@ -73,10 +77,14 @@ class Attention:
             k = rms_norm(k, self.k_norm, c.norm_eps)
         q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
         off = fb.offset
-        q = mx.fast.rope(q, c.rope_dims, traditional=c.rope_traditional, base=self.base, scale=c.rope_scale,
-                         offset=off)
-        k = mx.fast.rope(k, c.rope_dims, traditional=c.rope_traditional, base=self.base, scale=c.rope_scale,
-                         offset=off)
+        # rope scaling applies to the layers on rope_base only (llama.cpp: SWA layers keep plain rope)
+        scaled = self.base == c.rope_base
+        freqs = c.rope_freqs if scaled else None
+        base, scale = (None if freqs is not None else self.base), (c.rope_scale if scaled else 1.0)
+        q = mx.fast.rope(q, c.rope_dims, traditional=c.rope_traditional, base=base, scale=scale, offset=off,
+                         freqs=freqs)
+        k = mx.fast.rope(k, c.rope_dims, traditional=c.rope_traditional, base=base, scale=scale, offset=off,
+                         freqs=freqs)
         keys, values = fb.update(self.layer, k, v)
         if cpu_ops.attention_on_host(q, keys.shape[2]):
             out = cpu_ops.attention(q, keys, values, self.scale, fb.mask_np(self.window))
