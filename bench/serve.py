@@ -8,7 +8,8 @@ context, same threads):
 
 * aggregate completion tokens/s and TTFT p50/p95 with 1 client and with 4 concurrent
   clients (each client sends ``--requests`` streamed chat requests back to back,
-  temperature 0, distinct prompts, ``--max-tokens`` each);
+  temperature 0, distinct prompts, ``--max-tokens`` each), the median per-stream decode rate
+  after the first token, and (hf2q) the GPU steps and mean decode batch from ``/metrics``;
 * TTFT of a ~20 KB conversation sent cold, then of the next turn of the same conversation
   (the server may reuse the cached prefix), and their ratio.
 
@@ -69,6 +70,7 @@ async def stream_chat(client: httpx.AsyncClient, url: str, messages: list[dict],
             "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
     t0 = time.perf_counter()
     ttft = None
+    last = None
     pieces = 0
     usage = None
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
@@ -84,13 +86,31 @@ async def stream_chat(client: httpx.AsyncClient, url: str, messages: list[dict],
                 d = ch.get("delta") or {}
                 if d.get("content") or d.get("tool_calls") or d.get("reasoning_content"):
                     pieces += 1
+                    last = time.perf_counter() - t0
                     if ttft is None:
-                        ttft = time.perf_counter() - t0
+                        ttft = last
     total = time.perf_counter() - t0
     completion = (usage or {}).get("completion_tokens", pieces)
     cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+    # the streaming decode rate the client saw: tokens after the first over first → last delta
+    stream_tps = (completion - 1) / (last - ttft) if ttft is not None and last and last > ttft else None
     return {"ttft_s": ttft if ttft is not None else total, "total_s": total, "completion_tokens": completion,
+            "stream_decode_tokens_per_sec": stream_tps,
             "prompt_tokens": (usage or {}).get("prompt_tokens"), "cached_tokens": cached}
+
+
+async def scrape_counters(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+    """hf2q's step counters from /metrics (empty for a server without them)."""
+    try:
+        text = (await client.get(url + "/metrics")).text
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("hf2q_gpu_steps_total", "hf2q_decode_batches_total", "hf2q_decode_batch_tokens_total"):
+            out[name[len("hf2q_"):-len("_total")]] = float(value)
+    return out
 
 
 async def load_run(url: str, clients: int, requests: int, max_tokens: int) -> dict:
@@ -105,17 +125,28 @@ async def load_run(url: str, clients: int, requests: int, max_tokens: int) -> di
 
         # warm-up (loads lazily-initialised kernels on both servers)
         await stream_chat(client, url, [{"role": "user", "content": "Hi"}], 4)
+        before = await scrape_counters(client, url)
         t0 = time.perf_counter()
         async with trio.open_nursery() as n:
             for ci in range(clients):
                 n.start_soon(one_client, ci)
         wall = time.perf_counter() - t0
+        after = await scrape_counters(client, url)
     toks = sum(r["completion_tokens"] for r in results)
     ttfts = [r["ttft_s"] for r in results]
-    return {"clients": clients, "requests": len(results), "completion_tokens": toks, "wall_s": round(wall, 3),
-            "aggregate_tokens_per_sec": round(toks / wall, 2),
-            "ttft_p50_ms": round(percentile(ttfts, 0.5) * 1000, 1),
-            "ttft_p95_ms": round(percentile(ttfts, 0.95) * 1000, 1)}
+    rates = [r["stream_decode_tokens_per_sec"] for r in results if r["stream_decode_tokens_per_sec"]]
+    out = {"clients": clients, "requests": len(results), "completion_tokens": toks, "wall_s": round(wall, 3),
+           "aggregate_tokens_per_sec": round(toks / wall, 2),
+           # per stream, after its first token (TTFT excluded): what the decode loop delivers
+           "stream_decode_tokens_per_sec_p50": round(percentile(rates, 0.5), 2) if rates else None,
+           "ttft_p50_ms": round(percentile(ttfts, 0.5) * 1000, 1),
+           "ttft_p95_ms": round(percentile(ttfts, 0.95) * 1000, 1)}
+    if before and after:
+        d = {k: after[k] - before.get(k, 0.0) for k in after}
+        out["gpu_steps"] = int(d["gpu_steps"])
+        out["decode_batches"] = int(d["decode_batches"])
+        out["mean_decode_batch"] = round(d["decode_batch_tokens"] / d["decode_batches"], 3) if d["decode_batches"] else None
+    return out
 
 
 async def cached_turn(url: str, context_bytes: int) -> dict:

@@ -11,6 +11,7 @@ disconnect cancels, injected GPU fault → one terminal error each, /readyz 503,
 
 from __future__ import annotations
 
+import functools
 import json
 
 import httpx
@@ -343,6 +344,23 @@ async def test_metrics_exposition_counts_tokens():
                      "hf2q_cached_token_ratio", "hf2q_cancellations", "hf2q_ready", "hf2q_requests"):
             assert name in fams, name
         assert fams["hf2q_ready"].samples[0].value == 1
+
+
+async def test_metrics_count_gpu_steps_and_decode_batches_as_the_engine_saw_them():
+    async with open_test_server(slots=2) as srv, httpx.AsyncClient(base_url=srv.url) as c:
+        async with trio.open_nursery() as n:
+            for k in range(2):
+                n.start_soon(functools.partial(c.post, "/v1/chat/completions", json={**CHAT, "max_tokens": 12 + k}))
+        from prometheus_client.parser import text_string_to_metric_families
+
+        fams = {f.name: f for f in text_string_to_metric_families((await c.get("/metrics")).text)}
+        sizes = srv.runner.decode_batch_sizes
+        assert fams["hf2q_decode_batches"].samples[0].value == len(sizes)
+        assert fams["hf2q_decode_batch_tokens"].samples[0].value == sum(sizes) == 11 + 12
+        steps = fams["hf2q_gpu_steps"].samples[0].value
+        prefills = len(srv.runner.prefill_sizes)
+        assert max(len(sizes), prefills) <= steps <= len(sizes) + prefills  # a step: a decode and/or a prefill
+        assert 2 in sizes  # both conversations decoded in one batched step
 
 
 async def test_shutdown_drains_then_refuses_new_work():

@@ -2,9 +2,10 @@
 
 MLX streams belong to the thread that created them (STYLE.md #1), so a single
 ``threading.Thread`` builds the runner (``runner_factory()`` runs *in* the thread) and
-runs every job, in order, from a thread-safe queue. Results travel back to trio with
-``trio.from_thread.run_sync`` and the trio token captured when the thread started —
-never through ``trio.to_thread``, whose worker threads change between calls.
+runs every job, in order, from a thread-safe queue. Results travel back to trio through the
+trio token captured when the thread started (``run_sync_soon``: the thread does not wait for
+trio to take the answer, it goes straight back to its queue) — never through
+``trio.to_thread``, whose worker threads change between calls.
 
 The thread is a daemon: a hung GPU step (SPEC §6) must not keep the process alive.
 """
@@ -52,7 +53,7 @@ class EngineThread:
 
     def _reply(self, reply: Reply, result: outcome.Outcome) -> bool:
         try:
-            trio.from_thread.run_sync(reply, result, trio_token=self._token)
+            self._token.run_sync_soon(_deliver, reply, result)
             return True
         except trio.RunFinishedError:
             return False  # the trio run is over; nobody waits for this answer
@@ -73,3 +74,11 @@ class EngineThread:
                     return
         finally:
             self.exited.set()
+
+
+def _deliver(reply: Reply, result: outcome.Outcome) -> None:
+    """Runs in trio's loop: a callback of ``run_sync_soon`` must never raise."""
+    try:
+        reply(result)
+    except Exception:  # noqa: BLE001
+        log.exception("engine reply callback failed")

@@ -17,6 +17,8 @@ Contract of the per-request channel (SPEC §4-§6):
   transaction (``done`` counts prompt positions now in the KV, cached ones included),
   ``Token`` per generated token, and exactly one terminal ``Finished`` or ``Failed``;
   the channel is closed right after the terminal event.
+- ``Token.logprob`` is None for a plain greedy request that did not ask for logprobs (its
+  token is the argmax, picked for the whole batch at once); otherwise the sampler's value.
 - End-of-sequence and ``stop_token_ids`` tokens end the request with
   ``Finished("stop")`` and are *not* sent as ``Token``; ``max_tokens`` or a full
   per-slot context ends it with ``Finished("length")``.
@@ -171,6 +173,11 @@ class Runtime:
         return self._system.config
 
     @property
+    def kv_store(self):
+        """The persistent prefix KV store in use (None without one, or until an opener ran)."""
+        return self._system.kv_store
+
+    @property
     def runner_info(self) -> dict[str, Any]:
         """Static facts about the loaded model: vocab_size, n_ctx_train, kv_bytes_per_token,
         eos_token_ids, is_embedding_model, ctx (effective per-slot context). Empty before ready."""
@@ -179,17 +186,19 @@ class Runtime:
 
 @asynccontextmanager
 async def open_runtime(runner_factory: RunnerFactory, config: RuntimeConfig = RuntimeConfig(), *,
-                       kv_store=None) -> AsyncIterator[Runtime]:
+                       kv_store=None, kv_store_opener=None) -> AsyncIterator[Runtime]:
     """Start the actor system; yield a ``Runtime`` at once (the model loads in the background).
 
     ``readiness()`` turns true when ``runner_factory()`` returned inside the GPU-owner
     thread. Leaving the block cancels every actor: requests still running get
     ``Failed(503, "not_ready", "server shutting down")``. Call ``drain`` first for a
-    graceful stop. ``kv_store`` is an ``hf2q.kvstore`` store for persistent prefix KV.
+    graceful stop. ``kv_store`` is an ``hf2q.kvstore`` store for persistent prefix KV; or
+    ``kv_store_opener(kv_identity) -> store`` opens one once the model is loaded, keyed by the
+    runner's ``kv_identity`` (backend, device, KV dtype), and closes it when the runtime ends.
     """
     from hf2q.actors.system import ActorSystem
 
-    system = ActorSystem(runner_factory, config, kv_store=kv_store)
+    system = ActorSystem(runner_factory, config, kv_store=kv_store, kv_store_opener=kv_store_opener)
     failure: BaseException | None = None
     async with trio.open_nursery() as nursery:
         await nursery.start(system.run)

@@ -18,8 +18,16 @@ import trio
 
 from hf2q.actors.gpu_owner import EnginePoisoned
 from hf2q.actors.handle import RequestHandle
-from hf2q.actors.messages import DecodeWork, Leave, PrefillWork
+from hf2q.actors.messages import (
+    ENDED,
+    SKIPPED,
+    DecodeRun,
+    Leave,
+    PrefillWork,
+    SampleError,
+)
 from hf2q.actors.prefill import PrefillTransaction
+from hf2q.sched.decoding import DecodeLimits
 from hf2q.sched.planner import prefill_chunks
 from hf2q.sched.requests import Admitted, Failed, Finished, PrefillProgress, Token
 from hf2q.statemachines.base import Lifecycle
@@ -140,67 +148,70 @@ class SlotActor:
             cached = await sys_.restore_prefix(self, a.restore, cached, prompt)
             self.progress.cached_tokens, self.progress.new_tokens = cached, len(prompt) - cached
         h.emit(Admitted(self.index, len(prompt), cached))
-        history: list[int] = []  # generated so far: the sampler's penalty window
         try:
             sampler = sys_.make_sampler(params)
         except Exception as e:  # noqa: BLE001 — bad parameters fail this request only
             return Failed(400, "invalid_request", f"invalid sampling parameters: {e}")
         constraint = params.constraint
         gone = lambda: h.gone  # noqa: E731
-        self.fsm.fire("prefill_started")
-        sampled = None
-        chunks = prefill_chunks(cached, len(prompt), sys_.prefill_chunk)
-        for i, (start, end) in enumerate(chunks):
-            if h.gone:
-                return self._finished(h, "cancelled", cached)
-            work = PrefillWork(self.index, self.seq, cached if i == 0 else None, prompt[start:end],
-                               end == len(prompt), history, sampler, constraint, gone)
-            self._txn = PrefillTransaction(work)
-            t0 = trio.current_time()
-            await self._txn.run(sys_.gpu.inbox_send)
-            self._txn = None
-            if work.reply.skipped:
-                return self._finished(h, "cancelled", cached)
-            sys_.ledger.extend(self.index, work.tokens)
-            self.progress.prefilled_tokens += end - start
-            self.progress.prefill_seconds += trio.current_time() - t0
-            if work.reply.error:
-                err = work.reply.error
-                return Failed(err.status, err.code, err.message)
-            if work.final:
-                sampled = work.reply.result
-                self.fsm.fire("prefilled")
-            else:
-                self.fsm.fire("chunk_prefilled")
-            h.emit(PrefillProgress(end, len(prompt)))
-        eos = sys_.eos_token_ids
-        stop_ids = params.stop_token_ids
-        while True:
-            tok = sampled.token_id
-            if tok in eos or tok in stop_ids:
-                return self._finished(h, "stop", cached)
-            now = trio.current_time()
-            if self.progress.first_token_at is None:
-                self.progress.first_token_at = now
-            self.progress.last_token_at = now
-            if not h.emit(Token(tok, sampled.logprob, sampled.top_logprobs)):
-                return self._finished(h, "cancelled", cached)
-            self.progress.generated_tokens += 1
-            history.append(tok)
-            if self.progress.generated_tokens >= params.max_tokens:
-                return self._finished(h, "length", cached)
-            if sys_.ledger.resident_tokens(self.index) + 1 > sys_.ctx:
-                return self._finished(h, "length", cached)
-            if h.gone:
-                return self._finished(h, "cancelled", cached)
-            work = DecodeWork(self.index, self.seq, tok, history, sampler, constraint, gone)
-            sys_.gpu.inbox_send.send_nowait(work)
-            await work.reply.ready.wait()
-            if work.reply.skipped:
-                return self._finished(h, "cancelled", cached)
-            sys_.ledger.extend(self.index, [tok])
-            if work.reply.error:
-                err = work.reply.error
-                return Failed(err.status, err.code, err.message)
-            self.fsm.fire("token_decoded")
-            sampled = work.reply.result
+        limits = DecodeLimits(sys_.eos_token_ids, params.stop_token_ids, params.max_tokens, sys_.ctx)
+        # the request's decoding: the GPU owner starts it from the first token and keeps it in
+        # every step; each step's outcome arrives on ``outcomes`` (see hf2q.actors.messages)
+        outbox, outcomes = trio.open_memory_channel(math.inf)
+        run = DecodeRun(self.index, self.seq, [], sampler, constraint, gone, limits, len(prompt), outbox)
+        with outcomes:  # closed when the request ends: a late outcome for it is dropped
+            self.fsm.fire("prefill_started")
+            sampled = None
+            chunks = prefill_chunks(cached, len(prompt), sys_.prefill_chunk)
+            for i, (start, end) in enumerate(chunks):
+                if h.gone:
+                    return self._finished(h, "cancelled", cached)
+                final = end == len(prompt)
+                work = PrefillWork(self.index, self.seq, cached if i == 0 else None, prompt[start:end], final,
+                                   run.history, sampler, constraint, gone, run=run if final else None)
+                self._txn = PrefillTransaction(work)
+                t0 = trio.current_time()
+                await self._txn.run(sys_.gpu.inbox_send)
+                self._txn = None
+                if work.reply.skipped:
+                    return self._finished(h, "cancelled", cached)
+                sys_.ledger.extend(self.index, work.tokens)
+                self.progress.prefilled_tokens += end - start
+                self.progress.prefill_seconds += trio.current_time() - t0
+                if work.reply.error:
+                    err = work.reply.error
+                    return Failed(err.status, err.code, err.message)
+                if work.final:
+                    sampled = work.reply.result
+                    self.fsm.fire("prefilled")
+                else:
+                    self.fsm.fire("chunk_prefilled")
+                h.emit(PrefillProgress(end, len(prompt)))
+            while True:
+                tok = sampled.token_id
+                verdict = limits.after_token(tok, self.progress.generated_tokens,
+                                             sys_.ledger.resident_tokens(self.index))
+                if verdict == "stop":  # end-of-generation / stop id: not sent
+                    return self._finished(h, "stop", cached)
+                now = trio.current_time()
+                if self.progress.first_token_at is None:
+                    self.progress.first_token_at = now
+                self.progress.last_token_at = now
+                if not h.emit(Token(tok, sampled.logprob, sampled.top_logprobs)):
+                    return self._finished(h, "cancelled", cached)
+                self.progress.generated_tokens += 1
+                if verdict == "length":  # max_tokens, or no room left in the context
+                    return self._finished(h, "length", cached)
+                if h.gone:
+                    return self._finished(h, "cancelled", cached)
+                # the GPU owner reached the same verdict and already feeds ``tok`` to the next step
+                outcome = await outcomes.receive()
+                if outcome is SKIPPED:
+                    return self._finished(h, "cancelled", cached)
+                if outcome is ENDED:  # the GPU owner's verdict differed from ours: a bug, never a hang
+                    return Failed(500, "internal_error", "the decode run ended before the request did")
+                sys_.ledger.extend(self.index, [tok])
+                if isinstance(outcome, SampleError):
+                    return Failed(outcome.status, outcome.code, outcome.message)
+                self.fsm.fire("token_decoded")
+                sampled = outcome

@@ -57,7 +57,7 @@ class GreedySampler:
 
 
 class ActorSystem:
-    def __init__(self, runner_factory, config, *, kv_store=None, sampler_factory=None):
+    def __init__(self, runner_factory, config, *, kv_store=None, kv_store_opener=None, sampler_factory=None):
         if config.slots < 1:
             raise ValueError("RuntimeConfig.slots must be at least 1")
         if config.prefill_chunk < 1 or config.token_buffer < 1 or config.queue_capacity < 0:
@@ -75,6 +75,7 @@ class ActorSystem:
         self.slots = [SlotActor(i, self) for i in range(config.slots)]
         self.admission = Admission(self, config.queue_capacity)
         self.kv_store = kv_store
+        self._kv_store_opener = kv_store_opener  # (runner's kv_identity) -> store, called once loaded
         self.make_sampler = sampler_factory or default_sampler
         self.prefill_chunk = config.prefill_chunk
         self.runner_info: dict = {}
@@ -98,23 +99,45 @@ class ActorSystem:
     # ---- lifecycle -----------------------------------------------------------------------
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as outer:
-            if self.kv_store is not None:  # outside the work scope: poisoning does not cut a write short
-                await outer.start(self._run_kv_writer)
-            async with trio.open_nursery() as nursery:
-                self._work_scope = nursery.cancel_scope
-                task_status.started()
-                try:
-                    runner = await self.gpu.load()
-                except EnginePoisoned:
-                    return
-                self._configure(runner)
-                self.supervisor.loaded()
-                nursery.start_soon(self._guarded, "gpu owner", self.gpu.run_steps)
-                for slot in self.slots:
-                    nursery.start_soon(self._guarded, f"slot {slot.index}", slot.run)
-                nursery.start_soon(self._guarded, "admission", self.admission.run)
-            outer.cancel_scope.cancel()
+        opened_store = None
+        try:
+            async with trio.open_nursery() as outer:
+                if self.kv_store is not None:  # outside the work scope: poisoning does not cut a write short
+                    await outer.start(self._run_kv_writer)
+                async with trio.open_nursery() as nursery:
+                    self._work_scope = nursery.cancel_scope
+                    task_status.started()
+                    try:
+                        runner = await self.gpu.load()
+                        self._configure(runner)
+                        if self._kv_store_opener is not None:
+                            opened_store = await self._open_kv_store()
+                            if opened_store is None:
+                                return
+                            await outer.start(self._run_kv_writer)
+                    except EnginePoisoned:
+                        return
+                    self.supervisor.loaded()
+                    nursery.start_soon(self._guarded, "gpu owner", self.gpu.run_steps)
+                    for slot in self.slots:
+                        nursery.start_soon(self._guarded, f"slot {slot.index}", slot.run)
+                    nursery.start_soon(self._guarded, "admission", self.admission.run)
+                outer.cancel_scope.cancel()
+        finally:
+            if opened_store is not None:
+                opened_store.close()
+
+    async def _open_kv_store(self):
+        """Open the persistent KV store keyed by the loaded engine's ``kv_identity`` (KV values
+        depend on backend, device and dtype, not only on the model file). A store that cannot
+        be opened stops serving like a model that failed to load; returns None then."""
+        identity = await self.gpu.transact(lambda runner: str(getattr(runner, "kv_identity", "")), "kv identity")
+        try:  # file I/O only (recovery scans the directory): a worker thread is fine
+            self.kv_store = await trio.to_thread.run_sync(self._kv_store_opener, identity)
+        except Exception as e:  # noqa: BLE001 — reported through /readyz and the serve command
+            self.supervisor.poison(f"persistent KV store failed to open: {e}")
+            return None
+        return self.kv_store
 
     async def _run_kv_writer(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         from hf2q.actors.kv_writer import open_kv_writer

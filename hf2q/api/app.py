@@ -82,14 +82,16 @@ def create_app(ctx: ServerContext) -> QuartTrio:
     app.config["BODY_TIMEOUT"] = 600
     app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
     if ctx.metrics is None:
-        store = ctx.kv_store
-        ctx.metrics = metrics_mod.ServerMetrics(
-            _safe_snapshot(ctx.runtime), (lambda: store.stats().bytes_on_disk) if store is not None else (lambda: 0),
-            lambda: ctx.runtime.readiness()[0] and not ctx.draining)
-        if store is not None:
-            from hf2q.kvstore.metrics import KVStoreCollector
+        def current_store():  # given, or opened by the runtime once the engine is known (--kv-persist)
+            return ctx.kv_store if ctx.kv_store is not None else getattr(ctx.runtime, "kv_store", None)
 
-            ctx.metrics.registry.register(KVStoreCollector(store))
+        def disk_bytes() -> int:
+            store = current_store()
+            return store.stats().bytes_on_disk if store is not None else 0
+
+        ctx.metrics = metrics_mod.ServerMetrics(_safe_snapshot(ctx.runtime), disk_bytes,
+                                                lambda: ctx.runtime.readiness()[0] and not ctx.draining)
+        ctx.metrics.registry.register(metrics_mod.LazyKVStoreCollector(current_store))
     m = ctx.metrics
     app.extensions["hf2q"] = ctx
     key = ctx.api_key.encode() if ctx.api_key else None

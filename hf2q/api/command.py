@@ -69,15 +69,34 @@ def runner_factory(path: Path, ctx: int | None, tensor_parallel: int = 1):
     return build
 
 
-def _open_kv_store(args, model_path: Path, chat_template: str | None):
+def kv_store_opener(args, model_path: Path, chat_template: str | None):
+    """With ``--kv-persist``: check the directory and the model now (exit 3 before loading) and
+    return ``opener(kv_identity) -> BlockStore`` for the runtime, which calls it once the engine
+    has loaded — the fingerprint includes the engine's identity (backend, device, KV dtype), so
+    blocks written by a CPU server are never imported by a GPU one. None without the flag."""
     if not args.kv_persist:
         return None
+    import os
+
     from hf2q.kvstore.blockfile import FORMAT_VERSION
-    from hf2q.kvstore.fingerprint import model_fingerprint
+    from hf2q.kvstore.fingerprint import gguf_content_hash, model_fingerprint
     from hf2q.kvstore.store import BlockStore
 
-    fp = model_fingerprint(model_path, None, chat_template, FORMAT_VERSION)
-    return BlockStore.open(args.kv_persist, fp, args.kv_persist_budget)
+    root = Path(args.kv_persist).expanduser()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"--kv-persist: cannot use {str(root)!r}: {e.strerror or e}") from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise InputError(f"--kv-persist: {str(root)!r} is not writable")
+    if args.kv_persist_budget is not None and args.kv_persist_budget < 0:
+        raise InputError(f"--kv-persist-budget must not be negative: {args.kv_persist_budget}")
+    gguf_content_hash(model_path)  # memoised: the opener's fingerprint reuses it
+
+    def open_store(kv_identity: str):
+        fp = model_fingerprint(model_path, None, chat_template, FORMAT_VERSION, kv_identity=kv_identity)
+        return BlockStore.open(root, fp, args.kv_persist_budget)
+    return open_store
 
 
 def run(args) -> int:
@@ -104,18 +123,14 @@ def run(args) -> int:
     model_id = args.model_name or model_path.stem
     chat_model = GGUFChatModel.from_gguf(model_path, model_id)
     embed_model = GGUFEmbeddingModel.from_gguf(embed_path, embed_path.stem) if embed_path else None
-    store = _open_kv_store(args, model_path, getattr(chat_model, "template_source", None))
-    try:
-        failure = trio.run(partial(_serve, args, model_path, chat_model, embed_path, embed_model, store))
-    finally:
-        if store is not None:
-            store.close()
+    opener = kv_store_opener(args, model_path, getattr(chat_model, "template_source", None))
+    failure = trio.run(partial(_serve, args, model_path, chat_model, embed_path, embed_model, opener))
     if failure:
         raise ConversionError(failure)
     return 0
 
 
-async def _serve(args, model_path: Path, chat_model, embed_path, embed_model, store) -> str | None:
+async def _serve(args, model_path: Path, chat_model, embed_path, embed_model, kv_opener) -> str | None:
     """Run until stopped; returns a failure message (model failed to load) or None."""
     from hf2q.actors.runtime import RuntimeConfig, open_runtime
     from hf2q.api.app import ServerContext
@@ -140,7 +155,8 @@ async def _serve(args, model_path: Path, chat_model, embed_path, embed_model, st
     failure: list[str] = []
     async with AsyncExitStack() as stack:
         runtime = await stack.enter_async_context(
-            open_runtime(runner_factory(model_path, args.ctx, args.tensor_parallel), config, kv_store=store))
+            open_runtime(runner_factory(model_path, args.ctx, args.tensor_parallel), config,
+                         kv_store_opener=kv_opener))
         embed_runtime = None
         if embed_path is not None:
             embed_runtime = await stack.enter_async_context(
@@ -151,7 +167,7 @@ async def _serve(args, model_path: Path, chat_model, embed_path, embed_model, st
         ctx = ServerContext(runtime=runtime, chat_model=chat_model, model_id=chat_model.model_id,
                             api_key=args.api_key or None, cors_origins=tuple(args.cors_origin),
                             max_request_bytes=args.max_request_bytes, embed_runtime=embed_runtime,
-                            embed_model=embed_model, kv_store=store)
+                            embed_model=embed_model)  # the KV store, if any, is the runtime's
         async with trio.open_nursery() as nursery:
             handle = await nursery.start(partial(serve, ctx, args.host, args.port))
             if log_format() == "json":

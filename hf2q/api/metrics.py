@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 ENGINE_STATES = ("starting", "ready", "draining", "stopped", "poisoned")
@@ -36,6 +36,10 @@ class _SnapshotCollector:
         disk = GaugeMetricFamily("hf2q_kv_bytes_on_disk", "persistent prefix KV store bytes")
         ratio = GaugeMetricFamily("hf2q_cached_token_ratio", "cached prompt tokens / prompt tokens, since start")
         phases = GaugeMetricFamily("hf2q_slot_phase", "slots per phase", labels=["phase"])
+        steps = CounterMetricFamily("hf2q_gpu_steps", "GPU steps run (each: one batched decode and/or one prefill)")
+        batches = CounterMetricFamily("hf2q_decode_batches", "GPU steps that ran a batched decode")
+        batch_tokens = CounterMetricFamily("hf2q_decode_batch_tokens",
+                                           "decode rows over all batched decodes (/ batches = mean batch size)")
         ready.add_metric([], 1 if self._readiness() else 0)
         if snap is None:
             state.add_metric(["starting"], 1)
@@ -55,8 +59,33 @@ class _SnapshotCollector:
                 phases.add_metric([phase], n)
             c = snap.counters
             ratio.add_metric([], (c.get("cached_tokens", 0) / c["prompt_tokens"]) if c.get("prompt_tokens") else 0.0)
+            steps.add_metric([], c.get("gpu_steps", 0))
+            batches.add_metric([], c.get("decode_batches", 0))
+            batch_tokens.add_metric([], c.get("decode_batch_tokens", 0))
         disk.add_metric([], self._disk_bytes())
         yield from (ready, state, active, total, queued, kv, budget, disk, ratio, phases)
+        if snap is not None:
+            yield from (steps, batches, batch_tokens)
+
+
+class LazyKVStoreCollector:
+    """``hf2q.kvstore.metrics.KVStoreCollector`` over whichever store ``get_store()`` returns at
+    scrape time: with ``--kv-persist`` the runtime opens the store only once the engine has
+    loaded (its fingerprint includes the engine's ``kv_identity``)."""
+
+    def __init__(self, get_store: Callable[[], object | None]):
+        self._get_store = get_store
+
+    def describe(self):
+        return []  # collected lazily; nothing to pre-declare
+
+    def collect(self):
+        store = self._get_store()
+        if store is None:
+            return
+        from hf2q.kvstore.metrics import KVStoreCollector
+
+        yield from KVStoreCollector(store).collect()
 
 
 class ServerMetrics:

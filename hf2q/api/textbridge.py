@@ -137,8 +137,10 @@ class GGUFChatModel:
         messages = [dict(m) for m in req.messages]
         tools = list(req.tools) if req.tools_active else None
         if self.tool_syntax == "generic":
-            # the template has no tool syntax: tools, past calls and results become plain turns
-            return _generic_messages(messages, tools, req.tool_choice), None
+            # the template has no tool syntax: tools, past calls and results become plain turns. The
+            # tools stay in the system block even for tool_choice "none" (a note says not to call
+            # one), so that switching tool_choice between turns keeps the prompt's prefix cached
+            return _generic_messages(messages, list(req.tools) if req.tools else None, req.tool_choice), None
         for m in messages:
             if m.get("tool_calls"):
                 calls = []

@@ -139,6 +139,8 @@ class DistributedRunner:
                      "kv_bytes_per_token", "gguf", "arch", "dtype", "stats"):
             setattr(self, name, getattr(local, name))
         self.tensor_parallel = self.size
+        # KV computed over a tensor-parallel split (sharded heads, all-reduced partial sums) is its own kind
+        self.kv_identity = f"{local.kv_identity}-tp{self.size}"
 
     # ---- plumbing ------------------------------------------------------------------------
 

@@ -36,6 +36,11 @@ class ModelRunner(Protocol):
     kv_bytes_per_token: int  # all layers, K and V, at the engine's KV dtype
     eos_token_ids: frozenset[int]
     is_embedding_model: bool
+    #: what the KV values depend on besides the model file — backend, device kind, KV dtype (and
+    #: anything else that changes them, e.g. a tensor-parallel split), e.g. "mlx-cpu-cpu-float32".
+    #: The persistent KV store folds it into its fingerprint so blocks written by one engine are
+    #: never imported by another. Read from the engine thread.
+    kv_identity: str
 
     def new_sequence(self) -> SequenceKV: ...
 

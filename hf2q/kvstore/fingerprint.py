@@ -6,8 +6,8 @@ it (the whole prefix, transitively), the model fingerprint, and the block's own 
 Two prompts share block *i* only if they agree on every token up to the end of block *i*.
 
 The model fingerprint covers the GGUF's content (not its path: a copied or renamed file
-keeps its blocks, a re-converted one loses them), the quant name, the chat template and
-the engine's KV format version. Hashing a multi-GB GGUF takes seconds, so content hashes
+keeps its blocks, a re-converted one loses them), the quant name, the chat template, the
+engine's KV format version and the engine's identity (backend, device, KV dtype). Hashing a multi-GB GGUF takes seconds, so content hashes
 are memoised in ``cache_root()/kv-fingerprints.json`` keyed by (real path, size, mtime).
 """
 
@@ -70,14 +70,21 @@ def gguf_content_hash(gguf_path: str | os.PathLike) -> str:
 
 
 def model_fingerprint(gguf_path: str | os.PathLike, quant: str | None, chat_template: str | None,
-                      format_version: int | str) -> str:
-    """64-hex fingerprint of (GGUF content, quant, chat template, KV format version)."""
+                      format_version: int | str, kv_identity: str = "") -> str:
+    """64-hex fingerprint of (GGUF content, quant, chat template, KV format version, engine).
+
+    ``kv_identity`` is the runner's ``ModelRunner.kv_identity`` (backend, device kind, KV dtype):
+    the same GGUF served on a CPU (float32 KV) and on a GPU (float16/bfloat16 KV) yields
+    different KV values, so their blocks must never be mixed in one directory.
+    """
     ident = {
         "gguf_sha256": gguf_content_hash(gguf_path),
         "quant": quant or "",
         "chat_template": chat_template or "",
         "format_version": str(format_version),
     }
+    if kv_identity:  # absent, the fingerprint is what it was before engines reported one
+        ident["kv_identity"] = kv_identity
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode("utf-8")).hexdigest()
 
 

@@ -9,7 +9,9 @@ runner so tests can predict outputs.
 Knobs: per-call latency (``step_latency_s``, ``prefill_latency_per_token_s``), an
 end-of-sequence after a given sequence length (``eos_at_length``), and injected faults
 and hangs (``inject_fault``, ``inject_hang``) on the N-th prefill/decode call. It records
-every call (kind, sizes, calling thread) so tests can assert batching and threading.
+every call (kind, sizes, calling thread) so tests can assert batching and threading, and
+the wall-clock span of every prefill/decode (``spans``) so a benchmark can see how long the
+engine sat idle between steps — the serving path's own per-step overhead.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ class FakeModelRunner:
     def __init__(self, *, vocab_size: int = 97, n_ctx_train: int = 4096, kv_bytes_per_token: int = 64,
                  eos_token_id: int = 2, eos_at_length: int | None = None, step_latency_s: float = 0.0,
                  prefill_latency_per_token_s: float = 0.0, is_embedding_model: bool = False,
-                 embedding_dim: int = 8):
+                 embedding_dim: int = 8, kv_identity: str = "fake-cpu-float32"):
         self.vocab_size = vocab_size
         self.n_ctx_train = n_ctx_train
         self.kv_bytes_per_token = kv_bytes_per_token
@@ -72,7 +74,9 @@ class FakeModelRunner:
         self.prefill_latency_per_token_s = prefill_latency_per_token_s
         self.is_embedding_model = is_embedding_model
         self.embedding_dim = embedding_dim
+        self.kv_identity = kv_identity  # what the persistent KV store keys blocks by, besides the model
         self.calls: list[tuple[str, int]] = []  # ("prefill", n_tokens) | ("decode", batch) | ...
+        self.spans: list[tuple[str, float, float]] = []  # (kind, perf_counter at entry, at return)
         self.prefill_log: list[tuple[int, int]] = []  # (sequence serial, n_tokens) per prefill call
         self._serial = 0
         self.threads: set[int] = set()
@@ -148,23 +152,28 @@ class FakeModelRunner:
     def prefill(self, seq: FakeSequence, tokens: Sequence[int]) -> np.ndarray:
         if not tokens:
             raise ValueError("prefill needs at least one token")
+        t0 = time.perf_counter()
         self._enter("prefill", len(tokens))
         self.prefill_log.append((getattr(seq, "serial", 0), len(tokens)))
         time.sleep(self.step_latency_s + self.prefill_latency_per_token_s * len(tokens))
         if seq.length + len(tokens) > self.n_ctx_train * 4:
             raise ValueError("sequence too long for the fake model")
         seq.tokens.extend(int(t) for t in tokens)
-        return self._logits(seq.tokens)
+        out = self._logits(seq.tokens)
+        self.spans.append(("prefill", t0, time.perf_counter()))
+        return out
 
     def decode(self, seqs: Sequence[FakeSequence], tokens: Sequence[int]) -> np.ndarray:
         if len(seqs) != len(tokens) or not seqs:
             raise ValueError("decode needs one token per sequence")
+        t0 = time.perf_counter()
         self._enter("decode", len(seqs))
         time.sleep(self.step_latency_s)
         out = np.empty((len(seqs), self.vocab_size), dtype=np.float32)
         for i, (seq, tok) in enumerate(zip(seqs, tokens)):
             seq.tokens.append(int(tok))
             out[i] = self._logits(seq.tokens)
+        self.spans.append(("decode", t0, time.perf_counter()))
         return out
 
     def embed(self, batch: Sequence[Sequence[int]]) -> np.ndarray:

@@ -1,0 +1,39 @@
+"""When a decoding request ends: the token-level stop rules, as one pure function.
+
+Two actors need the same answer. The slot actor applies it to every sampled token to end
+its request (``stop`` / ``length``); the GPU owner applies it right after each step to
+decide, without waiting for the slot, whether that slot's decode joins the next batched
+step. Because both call ``DecodeLimits.after_token`` with the same counts, they can never
+disagree about a request that is still wanted — only a client that leaves (or a stop
+string the API finds) ends a request earlier, and that is observed at the next step
+boundary.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen
+class DecodeLimits:
+    """The token-level limits of one request."""
+
+    eos_ids: frozenset[int]  # the model's end-of-generation tokens
+    stop_ids: frozenset[int]  # the request's stop_token_ids
+    max_tokens: int  # completion tokens allowed
+    ctx: int  # per-slot context: the KV may hold at most this many tokens
+
+    def after_token(self, token: int, emitted: int, resident: int) -> str | None:
+        """Verdict on a freshly sampled ``token``.
+
+        ``emitted``: completion tokens already sent before this one; ``resident``: tokens
+        in the slot's KV now (prompt + tokens fed so far; ``token`` is not in it yet).
+        Returns ``"stop"`` (an end-of-generation or stop id: the token is not sent),
+        ``"length"`` (the token is sent, then the request ends: ``max_tokens`` reached or
+        no room in the context to feed it), or None (send it and feed it to the next step).
+        """
+        if token in self.eos_ids or token in self.stop_ids:
+            return "stop"
+        if emitted + 1 >= self.max_tokens or resident + 1 > self.ctx:
+            return "length"
+        return None

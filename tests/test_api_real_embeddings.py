@@ -1,0 +1,120 @@
+"""``hf2q serve --embedding-model`` for real: a server process with SmolLM2 for chat and MiniLM
+(converted to GGUF by ``hf2q convert``) for ``/v1/embeddings``, queried with the openai SDK.
+
+References: the engine's own ``MlxModelRunner.embed`` on the same GGUF (cosine ≥ 0.9999 per
+vector), transformers' MiniLM (mean pooling, L2 norm) and the model card's similarity
+≈ 0.755 for the two sentences below.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.slow]
+
+SENTENCES = ["A man is eating food.", "A man is eating a piece of bread."]
+
+
+@pytest.fixture(scope="module")
+def minilm_gguf(tmp_path_factory, minilm_hf):
+    from hf2q.cli import main
+
+    out = tmp_path_factory.mktemp("minilm") / "minilm-f32.gguf"
+    assert main(["convert", str(minilm_hf), "-q", "f32", "-o", str(out), "--no-integrity"]) == 0
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(minilm_gguf, smollm2_gguf, tmp_path_factory):
+    port = _free_port()
+    log = (tmp_path_factory.mktemp("serve") / "serve.log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "hf2q", "serve", "--model", str(smollm2_gguf),
+                             "--embedding-model", str(minilm_gguf), "--port", str(port), "--slots", "1",
+                             "--ctx", "2048", "--operator-ui", "plain"], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:  # ready = the chat model answers /readyz and the embedding model answers a request
+            assert proc.poll() is None, "hf2q serve exited before it was ready"
+            assert time.monotonic() < deadline, "hf2q serve not ready after 300 s"
+            try:
+                if (httpx.get(url + "/readyz", timeout=2).status_code == 200
+                        and httpx.post(url + "/v1/embeddings", json={"input": "x"}, timeout=30).status_code == 200):
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def test_embeddings_over_http_equal_the_engine_and_transformers(server, minilm_gguf, minilm_hf):
+    import openai
+    import torch
+    import transformers
+
+    from hf2q.engine.runner import MlxModelRunner
+    from hf2q.text.tokenizer import GGUFTokenizer
+
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused")
+    ids = [m.id for m in client.models.list().data]
+    assert minilm_gguf.stem in ids and len(ids) == 2  # the chat model and the embedding model
+    got = client.embeddings.create(model=minilm_gguf.stem, input=SENTENCES)  # the SDK asks for base64
+    served = np.array([d.embedding for d in sorted(got.data, key=lambda d: d.index)], dtype=np.float32)
+    as_floats = client.embeddings.create(model=minilm_gguf.stem, input=SENTENCES, encoding_format="float")
+    assert np.allclose([d.embedding for d in as_floats.data], served, atol=1e-7)
+
+    # the engine's own answer on the same GGUF and token ids
+    tok = GGUFTokenizer.from_gguf(minilm_gguf)
+    tokens = [tok.encode(s) for s in SENTENCES]
+    assert got.usage.prompt_tokens == sum(len(t) for t in tokens)
+    engine = MlxModelRunner.load(minilm_gguf).embed(tokens)
+    assert served.shape == engine.shape == (2, 384)
+    assert np.allclose(np.linalg.norm(served, axis=1), 1.0, atol=1e-5)
+    for a, b in zip(served, engine):
+        assert float(a @ b) / float(np.linalg.norm(b)) >= 0.9999
+
+    # transformers' MiniLM: mean pooling + L2 norm (sentence-transformers' recipe)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(minilm_hf)
+    model = transformers.AutoModel.from_pretrained(minilm_hf, dtype=torch.float32).eval()
+    refs = []
+    for s in SENTENCES:
+        with torch.no_grad():
+            h = model(**hf_tok(s, return_tensors="pt")).last_hidden_state[0].mean(0)
+        refs.append((h / h.norm()).numpy())
+    for a, b in zip(served, refs):
+        assert float(a @ b) >= 0.9999
+    sim = float(served[0] @ served[1])
+    assert abs(sim - float(refs[0] @ refs[1])) < 1e-4
+    assert 0.74 < sim < 0.77  # the model card's ≈ 0.755
+
+
+def test_chat_still_answers_beside_the_embedding_model(server):
+    import openai
+
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused")
+    out = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hi"}],
+                                         max_tokens=4, temperature=0)
+    assert out.choices[0].finish_reason in ("stop", "length") and out.usage.completion_tokens >= 1
+    with pytest.raises(openai.NotFoundError):  # an unknown embedding model is a 404, not a silent answer
+        client.embeddings.create(model="nope-model", input="x")
