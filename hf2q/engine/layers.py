@@ -240,7 +240,8 @@ class GatedMLP:
 
         rows = math.prod(x.shape[:-1])
         if (self.act in (silu, gelu_tanh) and x.dtype == mx.float32
-                and all(lin.on_host(rows) for lin in (self.gate, self.up, self.down))):
+                and all(isinstance(lin, Linear) and lin.on_host(rows) for lin in (self.gate, self.up, self.down))):
+            # (a tensor-parallel RowParallel down projection keeps the MLX path: it ends in an all_sum)
             # CPU prefill: gate, up, the activation (in place) and down all on the host
             xh = host_rows(x)
             g, u = self.gate.host_matmul(xh), self.up.host_matmul(xh)
