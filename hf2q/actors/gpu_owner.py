@@ -16,6 +16,7 @@ right after the logits (the plain greedy rows of a batch in one vectorised argma
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any, Callable
 
@@ -23,6 +24,7 @@ import numpy as np
 import outcome
 import trio
 
+from hf2q.actors.decode_pipeline import DecodePipeline
 from hf2q.actors.engine_thread import EngineThread
 from hf2q.actors.messages import (
     ENDED,
@@ -97,14 +99,23 @@ def sample_rows(works, logits) -> list[Sampled | SampleError]:
     return out
 
 
-def run_step(runner, decode: list[DecodeRun], tokens: list[int], prefill: PrefillWork | None) -> dict[int, Any]:
+def run_step(runner, decode: list[DecodeRun], tokens: list[int], prefill: PrefillWork | None,
+             pipeline: DecodePipeline | None = None) -> dict[int, Any]:
     """One decode-first mixed step, in the GPU thread: slot → Sampled | SampleError | None.
 
-    Every run of ``decode`` is fed its token of ``tokens`` in one batched ``runner.decode``.
+    Every run of ``decode`` is fed its token of ``tokens`` in one batched ``runner.decode``
+    — or, when ``pipeline`` can serve the batch (MLX graph, device-sampled rows), through the
+    step it queued last time, queueing the next one before this one is read.
     Errors raised by the runner propagate (they poison the engine).
     """
     results: dict[int, Any] = {}
-    if decode:
+    pipelined = pipeline is not None and bool(decode) and pipeline.usable(runner, decode)
+    if pipeline is not None and not pipelined:
+        pipeline.settle()
+    if pipelined:
+        for r, res in zip(decode, pipeline.step(runner, decode, tokens)):
+            results[r.slot] = res
+    elif decode:
         logits = runner.decode([r.seq for r in decode], tokens)
         for r, res in zip(decode, sample_rows(decode, logits)):
             results[r.slot] = res
@@ -114,6 +125,13 @@ def run_step(runner, decode: list[DecodeRun], tokens: list[int], prefill: Prefil
         logits = runner.prefill(prefill.seq, prefill.tokens)
         results[prefill.slot] = guarded_sample(prefill, logits) if prefill.final else None
     return results
+
+
+def _after_settling(pipeline: DecodePipeline, job: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def settled_job(runner):
+        pipeline.settle()
+        return job(runner)
+    return settled_job
 
 
 def post(run: DecodeRun, outcome_) -> None:
@@ -149,6 +167,8 @@ class GpuOwner:
         self.planner = StepPlanner(n_slots)
         self.stats = stats
         self.inbox_send, self._inbox = trio.open_memory_channel(float("inf"))
+        # touched only by jobs in the engine thread; HF2Q_NO_DECODE_PIPELINE=1 keeps blocking steps
+        self.pipeline = None if os.environ.get("HF2Q_NO_DECODE_PIPELINE") else DecodePipeline()
 
     # ---- loading and single transactions ----------------------------------------------
 
@@ -197,6 +217,8 @@ class GpuOwner:
             pending = _Pending(what, trio.current_time())
             self.fsm.fire("transaction_submitted")
             self._pending = pending
+            if self.pipeline is not None and what != "step":
+                job = _after_settling(self.pipeline, job)  # other jobs see caches holding only fed tokens
             self._thread.submit(job, pending.finished)
             return await self._settle(pending)
         finally:
@@ -269,7 +291,8 @@ class GpuOwner:
             if chunk is not None and chunk.on_picked is not None:
                 chunk.on_picked()
             results = await self.transact(
-                lambda runner, batch=batch, tokens=tokens, chunk=chunk: run_step(runner, batch, tokens, chunk), "step")
+                lambda runner, batch=batch, tokens=tokens, chunk=chunk: run_step(runner, batch, tokens, chunk,
+                                                                                 self.pipeline), "step")
             self.stats["gpu_steps"] += 1
             if batch:
                 self.stats["decode_batches"] += 1

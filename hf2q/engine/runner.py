@@ -113,6 +113,21 @@ class MlxModelRunner:
         model = build_model(g, dtype)
         return cls(g, model, dtype, ctx)
 
+    @property
+    def kv_identity(self) -> str:
+        """What this runner's KV values depend on besides the model file: the MLX backend and
+        device kind and the KV dtype (CPU float32 and GPU float16/bfloat16 caches differ, so the
+        persistent KV store keys them apart). Read it from the engine thread."""
+        dev = mx.default_device().type.name  # "cpu" | "gpu"
+        backend = "cuda" if mx.cuda.is_available() else "metal" if mx.metal.is_available() else "cpu"
+        return f"mlx-{backend}-{dev}-{str(self.dtype).rsplit('.', 1)[-1]}"
+
+    @property
+    def pipelines_decode(self) -> bool:
+        """True when ``decode_async`` overlaps work (the MLX graph path); the CPU host decode step is
+        synchronous, so pipelining it would only add the device sampler's cost."""
+        return self.host_decoder is None and not self.is_embedding_model
+
     # ---- sequences -----------------------------------------------------------------
 
     def new_sequence(self) -> SequenceCache:
