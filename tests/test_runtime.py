@@ -572,3 +572,36 @@ async def test_drain_timeout_ends_what_is_left(autojump_clock):
             assert rt.readiness()[0] is False
     finally:
         fake.hang_release.set()
+
+
+async def test_dead_peer_fails_closed_before_the_deadline():
+    """A rank of a tensor-parallel group dies while a step waits in a collective (NCCL never
+    returns): the runtime polls the runner's ``dead_peer`` and poisons at once, not at the deadline."""
+    fake = FakeModelRunner()
+    died = threading.Event()
+    fake.dead_peer = lambda: "tensor-parallel rank 1 exited with status -9" if died.is_set() else None
+    try:
+        async with open_runtime(fake.factory(), RuntimeConfig(slots=2, gpu_deadline_s=600.0)) as rt:
+            await rt.wait_ready()
+            fake.inject_hang("decode", nth=2)
+            chans = await _in_flight(rt, 2)
+            results = [None] * 2
+            t0 = trio.current_time()
+            async with trio.open_nursery() as n:
+                for i, ch in enumerate(chans):
+                    async def run(i=i, ch=ch):
+                        results[i] = await collect(ch)
+                    n.start_soon(run)
+                with trio.fail_after(30):
+                    while not fake.hanging.is_set():
+                        await trio.sleep(0.01)
+                died.set()
+            assert trio.current_time() - t0 < 30  # the 600 s deadline played no part
+            for ev in results:
+                end = terminal(ev)
+                assert (end.status, end.code) == (503, "engine_unhealthy") and "rank 1 exited" in end.message
+            ready, detail = rt.readiness()
+            assert not ready and "rank 1 exited" in detail
+            assert rt.snapshot().state == "poisoned"
+    finally:
+        fake.hang_release.set()

@@ -42,6 +42,9 @@ from hf2q.statemachines.gpu_owner import GPU_OWNER
 
 log = logging.getLogger("hf2q.gpu")
 
+#: how often a pending transaction of a multi-process runner checks that every rank is alive
+PEER_POLL_S = 0.5
+
 
 class EnginePoisoned(Exception):
     """The engine faulted or hung; no GPU work will run again."""
@@ -169,6 +172,7 @@ class GpuOwner:
         self.inbox_send, self._inbox = trio.open_memory_channel(float("inf"))
         # touched only by jobs in the engine thread; HF2Q_NO_DECODE_PIPELINE=1 keeps blocking steps
         self.pipeline = None if os.environ.get("HF2Q_NO_DECODE_PIPELINE") else DecodePipeline()
+        self.dead_peer: Callable[[], str | None] | None = None
 
     # ---- loading and single transactions ----------------------------------------------
 
@@ -196,6 +200,8 @@ class GpuOwner:
             self._supervisor.poison(f"model failed to load: {type(err).__name__}: {err}")
             raise EnginePoisoned(str(err))
         self.fsm.fire("loaded")
+        # a runner over several processes says when one of them died (polled from trio: thread-safe)
+        self.dead_peer = getattr(box[0].value, "dead_peer", None)
         return box[0].value
 
     async def transact(self, job: Callable[[Any], Any], what: str) -> Any:
@@ -227,9 +233,20 @@ class GpuOwner:
     async def _settle(self, p: "_Pending") -> Any:
         limit = self._supervisor.deadline_s  # the supervisor arms every transaction
         deadline = p.started + limit if limit is not None else float("inf")
+        dead = None
         with trio.move_on_at(deadline):
-            await p.done.wait()
+            if self.dead_peer is None:
+                await p.done.wait()
+            else:  # a tensor-parallel group: a rank that died leaves NCCL waiting until the deadline
+                while not p.done.is_set() and dead is None:
+                    with trio.move_on_after(PEER_POLL_S):
+                        await p.done.wait()
+                    dead = None if p.done.is_set() else self.dead_peer()
         self._pending = None
+        if p.result is None and dead is not None:
+            self.fsm.fire("faulted")
+            self._supervisor.poison(f"GPU {p.what} cannot finish: {dead}")
+            raise EnginePoisoned(self._supervisor.detail)
         if p.result is None:
             self.fsm.fire("deadline_expired")
             self._supervisor.poison(f"GPU {p.what} did not finish within {limit:g} s (engine hung)",

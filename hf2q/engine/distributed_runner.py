@@ -142,6 +142,17 @@ class DistributedRunner:
         # KV computed over a tensor-parallel split (sharded heads, all-reduced partial sums) is its own kind
         self.kv_identity = f"{local.kv_identity}-tp{self.size}"
 
+    def dead_peer(self) -> str | None:
+        """Why a follower is gone (it exited), else None. Safe from any thread: only polls processes.
+
+        The serving runtime polls it while a step is pending, because a collective (NCCL) with a
+        dead peer never returns — without it the group fails closed only at the step deadline."""
+        try:
+            self._check_alive()
+        except GroupBroken as e:
+            return str(e)
+        return None
+
     # ---- plumbing ------------------------------------------------------------------------
 
     def _run(self, header: dict, local_call: Callable[[], object], arrays=None, per_rank=None):
