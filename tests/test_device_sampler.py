@@ -133,6 +133,9 @@ def test_generate_pipelined_equals_host_path(llama):
     from hf2q.engine.generate import generate_once
 
     r = llama
+    saved_host = r.host_decoder
+    r.host_decoder = None  # the MLX graph path (as on a GPU): generate pipelines it
+    assert r.pipelines_decode
     prompt = random_tokens(9, seed=4)
     pipelined = SamplingParams(temperature=0.0, max_tokens=12)
     host = SamplingParams(temperature=0.0, max_tokens=12, logit_bias=((7, 0.0),))  # no effect, forces the host
@@ -151,4 +154,5 @@ def test_generate_pipelined_equals_host_path(llama):
         c, d = run(pipelined), run(host)
     finally:
         r.eos_token_ids = saved
+        r.host_decoder = saved_host
     assert c == d and c[0] == "stop" and c[1] == 5 and c[2] == a[2][:4]
