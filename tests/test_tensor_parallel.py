@@ -410,3 +410,28 @@ async def test_runtime_on_two_ranks_serves_what_one_rank_serves_and_fails_closed
     assert got["tokens"] == want and all(len(t) == 8 for t in want)
     assert got["after"] == [["failed 503 engine_unhealthy"], ["rejected 503 engine_unhealthy"]], got["after"]
     assert got["ready"] is False and "tensor-parallel" in got["detail"], got["detail"]
+
+
+def test_dead_peer_names_the_rank_and_stops_the_survivors_once():
+    """``dead_peer`` (polled by the runtime while a step hangs in a collective) fails the group closed."""
+    from types import SimpleNamespace
+
+    from hf2q.engine.distributed_runner import DistributedRunner, GroupBroken
+
+    local = SimpleNamespace(vocab_size=10, n_ctx_train=8, n_ctx=8, eos_token_ids=frozenset(), is_embedding_model=False,
+                            kv_bytes_per_token=4, gguf=None, arch="llama", dtype=None, stats={}, kv_identity="x",
+                            new_sequence=lambda: None)
+    dead = {"rank": None}
+    stopped = []
+
+    def check_alive():
+        if dead["rank"] is not None:
+            raise GroupBroken(f"tensor-parallel rank {dead['rank']} exited with status -9")
+
+    r = DistributedRunner(local, [], [None], None, check_alive=check_alive, on_fault=lambda: stopped.append(1))
+    assert r.dead_peer() is None and not stopped
+    dead["rank"] = 2
+    assert r.dead_peer() == "tensor-parallel rank 2 exited with status -9"
+    assert r.dead_peer() is not None and stopped == [1]  # survivors stopped once
+    with pytest.raises(GroupBroken, match="rank 2 exited"):
+        r.new_sequence()  # every later call is refused

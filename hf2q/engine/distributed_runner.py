@@ -150,6 +150,12 @@ class DistributedRunner:
         try:
             self._check_alive()
         except GroupBroken as e:
+            if self._broken is None:  # fail closed on every rank: stop the survivors (they wait in NCCL)
+                self._broken = f"tensor-parallel group failed: {e}"
+                try:
+                    self._on_fault()
+                except Exception:
+                    log.exception("stopping the tensor-parallel followers failed")
             return str(e)
         return None
 
