@@ -113,14 +113,20 @@ def _decode_host(runner, seq, logits, params, budget, generated, on_token) -> st
     sampler = Sampler(params)
     while True:
         token, _, _ = sampler.sample(logits, generated)
-        generated.append(token)
-        if token in runner.eos_token_ids:
-            return "stop"
-        if on_token is not None:
-            on_token(token)
-        if len(generated) >= budget:
-            return "length"
+        reason = _accept(runner, token, generated, budget, on_token)
+        if reason is not None:
+            return reason
         logits = runner.decode([seq], [token])[0]
+
+
+def _accept(runner, token: int, generated: list[int], budget: int, on_token) -> str | None:
+    """Record a sampled token; ``"stop"`` (not emitted), ``"length"`` (emitted, budget spent) or None."""
+    generated.append(token)
+    if token in runner.eos_token_ids:
+        return "stop"
+    if on_token is not None:
+        on_token(token)
+    return "length" if len(generated) >= budget else None
 
 
 def _decode_pipelined(runner, seq, logits, params, budget, generated, on_token) -> str:
@@ -131,26 +137,17 @@ def _decode_pipelined(runner, seq, logits, params, budget, generated, on_token) 
 
     samplers = [DeviceSampler(params)]
     token = int(np.array(sample_rows(mx.array(np.asarray(logits, dtype=np.float32)[None]), samplers)[0])[0])
-    generated.append(token)
-    if token in runner.eos_token_ids:
-        return "stop"
-    if on_token is not None:
-        on_token(token)
-    if len(generated) >= budget:
-        return "length"
+    reason = _accept(runner, token, generated, budget, on_token)
+    if reason is not None:
+        return reason
     pending = runner.decode_async([seq], [token], samplers)
     while True:
         ahead = runner.decode_async([seq], pending, samplers) if len(generated) + 1 < budget else None
-        token = int(pending.result()[0][0])
-        generated.append(token)
-        if token in runner.eos_token_ids:
-            if ahead is not None:
-                seq.trim(seq.length - 1)  # the queued step consumed the stop token
-            return "stop"
-        if on_token is not None:
-            on_token(token)
-        if ahead is None:
-            return "length"
+        reason = _accept(runner, int(pending.result()[0][0]), generated, budget, on_token)
+        if reason == "stop" and ahead is not None:
+            seq.trim(seq.length - 1)  # the queued step consumed the stop token
+        if reason is not None:
+            return reason
         pending = ahead
 
 
