@@ -257,8 +257,13 @@ def test_thread_count_follows_machine_load(monkeypatch):
     monkeypatch.delenv("HF2Q_BLAS_THREADS", raising=False)
     monkeypatch.setattr(cpu_blas, "threads", lambda: 4)
     monkeypatch.setattr(cpu_blas, "_OTHERS", [0.0])
+    monkeypatch.setattr(cpu_blas, "_ACTIVE", [1, float("-inf")])
+    monkeypatch.setattr(cpu_blas, "ACTIVE_TTL_S", 60.0)  # within the TTL the load is not read again
     monkeypatch.setattr(cpu_blas, "_other_runnable", lambda: 0)
     assert cpu_blas.active_threads() == 4
+    monkeypatch.setattr(cpu_blas, "_other_runnable", lambda: 6)
+    assert cpu_blas.active_threads() == 4
+    monkeypatch.setattr(cpu_blas, "ACTIVE_TTL_S", 0.0)
     monkeypatch.setattr(cpu_blas, "_other_runnable", lambda: 6)
     counts = [cpu_blas.active_threads() for _ in range(20)]
     assert counts[-1] == 1 and counts == sorted(counts, reverse=True)

@@ -131,6 +131,8 @@ class HostDecoder:
 
         self.ops = library()
         self.model = model
+        self._kv_cache_key: tuple | None = None  # ((id(cache), cache.version), ...) of the last step
+        self._kv_cache_value: tuple | None = None
         cfg = model.cfg
         self.cfg = cfg
         self.embed = HostEmbedding(model.embed)
@@ -221,8 +223,11 @@ class HostDecoder:
 
     def _kv_addresses(self, caches) -> tuple:
         """Per layer, the K and V buffer addresses of every sequence (``c_void_p[L * B]``,
-        layer-major) and each sequence's capacity; fetched every step, since MLX-side writes
-        (prefill, import, trim) may move a buffer."""
+        layer-major) and each sequence's capacity; fetched again whenever a cache's ``version``
+        says MLX replaced a buffer (prefill, import, trim, growth), else reused."""
+        key = tuple((id(s), s.version) for s in caches)
+        if self._kv_cache_key == key:  # no buffer replaced since the last step: same addresses
+            return self._kv_cache_value
         L, B = len(self.layers), len(caches)
         kp, vp = (ctypes.c_void_p * (L * B))(), (ctypes.c_void_p * (L * B))()
         cap = (ctypes.c_int * B)()
@@ -235,6 +240,7 @@ class HostDecoder:
                     raise ValueError("host decode needs float32 KV buffers of one capacity")
                 kp[li * B + b] = _addr(k)
                 vp[li * B + b] = _addr(v)
+        self._kv_cache_key, self._kv_cache_value = key, (kp, vp, cap)
         return kp, vp, cap
 
     def step(self, tokens: np.ndarray, caches) -> np.ndarray:

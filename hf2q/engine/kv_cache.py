@@ -15,12 +15,14 @@ batch, and the sliding window for local-attention layers.
 
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import mlx.core as mx
 import numpy as np
 
 GROW = 256
+_VERSIONS = itertools.count(1)  # unique across all caches, so (cache, version) never repeats
 
 
 class SequenceCache:
@@ -34,6 +36,9 @@ class SequenceCache:
         self.values: list[mx.array | None] = [None] * n_layers
         self.capacity = 0
         self._length = 0
+        #: changes whenever a K/V buffer array is replaced (grown, trimmed, written through MLX), so
+        #: host code holding buffer addresses knows when to fetch them again
+        self.version = next(_VERSIONS)
 
     @property
     def length(self) -> int:
@@ -59,6 +64,7 @@ class SequenceCache:
                     grown[:, : self._length, :] = store[i][:, : self._length, :]
                 store[i] = grown
         self.capacity = new_cap
+        self.version = next(_VERSIONS)
 
     def trim(self, n_tokens: int) -> None:
         if n_tokens < 0 or n_tokens > self._length:
@@ -70,6 +76,7 @@ class SequenceCache:
                 for i in range(self.n_layers):
                     store[i] = mx.array(store[i][:, :keep, :]) if keep else None
             self.capacity = keep
+            self.version = next(_VERSIONS)
 
     def advance(self, n: int) -> None:
         self._length += n
@@ -93,6 +100,7 @@ class SequenceCache:
             self.values[i][:, start:start + n_tokens, :] = mx.array(v).astype(self.dtype)
         mx.eval(self.keys, self.values)
         self._length += n_tokens
+        self.version = next(_VERSIONS)
 
 
 def _padded(buf: mx.array, n: int) -> mx.array:
@@ -159,6 +167,8 @@ class ForwardBatch:
     def update(self, layer: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         """Store new ``k, v`` ``[B, kv_heads, n_new, d]``; return all keys/values ``[B, kv_heads, total, d]``."""
         T = self.n_new
+        for c in self.caches:
+            c.version = next(_VERSIONS)  # the slice assignments below give each buffer a new array
         if len(self.caches) == 1:
             c, off = self.caches[0], self.offsets[0]
             c.keys[layer][:, off:off + T, :] = k[0]

@@ -34,6 +34,7 @@ import ctypes
 import glob
 import itertools
 import os
+import time
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -148,6 +149,8 @@ def threads() -> int:
 
 
 _OTHERS = [0.0]  # smoothed count of other runnable threads on the machine
+_ACTIVE = [1, float("-inf")]  # the last answer of active_threads() and when it was computed
+ACTIVE_TTL_S = 0.2
 _OPENBLAS_SET = [0]
 
 
@@ -159,14 +162,17 @@ def active_threads() -> int:
     waits in the run queue for its slice and the whole product waits with it. Measured on the
     shared 2-core box: 2 threads beat 1 with one other busy process (pp2048 6.3 vs 7.5 s) and
     lost badly with three (5.6k tokens: 36 s vs 27 s), so the count follows the load."""
+    now = time.monotonic()
+    if now - _ACTIVE[1] < ACTIVE_TTL_S:  # one prefill chunk asks per product: read the load ~5x a second
+        return _ACTIVE[0]
     n = threads()
-    if n == 1 or os.environ.get("HF2Q_BLAS_THREADS"):
-        return n
-    others = _other_runnable()
-    if others is None:
-        return n
-    _OTHERS[0] = 0.7 * _OTHERS[0] + 0.3 * others
-    return max(1, min(n, n + 1 - round(_OTHERS[0])))
+    if n > 1 and not os.environ.get("HF2Q_BLAS_THREADS"):
+        others = _other_runnable()
+        if others is not None:
+            _OTHERS[0] = 0.7 * _OTHERS[0] + 0.3 * others
+            n = max(1, min(n, n + 1 - round(_OTHERS[0])))
+    _ACTIVE[0], _ACTIVE[1] = n, now
+    return n
 
 
 def _other_runnable() -> int | None:
