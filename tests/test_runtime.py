@@ -254,6 +254,16 @@ async def test_request_waits_for_kv_budget_then_runs():
     assert rt_seq_lengths == [0, 39]
 
 
+def collect_all(nursery, chans) -> list:
+    """Start one collector per channel in ``nursery``; the list fills in as they finish."""
+    results: list = [None] * len(chans)
+    for i, ch in enumerate(chans):
+        async def run(i=i, ch=ch):
+            results[i] = await collect(ch)
+        nursery.start_soon(run)
+    return results
+
+
 async def _in_flight(rt, n_requests, prompt_len=30, max_tokens=200):
     chans = [await rt.submit(req(f"r{i}", [(i * 11 + j) % 90 + 3 for j in range(prompt_len)], max_tokens))
              for i in range(n_requests)]
@@ -306,13 +316,9 @@ async def test_injected_hang_expires_the_deadline_and_fails_everything_once(slow
             await rt.wait_ready()
             fake.inject_hang("decode", nth=3)
             chans = await _in_flight(rt, 3)
-            results = [None] * 3
             t0 = trio.current_time()
             async with trio.open_nursery() as n:
-                for i, ch in enumerate(chans):
-                    async def run(i=i, ch=ch):
-                        results[i] = await collect(ch)
-                    n.start_soon(run)
+                results = collect_all(n, chans)
             assert trio.current_time() - t0 >= 30.0
             for ev in results:
                 end = terminal(ev)
@@ -585,13 +591,9 @@ async def test_dead_peer_fails_closed_before_the_deadline():
             await rt.wait_ready()
             fake.inject_hang("decode", nth=2)
             chans = await _in_flight(rt, 2)
-            results = [None] * 2
             t0 = trio.current_time()
             async with trio.open_nursery() as n:
-                for i, ch in enumerate(chans):
-                    async def run(i=i, ch=ch):
-                        results[i] = await collect(ch)
-                    n.start_soon(run)
+                results = collect_all(n, chans)
                 with trio.fail_after(30):
                     while not fake.hanging.is_set():
                         await trio.sleep(0.01)
