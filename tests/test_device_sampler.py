@@ -156,3 +156,27 @@ def test_generate_pipelined_equals_host_path(llama):
         r.eos_token_ids = saved
         r.host_decoder = saved_host
     assert c == d and c[0] == "stop" and c[1] == 5 and c[2] == a[2][:4]
+
+
+@pytest.mark.parametrize("host_decode", [True, False], ids=["host-decode", "mlx-graph"])
+def test_warm_up_leaves_no_trace(llama, host_decode):
+    from hf2q.engine.generate import generate_once
+    from hf2q.engine.runner import warm_up
+
+    r = llama
+    saved = r.host_decoder
+    if not host_decode:
+        r.host_decoder = None
+    try:
+        prompt = random_tokens(7, seed=8)
+        params = SamplingParams(temperature=0.0, max_tokens=6)
+        seen_before: list[int] = []
+        generate_once(r, prompt, params, on_token=seen_before.append)
+        stats = dict(r.stats)
+        warm_up(r)
+        assert r.stats == stats  # the warm-up request is not counted
+        seen_after: list[int] = []
+        generate_once(r, prompt, params, on_token=seen_after.append)
+        assert seen_after == seen_before and len(seen_after) == 6
+    finally:
+        r.host_decoder = saved

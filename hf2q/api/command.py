@@ -60,12 +60,19 @@ def runner_factory(path: Path, ctx: int | None, tensor_parallel: int = 1):
     if tensor_parallel > 1:
         from hf2q.engine.tp_launch import runner_factory as tp_runner_factory
 
-        return tp_runner_factory(path, tensor_parallel, ctx)
+        load = tp_runner_factory(path, tensor_parallel, ctx)
+    else:
+        def load():
+            from hf2q.engine.runner import MlxModelRunner
+
+            return MlxModelRunner.load(str(path), ctx=ctx)
 
     def build():
-        from hf2q.engine.runner import MlxModelRunner
+        from hf2q.engine.runner import warm_up
 
-        return MlxModelRunner.load(str(path), ctx=ctx)
+        runner = load()
+        warm_up(runner)  # first-use kernel compilation happens before /readyz says ready
+        return runner
     return build
 
 

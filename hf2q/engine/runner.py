@@ -246,3 +246,31 @@ class MlxModelRunner:
     def import_kv(self, seq: SequenceCache, arrays: dict[str, np.ndarray], n_tokens: int) -> None:
         self._check_room(seq, n_tokens)
         seq.import_(arrays, n_tokens)
+
+
+def warm_up(runner) -> None:
+    """Run one tiny request through every kernel a first request needs, then forget it.
+
+    GPU backends compile kernels on first use (on an H200 the first chat request of a fresh
+    tensor-parallel server waited 49.5 s for its first token), so ``hf2q serve`` pays that
+    before it reports ready instead of in a user's time to first token. Counters are restored.
+    """
+    stats = dict(getattr(runner, "stats", {}))
+    if runner.is_embedding_model:
+        runner.embed([[1, 2, 3]])
+    else:
+        from hf2q.engine.device_sampler import DeviceSampler
+        from hf2q.sched.requests import SamplingParams
+
+        seq = runner.new_sequence()
+        toks = [1 + i % max(1, runner.vocab_size - 1) for i in range(16)]
+        first = int(np.argmax(runner.prefill(seq, toks)))
+        runner.decode([seq], [first])
+        if getattr(runner, "pipelines_decode", False):
+            for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9, seed=0)):
+                pending = runner.decode_async([seq], [first], [DeviceSampler(params)])
+                runner.decode_async([seq], pending, [DeviceSampler(params)]).result()
+        del seq
+    if hasattr(runner, "stats"):
+        runner.stats.clear()
+        runner.stats.update(stats)
