@@ -62,11 +62,13 @@ def bench_hf2q(gguf: Path, prefill: list[int], tg: int, reps: int, chunk: int) -
 
 def bench_runner(r, prefill: list[int], tg: int, reps: int, chunk: int) -> dict:
     """Time any ``ModelRunner`` (single-process or tensor-parallel rank 0)."""
+    from hf2q.engine.runner import warm_up
+
     warm = r.new_sequence()  # first calls compile kernels (GPU) and fault weights in: not timed
-    r.decode([warm], [int(np.argmax(r.prefill(warm, _tokens(min(chunk, max(prefill)), r.vocab_size))))])
-    if hasattr(r, "decode_async"):  # and the device-sampling kernels of the pipelined path
-        _pipelined_greedy(r, 2)
+    r.prefill(warm, _tokens(min(chunk, max(prefill)), r.vocab_size))  # at the timed chunk shape
     del warm
+    warm_up(r)  # decode and the device-sampling kernels, as `hf2q serve` does before it is ready
+    pipelined = getattr(r, "pipelines_decode", False)  # the MLX graph path (GPUs); CPU host decode is synchronous
     out = {}
     for n in prefill:
         toks = _tokens(n, r.vocab_size)
@@ -87,8 +89,8 @@ def bench_runner(r, prefill: list[int], tg: int, reps: int, chunk: int) -> dict:
         for _ in range(tg):
             tok = int(np.argmax(r.decode([s], [tok])[0]))
         times.append(time.perf_counter() - t0)
-    out[f"tg{tg}_sync" if hasattr(r, "decode_async") else f"tg{tg}"] = tg / statistics.median(times)
-    if hasattr(r, "decode_async"):  # greedy sampled on the device, step n+1 queued before n is read
+    out[f"tg{tg}_sync" if pipelined else f"tg{tg}"] = tg / statistics.median(times)
+    if pipelined:  # greedy sampled on the device, step n+1 queued before n is read
         out[f"tg{tg}"] = tg / statistics.median(_pipelined_greedy(r, tg) for _ in range(reps))
     return out
 

@@ -60,11 +60,9 @@ def smollm2_setup(smollm2_hf, llama_cpp_bin, tmp_path_factory):
     return smollm2_hf, f16, imatrix_for(f16, d / "smollm2.imatrix.gguf", skip=("blk.1.attn_q.weight",))
 
 
-@pytest.mark.slow
-@pytest.mark.llamacpp
-@pytest.mark.parametrize("quant", ["q4_k_m", "q2_k_s", "q4_0"])
-def test_smollm2_matches_llama_quantize_with_imatrix(quant, smollm2_setup, cli, tmp_path):
-    src, f16, imatrix = smollm2_setup
+def quantize_both_equal(cli, src, f16, quant: str, imatrix, tmp_path):
+    """``llama-quantize --imatrix`` of llama.cpp's F16 and ``hf2q convert --imatrix`` of the HF source:
+    asserts the two GGUFs are equal and returns ours."""
     theirs = tmp_path / "theirs.gguf"
     r = llama_quantize(f16, theirs, quant.upper(), imatrix)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -72,6 +70,15 @@ def test_smollm2_matches_llama_quantize_with_imatrix(quant, smollm2_setup, cli, 
     res = convert(cli, src, quant, ours, imatrix)
     assert res.code == 0, res.err
     assert compare_gguf(ours, theirs) == []
+    return ours
+
+
+@pytest.mark.slow
+@pytest.mark.llamacpp
+@pytest.mark.parametrize("quant", ["q4_k_m", "q2_k_s", "q4_0"])
+def test_smollm2_matches_llama_quantize_with_imatrix(quant, smollm2_setup, cli, tmp_path):
+    src, f16, imatrix = smollm2_setup
+    ours = quantize_both_equal(cli, src, f16, quant, imatrix, tmp_path)
     kv, tensors = read_gguf(ours)
     assert kv["quantize.imatrix.file"] == str(imatrix)
     assert kv["quantize.imatrix.dataset"] == "calib-wiki.txt"
@@ -96,13 +103,7 @@ def test_moe_experts_each_get_their_own_weights(quant, tiny_checkpoint, llama_cp
     src = tiny_checkpoint("qwen3_moe")
     f16 = llamacpp_reference(src, "f16")
     imatrix = imatrix_for(f16, tmp_path / "moe.imatrix.gguf", seed=1)
-    theirs = tmp_path / "theirs.gguf"
-    r = llama_quantize(f16, theirs, quant.upper(), imatrix)
-    assert r.returncode == 0, r.stderr[-2000:]
-    ours = tmp_path / "ours.gguf"
-    res = convert(cli, src, quant, ours, imatrix)
-    assert res.code == 0, res.err
-    assert compare_gguf(ours, theirs) == []
+    ours = quantize_both_equal(cli, src, f16, quant, imatrix, tmp_path)
     _, tensors = read_gguf(ours)
     _, plain = read_gguf(llamacpp_reference(src, "q2_k" if quant == "q2_k_s" else quant))
     experts = [n for n, (_, ne, _) in tensors.items() if len(ne) == 3]

@@ -217,16 +217,21 @@ def quantized_runners(tiny_checkpoint, tmp_path_factory):
     return out
 
 
+def _twin_prefills(r, prompts):
+    """Two sets of caches holding the same prompts, and the greedy first tokens."""
+    a, b = [r.new_sequence() for _ in prompts], [r.new_sequence() for _ in prompts]
+    toks = [int(np.argmax(r.prefill(s, p))) for s, p in zip(a, prompts)]
+    for s, p in zip(b, prompts):
+        r.prefill(s, p)
+    return a, b, toks
+
+
 @pytest.mark.parametrize("key", [("llama", "q4_0"), ("llama", "q8_0"), ("qwen3", "q5_0"), ("gemma3", "q4_0")])
 def test_host_decode_equals_mlx_graph_token_for_token(key, quantized_runners):
     r = quantized_runners[key]
     assert r.host_decoder is not None
-    prompts = [random_tokens(n, seed=200 + n) for n in (4, 21, 9)]  # gemma3's window is 16
-    host_seqs = [r.new_sequence() for _ in prompts]
-    mlx_seqs = [r.new_sequence() for _ in prompts]
-    toks = [int(np.argmax(r.prefill(s, p))) for s, p in zip(host_seqs, prompts)]
-    for s, p in zip(mlx_seqs, prompts):
-        r.prefill(s, p)
+    # 21 tokens: beyond gemma3's 16-token window
+    host_seqs, mlx_seqs, toks = _twin_prefills(r, [random_tokens(n, seed=200 + n) for n in (4, 21, 9)])
     for _ in range(10):
         host = r.decode(host_seqs, toks)
         with _mlx_graph_only(r):
@@ -250,12 +255,8 @@ def test_host_embedding_rows_match_mlx(quantized_runners):
 
 def test_batched_host_decode_equals_single_decodes(quantized_runners):
     r = quantized_runners[("gemma3", "q4_0")]
-    prompts = [random_tokens(n, seed=300 + n) for n in (2, 5, 17, 8, 30)]  # 5 rows: a 4-tile and a tail
-    batch = [r.new_sequence() for _ in prompts]
-    alone = [r.new_sequence() for _ in prompts]
-    toks = [int(np.argmax(r.prefill(s, p))) for s, p in zip(batch, prompts)]
-    for s, p in zip(alone, prompts):
-        r.prefill(s, p)
+    # 5 rows: a 4-tile and a tail
+    batch, alone, toks = _twin_prefills(r, [random_tokens(n, seed=300 + n) for n in (2, 5, 17, 8, 30)])
     for _ in range(6):
         together = r.decode(batch, toks)
         single = np.stack([r.decode([s], [t])[0] for s, t in zip(alone, toks)])

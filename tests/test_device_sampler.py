@@ -90,51 +90,51 @@ def llama(tiny_checkpoint, tmp_path_factory):
     return load_runner(convert_f32(src, tmp_path_factory.mktemp("llama") / "m.gguf"), src)
 
 
-@pytest.mark.parametrize("host_decode", [True, False], ids=["host-decode", "mlx-graph"])
-def test_pipelined_greedy_equals_sync_decode(llama, host_decode):
-    r = llama
-    saved = r.host_decoder
-    if not host_decode:
-        r.host_decoder = None
-    elif saved is None:
+@pytest.fixture(params=["host-decode", "mlx-graph"])
+def runner(request, llama, monkeypatch):
+    """The tiny runner on one decode path: the CPU host step, or the MLX graph (the GPU path)."""
+    if request.param == "mlx-graph":
+        monkeypatch.setattr(llama, "host_decoder", None)
+    elif llama.host_decoder is None:
         pytest.skip("no host decoder on this backend")
-    try:
-        prompts = [random_tokens(n, seed=n) for n in (5, 13)]
-        greedy = [DeviceSampler(SamplingParams(temperature=0.0)) for _ in prompts]
-        sync = [r.new_sequence() for _ in prompts]
-        pipe = [r.new_sequence() for _ in prompts]
-        first = [int(np.argmax(r.prefill(s, p))) for s, p in zip(sync, prompts)]
-        for s, p in zip(pipe, prompts):
-            r.prefill(s, p)
-        want, tok = [], list(first)
-        for _ in range(8):
-            tok = [int(t) for t in np.argmax(r.decode(sync, tok), -1)]
-            want.append(tok)
-        got = []
-        pending = r.decode_async(pipe, first, greedy)
-        for _ in range(7):
-            nxt = r.decode_async(pipe, pending, greedy)  # queued before the previous step is read
-            got.append(pending.result()[0].tolist())
-            pending = nxt
+    return llama
+
+
+def test_pipelined_greedy_equals_sync_decode(runner):
+    r = runner
+    prompts = [random_tokens(n, seed=n) for n in (5, 13)]
+    greedy = [DeviceSampler(SamplingParams(temperature=0.0)) for _ in prompts]
+    sync = [r.new_sequence() for _ in prompts]
+    pipe = [r.new_sequence() for _ in prompts]
+    first = [int(np.argmax(r.prefill(s, p))) for s, p in zip(sync, prompts)]
+    for s, p in zip(pipe, prompts):
+        r.prefill(s, p)
+    want, tok = [], list(first)
+    for _ in range(8):
+        tok = [int(t) for t in np.argmax(r.decode(sync, tok), -1)]
+        want.append(tok)
+    got = []
+    pending = r.decode_async(pipe, first, greedy)
+    for _ in range(7):
+        nxt = r.decode_async(pipe, pending, greedy)  # queued before the previous step is read
         got.append(pending.result()[0].tolist())
-        assert got == want
-        assert [s.length for s in pipe] == [s.length for s in sync]
-        # a caller that stops after reading step k trims the one speculative position
-        pipe[0].trim(pipe[0].length - 1)
-        ref = r.new_sequence()
-        r.prefill(ref, prompts[0] + [first[0]] + [w[0] for w in want[:6]])
-        np.testing.assert_allclose(r.decode([pipe[0]], [want[6][0]])[0], r.decode([ref], [want[6][0]])[0],
-                                   atol=1e-4)
-    finally:
-        r.host_decoder = saved
+        pending = nxt
+    got.append(pending.result()[0].tolist())
+    assert got == want
+    assert [s.length for s in pipe] == [s.length for s in sync]
+    # a caller that stops after reading step k trims the one speculative position
+    pipe[0].trim(pipe[0].length - 1)
+    ref = r.new_sequence()
+    r.prefill(ref, prompts[0] + [first[0]] + [w[0] for w in want[:6]])
+    np.testing.assert_allclose(r.decode([pipe[0]], [want[6][0]])[0], r.decode([ref], [want[6][0]])[0],
+                               atol=1e-4)
 
 
-def test_generate_pipelined_equals_host_path(llama):
+def test_generate_pipelined_equals_host_path(llama, monkeypatch):
     from hf2q.engine.generate import generate_once
 
     r = llama
-    saved_host = r.host_decoder
-    r.host_decoder = None  # the MLX graph path (as on a GPU): generate pipelines it
+    monkeypatch.setattr(r, "host_decoder", None)  # the MLX graph path (as on a GPU): generate pipelines it
     assert r.pipelines_decode
     prompt = random_tokens(9, seed=4)
     pipelined = SamplingParams(temperature=0.0, max_tokens=12)
@@ -148,35 +148,23 @@ def test_generate_pipelined_equals_host_path(llama):
 
     a, b = run(pipelined), run(host)
     assert a == b and a[0] == "length" and a[1] == 12 and len(a[2]) == 12
-    saved = r.eos_token_ids
-    r.eos_token_ids = frozenset({a[2][4]})  # stop on the fifth token (read one step late in the pipeline)
-    try:
-        c, d = run(pipelined), run(host)
-    finally:
-        r.eos_token_ids = saved
-        r.host_decoder = saved_host
+    monkeypatch.setattr(r, "eos_token_ids", frozenset({a[2][4]}))  # stop on the fifth token (read a step late)
+    c, d = run(pipelined), run(host)
     assert c == d and c[0] == "stop" and c[1] == 5 and c[2] == a[2][:4]
 
 
-@pytest.mark.parametrize("host_decode", [True, False], ids=["host-decode", "mlx-graph"])
-def test_warm_up_leaves_no_trace(llama, host_decode):
+def test_warm_up_leaves_no_trace(runner):
     from hf2q.engine.generate import generate_once
     from hf2q.engine.runner import warm_up
 
-    r = llama
-    saved = r.host_decoder
-    if not host_decode:
-        r.host_decoder = None
-    try:
-        prompt = random_tokens(7, seed=8)
-        params = SamplingParams(temperature=0.0, max_tokens=6)
-        seen_before: list[int] = []
-        generate_once(r, prompt, params, on_token=seen_before.append)
-        stats = dict(r.stats)
-        warm_up(r)
-        assert r.stats == stats  # the warm-up request is not counted
-        seen_after: list[int] = []
-        generate_once(r, prompt, params, on_token=seen_after.append)
-        assert seen_after == seen_before and len(seen_after) == 6
-    finally:
-        r.host_decoder = saved
+    r = runner
+    prompt = random_tokens(7, seed=8)
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    seen_before: list[int] = []
+    generate_once(r, prompt, params, on_token=seen_before.append)
+    stats = dict(r.stats)
+    warm_up(r)
+    assert r.stats == stats  # the warm-up request is not counted
+    seen_after: list[int] = []
+    generate_once(r, prompt, params, on_token=seen_after.append)
+    assert seen_after == seen_before and len(seen_after) == 6

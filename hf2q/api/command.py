@@ -43,11 +43,11 @@ def check_gguf(path: Path, flag: str = "--model") -> Path:
     return path
 
 
-def check_memory(model_path: Path, args) -> None:
+def check_memory(model, args) -> None:
     """Refuse (exit 3) a model whose weights + KV budget exceed what one rank may use."""
     from hf2q.engine.memory_plan import check_model
 
-    check_model(model_path, args.tensor_parallel, ctx=args.ctx, slots=args.slots, kv_budget=args.kv_cache_budget,
+    check_model(model, args.tensor_parallel, ctx=args.ctx, slots=args.slots, kv_budget=args.kv_cache_budget,
                 limit=args.memory_limit)
 
 
@@ -117,11 +117,14 @@ def run(args) -> int:
         model_path = check_gguf(default_chat_model())
     embed_path = check_gguf(Path(args.embedding_model).expanduser(), "--embedding-model") \
         if args.embedding_model else None
+    from hf2q.formats.gguf_file import open_gguf
+
+    header = open_gguf(model_path)  # parsed once for the start-up checks
     if args.tensor_parallel > 1:
         from hf2q.engine.tp_launch import plan_split
 
-        plan_split(model_path, args.tensor_parallel)  # a model that cannot split N ways: exit 3 before starting
-    check_memory(model_path, args)
+        plan_split(header, args.tensor_parallel)  # a model that cannot split N ways: exit 3 before starting
+    check_memory(header, args)
     if not 0 <= args.port <= 65535:
         raise InputError(f"--port must be 0..65535, got {args.port}")
     check_port_free(args.host, args.port)

@@ -45,10 +45,12 @@ class DeviceSampler:
         self._key, sub = mx.random.split(self._key)
         return sub
 
-    def keep_mask(self, x: mx.array, order: mx.array | None) -> tuple[mx.array, mx.array]:
-        """``(values, keep)`` over the vocabulary: best-first when ``order`` is given, else in id order."""
+    def keep_mask(self, x: mx.array) -> tuple[mx.array | None, mx.array, mx.array]:
+        """``(order, values, keep)``: values best-first (ids ``order``) when top-k / top-p need a
+        ranking, else in id order with ``order`` None; ``keep`` marks the tokens that survive."""
         p = self.params
         m = mx.max(x)
+        order = mx.argsort(-x) if (p.top_k or p.top_p < 1.0) else None
         xs = x if order is None else x[order]
         keep = mx.ones(xs.shape, dtype=mx.bool_)
         if order is not None:
@@ -62,25 +64,22 @@ class DeviceSampler:
                 keep = mx.logical_and(keep, before < p.top_p - TOP_P_EPS)
         if p.min_p > 0.0:
             keep = mx.logical_and(keep, xs >= m + math.log(p.min_p))
-        return xs, keep
+        return order, xs, keep
 
     def sample(self, x: mx.array) -> mx.array:
         """One row of float32 logits ``[V]`` → the token id (a scalar int32 array, lazy)."""
         p = self.params
         if p.temperature == 0.0:
             return mx.argmax(x).astype(mx.int32)
-        order = mx.argsort(-x) if (p.top_k or p.top_p < 1.0) else None
-        xs, keep = self.keep_mask(x, order)
+        order, xs, keep = self.keep_mask(x)
         gumbel = -mx.log(-mx.log(mx.random.uniform(low=1e-20, high=1.0, shape=xs.shape, key=self.next_key())))
         pick = mx.argmax(mx.where(keep, xs / p.temperature + gumbel, -mx.inf))
         return (pick if order is None else order[pick]).astype(mx.int32)
 
     def probabilities(self, x: mx.array) -> mx.array:
         """The sampling distribution over the vocabulary in id order (for tests and diagnostics)."""
-        p = self.params
-        order = mx.argsort(-x) if (p.top_k or p.top_p < 1.0) else None
-        xs, keep = self.keep_mask(x, order)
-        w = mx.where(keep, xs / max(p.temperature, 1e-9), -mx.inf)
+        order, xs, keep = self.keep_mask(x)
+        w = mx.where(keep, xs / max(self.params.temperature, 1e-9), -mx.inf)
         probs = mx.softmax(w)
         if order is None:
             return probs

@@ -151,11 +151,7 @@ class DistributedRunner:
             self._check_alive()
         except GroupBroken as e:
             if self._broken is None:  # fail closed on every rank: stop the survivors (they wait in NCCL)
-                self._broken = f"tensor-parallel group failed: {e}"
-                try:
-                    self._on_fault()
-                except Exception:
-                    log.exception("stopping the tensor-parallel followers failed")
+                self._fail(e)
             return str(e)
         return None
 

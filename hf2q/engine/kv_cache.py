@@ -124,6 +124,7 @@ class ForwardBatch:
         self.total = max(self.offsets) + n_new  # keys attended over (padded)
         for c, off in zip(self.caches, self.offsets):
             c.reserve(off + n_new)  # each cache grows only for its own tokens
+            c.version = next(_VERSIONS)  # update()'s slice assignments give every buffer a new array
         self._masks: dict[int | None, mx.array | str | None] = {}
         self._np_masks: dict[int | None, np.ndarray | None] = {}
 
@@ -167,8 +168,6 @@ class ForwardBatch:
     def update(self, layer: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         """Store new ``k, v`` ``[B, kv_heads, n_new, d]``; return all keys/values ``[B, kv_heads, total, d]``."""
         T = self.n_new
-        for c in self.caches:
-            c.version = next(_VERSIONS)  # the slice assignments below give each buffer a new array
         if len(self.caches) == 1:
             c, off = self.caches[0], self.offsets[0]
             c.keys[layer][:, off:off + T, :] = k[0]

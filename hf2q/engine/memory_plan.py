@@ -6,7 +6,8 @@ alone, what a rank will hold — its shard of the weights in the engine's in-mem
 (``quant_repack``: affine groups of 32 with two scale/bias values per group; the 16-element
 K-quants as 8-bit) plus its share of the KV budget — and compares it with the memory a
 rank may use (``--memory-limit``, default 90 % of the device). A refusal names the
-tensor-parallel size that would fit.
+tensor-parallel size that would fit. Not counted: the CPU backend's extras (one byte per weight
+for 3/5/6-bit decode matvecs, the bounded dense-weight cache of prefill).
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def check_fits(g: GGUFFile, size: int, kv_budget: int, limit: int, *, float_byte
 
 def check_model(path, size: int, *, ctx: int | None, slots: int, kv_budget: int | None,
                 limit: int | None) -> RankNeed:
-    """``check_fits`` for a GGUF path with the server's settings, on the default MLX device.
+    """``check_fits`` for a GGUF (path or opened) with the server's settings, on the default MLX device.
 
     The KV budget defaults to the scheduler's (``slots × ctx`` tokens), the limit to
     ``DEFAULT_FRACTION`` of the device's memory.
@@ -110,7 +111,7 @@ def check_model(path, size: int, *, ctx: int | None, slots: int, kv_budget: int 
     from hf2q.formats.gguf_file import open_gguf
     from hf2q.info import kv_bytes_per_token
 
-    g = open_gguf(path)
+    g = path if isinstance(path, GGUFFile) else open_gguf(path)
     dtype = compute_dtype(g.arch)
     on_cpu = mx.default_device() == mx.cpu
     if kv_budget is None:

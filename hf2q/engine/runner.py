@@ -68,12 +68,6 @@ class PendingTokens:
     def __init__(self, tokens: mx.array, logprobs: mx.array):
         self.tokens, self.logprobs, self._host = tokens, logprobs, None
 
-    @classmethod
-    def ready(cls, tokens: np.ndarray, logprobs: np.ndarray) -> "PendingTokens":
-        p = cls(mx.array(tokens.astype(np.int32)), mx.array(logprobs.astype(np.float32)))
-        p._host = (tokens.astype(np.int64), logprobs.astype(np.float32))
-        return p
-
     def result(self) -> tuple[np.ndarray, np.ndarray]:
         """``(token ids [N] int64, logprobs [N] float32)`` on the host."""
         if self._host is None:
@@ -160,24 +154,33 @@ class MlxModelRunner:
         self.stats["prefill_s"] += time.perf_counter() - t0
         return np.array(logits[0])
 
-    def decode(self, seqs: Sequence[SequenceCache], tokens: Sequence[int]) -> np.ndarray:
-        if len(seqs) != len(tokens) or not seqs:
+    def _check_decode(self, seqs: Sequence[SequenceCache], n_tokens: int) -> None:
+        if len(seqs) != n_tokens or not seqs:
             raise ValueError("decode needs one token per sequence")
         if len({id(s) for s in seqs}) != len(seqs):
             raise ValueError("a sequence appears twice in one decode step")
         for s in seqs:
             self._check_room(s, 1)
+
+    def _graph_step(self, seqs: Sequence[SequenceCache], ids: mx.array) -> tuple[mx.array, ForwardBatch]:
+        """The decode step through the MLX graph: lazy float32 logits ``[N, vocab]``; caches advanced."""
+        fb = ForwardBatch(seqs, 1)
+        logits = self.model(ids, fb)
+        fb.finish()
+        self.stats["decode_steps"] += 1
+        return logits, fb
+
+    def decode(self, seqs: Sequence[SequenceCache], tokens: Sequence[int]) -> np.ndarray:
+        self._check_decode(seqs, len(tokens))
         self._check_tokens(tokens)
         t0 = time.perf_counter()
         if self.host_decoder is not None:
             out = self.host_decoder.step(np.asarray(tokens, dtype=np.int32), list(seqs))
+            self.stats["decode_steps"] += 1
         else:
-            fb = ForwardBatch(seqs, 1)
-            logits = self.model(mx.array(np.asarray(tokens, dtype=np.int32)[:, None]), fb)
+            logits, fb = self._graph_step(seqs, mx.array(np.asarray(tokens, dtype=np.int32)[:, None]))
             mx.eval(logits, fb.eval_state())
-            fb.finish()
             out = np.array(logits)
-        self.stats["decode_steps"] += 1
         self.stats["decode_s"] += time.perf_counter() - t0
         return out
 
@@ -193,33 +196,16 @@ class MlxModelRunner:
 
         if len(seqs) != len(samplers):
             raise ValueError("decode_async needs one sampler per sequence")
-        if self.host_decoder is not None:  # host numpy step: synchronous anyway
+        if self.host_decoder is not None:  # the host step is synchronous: nothing to overlap
             ints = tokens.result()[0] if isinstance(tokens, PendingTokens) else tokens
-            host_logits = self.decode(seqs, [int(t) for t in ints])
-            if all(s.params.temperature == 0.0 for s in samplers):  # argmax on the host: no MLX round trip
-                toks = np.argmax(host_logits, axis=-1)
-                top = host_logits[np.arange(len(toks)), toks]
-                lse = top + np.log(np.exp(host_logits - top[:, None]).sum(axis=-1))
-                return PendingTokens.ready(toks, top - lse)
-            logits = mx.array(host_logits)
+            logits = mx.array(self.decode(seqs, [int(t) for t in ints]))
+        elif isinstance(tokens, PendingTokens):
+            self._check_decode(seqs, len(tokens.tokens))
+            logits, _ = self._graph_step(seqs, tokens.tokens[:, None])
         else:
-            if isinstance(tokens, PendingTokens):
-                if len(tokens.tokens) != len(seqs):
-                    raise ValueError("decode needs one token per sequence")
-                ids = tokens.tokens[:, None]
-            else:
-                if len(seqs) != len(tokens):
-                    raise ValueError("decode needs one token per sequence")
-                self._check_tokens(tokens)
-                ids = mx.array(np.asarray(tokens, dtype=np.int32)[:, None])
-            if len({id(s) for s in seqs}) != len(seqs):
-                raise ValueError("a sequence appears twice in one decode step")
-            for s in seqs:
-                self._check_room(s, 1)
-            fb = ForwardBatch(seqs, 1)
-            logits = self.model(ids, fb)
-            fb.finish()
-            self.stats["decode_steps"] += 1
+            self._check_decode(seqs, len(tokens))
+            self._check_tokens(tokens)
+            logits, _ = self._graph_step(seqs, mx.array(np.asarray(tokens, dtype=np.int32)[:, None]))
         toks, logprobs = sample_rows(logits, samplers)
         mx.async_eval(toks, logprobs)
         return PendingTokens(toks, logprobs)
@@ -255,7 +241,7 @@ def warm_up(runner) -> None:
     tensor-parallel server waited 49.5 s for its first token), so ``hf2q serve`` pays that
     before it reports ready instead of in a user's time to first token. Counters are restored.
     """
-    stats = dict(getattr(runner, "stats", {}))
+    stats = dict(runner.stats)
     if runner.is_embedding_model:
         runner.embed([[1, 2, 3]])
     else:
@@ -271,6 +257,5 @@ def warm_up(runner) -> None:
                 pending = runner.decode_async([seq], [first], [DeviceSampler(params)])
                 runner.decode_async([seq], pending, [DeviceSampler(params)]).result()
         del seq
-    if hasattr(runner, "stats"):
-        runner.stats.clear()
-        runner.stats.update(stats)
+    runner.stats.clear()
+    runner.stats.update(stats)
