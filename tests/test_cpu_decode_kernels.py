@@ -7,7 +7,8 @@
   against their numpy reference;
 * the whole host decode step against the MLX graph with MLX's quantized matmuls (no hf2q
   kernel on that side), token for token on tiny quantized models of each family and on SmolLM2;
-  batched host decode against single decodes.
+  batched host decode against single decodes; a short prefill as rows of the host step
+  against the MLX graph's prefill (logits, cache, continuation).
 """
 
 from __future__ import annotations
@@ -173,6 +174,47 @@ def test_attend_op_writes_kv_and_attends(window, D):
     np.testing.assert_allclose(out.reshape(B, H, D), ref, rtol=1e-5, atol=1e-5)
 
 
+def _attend(ops, qkv, K, V, cap, pos, window, H, Hkv, D, scale):
+    B = len(pos)
+    out = np.empty((B, H * D), np.float32)
+    rc = ops.attend(_p(qkv), qkv.shape[1], (ctypes.c_void_p * B)(*[_p(k) for k in K]),
+                    (ctypes.c_void_p * B)(*[_p(v) for v in V]), (ctypes.c_int * B)(*[cap] * B),
+                    (ctypes.c_int * B)(*pos), window, _p(out), B, H, Hkv, D, scale)
+    assert rc == 0
+    return out
+
+
+@pytest.mark.parametrize("window", [0, 700])
+def test_attend_op_long_sequences_in_chunks(window):
+    """Thousands of positions: the attention is cut into chunks whose softmax parts are combined."""
+    ops, rng = _ops(), np.random.default_rng(4)
+    B, H, Hkv, D, cap = 3, 6, 2, 64, 2600
+    pos = [2599, 33, 1300]
+    K = [rng.standard_normal((Hkv, cap, D)).astype(np.float32) for _ in range(B)]
+    V = [rng.standard_normal((Hkv, cap, D)).astype(np.float32) for _ in range(B)]
+    qkv = (rng.standard_normal((B, (H + 2 * Hkv) * D)) * 2).astype(np.float32)
+    out = _attend(ops, qkv, K, V, cap, pos, window, H, Hkv, D, 0.125)
+    ref = ops_ref.attend(qkv[:, : H * D].reshape(B, H, D), K, V, pos, window, 0.125)
+    np.testing.assert_allclose(out.reshape(B, H, D), ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [0, 6])
+def test_attend_op_rows_of_one_sequence_are_causal(window):
+    """Rows sharing one cache at consecutive positions (a prefill chunk): each row sees the K/V
+    the earlier rows of the same call wrote, and none of the later ones."""
+    ops, rng = _ops(), np.random.default_rng(5)
+    T, start, H, Hkv, D, cap = 9, 5, 4, 2, 32, 32
+    K, V = rng.standard_normal((Hkv, cap, D)).astype(np.float32), rng.standard_normal((Hkv, cap, D)).astype(np.float32)
+    qkv = rng.standard_normal((T, (H + 2 * Hkv) * D)).astype(np.float32)
+    pos = [start + i for i in range(T)]
+    later = K[:, start + T:].copy()
+    out = _attend(ops, qkv, [K] * T, [V] * T, cap, pos, window, H, Hkv, D, 0.2)
+    np.testing.assert_array_equal(K[:, start:start + T], qkv[:, H * D:(H + Hkv) * D].reshape(T, Hkv, D).transpose(1, 0, 2))
+    np.testing.assert_array_equal(K[:, start + T:], later)
+    ref = ops_ref.attend(qkv[:, : H * D].reshape(T, H, D), [K] * T, [V] * T, pos, window, 0.2)
+    np.testing.assert_allclose(out.reshape(T, H, D), ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", [0, 1])
 def test_glu_op(kind):
     ops, rng = _ops(), np.random.default_rng(3)
@@ -263,6 +305,47 @@ def test_batched_host_decode_equals_single_decodes(quantized_runners):
         np.testing.assert_allclose(together, single, rtol=0, atol=1e-5 * max(1.0, float(np.abs(single).max())))
         toks = [int(t) for t in np.argmax(single, -1)]
         assert list(np.argmax(together, -1)) == toks
+
+
+@pytest.mark.parametrize("key", [("llama", "q4_0"), ("qwen3", "q5_0"), ("gemma3", "q4_0")])
+def test_host_prefill_rows_equal_mlx_graph_prefill(key, quantized_runners):
+    """A short chunk prefilled as rows of the host step (``HostDecoder.prefill``, what the runner
+    uses up to ``HOST_PREFILL_ROWS``) leaves the same cache and logits as the MLX graph: first
+    chunk and a continuation, beyond gemma3's 16-token sliding window."""
+    r = quantized_runners[key]
+    first, more = random_tokens(11, seed=400), random_tokens(19, seed=401)
+    host, ref = r.new_sequence(), r.new_sequence()
+    for chunk in (first, more):
+        got = r.host_decoder.prefill(host, np.asarray(chunk))
+        with _mlx_graph_only(r):
+            want = r.prefill(ref, chunk)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * max(1.0, float(np.abs(want).max())))
+        assert int(np.argmax(got)) == int(np.argmax(want))
+    assert host.length == ref.length == len(first) + len(more)
+    for li in range(host.n_layers):
+        n = host.length
+        np.testing.assert_allclose(np.array(host.keys[li][:, :n]), np.array(ref.keys[li][:, :n]), atol=1e-4)
+        np.testing.assert_allclose(np.array(host.values[li][:, :n]), np.array(ref.values[li][:, :n]), atol=1e-4)
+    toks_h, toks_r = [int(np.argmax(got))], [int(np.argmax(want))]
+    for _ in range(8):  # and the greedy continuation matches
+        toks_h.append(int(np.argmax(r.decode([host], [toks_h[-1]])[0])))
+        with _mlx_graph_only(r):
+            toks_r.append(int(np.argmax(r.decode([ref], [toks_r[-1]])[0])))
+    assert toks_h == toks_r
+
+
+def test_runner_prefill_takes_the_host_rows_up_to_the_limit(quantized_runners, monkeypatch):
+    from hf2q.engine import runner as runner_mod
+
+    r = quantized_runners[("llama", "q8_0")]
+    calls = []
+    real = r.host_decoder.prefill
+    monkeypatch.setattr(r.host_decoder, "prefill", lambda seq, toks: calls.append(len(toks)) or real(seq, toks))
+    monkeypatch.setattr(runner_mod, "HOST_PREFILL_ROWS", 8)
+    s = r.new_sequence()
+    r.prefill(s, random_tokens(8, seed=1))
+    r.prefill(s, random_tokens(9, seed=2))  # over the limit: the MLX graph
+    assert calls == [8] and s.length == 17
 
 
 @pytest.mark.slow

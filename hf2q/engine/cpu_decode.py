@@ -156,7 +156,8 @@ class HostDecoder:
         self.ffn = int(model.layers[0].ffn.gate.shape[0])
         self.sizes = {"x": cfg.hidden, "h": cfg.hidden, "qkv": (H + 2 * Hkv) * D, "att": H * D,
                       "o": cfg.hidden, "gu": 2 * self.ffn, "a": self.ffn, "f": cfg.hidden}
-        self._workspaces: dict[int, _Workspace] = {}
+        self._ws: _Workspace | None = None
+        self._ws_rows = 0
 
     @staticmethod
     def supported(model) -> bool:
@@ -222,45 +223,84 @@ class HostDecoder:
         return np.ascontiguousarray(np.concatenate([cos, sin], axis=1), dtype=np.float32)
 
     def _kv_addresses(self, caches) -> tuple:
-        """Per layer, the K and V buffer addresses of every sequence (``c_void_p[L * B]``,
-        layer-major) and each sequence's capacity; fetched again whenever a cache's ``version``
-        says MLX replaced a buffer (prefill, import, trim, growth), else reused."""
+        """Per layer, the K and V buffer addresses of every row's sequence (``uint64 [L, B]``,
+        layer-major) and each row's capacity (``int32 [B]``); fetched again whenever a cache's
+        ``version`` says MLX replaced a buffer (prefill, import, trim, growth), else reused."""
         key = tuple((id(s), s.version) for s in caches)
         if self._kv_cache_key == key:  # no buffer replaced since the last step: same addresses
             return self._kv_cache_value
-        L, B = len(self.layers), len(caches)
-        kp, vp = (ctypes.c_void_p * (L * B))(), (ctypes.c_void_p * (L * B))()
-        cap = (ctypes.c_int * B)()
-        for b, s in enumerate(caches):
+        L = len(self.layers)
+        unique: dict[int, int] = {}
+        cols_k, cols_v, caps = [], [], []
+        for s in caches:
+            if id(s) in unique:
+                continue
+            unique[id(s)] = len(cols_k)
             mx.eval(s.keys, s.values)
-            cap[b] = int(s.keys[0].shape[1])
+            cap = int(s.keys[0].shape[1])
+            ks, vs = [], []
             for li in range(L):
                 k, v = s.keys[li], s.values[li]
-                if k.dtype != mx.float32 or k.shape[1] != cap[b] or v.shape[1] != cap[b]:
+                if k.dtype != mx.float32 or k.shape[1] != cap or v.shape[1] != cap:
                     raise ValueError("host decode needs float32 KV buffers of one capacity")
-                kp[li * B + b] = _addr(k)
-                vp[li * B + b] = _addr(v)
+                ks.append(_addr(k))
+                vs.append(_addr(v))
+            cols_k.append(ks)
+            cols_v.append(vs)
+            caps.append(cap)
+        rows = [unique[id(s)] for s in caches]
+        kp = np.ascontiguousarray(np.asarray(cols_k, dtype=np.uint64).T[:, rows])
+        vp = np.ascontiguousarray(np.asarray(cols_v, dtype=np.uint64).T[:, rows])
+        cap = np.asarray(caps, dtype=np.int32)[rows]
         self._kv_cache_key, self._kv_cache_value = key, (kp, vp, cap)
         return kp, vp, cap
 
+    def _workspace(self, rows: int) -> _Workspace:
+        """Buffers for at least ``rows`` rows (the first ``rows`` rows of a larger one are the
+        same C-contiguous layout, so one workspace serves every smaller batch)."""
+        if self._ws is None or self._ws_rows < rows:
+            self._ws_rows = max(rows, 2 * self._ws_rows if self._ws is not None else rows)
+            self._ws = _Workspace(self._ws_rows, self.sizes)
+        return self._ws
+
     def step(self, tokens: np.ndarray, caches) -> np.ndarray:
         """One decode step for ``len(caches)`` sequences; returns float32 logits ``[N, vocab]``."""
-        c, ops = self.cfg, self.ops
-        B = len(caches)
         pos = np.array([s.length for s in caches])
         for s, p in zip(caches, pos):
             s.reserve(int(p) + 1)
-        ws = self._workspaces.get(B)
-        if ws is None:
-            ws = self._workspaces[B] = _Workspace(B, self.sizes)
+        logits = self._rows(tokens, list(caches), pos, last_only=False)
+        for s in caches:
+            s.advance(1)
+        return logits
+
+    def prefill(self, seq, tokens: np.ndarray) -> np.ndarray:
+        """The next ``len(tokens)`` positions of one sequence as rows of one step (row i attends
+        to the cache through its own position, whose K/V rows i' < i wrote just before it);
+        returns the float32 logits ``[vocab]`` of the last token. For short chunks, where the
+        MLX graph's fixed cost (~90 ms a call on SmolLM2) dwarfs the arithmetic."""
+        n = len(tokens)
+        start = seq.length
+        seq.reserve(start + n)
+        logits = self._rows(np.asarray(tokens), [seq] * n, start + np.arange(n), last_only=True)
+        seq.advance(n)
+        return logits[0]
+
+    def _rows(self, tokens: np.ndarray, caches: list, pos: np.ndarray, last_only: bool) -> np.ndarray:
+        """The forward pass of ``B`` rows, row ``b`` being token ``tokens[b]`` at position
+        ``pos[b]`` of ``caches[b]`` (whose K/V it writes); logits of every row, or of the last."""
+        c, ops = self.cfg, self.ops
+        B = len(caches)
+        ws = self._workspace(B)
         A, P = ws.arrays, ws.ptr
-        x = A["x"]
+        x = A["x"][:B]
         self.embed(tokens.astype(np.intp), x)
         if c.embed_scale != 1.0:
             x *= np.float32(c.embed_scale)
         kp, vp, cap = self._kv_addresses(caches)
-        kp0, vp0, step = ctypes.addressof(kp), ctypes.addressof(vp), B * ctypes.sizeof(ctypes.c_void_p)
-        cpos = (ctypes.c_int * B)(*[int(p) for p in pos])
+        kp0, vp0, step = kp.ctypes.data, vp.ctypes.data, B * 8
+        cap_ptr = cap.ctypes.data
+        cpos_arr = np.ascontiguousarray(pos, dtype=np.int32)
+        cpos = cpos_arr.ctypes.data
         H, Hkv, D, d = c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dims
         hidden, eps, qs = c.hidden, c.norm_eps, (H + 2 * Hkv) * D
         tables = {base: self._rope_table(pos, base) for base in {L["base"] for L in self.layers}}
@@ -273,7 +313,7 @@ class HostDecoder:
                 k_at = P["qkv"] + 4 * H * D
                 ops.rms_norm(k_at, qs, L["k_norm"].ptr, k_at, qs, B, Hkv, D, eps)
             ops.rope(P["qkv"], qs, table_ptr[L["base"]], B, H + Hkv, D, d, int(c.rope_traditional))
-            if ops.attend(P["qkv"], qs, kp0 + li * step, vp0 + li * step, cap, cpos, L["window"], P["att"],
+            if ops.attend(P["qkv"], qs, kp0 + li * step, vp0 + li * step, cap_ptr, cpos, L["window"], P["att"],
                           B, H, Hkv, D, L["scale"]):
                 raise MemoryError("host attention: out of memory")
             L["o"].run(A["att"], P["att"], A["o"], P["o"], B)
@@ -287,10 +327,10 @@ class HostDecoder:
                 ops.rms_norm(P["f"], hidden, L["post_ffn"].ptr, P["f"], hidden, B, 1, hidden, eps)
             nxt = self.layers[li + 1]["attn_norm"] if li + 1 < len(self.layers) else self.norm
             ops.add_rms(P["x"], P["f"], B * hidden, nxt.ptr, P["h"], B, hidden, eps)
-        logits = np.empty((B, self.lm_head.out), dtype=np.float32)
-        self.lm_head.run(A["h"], P["h"], logits, logits.ctypes.data, B)
+        rows = 1 if last_only else B
+        logits = np.empty((rows, self.lm_head.out), dtype=np.float32)
+        h_at = P["h"] + 4 * (B - rows) * c.hidden
+        self.lm_head.run(A["h"][B - rows:B], h_at, logits, logits.ctypes.data, rows)
         if c.final_softcap:
             logits = (np.tanh(logits / c.final_softcap) * c.final_softcap).astype(np.float32)
-        for s in caches:
-            s.advance(1)
         return logits

@@ -162,55 +162,135 @@ static void weighted_sum(const float* p, const float* V, int D, int n, float* o)
     }
 }
 
-/* One decode position per sequence. qkv row b (stride qs) holds q [H, D], k [Hkv, D], v [Hkv, D].
-   k/v are written into the caches kc[b], vc[b] ([Hkv, cap[b], D]) at pos[b]; each query head
-   h attends (softmax(scale * q.K)) over positions [lo, pos[b]] of KV head h / (H / Hkv), lo
-   = pos - window + 1 when window > 0. out [B, H*D]. The query heads sharing a KV head are
-   done one after another over the same K/V rows, which stay in cache between them. Returns -1 when out of memory. */
+typedef void (*range_fn)(void* ctx, int lo, int hi);
+typedef void (*pool_for_fn)(range_fn fn, void* ctx, int n, int grain);
+static pool_for_fn POOL_FOR = NULL;
+static int POOL_THREADS = 1;
+/* Hands the shared pool (hf2q.kernels.cpu_pool) to this library. */
+void set_pool(void* pool_for, int threads) { POOL_FOR = (pool_for_fn)pool_for; POOL_THREADS = threads; }
+
+static __thread float* tl_S = NULL;
+static __thread int64_t tl_S_cap = 0;
+
+/* The attention of every row is cut into work items (KV head kh, chunk c of CH positions, row b),
+   numbered with b fastest so the rows of one prefill, which share a cache, read each K/V chunk
+   while it is still in cache. An item leaves, for each query head of kh, the chunk's running max
+   m, its sum l of exp(s - m) and the unnormalised o = sum exp(s - m) V: [m, l, o[D]]. */
+typedef struct {
+    const float* qkv; int64_t qs; float* const* kc; float* const* vc; const int* cap; const int* pos;
+    int window, B, H, Hkv, D, CH, nch; float scale;
+    float* part; /* [Hkv, nch, B, rep, D + 2] */
+    _Atomic int failed;
+} attn_job;
+
+static void attn_items(void* p, int lo, int hi) {
+    attn_job* j = p;
+    const int rep = j->H / j->Hkv, D = j->D, B = j->B;
+    if (tl_S_cap < (int64_t)j->CH * rep) {
+        float* S = realloc(tl_S, sizeof(float) * (size_t)j->CH * rep);
+        if (!S) { j->failed = 1; return; }
+        tl_S = S;
+        tl_S_cap = (int64_t)j->CH * rep;
+    }
+    float* S = tl_S;
+    for (int it = lo; it < hi; it++) {
+        const int b = it % B, c = (it / B) % j->nch, kh = it / B / j->nch;
+        float* part = j->part + (int64_t)it * rep * (D + 2);
+        const int t = j->pos[b];
+        const int first = j->window > 0 && t + 1 > j->window ? t + 1 - j->window : 0;
+        const int c0 = c * j->CH > first ? c * j->CH : first;
+        const int c1 = (c + 1) * j->CH < t + 1 ? (c + 1) * j->CH : t + 1;
+        if (c1 <= c0) {
+            for (int r = 0; r < rep; r++) { part[r * (D + 2)] = -INFINITY; part[r * (D + 2) + 1] = 0.f; }
+            continue;
+        }
+        const int len = c1 - c0;
+        const int64_t C = j->cap[b];
+        const float* K = j->kc[b] + ((int64_t)kh * C + c0) * D;
+        const float* V = j->vc[b] + ((int64_t)kh * C + c0) * D;
+        const float* qh = j->qkv + b * j->qs + (int64_t)kh * rep * D;
+        for (int r = 0; r < rep; r++) scores(qh + (int64_t)r * D, K, D, len, j->scale, S + (int64_t)r * len);
+        for (int r = 0; r < rep; r++) {
+            float* sr = S + (int64_t)r * len;
+            float m = -INFINITY;
+            for (int x = 0; x < len; x++) m = sr[x] > m ? sr[x] : m;
+            float sum = 0.f;
+            for (int x = 0; x < len; x++) {
+                sr[x] = exp_approx(sr[x] - m);
+                sum += sr[x];
+            }
+            float* pr = part + r * (D + 2);
+            pr[0] = m;
+            pr[1] = sum;
+            weighted_sum(sr, V, D, len, pr + 2);
+        }
+    }
+}
+
+/* One new position per row. qkv row b (stride qs) holds q [H, D], k [Hkv, D], v [Hkv, D].
+   First every row's k/v is written into its cache kc[b], vc[b] ([Hkv, cap[b], D]) at pos[b]
+   (rows may share a cache: the positions of one prefill chunk, each attending to the ones
+   before it); then each query head h attends (softmax(scale * q.K)) over positions
+   [lo, pos[b]] of KV head h / (H / Hkv), lo = pos - window + 1 when window > 0. out [B, H*D].
+   The work is shared over the pool in chunks of positions (flash-decoding: per-chunk max and
+   sum, combined exactly after), so one long sequence still uses every thread.
+   Returns -1 when out of memory. */
 int attend(const float* qkv, int64_t qs, float* const* kc, float* const* vc, const int* cap, const int* pos,
            int window, float* out, int B, int H, int Hkv, int D, float scale) {
     const int rep = H / Hkv;
     int longest = 1;
-    for (int b = 0; b < B; b++) longest = pos[b] + 1 > longest ? pos[b] + 1 : longest;
-    float* S = malloc(sizeof(float) * (size_t)longest * rep);
-    if (!S) return -1;
+    int64_t work = 0;
     for (int b = 0; b < B; b++) {
-        const float* q = qkv + b * qs;
-        const float* k = q + (int64_t)H * D;
-        const float* v = k + (int64_t)Hkv * D;
-        const int64_t C = cap[b];
         const int t = pos[b];
+        const float* k = qkv + b * qs + (int64_t)H * D;
+        const float* v = k + (int64_t)Hkv * D;
         for (int kh = 0; kh < Hkv; kh++) {
-            memcpy(kc[b] + ((int64_t)kh * C + t) * D, k + (int64_t)kh * D, sizeof(float) * D);
-            memcpy(vc[b] + ((int64_t)kh * C + t) * D, v + (int64_t)kh * D, sizeof(float) * D);
+            memcpy(kc[b] + ((int64_t)kh * cap[b] + t) * D, k + (int64_t)kh * D, sizeof(float) * D);
+            memcpy(vc[b] + ((int64_t)kh * cap[b] + t) * D, v + (int64_t)kh * D, sizeof(float) * D);
         }
+        longest = t + 1 > longest ? t + 1 : longest;
         const int lo = window > 0 && t + 1 > window ? t + 1 - window : 0;
-        const int len = t + 1 - lo;
-        for (int kh = 0; kh < Hkv; kh++) {
-            const float* K = kc[b] + ((int64_t)kh * C + lo) * D;
-            const float* V = vc[b] + ((int64_t)kh * C + lo) * D;
-            const float* qh = q + (int64_t)kh * rep * D;
-            for (int r = 0; r < rep; r++) scores(qh + (int64_t)r * D, K, D, len, scale, S + (int64_t)r * len);
-            float inv[rep];
-            for (int r = 0; r < rep; r++) {
-                float* sr = S + (int64_t)r * len;
-                float m = -INFINITY;
-                for (int j = 0; j < len; j++) m = sr[j] > m ? sr[j] : m;
-                float sum = 0.f;
-                for (int j = 0; j < len; j++) {
-                    sr[j] = exp_approx(sr[j] - m);
-                    sum += sr[j];
-                }
-                inv[r] = 1.0f / sum;
-            }
-            for (int r = 0; r < rep; r++) {
-                float* o = out + ((int64_t)b * H + kh * rep + r) * D;
-                weighted_sum(S + (int64_t)r * len, V, D, len, o);
-                for (int i = 0; i < D; i++) o[i] *= inv[r];
-            }
-        }
+        work += (int64_t)(t + 1 - lo) * Hkv;
     }
-    free(S);
+    /* chunk length: about 8 items per thread, a multiple of 32 between 32 and 1024 positions */
+    int64_t ch = work / ((int64_t)POOL_THREADS * 8) + 1;
+    ch = (ch + 31) / 32 * 32;
+    const int CH = ch < 32 ? 32 : ch > 1024 ? 1024 : (int)ch;
+    const int nch = (longest + CH - 1) / CH;
+    const int items = Hkv * nch * B;
+    attn_job j = {qkv, qs, kc, vc, cap, pos, window, B, H, Hkv, D, CH, nch, scale, NULL, 0};
+    j.part = malloc(sizeof(float) * (size_t)items * rep * (D + 2));
+    if (!j.part) return -1;
+    if (POOL_FOR && POOL_THREADS > 1 && items > 1 && work * D * rep >= (1 << 15)) {
+        int grain = items / (POOL_THREADS * 8);
+        POOL_FOR(attn_items, &j, items, grain < 1 ? 1 : grain);
+    } else {
+        attn_items(&j, 0, items);
+    }
+    if (j.failed) { free(j.part); return -1; }
+    /* combine the chunks of each (row, head): o = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c */
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < H; h++) {
+            const int kh = h / rep, r = h % rep;
+            float* o = out + ((int64_t)b * H + h) * D;
+            float M = -INFINITY;
+            for (int c = 0; c < nch; c++) {
+                const float m = j.part[((int64_t)((kh * nch + c) * B + b) * rep + r) * (D + 2)];
+                M = m > M ? m : M;
+            }
+            float L = 0.f;
+            for (int i = 0; i < D; i++) o[i] = 0.f;
+            for (int c = 0; c < nch; c++) {
+                const float* pr = j.part + ((int64_t)((kh * nch + c) * B + b) * rep + r) * (D + 2);
+                if (pr[1] == 0.f) continue;
+                const float w = pr[0] == M ? 1.0f : exp_approx(pr[0] - M);
+                L += w * pr[1];
+                for (int i = 0; i < D; i++) o[i] += w * pr[2 + i];
+            }
+            const float inv = 1.0f / L;
+            for (int i = 0; i < D; i++) o[i] *= inv;
+        }
+    free(j.part);
     return 0;
 }
 
@@ -267,5 +347,12 @@ def library() -> ctypes.CDLL | None:
             lib.glu.restype = None
             lib.add_rms.argtypes = [_P, _P, _L, _P, _P, _I, _I, _F]
             lib.add_rms.restype = None
+            lib.set_pool.argtypes = [_P, _I]
+            lib.set_pool.restype = None
+            from hf2q.kernels import cpu_pool
+
+            addr = cpu_pool.pool_for_address()
+            if addr is not None:
+                lib.set_pool(addr, cpu_pool.threads())
         _LIB = lib
     return _LIB

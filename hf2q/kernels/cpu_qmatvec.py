@@ -23,8 +23,9 @@ Why it is shaped the way it is (decode streams every weight once per step):
 The compiler targets the widest vector ISA /proc/cpuinfo reports (AVX-512F, else
 AVX2/FMA); the same tile code runs on portable scalar C as the fallback. Several matrices
 sharing one input (q/k/v, gate/up) run in one call (:class:`QMatrixGroup`), so a decode step
-makes 4 kernel calls per layer. Rows can be split across ``HF2Q_CPU_THREADS`` Python
-threads (default 1: on a shared 2-core box the hand-offs cost more than they gain); ctypes
+makes 4 kernel calls per layer. A call big enough to share shares its blocks of 16 rows
+over the C thread pool of :mod:`hf2q.kernels.cpu_pool` (the same blocks in the same tiles
+whichever thread takes them, so the result does not depend on the thread count); ctypes
 releases the GIL for the call. When no compiler is available :func:`kernel` returns None
 and callers keep MLX's own path.
 """
@@ -34,7 +35,6 @@ from __future__ import annotations
 import ctypes
 import os
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -219,28 +219,85 @@ static void rows_range(const uint8_t* w, const float* sc, const float* bi, const
     }
 }
 
+/* Thread-local scratch for the odd widths' unpacked row (each pool thread has its own). */
+static __thread uint8_t* tl_scratch = NULL;
+static __thread int tl_cap = 0;
+static uint8_t* scratch_for(int n) {
+    if (tl_cap < n + 64) {
+        uint8_t* p = realloc(tl_scratch, (size_t)n + 64);
+        if (!p) return NULL;
+        tl_scratch = p;
+        tl_cap = n + 64;
+    }
+    return tl_scratch;
+}
+
+/* One group call as a job over row blocks of BLOCK rows, numbered matrix by matrix (a block never
+   straddles two matrices and starts at a multiple of BLOCK in its matrix, so the row tiles, and the
+   results, do not depend on how the blocks are shared out). */
+#define BLOCK 16
+typedef struct {
+    int nmat;
+    const void* const* w; const void* const* sc; const void* const* bi;
+    const int* rows; const int* bits; const int* col;
+    const float* x; const float* xr; float* y;
+    int n, batch, ystride;
+    _Atomic int failed;
+} qjob;
+
+static void qjob_blocks(void* p, int lo, int hi) {
+    qjob* j = p;
+    uint8_t* scratch = scratch_for(j->n);
+    if (!scratch) { j->failed = 1; return; }
+    int base = 0;
+    for (int m = 0; m < j->nmat && lo < hi; m++) {
+        const int nb = (j->rows[m] + BLOCK - 1) / BLOCK;
+        if (lo < base + nb) {
+            const int b1 = hi < base + nb ? hi : base + nb;
+            const int r0 = (lo - base) * BLOCK;
+            const int r1 = (b1 - base) * BLOCK < j->rows[m] ? (b1 - base) * BLOCK : j->rows[m];
+            rows_range((const uint8_t*)j->w[m], (const float*)j->sc[m], (const float*)j->bi[m],
+                       j->bits[m] == 4 ? j->xr : j->x, j->y + j->col[m], r0, r1, j->n, j->batch, j->ystride,
+                       j->bits[m], scratch);
+            lo = b1;
+        }
+        base += nb;
+    }
+}
+
+typedef void (*range_fn)(void* ctx, int lo, int hi);
+typedef void (*pool_for_fn)(range_fn fn, void* ctx, int n, int grain);
+static pool_for_fn POOL_FOR = NULL;
+static int POOL_THREADS = 1;
+/* Hands the shared pool (hf2q.kernels.cpu_pool) to this library. */
+void set_pool(void* pool_for, int threads) { POOL_FOR = (pool_for_fn)pool_for; POOL_THREADS = threads; }
+
 /* nmat matrices sharing the input x [batch, n]; matrix m writes columns
-   [col[m], col[m] + rows[m]) of y [batch, ystride]. part/nparts: this call computes the
-   part-th slice of every matrix's rows (for a row split across threads). Returns 0, or -1
-   when scratch memory could not be allocated. */
+   [col[m], col[m] + rows[m]) of y [batch, ystride]. The row blocks are shared out over the
+   pool's threads when one is set and the call is big enough. Returns 0, or -1 when scratch
+   memory could not be allocated. */
 int qmv_group(int nmat, const void* const* w, const void* const* sc, const void* const* bi,
               const int* rows, const int* bits, const int* col, const float* x, float* y,
-              int n, int batch, int ystride, int part, int nparts) {
-    int need4 = 0;
-    for (int m = 0; m < nmat; m++) need4 |= bits[m] == 4;
-    float* xr = need4 ? malloc(sizeof(float) * (size_t)batch * n) : NULL;
-    uint8_t* scratch = malloc((size_t)n + 64);
-    if ((need4 && !xr) || !scratch) { free(xr); free(scratch); return -1; }
-    if (need4) reorder4(x, xr, batch, n);
+              int n, int batch, int ystride) {
+    int need4 = 0, blocks = 0;
+    int64_t work = 0;
     for (int m = 0; m < nmat; m++) {
-        const int r0 = (int)((int64_t)rows[m] * part / nparts);
-        const int r1 = (int)((int64_t)rows[m] * (part + 1) / nparts);
-        rows_range((const uint8_t*)w[m], (const float*)sc[m], (const float*)bi[m], bits[m] == 4 ? xr : x,
-                   y + col[m], r0, r1, n, batch, ystride, bits[m], scratch);
+        need4 |= bits[m] == 4;
+        blocks += (rows[m] + BLOCK - 1) / BLOCK;
+        work += (int64_t)rows[m] * n;
+    }
+    float* xr = need4 ? malloc(sizeof(float) * (size_t)batch * n) : NULL;
+    if (need4 && !xr) return -1;
+    if (need4) reorder4(x, xr, batch, n);
+    qjob j = {nmat, w, sc, bi, rows, bits, col, x, xr, y, n, batch, ystride, 0};
+    if (POOL_FOR && POOL_THREADS > 1 && work * batch >= (1 << 17)) {
+        int grain = blocks / (POOL_THREADS * 8);
+        POOL_FOR(qjob_blocks, &j, blocks, grain < 1 ? 1 : grain);
+    } else {
+        qjob_blocks(&j, 0, blocks);
     }
     free(xr);
-    free(scratch);
-    return 0;
+    return j.failed ? -1 : 0;
 }
 
 /* which row loop was compiled: 512 (AVX-512F), 256 (AVX2/FMA) or 0 (portable C) */
@@ -257,30 +314,29 @@ int simd_width(void) {
 
 _LIB: ctypes.CDLL | None = None
 _TRIED = False
-_POOL: ThreadPoolExecutor | None = None
 _P = ctypes.c_void_p
 _I = ctypes.c_int
-
-
-def _threads() -> int:
-    env = os.environ.get("HF2Q_CPU_THREADS")
-    if env:
-        return max(1, int(env))
-    return 1
 
 
 def _compile() -> ctypes.CDLL | None:
     l = build_library("cpu_qmatvec", SOURCE)
     if l is None:
         return None
-    l.qmv_group.argtypes = [_I, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I]
+    l.qmv_group.argtypes = [_I, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I]
     l.qmv_group.restype = _I
     l.simd_width.restype = _I
+    l.set_pool.argtypes = [_P, _I]
+    l.set_pool.restype = None
+    from hf2q.kernels import cpu_pool
+
+    addr = cpu_pool.pool_for_address()
+    if addr is not None:
+        l.set_pool(addr, cpu_pool.threads())
     return l
 
 
 def kernel() -> ctypes.CDLL | None:
-    global _LIB, _TRIED, _POOL
+    global _LIB, _TRIED
     if not _TRIED:
         _TRIED = True
         if os.environ.get("HF2Q_NO_CPU_KERNELS"):
@@ -289,8 +345,6 @@ def kernel() -> ctypes.CDLL | None:
             _LIB = _compile()
         except OSError:
             _LIB = None
-        if _LIB is not None and _threads() > 1:
-            _POOL = ThreadPoolExecutor(_threads(), thread_name_prefix="hf2q-qmv")
     return _LIB
 
 
@@ -332,7 +386,6 @@ class QMatrixGroup:
         self._args = ((_P * k)(*ws), (_P * k)(*ss), (_P * k)(*bs), (_I * k)(*rows), (_I * k)(*bits),
                       (_I * k)(*cols))
         self._count = k
-        self._work = sum(rows) * n
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """``x [batch, n]`` (float32, C-contiguous preferred) → ``y [batch, Σ rows]`` float32."""
@@ -347,19 +400,8 @@ class QMatrixGroup:
     def run(self, x_ptr: int, y_ptr: int, batch: int) -> None:
         """The raw call: ``x_ptr`` → float32 ``[batch, n]``, ``y_ptr`` → float32 ``[batch, Σ rows]``
         (callers that keep preallocated buffers skip the numpy bookkeeping)."""
-        lib = _LIB
         w, s, b, rows, bits, cols = self._args
-        if _POOL is None or self._work < (1 << 16):
-            rc = lib.qmv_group(self._count, w, s, b, rows, bits, cols, x_ptr, y_ptr, self.n, batch, self.rows, 0, 1)
-        else:
-            k = _threads()
-
-            def part(i: int) -> int:
-                return lib.qmv_group(self._count, w, s, b, rows, bits, cols, x_ptr, y_ptr, self.n, batch,
-                                     self.rows, i, k)
-
-            rc = max(_POOL.map(part, range(k)))
-        if rc:
+        if _LIB.qmv_group(self._count, w, s, b, rows, bits, cols, x_ptr, y_ptr, self.n, batch, self.rows):
             raise MemoryError("qmv_group: out of memory")
 
 
