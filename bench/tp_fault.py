@@ -43,14 +43,17 @@ if ready:
         try:
             with httpx.stream("POST", url + "/v1/chat/completions", json=b, timeout=120) as resp:
                 lines = [l for l in resp.iter_lines() if l]
-                stream_result.update(status=resp.status_code, n=len(lines), last=lines[-3:])
+                stream_result.update(status=resp.status_code, n=len(lines), last=lines[-3:], ended_at=time.time())
         except Exception as e:
             stream_result.update(exc=repr(e)[:200])
     th = threading.Thread(target=long_stream); th.start(); time.sleep(3)
     pids = subprocess.run(["pgrep", "-f", "tp_launch --rank 1"], capture_output=True, text=True).stdout.split()
     out["killed"] = pids
+    killed_at = time.time()
     for pid in pids: os.kill(int(pid), signal.SIGKILL)
     th.join(90)
+    if "ended_at" in stream_result:  # how long the stream waited for the verdict after the kill
+        stream_result["ended_s_after_kill"] = round(stream_result.pop("ended_at") - killed_at, 2)
     out["stream_after_kill"] = stream_result
     time.sleep(2)
     out["readyz_after"] = httpx.get(url + "/readyz", timeout=5).status_code

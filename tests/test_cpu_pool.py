@@ -46,6 +46,29 @@ def test_empty_job_returns():
     cpu_pool.library().pool_for(ctypes.cast(cb, ctypes.c_void_p), None, 0, 4)
 
 
+def test_a_forked_child_runs_jobs_inline():
+    """The workers do not survive a fork: the child's jobs still complete (on its one thread)."""
+    lib = cpu_pool.library()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        try:
+            hits = np.zeros(100, np.int64)
+
+            def body(ctx, lo, hi):
+                hits[lo:hi] += 1
+
+            cb = cpu_pool.RANGE_FN(body)
+            lib.pool_for(ctypes.cast(cb, ctypes.c_void_p), None, 100, 3)
+            os.write(w, b"ok" if (hits == 1).all() and lib.pool_threads() == 1 else b"bad")
+        finally:
+            os._exit(0)
+    os.close(w)
+    got = os.read(r, 8)
+    os.waitpid(pid, 0)
+    assert got == b"ok"
+
+
 _CHILD = r"""
 import ctypes, sys
 import numpy as np

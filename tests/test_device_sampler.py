@@ -168,3 +168,21 @@ def test_warm_up_leaves_no_trace(runner):
     seen_after: list[int] = []
     generate_once(r, prompt, params, on_token=seen_after.append)
     assert seen_after == seen_before and len(seen_after) == 6
+
+
+def test_warm_up_covers_the_gpu_row_tiles_and_fits_small_contexts(runner, monkeypatch):
+    """mlx-cuda compiles its quantized matmul per row tile (16 / 32 / 64 rows) on first use: the
+    warm-up prefills chunks of 64, 24 and 8 rows so no user's prompt pays that (48 s on an H200),
+    and still fits a context too small for them."""
+    from hf2q.engine.runner import warm_up
+
+    r = runner
+    chunks: list[int] = []
+    real = r.prefill
+    monkeypatch.setattr(r, "prefill", lambda seq, toks: chunks.append(len(toks)) or real(seq, toks))
+    warm_up(r)
+    assert chunks[:3] == [64, 24, 8]
+    chunks.clear()
+    monkeypatch.setattr(r, "n_ctx", 14)
+    warm_up(r)  # no "context length exceeded"
+    assert sum(chunks[:-1]) <= 14 - 6 and len(chunks) >= 2

@@ -244,6 +244,9 @@ class MlxModelRunner:
         seq.import_(arrays, n_tokens)
 
 
+WARM_UP_PROMPT = 96  # tokens, prefilled in chunks of 64, 24 and 8 (the GPU's matmul row tiles)
+
+
 def warm_up(runner) -> None:
     """Run one tiny request through every kernel a first request needs, then forget it.
 
@@ -258,10 +261,20 @@ def warm_up(runner) -> None:
         from hf2q.engine.device_sampler import DeviceSampler
         from hf2q.sched.requests import SamplingParams
 
-        seq = runner.new_sequence()
-        toks = [1 + i % max(1, runner.vocab_size - 1) for i in range(16)]
-        first = int(np.argmax(runner.prefill(seq, toks)))
+        seq, other = runner.new_sequence(), runner.new_sequence()
+        n = max(3, min(WARM_UP_PROMPT, runner.n_ctx - 8))  # room for the decode steps below
+        toks = [1 + i % max(1, runner.vocab_size - 1) for i in range(n)]
+        # chunks of 64, 24 and 8 rows (each continuing the last): mlx-cuda compiles its quantized
+        # matmul per row tile (16/32/64) on first use — after a 16-token warm-up an H200 spent
+        # 48 s compiling in the first user's 59-token prefill
+        cuts = [0] + sorted({max(1, n * k // 12) for k in (8, 11)}) + [n]
+        for a, b in zip(cuts, cuts[1:]):
+            logits = runner.prefill(seq, toks[a:b])
+        first = int(np.argmax(logits))
         runner.decode([seq], [first])
+        runner.prefill(other, toks[:5])
+        runner.decode([seq, other], [first, first])  # a batched step (per-sequence masks)
+        del other
         if getattr(runner, "pipelines_decode", False):
             for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9, seed=0)):
                 pending = runner.decode_async([seq], [first], [DeviceSampler(params)])

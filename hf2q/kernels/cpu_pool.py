@@ -104,11 +104,22 @@ static void* worker(void* arg) {
     return NULL;
 }
 
+/* A forked child has none of the workers: it runs every job inline (and must not touch a mutex a
+   worker may have held at the fork). */
+static void after_fork_in_child(void) {
+    n_threads = 1;
+    atomic_store(&sleepers, 0);
+    atomic_store(&busy, 0);
+    pthread_mutex_init(&mu, NULL);
+    pthread_cond_init(&cv, NULL);
+}
+
 /* Starts the workers (threads - 1 of them) once; returns the thread count in use. */
 int pool_start(int threads) {
     static int started = 0;
     if (started) return n_threads;
     started = 1;
+    pthread_atfork(NULL, NULL, after_fork_in_child);
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     for (int i = 1; i < threads; i++) {
         pthread_t t;
