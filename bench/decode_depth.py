@@ -22,6 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from jsonout import emit  # noqa: E402 (bench/ is on the path of a bench script)
+
 import hf2q.engine  # noqa: E402,F401 — optimised BLAS before MLX
 import numpy as np  # noqa: E402
 
@@ -83,11 +85,7 @@ def main(argv: list[str] | None = None) -> int:
               "llama.cpp": llama_cpp_rates(path, depths, args.tg, args.threads)}
     report["hf2q/llama.cpp"] = {k: round(v / report["llama.cpp"][k], 2) for k, v in report["hf2q"].items()
                                 if report["llama.cpp"].get(k)}
-    text = json.dumps(report, indent=2)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    print(text)
-    return 0
+    return emit(report, args.out)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,9 @@ from pathlib import Path
 import numpy as np
 import trio
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from jsonout import emit  # noqa: E402
+
 
 def kv_shapes_from_gguf(path: str) -> dict:
     import gguf
@@ -313,11 +316,7 @@ def main(argv=None) -> int:
                 result["ttft"] = {"error": f"{type(e).__name__}: {e}"}
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.output:
-        Path(args.output).write_text(text + "\n")
-    return 0
+    return emit(result, args.output)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,8 @@ import trio
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from jsonout import emit  # noqa: E402 (bench/ is on the path of a bench script)
+
 TOPICS = ["a lighthouse keeper", "a lost robot", "the first snow", "a city of bridges", "an old violin",
           "a desert train", "a quiet library", "a comet", "a clockmaker", "a river otter", "a glass garden",
           "a night market", "a paper boat", "a mountain radio", "a sleepy dragon", "a copper key"]
@@ -268,11 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         report["hf2q_over_llama_server"] = {
             k: round(ours[k]["aggregate_tokens_per_sec"] / peer[k]["aggregate_tokens_per_sec"], 3)
             if peer[k]["aggregate_tokens_per_sec"] else None for k in ("one_client", "four_clients")}
-    text = json.dumps(report, indent=2)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    print(text)
-    return 0
+    return emit(report, args.out)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,8 @@ import trio
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from jsonout import emit  # noqa: E402 (bench/ is on the path of a bench script)
+
 VOCAB = 49152  # SmolLM2's: the fake engine's ids are real token ids for the text side
 EOS = 2
 
@@ -234,11 +236,7 @@ def main(argv=None) -> int:
         report["runtime"] = {f"{c}_clients": trio.run(runtime_level, c, args.tokens, latency) for c in clients}
     if "http" in levels:
         report["http"] = run_http(clients, args.tokens, latency)
-    text = json.dumps(report, indent=2)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    print(text)
-    return 0
+    return emit(report, args.out)
 
 
 if __name__ == "__main__":

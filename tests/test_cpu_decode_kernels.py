@@ -334,6 +334,23 @@ def test_host_prefill_rows_equal_mlx_graph_prefill(key, quantized_runners):
     assert toks_h == toks_r
 
 
+def test_host_prefill_rows_across_a_cache_growth(quantized_runners):
+    """Rows that carry a cache past its capacity (256 positions: the buffers are replaced) land in
+    the new buffers, as the MLX graph's prefill does."""
+    r = quantized_runners[("qwen3", "q5_0")]
+    prompt, more = random_tokens(250, seed=402), random_tokens(20, seed=403)
+    host, ref = r.new_sequence(), r.new_sequence()
+    with _mlx_graph_only(r):
+        r.prefill(host, prompt)
+        r.prefill(ref, prompt)
+        want = r.prefill(ref, more)
+    got = r.host_decoder.prefill(host, np.asarray(more))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * max(1.0, float(np.abs(want).max())))
+    n = host.length
+    for li in range(host.n_layers):
+        np.testing.assert_allclose(np.array(host.keys[li][:, :n]), np.array(ref.keys[li][:, :n]), atol=1e-4)
+
+
 def test_runner_prefill_takes_the_host_rows_up_to_the_limit(quantized_runners, monkeypatch):
     from hf2q.engine import runner as runner_mod
 

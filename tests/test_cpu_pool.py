@@ -41,6 +41,21 @@ def test_every_index_runs_exactly_once():
         assert (hits == 1).all(), (n, grain)
 
 
+def test_thread_count_follows_the_container_quota(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF2Q_CPU_THREADS", raising=False)
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert cpu_pool._cgroup_cpus(str(tmp_path)) == 1.5
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cpu_pool._cgroup_cpus(str(tmp_path)) is None
+    monkeypatch.setattr(cpu_pool, "_cgroup_cpus", lambda: 1.0)
+    monkeypatch.setattr(cpu_pool.os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert cpu_pool.wanted_threads() == 1
+    monkeypatch.setattr(cpu_pool, "_cgroup_cpus", lambda: None)
+    assert cpu_pool.wanted_threads() == 8
+    monkeypatch.setenv("HF2Q_CPU_THREADS", "3")
+    assert cpu_pool.wanted_threads() == 3
+
+
 def test_empty_job_returns():
     cb = cpu_pool.RANGE_FN(lambda ctx, lo, hi: pytest.fail("called"))
     cpu_pool.library().pool_for(ctypes.cast(cb, ctypes.c_void_p), None, 0, 4)

@@ -7,7 +7,9 @@ matvecs in ``hf2q.kernels.cpu_qmatvec`` (q/k/v as one call, gate/up as one call)
 RoPE, attention and activations in ``hf2q.kernels.cpu_decode_ops``, all over float32 work
 buffers allocated once per batch size, with the K/V written straight into the MLX cache
 buffers through their addresses. That keeps a layer at about ten ctypes calls and no numpy
-temporaries. Prefill stays on MLX (large, BLAS bound). It covers dense families (llama,
+temporaries. A step is a list of rows (token, position, cache), so a short prefill chunk runs
+through it too, one row per position (``prefill``); long chunks stay on MLX (BLAS bound, with
+a tiled attention kernel). The kernels share their work over ``hf2q.kernels.cpu_pool``. It covers dense families (llama,
 qwen3, gemma3); anything it does not know (MoE, non-float activations) reports
 ``supported() == False`` and the MLX path runs. Tests compare both paths token for token.
 """
@@ -277,7 +279,7 @@ class HostDecoder:
         """The next ``len(tokens)`` positions of one sequence as rows of one step (row i attends
         to the cache through its own position, whose K/V rows i' < i wrote just before it);
         returns the float32 logits ``[vocab]`` of the last token. For short chunks, where the
-        MLX graph's fixed cost (~90 ms a call on SmolLM2) dwarfs the arithmetic."""
+        MLX graph's fixed cost (60–100 ms a call on SmolLM2) dwarfs the arithmetic."""
         n = len(tokens)
         start = seq.length
         seq.reserve(start + n)

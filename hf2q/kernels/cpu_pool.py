@@ -167,7 +167,24 @@ _TRIED = False
 RANGE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_int)
 
 
+def _cgroup_cpus(root: str = "/sys/fs/cgroup") -> float | None:
+    """The CPU quota of this process's cgroup in CPUs (v2 ``cpu.max`` or v1 ``cfs_quota_us``), or None."""
+    try:
+        quota, period = open(f"{root}/cpu.max").read().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int(open(f"{root}/cpu/cpu.cfs_quota_us").read())
+        period = int(open(f"{root}/cpu/cpu.cfs_period_us").read())
+        return None if quota <= 0 else quota / period
+    except (OSError, ValueError):
+        return None
+
+
 def wanted_threads() -> int:
+    """``HF2Q_CPU_THREADS``, else the CPUs this process may run on — fewer when a container's CPU
+    quota says so (workers spinning beyond the quota would only wait for each other) — at most 16."""
     env = os.environ.get("HF2Q_CPU_THREADS")
     if env:
         try:
@@ -178,6 +195,9 @@ def wanted_threads() -> int:
         n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         n = os.cpu_count() or 1
+    quota = _cgroup_cpus()
+    if quota is not None:
+        n = min(n, max(1, int(quota + 0.5)))
     return max(1, min(16, n))
 
 
