@@ -269,3 +269,21 @@ def test_thread_count_follows_machine_load(monkeypatch):
     assert counts[-1] == 1 and counts == sorted(counts, reverse=True)
     monkeypatch.setenv("HF2Q_BLAS_THREADS", "4")  # an explicit count is kept whatever the load
     assert cpu_blas.active_threads() == 4
+
+
+def test_openblas_thread_count_is_restored_after_a_worker_lowered_it():
+    """A pool worker's ``openblas_set_num_threads_local(1)`` lowers OpenBLAS's count for every
+    thread in the OpenBLAS we load; ``use_openblas_threads`` must ask OpenBLAS, not remember,
+    or every later prefill product runs on one thread (pp2048 490 vs 761 tok/s measured)."""
+    import threading
+
+    from hf2q.kernels import cpu_blas
+
+    if cpu_blas._LIB is None or cpu_blas._openblas_threads_now() is None or cpu_blas._OPENBLAS_PINNED:
+        pytest.skip("needs the loaded OpenBLAS")
+    cpu_blas.use_openblas_threads(2)
+    t = threading.Thread(target=cpu_blas.single_threaded_here)
+    t.start()
+    t.join()
+    cpu_blas.use_openblas_threads(2)
+    assert cpu_blas._openblas_threads_now() == 2

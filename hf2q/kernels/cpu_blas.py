@@ -184,9 +184,26 @@ def _other_runnable() -> int | None:
         return None
 
 
+def _openblas_threads_now() -> int | None:
+    fn = getattr(_LIB, "openblas_get_num_threads", None)
+    if fn is None:
+        return None
+    fn.restype = ctypes.c_int
+    return int(fn())
+
+
 def use_openblas_threads(n: int) -> None:
-    """Set OpenBLAS's thread count for the following calls (no-op when unchanged)."""
-    if _LIB is None or _OPENBLAS_SET[0] == n or _OPENBLAS_PINNED:
+    """Set OpenBLAS's thread count for the following calls (no-op when already so).
+
+    Asks OpenBLAS rather than trusting the last value set: a worker thread's
+    ``openblas_set_num_threads_local(1)`` (:func:`single_threaded_here`) turned out to lower
+    the count for every thread, and a remembered "2" then kept each later prefill product on
+    one thread (measured: 512×576×1536 sgemm 280 → 150 GFLOP/s after the first attention)."""
+    if _LIB is None or _OPENBLAS_PINNED:
+        return
+    now = _openblas_threads_now()
+    if (now if now is not None else _OPENBLAS_SET[0]) == n:
+        _OPENBLAS_SET[0] = n
         return
     fn = getattr(_LIB, "openblas_set_num_threads", None)
     if fn is not None:
