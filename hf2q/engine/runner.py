@@ -38,9 +38,10 @@ from hf2q.formats.gguf_file import GGUFFile, open_gguf
 
 #: Prefill chunks up to this many tokens run as rows of the CPU host step (``HostDecoder.prefill``):
 #: the MLX graph costs ~60–100 ms a call before any arithmetic on SmolLM2, so a 13-token chat
-#: suffix took ~100 ms there and ~25 ms as rows; at 256 rows the two meet (467 vs 570 ms), and
-#: longer chunks keep the graph, whose tiled attention kernel is cheaper than per-row attention.
-HOST_PREFILL_ROWS = 256
+#: suffix took ~100 ms there and ~25 ms as rows. Longer chunks keep the graph (two-thread BLAS
+#: on dequantized weights, tiled attention): SmolLM2 Q4_0, rows vs graph, 64 tokens 99 vs 156 ms,
+#: 128 tokens 194 vs 214 ms, 256 tokens 415 vs 324 ms.
+HOST_PREFILL_ROWS = 128
 
 END_OF_GENERATION_TEXTS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>", "<|end|>",
                            "<|return|>", "<|end_of_text|>", "</s>", "<eos>")
