@@ -12,8 +12,9 @@ worker is descheduled (the HTTP thread wants the core), the caller simply takes 
 
 Kernels in other compiled libraries reach the pool through the address of ``pool_for``
 (``set_pool`` on their side), so every library shares one set of workers. The pool runs
-``HF2Q_CPU_THREADS`` threads in all (default: the CPUs this process may run on, at most 16);
-1 means no workers and every ``pool_for`` runs inline.
+``HF2Q_CPU_THREADS`` threads in all (default: the CPUs this process may run on, no more than
+a container's CPU quota, at most 16); 1 means no workers and every ``pool_for`` runs inline,
+as it does in a forked child (the workers do not survive a fork).
 """
 
 from __future__ import annotations
