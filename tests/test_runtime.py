@@ -264,6 +264,14 @@ def collect_all(nursery, chans) -> list:
     return results
 
 
+def assert_each_failed_unhealthy(results, mentioning: str) -> None:
+    """Every collected request ended once, failed 503 ``engine_unhealthy`` naming the cause."""
+    for ev in results:
+        end = terminal(ev)
+        assert isinstance(end, Failed) and (end.status, end.code) == (503, "engine_unhealthy")
+        assert mentioning in end.message, end.message
+
+
 async def _in_flight(rt, n_requests, prompt_len=30, max_tokens=200):
     chans = [await rt.submit(req(f"r{i}", [(i * 11 + j) % 90 + 3 for j in range(prompt_len)], max_tokens))
              for i in range(n_requests)]
@@ -275,18 +283,11 @@ async def test_injected_fault_fails_every_request_exactly_once_and_poisons():
     async with open_runtime(fake.factory(), RuntimeConfig(slots=2, gpu_deadline_s=None)) as rt:
         await rt.wait_ready()
         chans = await _in_flight(rt, 3)  # 2 running, 1 queued
-        results = [None] * 3
         async with trio.open_nursery() as n:
-            for i, ch in enumerate(chans):
-                async def run(i=i, ch=ch):
-                    results[i] = await collect(ch)
-                n.start_soon(run)
+            results = collect_all(n, chans)
             await trio.sleep(0.05)
             fake.inject_fault("decode", nth=2)
-        for ev in results:
-            end = terminal(ev)
-            assert isinstance(end, Failed) and (end.status, end.code) == (503, "engine_unhealthy")
-            assert "InjectedFault" in end.message
+        assert_each_failed_unhealthy(results, "InjectedFault")
         ready, detail = rt.readiness()
         assert not ready and "InjectedFault" in detail
         calls = len(fake.calls)
@@ -320,9 +321,7 @@ async def test_injected_hang_expires_the_deadline_and_fails_everything_once(slow
             async with trio.open_nursery() as n:
                 results = collect_all(n, chans)
             assert trio.current_time() - t0 >= 30.0
-            for ev in results:
-                end = terminal(ev)
-                assert (end.status, end.code) == (503, "engine_unhealthy") and "30 s" in end.message
+            assert_each_failed_unhealthy(results, "30 s")
             assert fake.hanging.is_set()
             ready, detail = rt.readiness()
             assert not ready and "hung" in detail
@@ -599,9 +598,7 @@ async def test_dead_peer_fails_closed_before_the_deadline():
                         await trio.sleep(0.01)
                 died.set()
             assert trio.current_time() - t0 < 30  # the 600 s deadline played no part
-            for ev in results:
-                end = terminal(ev)
-                assert (end.status, end.code) == (503, "engine_unhealthy") and "rank 1 exited" in end.message
+            assert_each_failed_unhealthy(results, "rank 1 exited")
             ready, detail = rt.readiness()
             assert not ready and "rank 1 exited" in detail
             assert rt.snapshot().state == "poisoned"

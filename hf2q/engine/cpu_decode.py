@@ -5,11 +5,12 @@ values: ~110–290 µs), so a SmolLM2 decode step spent about two thirds of its 
 the matvecs. For decode (a few rows) this module runs the same graph itself: the quantized
 matvecs in ``hf2q.kernels.cpu_qmatvec`` (q/k/v as one call, gate/up as one call), the norms,
 RoPE, attention and activations in ``hf2q.kernels.cpu_decode_ops``, all over float32 work
-buffers allocated once per batch size, with the K/V written straight into the MLX cache
+buffers (one set, grown to the largest batch seen), with the K/V written straight into the MLX cache
 buffers through their addresses. That keeps a layer at about ten ctypes calls and no numpy
 temporaries. A step is a list of rows (token, position, cache), so a short prefill chunk runs
 through it too, one row per position (``prefill``); long chunks stay on MLX (BLAS bound, with
-a tiled attention kernel). The kernels share their work over ``hf2q.kernels.cpu_pool``. It covers dense families (llama,
+a tiled attention kernel). The kernels share their work over ``hf2q.kernels.cpu_pool``.
+It covers dense families (llama,
 qwen3, gemma3); anything it does not know (MoE, non-float activations) reports
 ``supported() == False`` and the MLX path runs. Tests compare both paths token for token.
 """
@@ -118,7 +119,7 @@ class HostEmbedding:
 
 
 class _Workspace:
-    """The float32 buffers of one decode step for batch size ``B`` and their addresses."""
+    """The float32 buffers of a step of up to ``B`` rows and their addresses."""
 
     def __init__(self, B: int, sizes: dict[str, int]):
         self.arrays = {k: np.zeros((B, n), dtype=np.float32) for k, n in sizes.items()}

@@ -265,21 +265,19 @@ def warm_up(runner) -> None:
         seq, other = runner.new_sequence(), runner.new_sequence()
         n = max(3, min(WARM_UP_PROMPT, runner.n_ctx - 8))  # room for the decode steps below
         toks = [1 + i % max(1, runner.vocab_size - 1) for i in range(n)]
-        # chunks of 64, 24 and 8 rows (each continuing the last): mlx-cuda compiles its quantized
-        # matmul per row tile (16/32/64) on first use — after a 16-token warm-up an H200 spent
-        # 48 s compiling in the first user's 59-token prefill
-        cuts = [0] + sorted({max(1, n * k // 12) for k in (8, 11)}) + [n]
+        # chunks of 2/3, 1/4 and 1/12 of the prompt (64, 24 and 8 rows of 96), each continuing the
+        # last: mlx-cuda compiles its quantized matmul per row tile (16/32/64) on first use — after
+        # a 16-token warm-up an H200 spent 48 s compiling in the first user's 59-token prefill
+        cuts = sorted({0, n * 2 // 3, n * 11 // 12, n})
         for a, b in zip(cuts, cuts[1:]):
             logits = runner.prefill(seq, toks[a:b])
         first = int(np.argmax(logits))
         runner.decode([seq], [first])
         runner.prefill(other, toks[:5])
         runner.decode([seq, other], [first, first])  # a batched step (per-sequence masks)
-        del other
         if getattr(runner, "pipelines_decode", False):
             for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9, seed=0)):
                 pending = runner.decode_async([seq], [first], [DeviceSampler(params)])
                 runner.decode_async([seq], pending, [DeviceSampler(params)]).result()
-        del seq
     runner.stats.clear()
     runner.stats.update(stats)

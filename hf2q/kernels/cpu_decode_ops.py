@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 
+from hf2q.kernels import cpu_pool
 from hf2q.kernels.cpu_build import build_library
 from hf2q.kernels.cpu_qmatvec import kernel
 
@@ -162,12 +163,6 @@ static void weighted_sum(const float* p, const float* V, int D, int n, float* o)
     }
 }
 
-typedef void (*range_fn)(void* ctx, int lo, int hi);
-typedef void (*pool_for_fn)(range_fn fn, void* ctx, int n, int grain);
-static pool_for_fn POOL_FOR = NULL;
-static int POOL_THREADS = 1;
-/* Hands the shared pool (hf2q.kernels.cpu_pool) to this library. */
-void set_pool(void* pool_for, int threads) { POOL_FOR = (pool_for_fn)pool_for; POOL_THREADS = threads; }
 
 static __thread float* tl_S = NULL;
 static __thread int64_t tl_S_cap = 0;
@@ -333,7 +328,7 @@ def library() -> ctypes.CDLL | None:
         if kernel() is None:
             return None
         try:
-            lib = build_library("cpu_decode_ops", SOURCE)
+            lib = build_library("cpu_decode_ops", cpu_pool.CLIENT_SOURCE + SOURCE)
         except OSError:
             lib = None
         if lib is not None:
@@ -347,12 +342,6 @@ def library() -> ctypes.CDLL | None:
             lib.glu.restype = None
             lib.add_rms.argtypes = [_P, _P, _L, _P, _P, _I, _I, _F]
             lib.add_rms.restype = None
-            lib.set_pool.argtypes = [_P, _I]
-            lib.set_pool.restype = None
-            from hf2q.kernels import cpu_pool
-
-            addr = cpu_pool.pool_for_address()
-            if addr is not None:
-                lib.set_pool(addr, cpu_pool.threads())
+            cpu_pool.attach(lib)
         _LIB = lib
     return _LIB

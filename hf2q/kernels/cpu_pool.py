@@ -222,10 +222,25 @@ def library() -> ctypes.CDLL | None:
     return _LIB
 
 
-def pool_for_address() -> int | None:
-    """The address of ``pool_for`` for another library's ``set_pool`` (None without the pool)."""
-    lib = library()
-    return None if lib is None else ctypes.cast(lib.pool_for, ctypes.c_void_p).value
+#: C for a kernel library that shares work over the pool: put it before the library's source,
+#: call ``POOL_FOR(fn, ctx, n, grain)`` when ``POOL_FOR && POOL_THREADS > 1`` (else run ``fn``
+#: inline), and hand the pool over with :func:`attach` once the library is loaded.
+CLIENT_SOURCE = r"""
+typedef void (*range_fn)(void* ctx, int lo, int hi);
+typedef void (*pool_for_fn)(range_fn fn, void* ctx, int n, int grain);
+static pool_for_fn POOL_FOR = 0;
+static int POOL_THREADS = 1;
+void set_pool(void* pool_for, int threads) { POOL_FOR = (pool_for_fn)pool_for; POOL_THREADS = threads; }
+"""
+
+
+def attach(lib: ctypes.CDLL) -> None:
+    """Give a library built with :data:`CLIENT_SOURCE` the shared pool (a no-op without one)."""
+    lib.set_pool.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.set_pool.restype = None
+    pool = library()
+    if pool is not None:
+        lib.set_pool(ctypes.cast(pool.pool_for, ctypes.c_void_p).value, threads())
 
 
 def threads() -> int:

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from hf2q.kernels import cpu_pool
 from hf2q.kernels.cpu_build import build_library
 
 SOURCE = r"""
@@ -265,12 +266,6 @@ static void qjob_blocks(void* p, int lo, int hi) {
     }
 }
 
-typedef void (*range_fn)(void* ctx, int lo, int hi);
-typedef void (*pool_for_fn)(range_fn fn, void* ctx, int n, int grain);
-static pool_for_fn POOL_FOR = NULL;
-static int POOL_THREADS = 1;
-/* Hands the shared pool (hf2q.kernels.cpu_pool) to this library. */
-void set_pool(void* pool_for, int threads) { POOL_FOR = (pool_for_fn)pool_for; POOL_THREADS = threads; }
 
 /* nmat matrices sharing the input x [batch, n]; matrix m writes columns
    [col[m], col[m] + rows[m]) of y [batch, ystride]. The row blocks are shared out over the
@@ -319,19 +314,13 @@ _I = ctypes.c_int
 
 
 def _compile() -> ctypes.CDLL | None:
-    l = build_library("cpu_qmatvec", SOURCE)
+    l = build_library("cpu_qmatvec", cpu_pool.CLIENT_SOURCE + SOURCE)
     if l is None:
         return None
     l.qmv_group.argtypes = [_I, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I]
     l.qmv_group.restype = _I
     l.simd_width.restype = _I
-    l.set_pool.argtypes = [_P, _I]
-    l.set_pool.restype = None
-    from hf2q.kernels import cpu_pool
-
-    addr = cpu_pool.pool_for_address()
-    if addr is not None:
-        l.set_pool(addr, cpu_pool.threads())
+    cpu_pool.attach(l)
     return l
 
 
