@@ -110,7 +110,8 @@ async def scrape_counters(client: httpx.AsyncClient, url: str) -> dict[str, floa
     out = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
-        if name in ("hf2q_gpu_steps_total", "hf2q_decode_batches_total", "hf2q_decode_batch_tokens_total"):
+        if name in ("hf2q_gpu_steps_total", "hf2q_decode_batches_total", "hf2q_decode_batch_tokens_total",
+                    "hf2q_gpu_busy_seconds_total"):
             out[name[len("hf2q_"):-len("_total")]] = float(value)
     return out
 
@@ -148,6 +149,9 @@ async def load_run(url: str, clients: int, requests: int, max_tokens: int) -> di
         out["gpu_steps"] = int(d["gpu_steps"])
         out["decode_batches"] = int(d["decode_batches"])
         out["mean_decode_batch"] = round(d["decode_batch_tokens"] / d["decode_batches"], 3) if d["decode_batches"] else None
+        if "gpu_busy_seconds" in d:  # the engine's share of the window, and its time per step
+            out["engine_busy_fraction"] = round(d["gpu_busy_seconds"] / wall, 3)
+            out["engine_ms_per_step"] = round(d["gpu_busy_seconds"] / d["gpu_steps"] * 1000, 2) if d["gpu_steps"] else None
     return out
 
 

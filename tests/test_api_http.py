@@ -12,6 +12,7 @@ disconnect cancels, injected GPU fault → one terminal error each, /readyz 503,
 from __future__ import annotations
 
 import functools
+import time
 import json
 
 import httpx
@@ -347,7 +348,8 @@ async def test_metrics_exposition_counts_tokens():
 
 
 async def test_metrics_count_gpu_steps_and_decode_batches_as_the_engine_saw_them():
-    async with open_test_server(slots=2) as srv, httpx.AsyncClient(base_url=srv.url) as c:
+    async with open_test_server(slots=2, token_delay=0.01) as srv, httpx.AsyncClient(base_url=srv.url) as c:
+        t0 = time.perf_counter()
         async with trio.open_nursery() as n:
             for k in range(2):
                 n.start_soon(functools.partial(c.post, "/v1/chat/completions", json={**CHAT, "max_tokens": 12 + k}))
@@ -361,6 +363,9 @@ async def test_metrics_count_gpu_steps_and_decode_batches_as_the_engine_saw_them
         prefills = len(srv.runner.prefill_sizes)
         assert max(len(sizes), prefills) <= steps <= len(sizes) + prefills  # a step: a decode and/or a prefill
         assert 2 in sizes  # both conversations decoded in one batched step
+        # every engine call sleeps token_delay: the busy seconds hold at least those, and no more than the wall
+        busy = fams["hf2q_gpu_busy_seconds"].samples[0].value
+        assert 0.01 * steps <= busy <= time.perf_counter() - t0
 
 
 async def test_shutdown_drains_then_refuses_new_work():

@@ -351,6 +351,51 @@ def test_host_prefill_rows_across_a_cache_growth(quantized_runners):
         np.testing.assert_allclose(np.array(host.keys[li][:, :n]), np.array(ref.keys[li][:, :n]), atol=1e-4)
 
 
+@pytest.mark.parametrize("key", [("llama", "q4_0"), ("gemma3", "q4_0")])
+def test_mixed_step_as_one_pass_equals_decode_then_prefill(key, quantized_runners):
+    """``decode_with_prefill`` (prefill rows and decode rows in one host pass) leaves the same
+    logits and caches as ``decode`` then ``prefill`` apart: bit for bit, since every row's
+    matvec tiles, norms and attention are its own. gemma3: past its 16-token window."""
+    r = quantized_runners[key]
+    prompts = [random_tokens(n, seed=500 + n) for n in (3, 18, 7)]
+    fused, apart, toks = _twin_prefills(r, prompts)
+    new_f, new_a = r.new_sequence(), r.new_sequence()
+    chunks = [random_tokens(n, seed=600 + n) for n in (13, 1, 6)]
+    for chunk in chunks:
+        dec_f, pre_f = r.decode_with_prefill(fused, toks, new_f, chunk)
+        dec_a = r.decode(apart, toks)
+        pre_a = r.prefill(new_a, chunk)
+        np.testing.assert_array_equal(dec_f, dec_a)
+        np.testing.assert_array_equal(pre_f, pre_a)
+        toks = [int(t) for t in np.argmax(dec_a, -1)]
+    assert new_f.length == new_a.length == sum(map(len, chunks))
+    for got, want in zip(fused + [new_f], apart + [new_a]):
+        assert got.length == want.length
+        for li in range(got.n_layers):
+            n = got.length
+            np.testing.assert_array_equal(np.array(got.keys[li][:, :n]), np.array(want.keys[li][:, :n]))
+            np.testing.assert_array_equal(np.array(got.values[li][:, :n]), np.array(want.values[li][:, :n]))
+    with pytest.raises(ValueError):
+        r.decode_with_prefill(fused, toks, fused[0], chunks[0])
+
+
+def test_mixed_step_over_the_host_row_limit_runs_apart(quantized_runners, monkeypatch):
+    """A chunk longer than the host rows' limit keeps the MLX graph's prefill beside the decode."""
+    from hf2q.engine import runner as runner_mod
+
+    r = quantized_runners[("llama", "q8_0")]
+    monkeypatch.setattr(runner_mod, "HOST_PREFILL_ROWS", 8)
+    fused_calls = []
+    real = r.host_decoder.step_with_prefill
+    monkeypatch.setattr(r.host_decoder, "step_with_prefill",
+                        lambda *a: fused_calls.append(len(a[3])) or real(*a))
+    (d,), _, (tok,) = _twin_prefills(r, [random_tokens(5, seed=7)])
+    s = r.new_sequence()
+    r.decode_with_prefill([d], [tok], s, random_tokens(8, seed=1))
+    r.decode_with_prefill([d], [tok], s, random_tokens(9, seed=2))
+    assert fused_calls == [8] and s.length == 17 and d.length == 7
+
+
 def test_runner_prefill_takes_the_host_rows_up_to_the_limit(quantized_runners, monkeypatch):
     from hf2q.engine import runner as runner_mod
 

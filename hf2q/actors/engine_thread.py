@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import Any, Callable
 
 import outcome
@@ -33,6 +34,8 @@ class EngineThread:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._main, name="hf2q-gpu-owner", daemon=True)
         self.exited = threading.Event()
+        #: seconds spent running jobs (written by the thread only; a float read is atomic)
+        self.busy_s = 0.0
 
     def start(self, on_loaded: Reply) -> None:
         """Start the thread; ``on_loaded(outcome of runner_factory())`` is called in trio."""
@@ -70,7 +73,10 @@ class EngineThread:
                 if item is None:
                     return
                 job, reply = item
-                if not self._reply(reply, outcome.capture(job, runner)):
+                t0 = time.perf_counter()
+                result = outcome.capture(job, runner)
+                self.busy_s += time.perf_counter() - t0
+                if not self._reply(reply, result):
                     return
         finally:
             self.exited.set()

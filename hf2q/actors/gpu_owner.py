@@ -108,25 +108,33 @@ def run_step(runner, decode: list[DecodeRun], tokens: list[int], prefill: Prefil
 
     Every run of ``decode`` is fed its token of ``tokens`` in one batched ``runner.decode``
     — or, when ``pipeline`` can serve the batch (MLX graph, device-sampled rows), through the
-    step it queued last time, queueing the next one before this one is read.
+    step it queued last time, queueing the next one before this one is read. A runner with
+    ``decode_with_prefill`` takes the decode and the prefill chunk as one call (the CPU host
+    step runs both as rows of one pass over the weights).
     Errors raised by the runner propagate (they poison the engine).
     """
     results: dict[int, Any] = {}
     pipelined = pipeline is not None and bool(decode) and pipeline.usable(runner, decode)
     if pipeline is not None and not pipelined:
         pipeline.settle()
+    if prefill is not None and prefill.keep is not None:
+        prefill.seq.trim(prefill.keep)  # its own cache: no decode row of this step reads it
+    prefill_logits = None
     if pipelined:
         for r, res in zip(decode, pipeline.step(runner, decode, tokens)):
             results[r.slot] = res
     elif decode:
-        logits = runner.decode([r.seq for r in decode], tokens)
+        seqs = [r.seq for r in decode]
+        if prefill is not None and hasattr(runner, "decode_with_prefill"):
+            logits, prefill_logits = runner.decode_with_prefill(seqs, tokens, prefill.seq, prefill.tokens)
+        else:
+            logits = runner.decode(seqs, tokens)
         for r, res in zip(decode, sample_rows(decode, logits)):
             results[r.slot] = res
     if prefill is not None:
-        if prefill.keep is not None:
-            prefill.seq.trim(prefill.keep)
-        logits = runner.prefill(prefill.seq, prefill.tokens)
-        results[prefill.slot] = guarded_sample(prefill, logits) if prefill.final else None
+        if prefill_logits is None:
+            prefill_logits = runner.prefill(prefill.seq, prefill.tokens)
+        results[prefill.slot] = guarded_sample(prefill, prefill_logits) if prefill.final else None
     return results
 
 
@@ -311,6 +319,7 @@ class GpuOwner:
                 lambda runner, batch=batch, tokens=tokens, chunk=chunk: run_step(runner, batch, tokens, chunk,
                                                                                  self.pipeline), "step")
             self.stats["gpu_steps"] += 1
+            self.stats["gpu_busy_s"] = self._thread.busy_s
             if batch:
                 self.stats["decode_batches"] += 1
                 self.stats["decode_batch_tokens"] += len(batch)

@@ -124,9 +124,9 @@ class RuntimeSnapshot:
     ctx: int
     #: monotonically increasing counters for /metrics: requests, admitted, finished, failed,
     #: cancelled, rejected_<code>, prompt_tokens, cached_tokens, completion_tokens,
-    #: gpu_steps, decode_batches, decode_batch_tokens, prefill_transactions, kv_blocks_saved,
-    #: kv_blocks_restored
-    counters: dict[str, int]
+    #: gpu_steps, gpu_busy_s (seconds the engine thread spent in jobs, a float), decode_batches,
+    #: decode_batch_tokens, prefill_transactions, kv_blocks_saved, kv_blocks_restored
+    counters: dict[str, float]
 
 
 class Runtime:

@@ -37,6 +37,8 @@ class _SnapshotCollector:
         ratio = GaugeMetricFamily("hf2q_cached_token_ratio", "cached prompt tokens / prompt tokens, since start")
         phases = GaugeMetricFamily("hf2q_slot_phase", "slots per phase", labels=["phase"])
         steps = CounterMetricFamily("hf2q_gpu_steps", "GPU steps run (each: one batched decode and/or one prefill)")
+        gpu_busy = CounterMetricFamily("hf2q_gpu_busy_seconds",
+                                       "seconds the engine thread spent running GPU transactions (/ wall time = utilisation)")
         batches = CounterMetricFamily("hf2q_decode_batches", "GPU steps that ran a batched decode")
         batch_tokens = CounterMetricFamily("hf2q_decode_batch_tokens",
                                            "decode rows over all batched decodes (/ batches = mean batch size)")
@@ -60,12 +62,13 @@ class _SnapshotCollector:
             c = snap.counters
             ratio.add_metric([], (c.get("cached_tokens", 0) / c["prompt_tokens"]) if c.get("prompt_tokens") else 0.0)
             steps.add_metric([], c.get("gpu_steps", 0))
+            gpu_busy.add_metric([], c.get("gpu_busy_s", 0.0))
             batches.add_metric([], c.get("decode_batches", 0))
             batch_tokens.add_metric([], c.get("decode_batch_tokens", 0))
         disk.add_metric([], self._disk_bytes())
         yield from (ready, state, active, total, queued, kv, budget, disk, ratio, phases)
         if snap is not None:
-            yield from (steps, batches, batch_tokens)
+            yield from (steps, gpu_busy, batches, batch_tokens)
 
 
 class LazyKVStoreCollector:

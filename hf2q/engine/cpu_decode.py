@@ -271,7 +271,7 @@ class HostDecoder:
         pos = np.array([s.length for s in caches])
         for s, p in zip(caches, pos):
             s.reserve(int(p) + 1)
-        logits = self._rows(tokens, list(caches), pos, last_only=False)
+        logits = self._rows(tokens, list(caches), pos, logits_from=0)
         for s in caches:
             s.advance(1)
         return logits
@@ -284,13 +284,35 @@ class HostDecoder:
         n = len(tokens)
         start = seq.length
         seq.reserve(start + n)
-        logits = self._rows(np.asarray(tokens), [seq] * n, start + np.arange(n), last_only=True)
+        logits = self._rows(np.asarray(tokens), [seq] * n, start + np.arange(n), logits_from=n - 1)
         seq.advance(n)
         return logits[0]
 
-    def _rows(self, tokens: np.ndarray, caches: list, pos: np.ndarray, last_only: bool) -> np.ndarray:
+    def step_with_prefill(self, tokens: np.ndarray, caches, seq, chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A decode-first mixed step as one pass over the weights: the ``len(chunk)`` prefill rows
+        of ``seq`` first, then one decode row per sequence of ``caches`` (not ``seq``). Run apart,
+        the decode would stream every weight once more beside the prefill; here the decode rows
+        ride on the prefill's tiles. Returns (decode logits ``[N, vocab]``, the chunk's last
+        logits ``[vocab]``) — row for row what ``step`` and ``prefill`` give."""
+        if any(c is seq for c in caches):
+            raise ValueError("a sequence cannot decode and prefill in one step")
+        n = len(chunk)
+        start = seq.length
+        seq.reserve(start + n)
+        dpos = np.array([c.length for c in caches], dtype=np.int64)
+        for c, p in zip(caches, dpos):
+            c.reserve(int(p) + 1)
+        rows = np.concatenate([np.asarray(chunk), np.asarray(tokens)])
+        pos = np.concatenate([start + np.arange(n), dpos])
+        logits = self._rows(rows, [seq] * n + list(caches), pos, logits_from=n - 1)
+        seq.advance(n)
+        for c in caches:
+            c.advance(1)
+        return logits[1:], logits[0]
+
+    def _rows(self, tokens: np.ndarray, caches: list, pos: np.ndarray, logits_from: int) -> np.ndarray:
         """The forward pass of ``B`` rows, row ``b`` being token ``tokens[b]`` at position
-        ``pos[b]`` of ``caches[b]`` (whose K/V it writes); logits of every row, or of the last."""
+        ``pos[b]`` of ``caches[b]`` (whose K/V it writes); the logits of rows ``logits_from..B-1``."""
         c, ops = self.cfg, self.ops
         B = len(caches)
         ws = self._workspace(B)
@@ -330,7 +352,7 @@ class HostDecoder:
                 ops.rms_norm(P["f"], hidden, L["post_ffn"].ptr, P["f"], hidden, B, 1, hidden, eps)
             nxt = self.layers[li + 1]["attn_norm"] if li + 1 < len(self.layers) else self.norm
             ops.add_rms(P["x"], P["f"], B * hidden, nxt.ptr, P["h"], B, hidden, eps)
-        rows = 1 if last_only else B
+        rows = B - logits_from
         logits = np.empty((rows, self.lm_head.out), dtype=np.float32)
         h_at = P["h"] + 4 * (B - rows) * c.hidden
         self.lm_head.run(A["h"][B - rows:B], h_at, logits, logits.ctypes.data, rows)

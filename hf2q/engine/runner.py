@@ -195,6 +195,30 @@ class MlxModelRunner:
         self.stats["decode_s"] += time.perf_counter() - t0
         return out
 
+    def decode_with_prefill(self, seqs: Sequence[SequenceCache], tokens: Sequence[int], pseq: SequenceCache,
+                            ptokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """``decode(seqs, tokens)`` and ``prefill(pseq, ptokens)`` of one decode-first mixed step:
+        one host step when the chunk is short enough for host rows (the decode rows then cost
+        little more than the prefill alone), otherwise the two calls. Returns both logits."""
+        ptokens = list(ptokens)
+        if self.host_decoder is None or not seqs or not ptokens or len(ptokens) > HOST_PREFILL_ROWS:
+            return self.decode(seqs, tokens), self.prefill(pseq, ptokens)
+        self._check_decode(seqs, len(tokens))
+        if any(s is pseq for s in seqs):
+            raise ValueError("a sequence cannot decode and prefill in one step")
+        self._check_room(pseq, len(ptokens))
+        self._check_tokens(list(tokens) + ptokens)
+        t0 = time.perf_counter()
+        dec, pre = self.host_decoder.step_with_prefill(np.asarray(tokens, dtype=np.int32), list(seqs), pseq,
+                                                       np.asarray(ptokens, dtype=np.int32))
+        spent = time.perf_counter() - t0
+        n, rows = len(ptokens), len(ptokens) + len(seqs)
+        self.stats["decode_steps"] += 1
+        self.stats["prefill_tokens"] += n
+        self.stats["prefill_s"] += spent * n / rows  # one pass: its time shared out by rows
+        self.stats["decode_s"] += spent * (rows - n) / rows
+        return dec, pre
+
     def decode_async(self, seqs: Sequence[SequenceCache], tokens: "Sequence[int] | PendingTokens",
                      samplers) -> "PendingTokens":
         """One decode step whose next tokens are sampled on the device and not waited for.

@@ -56,9 +56,10 @@ SOURCE = r"""
 #define PF_ROWS 4
 #endif
 
-/* Vector layer. A 32-group is NCH chunks of VL lanes. QCHUNK8/QCHUNK4(wr, g, c): the raw q
+/* Vector layer. A 32-group is NCH chunks of VL lanes. qchunk8/qchunk4(wr, g, c): the raw q
    values of chunk c of group g of one row as floats; 4-bit chunks follow the reordered x
-   (low nibbles = even elements first, then high nibbles = odd elements). */
+   (low nibbles = even elements first, then high nibbles = odd elements). AVX-512 has no
+   qchunk4: its 4-bit rows go through the lane-permute table of dq4 below. */
 #if defined(__AVX512F__)
 typedef __m512 vf;
 #define VL 16
@@ -73,12 +74,6 @@ static inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
 static inline vf u8f(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
 static inline vf qchunk8(const uint8_t* wr, int g, int c) {
     return u8f(_mm_loadu_si128((const __m128i*)(wr + g * 32 + c * 16)));
-}
-/* bytes widened to 32 bits once per group (the compiler shares it between the two chunks):
-   low nibble = AND 15, high nibble = shift right by 4 */
-static inline vf qchunk4(const uint8_t* wr, int g, int c) {
-    const __m512i wide = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(wr + g * 16)));
-    return _mm512_cvtepi32_ps(c ? _mm512_srli_epi32(wide, 4) : _mm512_and_si512(wide, _mm512_set1_epi32(15)));
 }
 #elif defined(__AVX2__)
 typedef __m256 vf;
@@ -123,10 +118,38 @@ static inline vf qchunk4(const uint8_t* wr, int g, int c) {
 }
 #endif
 
-/* RT weight rows (from row r) × BT batch rows. Each row's group is dequantized once
-   (q·scale + bias, one FMA per vector) and reused for all BT batch rows; each x chunk is
-   loaded once and reused for all RT rows; one horizontal sum per (row, batch row). */
-#define TILE_FN(NAME, QCHUNK, GB, RT, BT)                                                      \
+/* Dequantization of one row's 32-group, as (prep once per group, then one vector per chunk).
+   dq8/dqv: q·scale + bias by one FMA per chunk. dq4 on AVX-512: the group's 16 possible values
+   s·i + o (i = 0..15) are one FMA into a register table and every chunk is a lane permute of it
+   (vpermps reads the low 4 bits of each index, so the low nibble needs no mask) — on a core with
+   one 512-bit FMA port that frees the port for the batch rows' FMAs; the table holds exactly
+   fma(i, s, o), so the values are the ones the FMA form gives. */
+typedef struct { vf s, o; const uint8_t* wr; int g; } dq_t;
+typedef dq_t dq8_t;
+static inline void dq8_prep(dq_t* d, const uint8_t* wr, int g, float s, float o) {
+    d->s = vset(s); d->o = vset(o); d->wr = wr; d->g = g;
+}
+static inline vf dq8_chunk(const dq_t* d, int c) { return vfma(qchunk8(d->wr, d->g, c), d->s, d->o); }
+#if defined(__AVX512F__)
+typedef struct { vf table; __m512i wide; } dq4_t;
+static inline void dq4_prep(dq4_t* d, const uint8_t* wr, int g, float s, float o) {
+    const vf iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    d->table = _mm512_fmadd_ps(iota, vset(s), vset(o));
+    d->wide = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(wr + g * 16)));
+}
+static inline vf dq4_chunk(const dq4_t* d, int c) {
+    return _mm512_permutexvar_ps(c ? _mm512_srli_epi32(d->wide, 4) : d->wide, d->table);
+}
+#else
+typedef dq_t dq4_t;
+#define dq4_prep dq8_prep
+static inline vf dq4_chunk(const dq_t* d, int c) { return vfma(qchunk4(d->wr, d->g, c), d->s, d->o); }
+#endif
+
+/* RT weight rows (from row r) × BT batch rows. Each row's group is dequantized once and
+   reused for all BT batch rows; each x chunk is loaded once and reused for all RT rows; one
+   horizontal sum per (row, batch row). */
+#define TILE_FN(NAME, DQ, GB, RT, BT)                                                          \
 static void NAME(const uint8_t* w, int64_t rb, const float* sc, const float* bi, const float* x, \
                  float* y, int r, int n, int ystride) {                                        \
     const int G = n / 32;                                                                      \
@@ -144,15 +167,14 @@ static void NAME(const uint8_t* w, int64_t rb, const float* sc, const float* bi,
         for (int b = 0; b < BT; b++) acc[i][b] = vzero();                                      \
     }                                                                                          \
     for (int g = 0; g < G; g++) {                                                              \
-        vf s[RT], o[RT];                                                                       \
+        DQ##_t d[RT];                                                                          \
         for (int i = 0; i < RT; i++) {                                                         \
             if ((g * GB) % 64 == 0) __builtin_prefetch(wr[i] + g * GB + PF_BYTES);             \
-            s[i] = vset(scr[i][g]);                                                            \
-            o[i] = vset(bir[i][g]);                                                            \
+            DQ##_prep(&d[i], wr[i], g, scr[i][g], bir[i][g]);                                  \
         }                                                                                      \
         for (int c = 0; c < NCH; c++) {                                                        \
             vf wv[RT];                                                                         \
-            for (int i = 0; i < RT; i++) wv[i] = vfma(QCHUNK(wr[i], g, c), s[i], o[i]);        \
+            for (int i = 0; i < RT; i++) wv[i] = DQ##_chunk(&d[i], c);                         \
             for (int b = 0; b < BT; b++) {                                                     \
                 const vf xv = vload(x + (int64_t)b * n + g * 32 + c * VL);                     \
                 for (int i = 0; i < RT; i++) acc[i][b] = vfma(wv[i], xv, acc[i][b]);           \
@@ -163,16 +185,16 @@ static void NAME(const uint8_t* w, int64_t rb, const float* sc, const float* bi,
         for (int b = 0; b < BT; b++) y[(int64_t)b * ystride + r + i] = vsum(acc[i][b]);        \
 }
 
-#define TILES(Q, QCHUNK, GB)                                                                   \
-TILE_FN(q##Q##_r1b1, QCHUNK, GB, 1, 1) TILE_FN(q##Q##_r1b2, QCHUNK, GB, 1, 2)                  \
-TILE_FN(q##Q##_r1b3, QCHUNK, GB, 1, 3) TILE_FN(q##Q##_r1b4, QCHUNK, GB, 1, 4)                  \
-TILE_FN(q##Q##_rNb1, QCHUNK, GB, RT_MAX, 1) TILE_FN(q##Q##_rNb2, QCHUNK, GB, RT_MAX, 2)        \
-TILE_FN(q##Q##_rNb3, QCHUNK, GB, RT_WIDE, 3)                                 \
-TILE_FN(q##Q##_rNb4, QCHUNK, GB, RT_WIDE, 4)                                 \
+#define TILES(Q, DQ, GB)                                                                   \
+TILE_FN(q##Q##_r1b1, DQ, GB, 1, 1) TILE_FN(q##Q##_r1b2, DQ, GB, 1, 2)                  \
+TILE_FN(q##Q##_r1b3, DQ, GB, 1, 3) TILE_FN(q##Q##_r1b4, DQ, GB, 1, 4)                  \
+TILE_FN(q##Q##_rNb1, DQ, GB, RT_MAX, 1) TILE_FN(q##Q##_rNb2, DQ, GB, RT_MAX, 2)        \
+TILE_FN(q##Q##_rNb3, DQ, GB, RT_WIDE, 3)                                 \
+TILE_FN(q##Q##_rNb4, DQ, GB, RT_WIDE, 4)                                 \
 typedef void (*tile_fn)(const uint8_t*, int64_t, const float*, const float*, const float*,     \
                         float*, int, int, int);
-TILES(8, qchunk8, 32)
-TILES(4, qchunk4, 16)
+TILES(8, dq8, 32)
+TILES(4, dq4, 16)
 
 static const tile_fn ONE_ROW[2][4] = {{q8_r1b1, q8_r1b2, q8_r1b3, q8_r1b4}, {q4_r1b1, q4_r1b2, q4_r1b3, q4_r1b4}};
 static const tile_fn MANY_ROWS[2][4] = {{q8_rNb1, q8_rNb2, q8_rNb3, q8_rNb4}, {q4_rNb1, q4_rNb2, q4_rNb3, q4_rNb4}};
