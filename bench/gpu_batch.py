@@ -47,7 +47,8 @@ def main(path: str, steps: int = 48) -> None:
     print(json.dumps({"qmm": qmm_rates()}), flush=True)
     r = MlxModelRunner.load(path, ctx=4096)
     warm_up(r)
-    for batch in (1, 2, 4, 8):
+    for batch, stack in ((1, True), (2, True), (4, True), (8, True), (4, False), (8, False)):
+        r.stack_decode = stack  # kv_cache.StackedDecode for batches of 2+ (off: per-sequence buffers)
         seqs = [r.new_sequence() for _ in range(batch)]
         toks = [int(np.argmax(r.prefill(s, [int(t) for t in np.random.default_rng(i).integers(100, 30000, 64)])))
                 for i, s in enumerate(seqs)]
@@ -69,7 +70,7 @@ def main(path: str, steps: int = 48) -> None:
             pending = ahead
         pending.result()
         piped = steps * batch / (time.perf_counter() - t0)
-        print(json.dumps({f"B{batch}": {"blocking_tok_s": round(blocking, 1), "pipelined_tok_s": round(piped, 1),
+        print(json.dumps({f"B{batch}" + ("" if stack or batch == 1 else "_unstacked"): {"blocking_tok_s": round(blocking, 1), "pipelined_tok_s": round(piped, 1),
                                         "build_ms": round(1000 * float(np.median(builds)), 2)}}), flush=True)
 
 

@@ -1,9 +1,10 @@
 """Serving throughput through the real runtime (actors + GPU owner, no HTTP), pipelined vs blocking decode.
 
-    python bench/gpu_serve.py /tmp/qwen3-8b-q8_0.gguf
+    python bench/gpu_serve.py /tmp/qwen3-8b-q8_0.gguf [pipelined,blocking,unstacked]
 
 For 1 and 4 concurrent greedy and top-p streams of 128 tokens, tokens/s after the first token, with the GPU
-owner's decode pipeline on and off (``HF2Q_NO_DECODE_PIPELINE=1``). The server warms the engine up before it is
+owner's decode pipeline on and off (``HF2Q_NO_DECODE_PIPELINE=1``), and pipelined with per-sequence K/V buffers
+instead of the stacked batch (``unstacked``: ``HF2Q_NO_STACKED_DECODE=1``). The server warms the engine up before it is
 ready (``hf2q.engine.runner.warm_up``); this script does the same so first-use compilation is not measured.
 """
 import json, os, sys, time
@@ -11,16 +12,18 @@ sys.path.insert(0, ".")
 import trio
 import numpy as np
 
-def main(path, clients_list=(1, 4), max_tokens=128):
+def main(path, modes=("pipelined", "blocking"), clients_list=(1, 4), max_tokens=128):
     from hf2q.actors.runtime import RuntimeConfig, open_runtime
     from hf2q.engine.runner import MlxModelRunner
     from hf2q.sched.requests import GenerationRequest, SamplingParams, Token, Finished
     res = {}
-    for mode in ("pipelined", "blocking"):
+    for mode in modes:
+        os.environ.pop("HF2Q_NO_DECODE_PIPELINE", None)
+        os.environ.pop("HF2Q_NO_STACKED_DECODE", None)
         if mode == "blocking":
             os.environ["HF2Q_NO_DECODE_PIPELINE"] = "1"
-        else:
-            os.environ.pop("HF2Q_NO_DECODE_PIPELINE", None)
+        elif mode == "unstacked":
+            os.environ["HF2Q_NO_STACKED_DECODE"] = "1"
         async def run():
             out = {}
             def build():
@@ -66,4 +69,4 @@ if __name__ == "__main__":
     import mlx.core as mx
     from hf2q.engine.memory_plan import device_memory
     print(json.dumps({"device_memory": device_memory(), "info": {k: str(v) for k, v in mx.device_info().items()}}), flush=True)
-    main(sys.argv[1])
+    main(sys.argv[1], *([tuple(sys.argv[2].split(","))] if len(sys.argv) > 2 else []))

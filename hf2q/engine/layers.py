@@ -29,6 +29,7 @@ from gguf import GGMLQuantizationType as T
 from hf2q.engine.quant_repack import FLOAT_TYPES, QUANTIZED_TYPES, to_affine
 from hf2q.errors import InputError
 from hf2q.formats.gguf_file import GGUFTensor
+from hf2q.kernels import cuda_qmv
 
 DENSE_ROWS = 8
 
@@ -186,6 +187,9 @@ class Linear:
             mx.eval(xs)
             packed, sc, bi, bits = self._host
             y = mx.array(qmatvec(packed, sc, bi, np.array(xs), bits)).reshape(*x.shape[:-1], self.shape[0])
+        elif (len(self.shape) == 2 and cuda_qmv.takes(rows, self.shape[0], self.shape[1], self.bits, self.group_size)
+              and cuda_qmv.available()):  # 2-7 rows on a CUDA GPU: one read of the weights for all rows
+            y = cuda_qmv.qmv(x, self.weight, self.scales, self.biases, self.bits, self.group_size)
         else:
             y = mx.quantized_matmul(x, self.weight, self.scales, self.biases, transpose=True,
                                     group_size=self.group_size, bits=self.bits)

@@ -24,6 +24,7 @@ Errors a user can cause (prompt beyond the context, wrong model kind) are
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Sequence
@@ -31,7 +32,7 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from hf2q.engine.kv_cache import ForwardBatch, SequenceCache
+from hf2q.engine.kv_cache import ForwardBatch, SequenceCache, StackedDecode
 from hf2q.engine.models import build_model
 from hf2q.errors import InputError
 from hf2q.formats.gguf_file import GGUFFile, open_gguf
@@ -100,6 +101,10 @@ class MlxModelRunner:
             n_layers, kv_heads, head_dim = model.kv_shape
             self.kv_bytes_per_token = n_layers * kv_heads * head_dim * 2 * dtype.size
         self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_steps": 0, "decode_s": 0.0}
+        #: batched graph decodes keep their sequences' K/V stacked (kv_cache.StackedDecode) while
+        #: the same sequences decode together; HF2Q_NO_STACKED_DECODE=1 keeps per-sequence buffers
+        self.stack_decode = not os.environ.get("HF2Q_NO_STACKED_DECODE")
+        self._stack: StackedDecode | None = None
         self.host_decoder = None
         if not self.is_embedding_model:
             from hf2q.engine.cpu_decode import HostDecoder
@@ -175,7 +180,12 @@ class MlxModelRunner:
 
     def _graph_step(self, seqs: Sequence[SequenceCache], ids: mx.array) -> tuple[mx.array, ForwardBatch]:
         """The decode step through the MLX graph: lazy float32 logits ``[N, vocab]``; caches advanced."""
-        fb = ForwardBatch(seqs, 1)
+        if self._stack is not None and not self._stack.holds(seqs):
+            self._stack.dissolve()  # the batch changed: every row back to its sequence
+            self._stack = None
+        if self._stack is None and self.stack_decode and StackedDecode.fits(seqs):
+            self._stack = StackedDecode(seqs)
+        fb = ForwardBatch(seqs, 1, self._stack)
         logits = self.model(ids, fb)
         fb.finish()
         self.stats["decode_steps"] += 1

@@ -21,14 +21,16 @@ def unpack(packed: np.ndarray, bits: int, n: int) -> np.ndarray:
     return (stream.reshape(rows, n, bits).astype(np.uint16) * weights).sum(axis=2).astype(np.uint8)
 
 
-def dequantize(packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int) -> np.ndarray:
-    """float64 ``[rows, n]``: ``scale[r, g]·q[r, i] + bias[r, g]`` with ``g = i // 32``."""
-    n = scales.shape[1] * 32
-    q = unpack(packed, bits, n).astype(np.float64).reshape(scales.shape[0], -1, 32)
+def dequantize(packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int,
+               group_size: int = 32) -> np.ndarray:
+    """float64 ``[rows, n]``: ``scale[r, g]·q[r, i] + bias[r, g]`` with ``g = i // group_size``."""
+    n = scales.shape[1] * group_size
+    q = unpack(packed, bits, n).astype(np.float64).reshape(scales.shape[0], -1, group_size)
     w = q * scales.astype(np.float64)[..., None] + biases.astype(np.float64)[..., None]
     return w.reshape(scales.shape[0], n)
 
 
-def qmatvec(packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, x: np.ndarray, bits: int) -> np.ndarray:
-    """``x [batch, n]`` → ``[batch, rows]`` float64, the exact value the kernel approximates in float32."""
-    return np.asarray(x, dtype=np.float64) @ dequantize(packed, scales, biases, bits).T
+def qmatvec(packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, x: np.ndarray, bits: int,
+            group_size: int = 32) -> np.ndarray:
+    """``x [batch, n]`` → ``[batch, rows]`` float64, the exact value the kernels approximate in float32."""
+    return np.asarray(x, dtype=np.float64) @ dequantize(packed, scales, biases, bits, group_size).T
