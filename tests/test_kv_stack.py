@@ -127,3 +127,32 @@ def test_uneven_lengths_are_not_stacked(graph_runners):
     assert StackedDecode.fits(even)
     assert not StackedDecode.fits([even[0], even[0]])  # one sequence twice
     assert not StackedDecode.fits(even[:1])  # nothing to stack
+
+
+async def test_runtime_tokens_equal_with_and_without_stacking(tiny_checkpoint, tmp_path_factory, monkeypatch):
+    """Through the real runtime (pipelined GPU-style steps, requests joining, ending at different
+    lengths and one continuing in its slot): the same T=0 tokens with stacked batches as with
+    per-sequence buffers, and the stacked run did stack."""
+    from hf2q.engine import kv_cache
+    from tests.test_decode_pipeline import _serve
+
+    src = tiny_checkpoint("llama")
+    path = convert_f32(src, tmp_path_factory.mktemp("stack-rt") / "m.gguf")
+
+    def build():
+        r = load_runner(path, src)
+        r.host_decoder = None  # the MLX graph path, as on a GPU
+        r.eos_token_ids = frozenset()
+        return r
+    prompts = [random_tokens(n, seed=20 + n) for n in (12, 30, 7)]
+    max_tokens = [9, 4, 14]
+    monkeypatch.setenv("HF2Q_NO_STACKED_DECODE", "1")
+    plain, _ = await _serve(build, prompts, max_tokens)
+    monkeypatch.delenv("HF2Q_NO_STACKED_DECODE")
+    made = []
+    real_init = kv_cache.StackedDecode.__init__
+    monkeypatch.setattr(kv_cache.StackedDecode, "__init__", lambda self, caches: made.append(len(caches))
+                        or real_init(self, caches))
+    stacked, _ = await _serve(build, prompts, max_tokens)
+    assert stacked == plain
+    assert made and max(made) == 3
