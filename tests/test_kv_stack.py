@@ -156,3 +156,31 @@ async def test_runtime_tokens_equal_with_and_without_stacking(tiny_checkpoint, t
     stacked, _ = await _serve(build, prompts, max_tokens)
     assert stacked == plain
     assert made and max(made) == 3
+
+
+def test_stacking_and_handing_back_hold_at_most_one_extra_layer():
+    """Stacking copies every member's K/V, and handing back copies it out again: done layer by
+    layer, so memory never holds more than one layer twice (not the whole cache twice)."""
+    import mlx.core as mx
+
+    from hf2q.engine.kv_cache import SequenceCache
+
+    L, H, D, cap = 8, 4, 64, 2 * GROW
+    seqs = []
+    for _ in range(4):
+        s = SequenceCache(L, H, D, mx.float32)
+        s.reserve(cap)
+        s.advance(cap - 10)
+        seqs.append(s)
+    mx.eval([a for s in seqs for a in s._keys + s._values])
+    layer = 4 * 2 * H * cap * D * 4  # one layer's K and V for the four rows, float32
+    for step in ("stack", "hand back"):
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        if step == "stack":
+            stack = StackedDecode(seqs)
+            mx.eval(stack.arrays())  # whatever is still lazy is paid here, inside the window
+        else:
+            stack.dissolve()
+        assert mx.get_peak_memory() - base <= 1.5 * layer, step
+    assert [s.capacity for s in seqs] == [cap] * 4 and not any(s.stacked for s in seqs)

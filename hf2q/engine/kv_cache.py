@@ -169,11 +169,13 @@ class StackedDecode:
         self.capacity = max(c.capacity for c in self.caches)
         self.keys: list[mx.array] = []
         self.values: list[mx.array] = []
-        for i in range(self.n_layers):
+        for i in range(self.n_layers):  # layer by layer, so the copy never holds more than one extra layer
             self.keys.append(mx.stack([_padded(c._keys[i], self.capacity) for c in self.caches]))
             self.values.append(mx.stack([_padded(c._values[i], self.capacity) for c in self.caches]))
+            mx.eval(self.keys[i], self.values[i])
+            for c in self.caches:
+                c._keys[i] = c._values[i] = None
         for b, c in enumerate(self.caches):
-            c._keys, c._values = [None] * self.n_layers, [None] * self.n_layers
             c._stack, c._row = self, b
             c.capacity = self.capacity
             c.version = next(_VERSIONS)
@@ -225,15 +227,18 @@ class StackedDecode:
         steps); the stack is empty afterwards."""
         if not self.caches:
             return
-        for b, c in enumerate(self.caches):
-            own = ((c.length + GROW - 1) // GROW) * GROW
-            if own:
-                c._keys = [mx.array(k[b, :, :own, :]) for k in self.keys]
-                c._values = [mx.array(v[b, :, :own, :]) for v in self.values]
-            c.capacity = own
+        own = [((c.length + GROW - 1) // GROW) * GROW for c in self.caches]
+        for i in range(self.n_layers):  # layer by layer: the stack's layer is freed as its rows are copied out
+            for b, c in enumerate(self.caches):
+                if own[b]:
+                    c._keys[i] = mx.array(self.keys[i][b, :, :own[b], :])
+                    c._values[i] = mx.array(self.values[i][b, :, :own[b], :])
+            mx.eval([a for c in self.caches for a in (c._keys[i], c._values[i]) if a is not None])
+            self.keys[i] = self.values[i] = None
+        for c, n in zip(self.caches, own):
+            c.capacity = n
             c._stack, c._row = None, -1
             c.version = next(_VERSIONS)
-        mx.eval([a for c in self.caches for a in c._keys + c._values if a is not None])
         self.caches, self.keys, self.values = [], [], []
 
     def arrays(self) -> list[mx.array]:
