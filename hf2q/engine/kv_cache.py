@@ -141,7 +141,7 @@ def _padded(buf: mx.array, n: int) -> mx.array:
 
 
 class StackedDecode:
-    r"""The K/V of the sequences of a batched decode, stacked per layer as ``[B, kv_heads, capacity, d]``.
+    """The K/V of the sequences of a batched decode, stacked per layer as ``[B, kv_heads, capacity, d]``.
 
     Why: with one buffer per sequence, every layer of a batched decode step writes each row's new
     K/V and slices, pads and stacks each row's keys and values again — about 4·B + 2 ops and as
@@ -152,8 +152,9 @@ class StackedDecode:
 
     The batch holds its sequences' K/V while the same sequences keep decoding together; the
     sequences hold none meanwhile. Anything else that touches one of them (``keys``/``values``,
-    ``reserve``, export, import, a prefill) first :meth:`dissolve`\ s it, which hands every row
-    back as the sequence's own buffers — so the stack is an optimisation no caller can observe.
+    ``reserve``, export, import, a prefill) first dissolves the stack (:meth:`dissolve`), handing
+    every row back as the sequence's own buffers — so the stack is an optimisation no caller can
+    observe.
     """
 
     #: refuse to stack when padding every row to the longest would add more than this share of
