@@ -41,6 +41,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hf2q.kernels.cpu_pool import usable_cpus
+
 _STATE: dict[str, str] = {"blas": "not attempted"}
 _LIB: ctypes.CDLL | None = None
 _OPENBLAS_PINNED = False  # the user set OPENBLAS_NUM_THREADS=1: keep it, slice rows over our pool
@@ -142,10 +144,7 @@ def threads() -> int:
     try:
         return max(1, int(os.environ["HF2Q_BLAS_THREADS"]))
     except (KeyError, ValueError):
-        try:
-            return max(1, len(os.sched_getaffinity(0)))
-        except (AttributeError, OSError):
-            return os.cpu_count() or 1
+        return usable_cpus()
 
 
 _OTHERS = [0.0]  # smoothed count of other runnable threads on the machine

@@ -256,12 +256,7 @@ int attend(const float* qkv, int64_t qs, float* const* kc, float* const* vc, con
     attn_job j = {qkv, qs, kc, vc, cap, pos, window, B, H, Hkv, D, CH, nch, scale, NULL, 0};
     j.part = malloc(sizeof(float) * (size_t)items * rep * (D + 2));
     if (!j.part) return -1;
-    if (POOL_FOR && POOL_THREADS > 1 && items > 1 && work * D * rep >= (1 << 15)) {
-        int grain = items / (POOL_THREADS * 8);
-        POOL_FOR(attn_items, &j, items, grain < 1 ? 1 : grain);
-    } else {
-        attn_items(&j, 0, items);
-    }
+    pool_share(attn_items, &j, items, work * D * rep >= (1 << 15));
     if (j.failed) { free(j.part); return -1; }
     /* combine the chunks of each (row, head): o = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c */
     for (int b = 0; b < B; b++)

@@ -183,6 +183,14 @@ def _cgroup_cpus(root: str = "/sys/fs/cgroup") -> float | None:
         return None
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask; the machine's count where there is none)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def wanted_threads() -> int:
     """``HF2Q_CPU_THREADS``, else the CPUs this process may run on — fewer when a container's CPU
     quota says so (workers spinning beyond the quota would only wait for each other) — at most 16."""
@@ -192,10 +200,7 @@ def wanted_threads() -> int:
             return max(1, int(env))
         except ValueError:
             pass
-    try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        n = os.cpu_count() or 1
+    n = usable_cpus()
     quota = _cgroup_cpus()
     if quota is not None:
         n = min(n, max(1, int(quota + 0.5)))
@@ -223,14 +228,24 @@ def library() -> ctypes.CDLL | None:
 
 
 #: C for a kernel library that shares work over the pool: put it before the library's source,
-#: call ``POOL_FOR(fn, ctx, n, grain)`` when ``POOL_FOR && POOL_THREADS > 1`` (else run ``fn``
-#: inline), and hand the pool over with :func:`attach` once the library is loaded.
+#: call ``pool_share(fn, ctx, n, worth_it)``, and hand the pool over with :func:`attach` once the
+#: library is loaded.
 CLIENT_SOURCE = r"""
 typedef void (*range_fn)(void* ctx, int lo, int hi);
 typedef void (*pool_for_fn)(range_fn fn, void* ctx, int n, int grain);
 static pool_for_fn POOL_FOR = 0;
 static int POOL_THREADS = 1;
 void set_pool(void* pool_for, int threads) { POOL_FOR = (pool_for_fn)pool_for; POOL_THREADS = threads; }
+/* fn over [0, n): shared over the pool in about 8 chunks per thread when the caller says the job
+   is worth it and a pool is set, else run inline on the calling thread */
+static void pool_share(range_fn fn, void* ctx, int n, int worth_it) {
+    if (POOL_FOR && POOL_THREADS > 1 && worth_it && n > 1) {
+        const int grain = n / (POOL_THREADS * 8);
+        POOL_FOR(fn, ctx, n, grain < 1 ? 1 : grain);
+    } else {
+        fn(ctx, 0, n);
+    }
+}
 """
 
 

@@ -119,17 +119,16 @@ static inline vf qchunk4(const uint8_t* wr, int g, int c) {
 #endif
 
 /* Dequantization of one row's 32-group, as (prep once per group, then one vector per chunk).
-   dq8/dqv: q·scale + bias by one FMA per chunk. dq4 on AVX-512: the group's 16 possible values
+   dq8 (and dq4 without AVX-512): q·scale + bias by one FMA per chunk. dq4 on AVX-512: the group's 16 possible values
    s·i + o (i = 0..15) are one FMA into a register table and every chunk is a lane permute of it
    (vpermps reads the low 4 bits of each index, so the low nibble needs no mask) — on a core with
    one 512-bit FMA port that frees the port for the batch rows' FMAs; the table holds exactly
    fma(i, s, o), so the values are the ones the FMA form gives. */
-typedef struct { vf s, o; const uint8_t* wr; int g; } dq_t;
-typedef dq_t dq8_t;
-static inline void dq8_prep(dq_t* d, const uint8_t* wr, int g, float s, float o) {
+typedef struct { vf s, o; const uint8_t* wr; int g; } dq8_t;
+static inline void dq8_prep(dq8_t* d, const uint8_t* wr, int g, float s, float o) {
     d->s = vset(s); d->o = vset(o); d->wr = wr; d->g = g;
 }
-static inline vf dq8_chunk(const dq_t* d, int c) { return vfma(qchunk8(d->wr, d->g, c), d->s, d->o); }
+static inline vf dq8_chunk(const dq8_t* d, int c) { return vfma(qchunk8(d->wr, d->g, c), d->s, d->o); }
 #if defined(__AVX512F__)
 typedef struct { vf table; __m512i wide; } dq4_t;
 static inline void dq4_prep(dq4_t* d, const uint8_t* wr, int g, float s, float o) {
@@ -141,9 +140,9 @@ static inline vf dq4_chunk(const dq4_t* d, int c) {
     return _mm512_permutexvar_ps(c ? _mm512_srli_epi32(d->wide, 4) : d->wide, d->table);
 }
 #else
-typedef dq_t dq4_t;
+typedef dq8_t dq4_t;
 #define dq4_prep dq8_prep
-static inline vf dq4_chunk(const dq_t* d, int c) { return vfma(qchunk4(d->wr, d->g, c), d->s, d->o); }
+static inline vf dq4_chunk(const dq4_t* d, int c) { return vfma(qchunk4(d->wr, d->g, c), d->s, d->o); }
 #endif
 
 /* RT weight rows (from row r) × BT batch rows. Each row's group is dequantized once and
@@ -307,12 +306,7 @@ int qmv_group(int nmat, const void* const* w, const void* const* sc, const void*
     if (need4 && !xr) return -1;
     if (need4) reorder4(x, xr, batch, n);
     qjob j = {nmat, w, sc, bi, rows, bits, col, x, xr, y, n, batch, ystride, 0};
-    if (POOL_FOR && POOL_THREADS > 1 && work * batch >= (1 << 17)) {
-        int grain = blocks / (POOL_THREADS * 8);
-        POOL_FOR(qjob_blocks, &j, blocks, grain < 1 ? 1 : grain);
-    } else {
-        qjob_blocks(&j, 0, blocks);
-    }
+    pool_share(qjob_blocks, &j, blocks, work * batch >= (1 << 17));
     free(xr);
     return j.failed ? -1 : 0;
 }
