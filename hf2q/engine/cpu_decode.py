@@ -268,13 +268,7 @@ class HostDecoder:
 
     def step(self, tokens: np.ndarray, caches) -> np.ndarray:
         """One decode step for ``len(caches)`` sequences; returns float32 logits ``[N, vocab]``."""
-        pos = np.array([s.length for s in caches])
-        for s, p in zip(caches, pos):
-            s.reserve(int(p) + 1)
-        logits = self._rows(tokens, list(caches), pos, logits_from=0)
-        for s in caches:
-            s.advance(1)
-        return logits
+        return self._advance(np.asarray(tokens), list(caches), logits_from=0)
 
     def prefill(self, seq, tokens: np.ndarray) -> np.ndarray:
         """The next ``len(tokens)`` positions of one sequence as rows of one step (row i attends
@@ -282,11 +276,7 @@ class HostDecoder:
         returns the float32 logits ``[vocab]`` of the last token. For short chunks, where the
         MLX graph's fixed cost (60–100 ms a call on SmolLM2) dwarfs the arithmetic."""
         n = len(tokens)
-        start = seq.length
-        seq.reserve(start + n)
-        logits = self._rows(np.asarray(tokens), [seq] * n, start + np.arange(n), logits_from=n - 1)
-        seq.advance(n)
-        return logits[0]
+        return self._advance(np.asarray(tokens), [seq] * n, logits_from=n - 1)[0]
 
     def step_with_prefill(self, tokens: np.ndarray, caches, seq, chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """A decode-first mixed step as one pass over the weights: the ``len(chunk)`` prefill rows
@@ -297,18 +287,27 @@ class HostDecoder:
         if any(c is seq for c in caches):
             raise ValueError("a sequence cannot decode and prefill in one step")
         n = len(chunk)
-        start = seq.length
-        seq.reserve(start + n)
-        dpos = np.array([c.length for c in caches], dtype=np.int64)
-        for c, p in zip(caches, dpos):
-            c.reserve(int(p) + 1)
-        rows = np.concatenate([np.asarray(chunk), np.asarray(tokens)])
-        pos = np.concatenate([start + np.arange(n), dpos])
-        logits = self._rows(rows, [seq] * n + list(caches), pos, logits_from=n - 1)
-        seq.advance(n)
-        for c in caches:
-            c.advance(1)
+        logits = self._advance(np.concatenate([np.asarray(chunk), np.asarray(tokens)]), [seq] * n + list(caches),
+                               logits_from=n - 1)
         return logits[1:], logits[0]
+
+    def _advance(self, tokens: np.ndarray, caches: list, logits_from: int) -> np.ndarray:
+        """Rows at the next positions of their sequences (a sequence's rows in order take its next
+        positions one after another), the caches grown before and advanced after; the logits of
+        rows ``logits_from..``."""
+        taken: dict[int, int] = {}
+        pos = np.empty(len(caches), dtype=np.int64)
+        for b, c in enumerate(caches):
+            k = taken.get(id(c), 0)
+            pos[b] = c.length + k
+            taken[id(c)] = k + 1
+        seqs = {id(c): c for c in caches}
+        for key, c in seqs.items():
+            c.reserve(c.length + taken[key])
+        logits = self._rows(tokens, caches, pos, logits_from)
+        for key, c in seqs.items():
+            c.advance(taken[key])
+        return logits
 
     def _rows(self, tokens: np.ndarray, caches: list, pos: np.ndarray, logits_from: int) -> np.ndarray:
         """The forward pass of ``B`` rows, row ``b`` being token ``tokens[b]`` at position

@@ -158,7 +158,7 @@ class MlxModelRunner:
         self._check_room(seq, len(tokens))
         self._check_tokens(tokens)
         t0 = time.perf_counter()
-        if self.host_decoder is not None and len(tokens) <= HOST_PREFILL_ROWS:
+        if self._host_rows(len(tokens)):
             out = self.host_decoder.prefill(seq, np.asarray(tokens, dtype=np.int32))
         else:
             fb = ForwardBatch([seq], len(tokens))
@@ -169,6 +169,10 @@ class MlxModelRunner:
         self.stats["prefill_tokens"] += len(tokens)
         self.stats["prefill_s"] += time.perf_counter() - t0
         return out
+
+    def _host_rows(self, n_tokens: int) -> bool:
+        """Whether a prefill chunk of ``n_tokens`` runs as rows of the CPU host step."""
+        return self.host_decoder is not None and n_tokens <= HOST_PREFILL_ROWS
 
     def _check_decode(self, seqs: Sequence[SequenceCache], n_tokens: int) -> None:
         if len(seqs) != n_tokens or not seqs:
@@ -211,7 +215,7 @@ class MlxModelRunner:
         one host step when the chunk is short enough for host rows (the decode rows then cost
         little more than the prefill alone), otherwise the two calls. Returns both logits."""
         ptokens = list(ptokens)
-        if self.host_decoder is None or not seqs or not ptokens or len(ptokens) > HOST_PREFILL_ROWS:
+        if not seqs or not ptokens or not self._host_rows(len(ptokens)):
             return self.decode(seqs, tokens), self.prefill(pseq, ptokens)
         self._check_decode(seqs, len(tokens))
         if any(s is pseq for s in seqs):
