@@ -189,6 +189,11 @@ class GpuOwner:
         """The current state of this actor's machine."""
         return self.fsm.state
 
+    @property
+    def busy_s(self) -> float:
+        """Seconds the engine thread has spent running transactions (read at any time)."""
+        return self._thread.busy_s if self._thread is not None else 0.0
+
     async def load(self) -> Any:
         """Start the thread and wait for ``runner_factory()`` (deadline applies); returns the runner."""
         done = trio.Event()
@@ -319,7 +324,6 @@ class GpuOwner:
                 lambda runner, batch=batch, tokens=tokens, chunk=chunk: run_step(runner, batch, tokens, chunk,
                                                                                  self.pipeline), "step")
             self.stats["gpu_steps"] += 1
-            self.stats["gpu_busy_s"] = self._thread.busy_s
             if batch:
                 self.stats["decode_batches"] += 1
                 self.stats["decode_batch_tokens"] += len(batch)

@@ -382,4 +382,4 @@ class ActorSystem:
         return RuntimeSnapshot(ready=ready, state=self.supervisor.state, detail=detail, slots=tuple(slots),
                                queue_depth=len(self.admission.queue), kv_bytes_resident=resident,
                                kv_budget_bytes=self.budget.budget_bytes if self.budget else 0,
-                               ctx=self.ctx, counters=dict(self.stats))
+                               ctx=self.ctx, counters={**self.stats, "gpu_busy_s": self.gpu.busy_s})
