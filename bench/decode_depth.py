@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from jsonout import emit  # noqa: E402 (bench/ is on the path of a bench script)
+from common import chat_model, emit  # noqa: E402 (bench/ is on the path of a bench script)
 
 import hf2q.engine  # noqa: E402,F401 — optimised BLAS before MLX
 import numpy as np  # noqa: E402
@@ -73,12 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-bench threads")
     p.add_argument("--out")
     args = p.parse_args(argv)
-    if args.model:
-        path = Path(args.model)
-    else:
-        from hf2q.fetch import default_chat_model
-
-        path = default_chat_model()
+    path = chat_model(args.model)
     depths = [int(d) for d in args.depths.split(",")]
     report = {"model": str(path), "tg": args.tg, "cpu_count": os.cpu_count(),
               "hf2q": hf2q_rates(path, depths, args.tg, args.batch),

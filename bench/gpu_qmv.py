@@ -9,7 +9,6 @@ import time
 
 sys.path.insert(0, ".")
 import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
 
 from hf2q.kernels import cuda_qmv  # noqa: E402
 from tests.cuda_qmv_check import check  # noqa: E402

@@ -15,7 +15,7 @@ import numpy as np
 def main(path, modes=("pipelined", "blocking"), clients_list=(1, 4), max_tokens=128):
     from hf2q.actors.runtime import RuntimeConfig, open_runtime
     from hf2q.engine.runner import MlxModelRunner
-    from hf2q.sched.requests import GenerationRequest, SamplingParams, Token, Finished
+    from hf2q.sched.requests import GenerationRequest, SamplingParams, Token
     res = {}
     for mode in modes:
         os.environ.pop("HF2Q_NO_DECODE_PIPELINE", None)
@@ -52,7 +52,6 @@ def main(path, modes=("pipelined", "blocking"), clients_list=(1, 4), max_tokens=
                     for label, params in (("greedy", SamplingParams(max_tokens=max_tokens)),
                                           ("top_p", SamplingParams(max_tokens=max_tokens, temperature=0.7, top_p=0.9, seed=1))):
                         firsts.clear(); counts.clear()
-                        t0 = time.perf_counter()
                         async with trio.open_nursery() as nn:
                             for i in range(clients):
                                 nn.start_soon(one, i, params)

@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from jsonout import emit  # noqa: E402 (bench/ is on the path of a bench script)
+from common import chat_model, emit  # noqa: E402 (bench/ is on the path of a bench script)
 
 import hf2q.engine  # noqa: E402,F401 — optimised BLAS before MLX
 import numpy as np  # noqa: E402
@@ -33,12 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=19, help="prefill rows of the mixed step")
     p.add_argument("--out")
     args = p.parse_args(argv)
-    if args.model:
-        path = Path(args.model)
-    else:
-        from hf2q.fetch import default_chat_model
-
-        path = Path(default_chat_model())
+    path = chat_model(args.model)
     from hf2q.engine.runner import MlxModelRunner
     from hf2q.kernels import cpu_pool, cpu_qmatvec
 

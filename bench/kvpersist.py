@@ -21,7 +21,6 @@ The target is restored TTFT ≤ 25 % of cold.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -36,7 +35,7 @@ import numpy as np
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from jsonout import emit  # noqa: E402
+from common import emit  # noqa: E402
 
 
 def kv_shapes_from_gguf(path: str) -> dict:

@@ -34,7 +34,7 @@ import trio
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from jsonout import emit  # noqa: E402 (bench/ is on the path of a bench script)
+from common import chat_model, emit  # noqa: E402 (bench/ is on the path of a bench script)
 
 TOPICS = ["a lighthouse keeper", "a lost robot", "the first snow", "a city of bridges", "an old violin",
           "a desert train", "a quiet library", "a comet", "a clockmaker", "a river otter", "a glass garden",
@@ -248,12 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-log", default=os.devnull)
     args = p.parse_args(argv)
 
-    if args.model:
-        model = Path(args.model)
-    else:
-        from hf2q.fetch import default_chat_model
-
-        model = default_chat_model()
+    model = chat_model(args.model)
     report: dict = {"model": str(model), "slots": args.slots, "ctx": args.ctx, "requests_per_client": args.requests,
                     "max_tokens": args.max_tokens, "cpu_count": os.cpu_count(), "time": time.strftime("%FT%TZ", time.gmtime())}
     with open(args.server_log, "ab") as log:

@@ -39,7 +39,7 @@ import trio
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from jsonout import emit  # noqa: E402 (bench/ is on the path of a bench script)
+from common import emit  # noqa: E402 (bench/ is on the path of a bench script)
 
 VOCAB = 49152  # SmolLM2's: the fake engine's ids are real token ids for the text side
 EOS = 2

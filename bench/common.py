@@ -1,0 +1,25 @@
+"""What the benchmark scripts share: the model they run by default, and how every one of them ends (the
+report as indented JSON on stdout, and in a file when asked)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def emit(report: dict, out: str | None) -> int:
+    """Print ``report``; also write it to ``out`` when given. Returns the exit code (0)."""
+    text = json.dumps(report, indent=2)
+    if out:
+        Path(out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+def chat_model(arg: str | None) -> Path:
+    """The GGUF a ``--model`` argument names, else the built-in default chat model (fetched on first use)."""
+    if arg:
+        return Path(arg)
+    from hf2q.fetch import default_chat_model
+
+    return Path(default_chat_model())
