@@ -33,7 +33,7 @@ def test_which_calls_it_takes():
     assert not cuda_qmv.takes(4, *big, 6, 32)  # widths other than 4 and 8
     assert not cuda_qmv.takes(4, *big, 8, 16)
     assert not cuda_qmv.takes(4, 1024, 4096, 8, 32)  # small matrices: MLX fills the GPU better
-    assert not cuda_qmv.takes(4, 4096, 4104, 8, 8)  # a width that is not whole 16-byte chunks
+    assert not cuda_qmv.takes(4, 4096, 4112, 8, 32)  # a width that is not whole groups
 
 
 def test_linear_routes_few_rows_on_cuda_to_the_kernel(monkeypatch):

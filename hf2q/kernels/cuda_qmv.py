@@ -106,9 +106,8 @@ def takes(rows: int, out_features: int, in_features: int, bits: int, group_size:
     ``[out_features, in_features]`` is one this kernel serves (callers also check :func:`available`)."""
     if not 2 <= rows <= MAX_ROWS or bits not in (4, 8) or group_size not in (32, 64, 128):
         return False
-    per_chunk = 128 // bits
-    return (out_features * in_features >= MIN_ELEMENTS and in_features % per_chunk == 0
-            and in_features % group_size == 0)
+    # whole groups make whole 16-byte chunks (16 or 32 values), and no chunk straddles two groups
+    return out_features * in_features >= MIN_ELEMENTS and in_features % group_size == 0
 
 
 def _kernel():
