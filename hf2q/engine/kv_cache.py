@@ -77,8 +77,6 @@ class SequenceCache:
 
     def reserve(self, n_tokens: int) -> None:
         """Make room for at least ``n_tokens`` positions (keeps the contents)."""
-        if n_tokens <= self.capacity and self._stack is None:
-            return
         self.unstack()
         if n_tokens <= self.capacity:
             return

@@ -218,8 +218,6 @@ class MlxModelRunner:
         if not seqs or not ptokens or not self._host_rows(len(ptokens)):
             return self.decode(seqs, tokens), self.prefill(pseq, ptokens)
         self._check_decode(seqs, len(tokens))
-        if any(s is pseq for s in seqs):
-            raise ValueError("a sequence cannot decode and prefill in one step")
         self._check_room(pseq, len(ptokens))
         self._check_tokens(list(tokens) + ptokens)
         t0 = time.perf_counter()
