@@ -116,7 +116,17 @@ async def scrape_counters(client: httpx.AsyncClient, url: str) -> dict[str, floa
     return out
 
 
-async def load_run(url: str, clients: int, requests: int, max_tokens: int) -> dict:
+def process_cpu_s(pid: int | None) -> float:
+    """User+system CPU seconds of a process (this one when ``pid`` is None)."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def load_run(url: str, clients: int, requests: int, max_tokens: int, server_pid: int | None = None) -> dict:
     results: list[dict] = []
     async with httpx.AsyncClient(timeout=600) as client:
         async def one_client(ci: int):
@@ -129,11 +139,13 @@ async def load_run(url: str, clients: int, requests: int, max_tokens: int) -> di
         # warm-up (loads lazily-initialised kernels on both servers)
         await stream_chat(client, url, [{"role": "user", "content": "Hi"}], 4)
         before = await scrape_counters(client, url)
+        cpu0 = (process_cpu_s(None), process_cpu_s(server_pid) if server_pid else None)
         t0 = time.perf_counter()
         async with trio.open_nursery() as n:
             for ci in range(clients):
                 n.start_soon(one_client, ci)
         wall = time.perf_counter() - t0
+        cpu1 = (process_cpu_s(None), process_cpu_s(server_pid) if server_pid else None)
         after = await scrape_counters(client, url)
     toks = sum(r["completion_tokens"] for r in results)
     ttfts = [r["ttft_s"] for r in results]
@@ -143,7 +155,11 @@ async def load_run(url: str, clients: int, requests: int, max_tokens: int) -> di
            # per stream, after its first token (TTFT excluded): what the decode loop delivers
            "stream_decode_tokens_per_sec_p50": round(percentile(rates, 0.5), 2) if rates else None,
            "ttft_p50_ms": round(percentile(ttfts, 0.5) * 1000, 1),
-           "ttft_p95_ms": round(percentile(ttfts, 0.95) * 1000, 1)}
+           "ttft_p95_ms": round(percentile(ttfts, 0.95) * 1000, 1),
+           # where the machine's cores went, per completion token (the client shares the machine)
+           "client_cpu_ms_per_token": round((cpu1[0] - cpu0[0]) / toks * 1000, 3) if toks else None}
+    if server_pid and toks:
+        out["server_cpu_ms_per_token"] = round((cpu1[1] - cpu0[1]) / toks * 1000, 3)
     if before and after:
         d = {k: after[k] - before.get(k, 0.0) for k in after}
         out["gpu_steps"] = int(d["gpu_steps"])
@@ -212,9 +228,9 @@ def start_llama_server(model: Path, slots: int, ctx: int, threads: int, log) -> 
     return proc, url
 
 
-def measure(url: str, args) -> dict:
-    out = {"one_client": trio.run(load_run, url, 1, args.requests, args.max_tokens),
-           "four_clients": trio.run(load_run, url, 4, args.requests, args.max_tokens)}
+def measure(url: str, args, pid: int | None = None) -> dict:
+    out = {"one_client": trio.run(load_run, url, 1, args.requests, args.max_tokens, pid),
+           "four_clients": trio.run(load_run, url, 4, args.requests, args.max_tokens, pid)}
     if not args.skip_cached:
         out["cached_turn"] = trio.run(cached_turn, url, args.context_bytes)
     one, four = out["one_client"]["aggregate_tokens_per_sec"], out["four_clients"]["aggregate_tokens_per_sec"]
@@ -255,13 +271,13 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_ours:
             proc, url = start_hf2q(model, args.slots, args.ctx, log)
             try:
-                report["hf2q"] = measure(url, args)
+                report["hf2q"] = measure(url, args, proc.pid)
             finally:
                 stop(proc)
         if not args.skip_peer:
             proc, url = start_llama_server(model, args.slots, args.ctx, args.threads, log)
             try:
-                report["llama_server"] = measure(url, args)
+                report["llama_server"] = measure(url, args, proc.pid)
             finally:
                 stop(proc)
     if "llama_server" in report and "hf2q" in report:

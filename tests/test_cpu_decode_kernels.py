@@ -109,6 +109,29 @@ def test_group_of_matrices_equals_separate_calls():
         cpu_qmatvec.QMatrixGroup([mats[0], _quantized(4, 64, 4, 0)[3:] + (4,)])
 
 
+def test_input_alignment_does_not_change_results():
+    """The kernel copies x to a cache-line-aligned buffer when it is not one; every offset gives the
+    same bits as the aligned input, for 4-bit (reordered copy) and 8-bit (plain copy) rows alike."""
+    mats = [_quantized(40, 576, bits, seed=bits)[3:] + (bits,) for bits in (4, 8)]
+    group = cpu_qmatvec.QMatrixGroup(mats)
+    batch, n = 3, 576
+    x = np.random.default_rng(7).standard_normal((batch, n)).astype(np.float32)
+    raw = np.zeros(batch * n + 64, dtype=np.float32)
+    base = (-raw.ctypes.data % 64) // 4  # the float offset at which raw is 64-byte aligned
+    want = None
+    for shift in (0, 1, 3, 8):
+        view = raw[base + shift:base + shift + batch * n].reshape(batch, n)
+        view[...] = x
+        assert (view.ctypes.data % 64 == 0) == (shift == 0)
+        y = np.empty((batch, group.rows), dtype=np.float32)
+        group.run(view.ctypes.data, y.ctypes.data, batch)
+        if want is None:
+            want = y
+            exact = np.concatenate([cpu_qmatvec_ref.qmatvec(*m[:3], x, m[3]) for m in mats], axis=1)
+            np.testing.assert_allclose(y, exact, rtol=0, atol=2e-6 * (np.abs(exact).max() + 1) * np.sqrt(n))
+        np.testing.assert_array_equal(y, want)
+
+
 # ---------------------------------------------------------------------------- per-layer ops
 
 def _ops():
