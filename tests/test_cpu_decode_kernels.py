@@ -77,6 +77,17 @@ def test_qmatvec_matches_reference_and_mlx(bits, isa_kernel):
             np.testing.assert_allclose(got, _mlx_reference(x, wq, s, b, bits), rtol=1e-4, atol=2e-4)
 
 
+def test_a_row_does_not_depend_on_its_batch(isa_kernel):
+    """A batch row's result is the same bits alone or in any batch (across the 4-row batch tiles and the
+    row tiles of every ISA), so greedy output never depends on how many sequences share a step."""
+    for bits in (4, 8):
+        _, _, _, packed, sc, bi = _quantized(37, 576, bits, seed=bits)
+        x = np.random.default_rng(3).standard_normal((13, 576)).astype(np.float32)
+        alone = np.concatenate([cpu_qmatvec.qmatvec(packed, sc, bi, x[i:i + 1], bits) for i in range(13)])
+        for batch in (2, 4, 5, 6, 11, 13):
+            np.testing.assert_array_equal(cpu_qmatvec.qmatvec(packed, sc, bi, x[:batch], bits), alone[:batch])
+
+
 @pytest.mark.parametrize("bits", [3, 5, 6])
 def test_odd_widths_as_unpacked_bytes(bits):
     """Linear hands 3/5/6-bit weights to the kernel as one byte per weight (bits=8)."""
