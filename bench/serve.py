@@ -13,6 +13,9 @@ context, same threads):
 * TTFT of a ~20 KB conversation sent cold, then of the next turn of the same conversation
   (the server may reuse the cached prefix), and their ratio.
 
+* CPU seconds per completion token of this client process and of the server process (from
+  ``/proc``), since both share the machine's cores with the engine.
+
 TTFT is measured by the client: request sent → first content/tool delta received.
 Nothing is hard-coded: both servers answer the same HTTP requests.
 """
