@@ -22,6 +22,13 @@ import mlx.core as mx
 import numpy as np
 
 GROW = 256
+
+
+def room_for(n_tokens: int) -> int:
+    """The capacity that holds ``n_tokens`` positions: buffers grow in whole steps of ``GROW``."""
+    return ((n_tokens + GROW - 1) // GROW) * GROW
+
+
 _VERSIONS = itertools.count(1)  # unique across all caches, so (cache, version) never repeats
 
 
@@ -39,9 +46,8 @@ class SequenceCache:
         #: changes whenever a K/V buffer array is replaced (grown, trimmed, written through MLX), so
         #: host code holding buffer addresses knows when to fetch them again
         self.version = next(_VERSIONS)
-        #: while a :class:`StackedDecode` holds this sequence's K/V as its row ``_row``
+        #: the :class:`StackedDecode` holding this sequence's K/V, while one does
         self._stack: StackedDecode | None = None
-        self._row = -1
 
     @property
     def length(self) -> int:
@@ -80,7 +86,7 @@ class SequenceCache:
         self.unstack()
         if n_tokens <= self.capacity:
             return
-        new_cap = ((n_tokens + GROW - 1) // GROW) * GROW
+        new_cap = room_for(n_tokens)
         for i in range(self.n_layers):
             for store, d in ((self._keys, self.head_dim), (self._values, self.v_head_dim)):
                 grown = mx.zeros((self.kv_heads, new_cap, d), dtype=self.dtype)
@@ -96,7 +102,7 @@ class SequenceCache:
         self._length = n_tokens
         if self._stack is not None:  # a row of a stacked batch keeps its (padded) room; positions
             return  # past the length are never attended, and the next write overwrites them
-        keep = ((n_tokens + GROW - 1) // GROW) * GROW
+        keep = room_for(n_tokens)
         if keep < self.capacity:
             for store in (self._keys, self._values):
                 for i in range(self.n_layers):
@@ -174,8 +180,8 @@ class StackedDecode:
             mx.eval(self.keys[i], self.values[i])
             for c in self.caches:
                 c._keys[i] = c._values[i] = None
-        for b, c in enumerate(self.caches):
-            c._stack, c._row = self, b
+        for c in self.caches:
+            c._stack = self
             c.capacity = self.capacity
             c.version = next(_VERSIONS)
 
@@ -189,7 +195,7 @@ class StackedDecode:
         if any(c.stacked or c.capacity == 0 or (c.n_layers, c.kv_heads, c.head_dim, c.v_head_dim, c.dtype)
                != (first.n_layers, first.kv_heads, first.head_dim, first.v_head_dim, first.dtype) for c in caches):
             return False
-        need = max(((c.length + n_new + GROW - 1) // GROW) * GROW for c in caches)
+        need = max(room_for(c.length + n_new) for c in caches)
         own = sum(max(c.capacity, c.length + n_new) for c in caches)
         return len(caches) * need - own <= max(own * cls.MAX_PADDING, cls.PADDING_TOKENS)
 
@@ -202,7 +208,7 @@ class StackedDecode:
         """Room for ``n_tokens`` positions in every row (grown in steps of ``GROW``)."""
         if n_tokens <= self.capacity:
             return
-        new_cap = ((n_tokens + GROW - 1) // GROW) * GROW
+        new_cap = room_for(n_tokens)
         for store in (self.keys, self.values):
             for i, a in enumerate(store):
                 pad = mx.zeros((a.shape[0], a.shape[1], new_cap - a.shape[2], a.shape[3]), dtype=a.dtype)
@@ -226,7 +232,7 @@ class StackedDecode:
         steps); the stack is empty afterwards."""
         if not self.caches:
             return
-        own = [((c.length + GROW - 1) // GROW) * GROW for c in self.caches]
+        own = [room_for(c.length) for c in self.caches]
         for i in range(self.n_layers):  # layer by layer: the stack's layer is freed as its rows are copied out
             for b, c in enumerate(self.caches):
                 if own[b]:
@@ -236,7 +242,7 @@ class StackedDecode:
             self.keys[i] = self.values[i] = None
         for c, n in zip(self.caches, own):
             c.capacity = n
-            c._stack, c._row = None, -1
+            c._stack = None
             c.version = next(_VERSIONS)
         self.caches, self.keys, self.values = [], [], []
 
