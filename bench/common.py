@@ -1,9 +1,10 @@
-"""What the benchmark scripts share: the model they run by default, and how every one of them ends (the
-report as indented JSON on stdout, and in a file when asked)."""
+"""What the benchmark scripts share: the model they run by default, a process's CPU time, and how every
+one of them ends (the report as indented JSON on stdout, and in a file when asked)."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 
@@ -23,3 +24,9 @@ def chat_model(arg: str | None) -> Path:
     from hf2q.fetch import default_chat_model
 
     return Path(default_chat_model())
+
+
+def process_cpu_s(pid: int | str = "self") -> float:
+    """User + system CPU seconds of a process so far (Linux ``/proc``; this one by default)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

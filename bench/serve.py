@@ -37,7 +37,7 @@ import trio
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common import chat_model, emit  # noqa: E402 (bench/ is on the path of a bench script)
+from common import chat_model, emit, process_cpu_s  # noqa: E402 (bench/ is on the path of a bench script)
 
 TOPICS = ["a lighthouse keeper", "a lost robot", "the first snow", "a city of bridges", "an old violin",
           "a desert train", "a quiet library", "a comet", "a clockmaker", "a river otter", "a glass garden",
@@ -119,16 +119,6 @@ async def scrape_counters(client: httpx.AsyncClient, url: str) -> dict[str, floa
     return out
 
 
-def process_cpu_s(pid: int | None) -> float:
-    """User+system CPU seconds of a process (this one when ``pid`` is None)."""
-    if pid is None:
-        t = os.times()
-        return t.user + t.system
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def load_run(url: str, clients: int, requests: int, max_tokens: int, server_pid: int | None = None) -> dict:
     results: list[dict] = []
     async with httpx.AsyncClient(timeout=600) as client:
@@ -142,13 +132,13 @@ async def load_run(url: str, clients: int, requests: int, max_tokens: int, serve
         # warm-up (loads lazily-initialised kernels on both servers)
         await stream_chat(client, url, [{"role": "user", "content": "Hi"}], 4)
         before = await scrape_counters(client, url)
-        cpu0 = (process_cpu_s(None), process_cpu_s(server_pid) if server_pid else None)
+        cpu0 = (process_cpu_s(), process_cpu_s(server_pid) if server_pid else None)
         t0 = time.perf_counter()
         async with trio.open_nursery() as n:
             for ci in range(clients):
                 n.start_soon(one_client, ci)
         wall = time.perf_counter() - t0
-        cpu1 = (process_cpu_s(None), process_cpu_s(server_pid) if server_pid else None)
+        cpu1 = (process_cpu_s(), process_cpu_s(server_pid) if server_pid else None)
         after = await scrape_counters(client, url)
     toks = sum(r["completion_tokens"] for r in results)
     ttfts = [r["ttft_s"] for r in results]

@@ -39,7 +39,7 @@ import trio
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common import emit  # noqa: E402 (bench/ is on the path of a bench script)
+from common import emit, process_cpu_s  # noqa: E402 (bench/ is on the path of a bench script)
 
 VOCAB = 49152  # SmolLM2's: the fake engine's ids are real token ids for the text side
 EOS = 2
@@ -176,12 +176,6 @@ async def http_level(url: str, calls_file: Path, clients: int, n_tokens: int, la
     wall = max(stamps) - min(stamps)
     return summarise(clients, sum(n for n, _ in results), wall, seen["batches"][n_batches:],
                      seen["spans"][n_spans:], latency_s)
-
-
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process (Linux ``/proc``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run_http(clients_list, n_tokens: int, latency_s: float) -> dict:
