@@ -82,7 +82,7 @@ def _reasoning_splitter(template, prompt: str):
 
 
 def _stop_matcher(stops: Sequence[str]):
-    from hf2q.engine.sampler import StopStringMatcher
+    from hf2q.text.stop_strings import StopStringMatcher
 
     return StopStringMatcher(list(stops))
 
