@@ -18,15 +18,9 @@ from __future__ import annotations
 
 import enum
 
+from hf2q.text.markers import MarkerMatcher
+
 GEMMA4_CHANNEL_LABEL = "thought"
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:k]):
-            return k
-    return 0
 
 
 class _State(enum.Enum):
@@ -45,6 +39,7 @@ class ReasoningSplitter:
         self.label = GEMMA4_CHANNEL_LABEL if start == "<|channel>" else ""
         self._state = _State.REASONING if started_in_prompt else _State.DECIDING
         self._buf = ""
+        self._end = MarkerMatcher([end])  # holds back a closing marker cut at a chunk end
         self._reasoning_started = False  # leading whitespace of the block already skipped
         self._held_newlines = ""
         self.saw_reasoning = started_in_prompt
@@ -88,16 +83,13 @@ class ReasoningSplitter:
                 if not stripped:
                     return False
                 self._reasoning_started = True
-            i = buf.find(self.end)
-            if i != -1:
-                piece = self._held_newlines + buf[:i]
+            ready, end, self._buf = self._end.scan(buf)
+            if end is not None:
+                piece = self._held_newlines + ready
                 self._held_newlines = ""
                 reasoning.append(piece.rstrip("\n"))
-                self._buf = buf[i + len(self.end) :]
                 self._state = _State.ANSWER_START
                 return True
-            keep = _partial_suffix(buf, self.end)
-            ready, self._buf = buf[: len(buf) - keep], buf[len(buf) - keep :]
             if ready:
                 body = ready.rstrip("\n")
                 trailing = ready[len(body) :]
@@ -120,7 +112,7 @@ class ReasoningSplitter:
 
     def finish(self) -> tuple[str, str]:
         """End of stream: whatever was held back, on the side it was heading to."""
-        buf, self._buf = self._buf, ""
+        buf, self._buf = self._buf + self._end.scan("", final=True).text, ""
         if self._state is _State.REASONING:
             return (self._held_newlines + buf).rstrip("\n") if self._reasoning_started or buf.strip() else "", ""
         if self._state is _State.ANSWER_START:
