@@ -47,6 +47,7 @@ from hf2q.text.generic_tools import (
     generic_tool_instructions,
     messages_for_generic_template,
 )
+from hf2q.text.markers import MarkerMatcher
 
 __all__ = [
     "SYNTAXES",
@@ -116,13 +117,6 @@ def detect_syntax(template_source: str | None) -> str:
 
 # ---------------------------------------------------------------------------- streaming
 
-def _partial_suffix(text: str, marker: str) -> int:
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:k]):
-            return k
-    return 0
-
-
 class ToolCallParser:
     """Streaming parser for one completion (see module docstring)."""
 
@@ -140,6 +134,10 @@ class ToolCallParser:
             "llama3": (None, None),
         }[syntax]
         self._buf = ""
+        # a marker cut at a chunk end is held back by its matcher, not re-searched in _buf
+        self._opening = MarkerMatcher([self.start] if self.start else [])
+        self._closing = MarkerMatcher([self.end] if self.end else [])
+        self._body: list[str] = []  # the open call's text so far
         self._inside = False
         self._held_ws = ""
         self._ws_before_call = ""
@@ -184,22 +182,19 @@ class ToolCallParser:
             return events
         while self._buf:
             if not self._inside:
-                i = self._buf.find(self.start)
-                if i == -1:
-                    keep = _partial_suffix(self._buf, self.start)
-                    self._content(self._buf[: len(self._buf) - keep], events)
-                    self._buf = self._buf[len(self._buf) - keep :]
+                before, start, self._buf = self._opening.scan(self._buf)
+                self._content(before, events)
+                if start is None:
                     break
-                self._content(self._buf[:i], events)
                 self._ws_before_call, self._held_ws = self._held_ws, ""
-                self._buf = self._buf[i + len(self.start) :]
                 self._inside = True
             else:
-                j = self._buf.find(self.end)
-                if j == -1:
+                inside, end, self._buf = self._closing.scan(self._buf)
+                self._body.append(inside)
+                if end is None:
                     break
-                body = self._buf[:j]
-                self._buf = self._buf[j + len(self.end) :]
+                body = "".join(self._body)
+                self._body = []
                 self._inside = False
                 try:
                     self._emit_calls(self._parse_body(body), events)
@@ -248,7 +243,7 @@ class ToolCallParser:
             events.append(ToolCallIncomplete(self._n_calls))
             self._buf = ""
             return events
-        rest, self._buf = self._buf, ""
+        rest, self._buf = self._buf + self._opening.scan("", final=True).text, ""
         if self._n_calls and not (self._held_ws + rest).strip():
             self._held_ws = ""
             return events
