@@ -3,7 +3,7 @@
     python bench/tp_fault.py /tmp/qwen3-8b-q8_0.gguf 7G      # GGUF from bench/synth_gguf.py; per-rank limit
 
 Prints JSON: TP1's exit code and one-line error, TP2's readiness time and a chat request, then what a
-streaming request, /readyz, /health and a new request see after ``kill -9`` of rank 1 (SPEC §6: fail closed).
+streaming request, /readyz, /health and a new request see after ``kill -9`` of rank 1 (fail closed).
 The model id sent is the file stem (what ``hf2q serve`` reports by default).
 """
 import json, os, signal, socket, subprocess, sys, threading, time

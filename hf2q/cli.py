@@ -41,7 +41,7 @@ def _positive_int(text: str) -> int:
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2 (SPEC §1)
+    def error(self, message: str):  # one line, exit 2 (README: exit codes)
         self.exit(EXIT_USAGE, f"hf2q: error: {message}\n")
 
 
@@ -49,7 +49,9 @@ def _add_convert(sub) -> None:
     p = sub.add_parser("convert", help="convert a HuggingFace model to GGUF or an mlx-lm directory")
     p.set_defaults(handler="hf2q.convert.command:run")
     p.add_argument("src", nargs="?", help="HF model directory (config.json + *.safetensors)")
-    p.add_argument("--quant", "-q", help="quantization name (see SPEC §2), e.g. q4_k_m, q8_0, f16, mlx-4")
+    p.add_argument("--quant", "-q", help="quantization: f32 f16 bf16 q4_0 q4_1 q5_0 q5_1 q8_0 q2_k q2_k_s q3_k_s q3_k_m q3_k_l "
+                   "q4_k_s q4_k_m q5_k_s q5_k_m q6_k; with --format mlx: mlx-2 … mlx-8, "
+                   "mlx-mixed-2-6|3-4|3-6|4-6")
     p.add_argument("-o", "--output", help="output GGUF path or mlx directory")
     p.add_argument("--format", choices=["gguf", "mlx"], default=None, help="output format (default gguf)")
     p.add_argument("--repo", help="Hub model id to fetch into the cache instead of SRC")
@@ -152,8 +154,21 @@ def _add_cache(sub) -> None:
     p.add_argument("--yes", action="store_true", help="do not ask before clearing")
 
 
+DESCRIPTION = ("Convert HuggingFace models to quantized GGUF files or mlx-lm directories,\n"
+               "and serve GGUFs through an OpenAI-compatible HTTP API.")
+EPILOG = """\
+examples:
+  hf2q convert ./model --quant q4_k_m -o model-q4_k_m.gguf
+  hf2q serve --model model-q4_k_m.gguf --slots 4
+  hf2q serve                      (the built-in default model)
+
+exit codes: 0 ok, 1 runtime failure, 2 usage, 3 bad input, 130 interrupted.
+Run 'hf2q COMMAND --help' for a command's options; the README and docs/ hold the rest."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="hf2q", description=__doc__.splitlines()[0] if __doc__ else None)
+    p = _Parser(prog="hf2q", description=DESCRIPTION, epilog=EPILOG,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"hf2q {__version__}")
     p.add_argument("-v", "--verbose", action="count", default=0, help="-v info, -vv debug + tracebacks")
     p.add_argument("--log-format", choices=["text", "json"], default="text")

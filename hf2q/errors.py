@@ -1,4 +1,4 @@
-"""Error types that map to the documented exit codes (SPEC §1).
+"""Error types that map to the documented exit codes (README, "Using it").
 
 Raising one of these anywhere below the CLI yields a single ``hf2q: error: …`` line
 on stderr and the matching exit code; anything else is an internal error (exit 1).

@@ -1,4 +1,4 @@
-"""The HTTP surface (SPEC §4) over a real Hypercorn server on an ephemeral 127.0.0.1 port.
+"""The HTTP surface (docs/API.md) over a real Hypercorn server on an ephemeral 127.0.0.1 port.
 
 The runtime is the real actor system driven by a fake ModelRunner where available
 (``tests/fakes``); the text side is a small scripted ``ChatModel`` so each rule of the

@@ -1,5 +1,5 @@
 """The store with the real engine: KV exported by ``MlxModelRunner`` survives disk and a restart
-bit for bit, so a restored slot continues exactly like the live one (SPEC §5, §7)."""
+bit for bit, so a restored slot continues exactly like the live one."""
 
 from __future__ import annotations
 

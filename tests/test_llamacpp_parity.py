@@ -2,7 +2,7 @@
 
 The reference is llama.cpp's own pipeline, built from the llama-cpp-python 0.3.36 sdist:
 ``convert_hf_to_gguf.py --outtype f16|bf16|f32`` (with the sdist's gguf-py) and, for every
-quantized mix, ``llama-quantize F16.gguf OUT.gguf <mix>``. For each name in SPEC §2 we
+quantized mix, ``llama-quantize F16.gguf OUT.gguf <mix>``. For each GGUF quant name we
 compare every tensor — name, type, shape and bytes — and the tokenizer / hyper-parameter
 metadata. References are cached under ``<hf2q cache>/llamacpp-ref/`` keyed by the source's
 config hash, so a second run only pays for our own conversions.
@@ -23,7 +23,7 @@ import gguf
 import numpy as np
 import pytest
 
-from hf2q.convert.quant_names import SPEC_GGUF_NAMES
+from hf2q.convert.quant_names import PARITY_GGUF_NAMES
 
 pytestmark = [pytest.mark.slow, pytest.mark.llamacpp]
 
@@ -197,7 +197,7 @@ def test_every_quant_matches_llamacpp(model, request, oracle, tmp_path):
     failures = {}
     # HF2Q_PARITY_QUANTS=q8_0,q4_k_m narrows the sweep for a quick local run; CI checks every name
     names = os.environ.get("HF2Q_PARITY_QUANTS", "").split(",") if os.environ.get("HF2Q_PARITY_QUANTS") \
-        else SPEC_GGUF_NAMES
+        else PARITY_GGUF_NAMES
     for quant in names:
         ours = tmp_path / f"{quant}.gguf"
         _convert(src, quant, ours)

@@ -3,7 +3,7 @@
 Reference: the same engine driven directly, single-threaded, with the whole prompt in one
 prefill and greedy decoding — no slots, no chunks, no batching. The runtime (chunked prefill,
 two slots decoding in one batch, a reused prefix) must produce the same T=0 tokens. Then a
-device error injected into the real engine path poisons the runtime (SPEC §6).
+device error injected into the real engine path poisons the runtime.
 
 One runtime and one reference runner only: on a busy CPU a model load costs ~10 s.
 """

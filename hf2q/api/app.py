@@ -3,7 +3,7 @@
 ``create_app(server)`` builds the app around a ``ServerContext`` (the runtime handle, the
 served model's text side, settings). Nothing here imports MLX or touches the engine thread:
 ``/health`` answers from the process alone, ``/readyz`` and the gauges come from the
-runtime's supervisor state (STYLE pitfalls 9-10).
+runtime's supervisor state (docs/API.md, "Lifecycle").
 
 Cross-cutting rules, applied once in ``before_request`` / ``after_request``:
 - every response carries ``x-request-id`` (the client's, if sane, else a fresh one);

@@ -5,7 +5,7 @@ then one ``Finished``/``Failed``), pushes tokens through the model's ``OutputDec
 keeps the bookkeeping (usage, timing, logprobs). ``collect()`` answers a non-streamed
 request; ``sse()`` is an async generator of ``data:`` frames.
 
-Cancellation (STYLE pitfalls 3 and 7): the generator never yields from inside a cancel
+Cancellation (trio: no yield inside a cancel scope or nursery): the generator never yields from inside a cancel
 scope — it waits for an event inside ``move_on_after`` (a cancel-safe receive) and yields
 outside it. Whatever ends the stream (client disconnect → Quart cancels the sender, a stop
 string, an error) goes through ``finally``, which closes the channel; the runtime sees the

@@ -2,7 +2,7 @@
 
 Routes never build error JSON by hand: they raise ``ApiError`` and the app turns it into
 ``{"error": {"message", "type", "param", "code"}}`` with the right status and headers
-(``Retry-After`` for the transient 429/503 codes, SPEC §4).
+(``Retry-After`` for the transient 429/503 codes, docs/API.md).
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ def new_completion_id() -> str:
 
 
 def new_tool_call_id() -> str:
-    """Fresh per response (SPEC §4): clients key tool results by it."""
+    """Fresh per response: clients key tool results by it."""
     return "call_" + secrets.token_hex(12)
 
 

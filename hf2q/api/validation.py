@@ -1,6 +1,6 @@
 """Turn an untrusted JSON body into a typed request record, or a 400 naming the field.
 
-Pure: no Quart, no runtime. The rules (SPEC §4): unknown fields are ignored; a known field
+Pure: no Quart, no runtime. The rules (docs/API.md): unknown fields are ignored; a known field
 of the wrong type or out of range is ``400`` whose message and ``param`` name the field
 (``messages[2].content``, ``tools[0].function.name``); ``n`` must be 1; ``tool_choice`` is
 ``auto|none|required`` or a named function that exists in ``tools``. JSON booleans are not

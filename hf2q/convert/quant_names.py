@@ -1,4 +1,4 @@
-"""The ``--quant`` names (SPEC §2) → llama.cpp file type and default tensor type.
+"""The ``--quant`` names (README, "Using it") → llama.cpp file type and default tensor type.
 
 A name is a *mix*: ``q4_k_m`` means "Q4_K by default, with the tensors llama.cpp's policy
 upgrades" (see ``policy.py``). ``general.file_type`` stores the llama.cpp ftype number.
@@ -51,8 +51,8 @@ GGUF_QUANTS: dict[str, QuantName] = {q.name: q for q in (
 MLX_QUANTS = tuple([f"mlx-{b}" for b in (2, 3, 4, 5, 6, 8)]
                    + [f"mlx-mixed-{m}" for m in ("2-6", "3-4", "3-6", "4-6")])
 
-# names from SPEC §2 that a parity test checks against llama.cpp (q2_k_s needs an imatrix)
-SPEC_GGUF_NAMES = tuple(n for n, q in GGUF_QUANTS.items() if not q.needs_imatrix)
+# the GGUF names a parity test checks against llama.cpp (q2_k_s needs an imatrix)
+PARITY_GGUF_NAMES = tuple(n for n, q in GGUF_QUANTS.items() if not q.needs_imatrix)
 
 
 def parse_gguf_quant(name: str | None) -> QuantName:

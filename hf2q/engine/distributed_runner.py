@@ -14,7 +14,7 @@ waits for its next command inside an MLX ring ``all_sum`` spins at ~30 % of a CP
 while the server is idle (and a waiting NCCL collective would occupy the GPU), whereas a
 socket ``recv`` sleeps. The socket also reports a dead peer at once (EOF / broken pipe).
 
-Failure handling (SPEC §6, fail closed): a follower that died is noticed before the next
+Failure handling (fail closed, docs/TENSOR_PARALLEL.md): a follower that died is noticed before the next
 command (process watch, broken pipe) or inside a collective (the ring backend raises
 "connection to a peer was lost"; a hung NCCL collective is caught by the supervisor's
 deadline). Rank 0 then raises, marks the group broken (every later call raises too)

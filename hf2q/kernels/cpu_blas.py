@@ -1,4 +1,4 @@
-"""Give MLX's CPU backend an optimised BLAS (STYLE.md pitfall 12).
+"""Give MLX's CPU backend an optimised BLAS (docs/ENGINE.md, "CPU backend").
 
 MLX's Linux CPU wheel links the reference netlib BLAS: float32 matmul runs at ~2 GFLOP/s.
 MLX calls plain ``cblas_sgemm``; if a library exporting that symbol is loaded into the

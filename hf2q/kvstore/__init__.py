@@ -1,4 +1,4 @@
-"""Persistent block-prefix KV cache (``serve --kv-persist DIR``; SPEC §7, issue 5).
+"""Persistent block-prefix KV cache (``serve --kv-persist DIR``; docs/KVSTORE.md).
 
 A prompt's KV is saved in blocks of ``BLOCK_TOKENS`` tokens, one file per block, keyed by
 a hash chained over (parent block hash, model fingerprint, token ids), so block *i* of two
