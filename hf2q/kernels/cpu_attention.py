@@ -53,22 +53,17 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.silu_mul.restype = None
 
 
-def _off() -> str | None:
-    from hf2q.kernels import cpu_blas
-
-    if os.environ.get("HF2Q_NO_CPU_KERNELS"):
-        return "HF2Q_NO_CPU_KERNELS is set"
-    if cpu_blas.sgemm_address() is None:
-        return "no OpenBLAS loaded (its cblas_sgemm serves the head sizes the tiles do not)"
-    return None
-
-
-LIBRARY = KernelLibrary("cpu_attention", declare=_declare, off=_off)
+LIBRARY = KernelLibrary("cpu_attention", declare=_declare,
+                        off=lambda: "HF2Q_NO_CPU_KERNELS is set" if os.environ.get("HF2Q_NO_CPU_KERNELS") else None)
 
 
 def kernel() -> ctypes.CDLL | None:
-    """The compiled kernel, or None (no compiler, a failed build, no fast BLAS, ``HF2Q_NO_CPU_KERNELS``)."""
-    return LIBRARY.load()
+    """The compiled kernel, or None (no compiler, a failed build, ``HF2Q_NO_CPU_KERNELS``, or no
+    fast BLAS loaded: its ``cblas_sgemm`` serves the head sizes the register tiles do not)."""
+    from hf2q.kernels import cpu_blas
+
+    lib = LIBRARY.load()
+    return lib if lib is not None and cpu_blas.sgemm_address() is not None else None
 
 
 _INTERVALS: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []

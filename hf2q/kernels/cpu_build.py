@@ -35,7 +35,12 @@ MESSAGE_LINES = 8
 
 
 class KernelBuildError(RuntimeError):
-    """A kernel library could not be compiled or loaded; the message is the compiler's own."""
+    """A kernel library could not be compiled or loaded; the message is the compiler's own
+    (its first lines), ``output_path`` the file holding all of it when one was written."""
+
+    def __init__(self, message: str, output_path: Path | None = None):
+        super().__init__(message)
+        self.output_path = output_path
 
 
 def _cpu_flags() -> set[str]:
@@ -102,10 +107,13 @@ def compile_library(name: str, source: Path) -> Path:
     if r.returncode != 0:
         tmp.unlink(missing_ok=True)
         output = (r.stderr or "") + (r.stdout or "")
-        err = lib.with_suffix(".err")
-        with contextlib.suppress(OSError):
+        err: Path | None = lib.with_suffix(".err")
+        try:
             err.write_text(output)
-        raise KernelBuildError(_first_lines(output) or f"{Path(cc).name} exited with status {r.returncode}")
+        except OSError:
+            err = None
+        raise KernelBuildError(_first_lines(output) or f"{cc} exited with status {r.returncode} and said nothing",
+                               err)
     os.replace(tmp, lib)
     return lib
 
@@ -160,8 +168,9 @@ class KernelLibrary:
                     self._lib = lib
                 except (KernelBuildError, OSError) as e:  # OSError: the cache is not writable
                     self.failure = str(e)
-                    log.warning("the %s kernel did not build, so its slower fallback runs instead:\n%s",
-                                self.name, self.failure)
+                    where = getattr(e, "output_path", None)
+                    log.warning("the %s kernel did not build, so its slower fallback serves instead%s:\n%s",
+                                self.name, f" (compiler output: {where})" if where else "", self.failure)
             self.off_reason = reason
             self._done = True
             return self._lib
