@@ -115,6 +115,7 @@ def compile_library(name: str, source: Path) -> Path:
         raise KernelBuildError(_first_lines(output) or f"{cc} exited with status {r.returncode} and said nothing",
                                err)
     os.replace(tmp, lib)
+    lib.with_suffix(".err").unlink(missing_ok=True)  # an earlier failure's output no longer applies
     return lib
 
 
