@@ -27,13 +27,12 @@ drops the GIL), each taking the next tile from a shared counter.
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 
 import mlx.core as mx
 import numpy as np
 
-from hf2q.kernels.cpu_build import KernelLibrary
+from hf2q.kernels.cpu_build import KernelLibrary, switched_off
 
 #: keys per tile; query rows per tile are ``TILE_ROWS`` (all heads of a group stacked)
 TILE_K = 128
@@ -53,8 +52,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.silu_mul.restype = None
 
 
-LIBRARY = KernelLibrary("cpu_attention", declare=_declare,
-                        off=lambda: "HF2Q_NO_CPU_KERNELS is set" if os.environ.get("HF2Q_NO_CPU_KERNELS") else None)
+LIBRARY = KernelLibrary("cpu_attention", declare=_declare, off=switched_off)
 
 
 def kernel() -> ctypes.CDLL | None:

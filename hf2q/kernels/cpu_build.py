@@ -67,6 +67,11 @@ def compile_flags() -> list[str]:
     return flags
 
 
+def switched_off() -> str | None:
+    """Why the host kernels are off by the user's choice (``HF2Q_NO_CPU_KERNELS``), or None."""
+    return "HF2Q_NO_CPU_KERNELS is set" if os.environ.get("HF2Q_NO_CPU_KERNELS") else None
+
+
 def compiler() -> str | None:
     """The C compiler to use: ``$CC`` (default ``cc``), else ``gcc``; None when neither is on PATH."""
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")

@@ -34,13 +34,12 @@ callers keep MLX's own path.
 from __future__ import annotations
 
 import ctypes
-import os
 from collections.abc import Sequence
 
 import numpy as np
 
 from hf2q.kernels import cpu_pool
-from hf2q.kernels.cpu_build import KernelLibrary
+from hf2q.kernels.cpu_build import KernelLibrary, switched_off
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -52,8 +51,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.simd_width.restype = _I
 
 
-LIBRARY = KernelLibrary("cpu_qmatvec", declare=_declare, start=cpu_pool.attach,
-                        off=lambda: "HF2Q_NO_CPU_KERNELS is set" if os.environ.get("HF2Q_NO_CPU_KERNELS") else None)
+LIBRARY = KernelLibrary("cpu_qmatvec", declare=_declare, start=cpu_pool.attach, off=switched_off)
 
 
 def kernel() -> ctypes.CDLL | None:
