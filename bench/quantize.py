@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from gguf import GGMLQuantizationType as T
 
-from hf2q.kernels import codec
+from hf2q.ggml import codec
 
 ALL_TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 QUANTIZED = [t for t in ALL_TYPES if not t.startswith(("F", "BF"))]
@@ -60,7 +60,7 @@ _COMPILE_PROBE = """
 import time, numpy as np
 t0 = time.perf_counter()
 from gguf import GGMLQuantizationType as T
-from hf2q.kernels import codec
+from hf2q.ggml import codec
 x = np.random.default_rng(0).standard_normal((2, 512)).astype(np.float32)
 w = np.ones(512, np.float32)
 t1 = time.perf_counter()

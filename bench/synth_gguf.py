@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gguf  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
-from hf2q.kernels import codec  # noqa: E402
+from hf2q.ggml import codec  # noqa: E402
 
 SHAPES = {
     "qwen3-8b": dict(hidden=4096, layers=36, ffn=12288, heads=32, kv_heads=8, head_dim=128, vocab=151936),

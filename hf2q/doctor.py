@@ -168,11 +168,46 @@ def check_llama_cpp(root: Path) -> Check:
                  "python -m tests.tools.llama_cpp)", data={"tools": tools})
 
 
+#: the modules that define the serving kernels, in dependency order (the pool first)
+KERNEL_MODULES = ("cpu_pool", "cpu_qmatvec", "cpu_decode_ops", "cpu_attention", "cuda_qmv")
+
+
+def kernel_build_states() -> dict[str, dict[str, str]]:
+    """Each serving kernel's build as serving would do it (compiled once into the cache):
+    ``{"status": "ok" | "failed" | "not applicable", "detail": …}`` by kernel name."""
+    states: dict[str, dict[str, str]] = {}
+    for name in KERNEL_MODULES:
+        try:
+            module = _import(f"hf2q.kernels.{name}")
+        except ImportError as e:
+            states[name] = {"status": "not applicable", "detail": f"cannot import ({e})"}
+            continue
+        library = getattr(module, "LIBRARY", None)
+        status, detail = library.status() if library is not None else module.status()
+        states[name] = {"status": status, "detail": detail}
+    return states
+
+
+def check_kernel_builds() -> Check:
+    """A kernel that does not build leaves serving on its slower fallback; say which and why."""
+    states = kernel_build_states()
+    built = [n for n, s in states.items() if s["status"] == "ok"]
+    failed = {n: s["detail"] for n, s in states.items() if s["status"] == "failed"}
+    skipped = {n: s["detail"] for n, s in states.items() if s["status"] == "not applicable"}
+    parts = [f"{n} FAILED ({(d.splitlines() or ['no message'])[0]})" for n, d in failed.items()]
+    parts += [f"built: {', '.join(built)}"] if built else []
+    parts += [f"{n} not applicable ({d})" for n, d in skipped.items()]
+    detail = "; ".join(parts)
+    if failed:
+        detail += " — the slower fallback serves instead; fix the C compiler (CC) and run again"
+    return Check("kernel builds", "warn" if failed else "ok", detail, data={"kernels": states})
+
+
 def run_checks() -> list[Check]:
     root = cache_root()
     mlx = check_mlx()
     return [check_python(), check_core_libs(), mlx, check_blas(mlx), check_disk(root), check_model_cache(root),
-            check_optional(), check_llama_cpp(root)]
+            check_optional(), check_llama_cpp(root), check_kernel_builds()]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -111,7 +111,7 @@ def test_moe_experts_each_get_their_own_weights(quant, tiny_checkpoint, llama_cp
     weighted = [n for n in experts if tensors[n][0].name != "Q8_0"]  # Q8_0 ignores importance weights
     assert weighted and all(tensors[n][2] != plain[n][2] for n in weighted)  # the imatrix did change them
     # and per expert: expert 1 quantized with expert 0's weights would not give these bytes
-    from hf2q.kernels import codec
+    from hf2q.ggml import codec
     from hf2q.sources.imatrix import load_imatrix, weights_for_tensor
 
     name = weighted[0]

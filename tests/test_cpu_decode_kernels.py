@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 from hf2q.kernels import cpu_decode_ops_ref as ops_ref
-from hf2q.kernels import cpu_qmatvec, cpu_qmatvec_ref
+from hf2q.kernels import cpu_pool, cpu_qmatvec, cpu_qmatvec_ref
+from hf2q.kernels.cpu_build import KernelBuildError
 from tests.engine_support import load_runner, random_tokens
 
 pytestmark = pytest.mark.skipif(cpu_qmatvec.kernel() is None, reason="no C compiler")
@@ -51,15 +52,17 @@ def isa_kernel(request):
     mp.setenv("HF2Q_NO_AVX512", "1")
     if request.param == "portable":
         mp.setenv("HF2Q_NO_AVX2", "1")
-    lib = cpu_qmatvec._compile()
+    try:
+        lib = cpu_qmatvec.LIBRARY.build()
+        cpu_pool.attach(lib)
+    except KernelBuildError:
+        lib = None
     mp.undo()
     want = {"avx2": 256, "portable": 0}[request.param]
     if lib is None or lib.simd_width() != want:
         pytest.skip(f"{request.param} build not available here")
-    saved = cpu_qmatvec._LIB
-    cpu_qmatvec._LIB = lib
-    yield lib
-    cpu_qmatvec._LIB = saved
+    with cpu_qmatvec.LIBRARY.replaced(lib):
+        yield lib
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])

@@ -174,7 +174,7 @@ def test_llama_quantize_uses_the_weights_we_read(tmp_path, fmt, smollm2_gguf, ll
     those tensors equal ``codec.quantize(…, imatrix=weights_for_tensor(load_imatrix(file)))``."""
     from gguf import quants as gguf_quants
 
-    from hf2q.kernels import codec
+    from hf2q.ggml import codec
     from tests.tools import llama_cpp
 
     src = {t.name: t for t in gguf.GGUFReader(smollm2_gguf).tensors}

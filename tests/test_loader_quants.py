@@ -25,7 +25,7 @@ def _weights(rows=8, cols=512, seed=0):
 
 
 def _raw(w, qtype):
-    from hf2q.kernels import codec
+    from hf2q.ggml import codec
 
     if qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0):
         return quants.quantize(w, qtype)  # gguf-py's own quantizer

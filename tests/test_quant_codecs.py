@@ -1,4 +1,4 @@
-"""hf2q.kernels codecs against independent oracles.
+"""hf2q.ggml codecs against independent oracles.
 
 * llama.cpp itself: ``tests/fixtures/quants/*.npz`` hold inputs and the bytes that stock
   llama.cpp's ``ggml_quantize_chunk`` / ``to_float`` produced for them
@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants as gguf_quants
 
 from hf2q.errors import InputError
-from hf2q.kernels import codec
+from hf2q.ggml import codec
 
 FIXTURES = Path(__file__).parent / "fixtures" / "quants"
 SETS = ("nasty256", "random1024", "legacy96", "wide4096", "floats")
@@ -188,7 +188,7 @@ def test_single_block_inputs_match_reference(qtype):
 
 
 def test_seq_sum_adds_in_index_order():
-    from hf2q.kernels.ggml_common import seq_sum
+    from hf2q.ggml.common import seq_sum
 
     rng = np.random.default_rng(2)
     for shape in ((32, 1), (16, 3), (8, 1000), (256,)):
@@ -317,7 +317,7 @@ def test_unusable_numba_falls_back_to_numpy(monkeypatch, caplog):
     data = fixture_set("random1024")
     monkeypatch.delenv("HF2Q_NO_JIT", raising=False)
     monkeypatch.setattr(codec, "_JIT_BROKEN", None)
-    monkeypatch.setitem(sys.modules, "hf2q.kernels.ggml_jit_kquants", None)  # import now raises ImportError
+    monkeypatch.setitem(sys.modules, "hf2q.ggml.jit_kquants", None)  # import now raises ImportError
     got = codec.quantize(data["x"].astype(np.float32), T.Q4_K)
     assert np.array_equal(got, data["q_Q4_K"])
     if codec.numba_installed():
@@ -330,8 +330,8 @@ def test_unusable_numba_falls_back_to_numpy(monkeypatch, caplog):
 @needs_numba
 def test_jit_float_helpers_match_numpy_rounding():
     """The compiled fp16 / nearest_int helpers against numpy's conversions and ggml_common, bit for bit."""
-    from hf2q.kernels import ggml_jit_common as jc
-    from hf2q.kernels.ggml_common import fp16_bits, nearest_int
+    from hf2q.ggml import jit_common as jc
+    from hf2q.ggml.common import fp16_bits, nearest_int
 
     rng = np.random.default_rng(21)
     special = np.array([0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001, 0x7F800001,

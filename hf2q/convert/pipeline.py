@@ -108,7 +108,7 @@ def encode(x: np.ndarray, qtype: gguf.GGMLQuantizationType, threads: int,
     if qtype == T.F16:
         return np.ascontiguousarray(x.astype("<f2"))
     try:
-        from hf2q.kernels import codec
+        from hf2q.ggml import codec
     except ImportError:  # pragma: no cover — codecs not installed in this tree
         codec = None
     if codec is not None and qtype in codec.SUPPORTED:
@@ -123,7 +123,7 @@ def encode(x: np.ndarray, qtype: gguf.GGMLQuantizationType, threads: int,
 
 def decode(raw: np.ndarray, qtype: gguf.GGMLQuantizationType, shape) -> np.ndarray:
     try:
-        from hf2q.kernels import codec
+        from hf2q.ggml import codec
         if qtype in codec.SUPPORTED:
             return codec.dequantize(raw, qtype, shape)
     except ImportError:  # pragma: no cover

@@ -1,6 +1,4 @@
-"""Numeric kernels.
-
-``codec`` (with the ``ggml_*`` modules behind it) converts float32 weights to and from the GGML
-tensor types, byte-identical to llama.cpp's reference quantizer; the engine's MLX / CPU
-kernels live beside it in ``mlx_*`` / ``cpu_*``.
+"""The serving kernels: host C kernels (``cpu_*``, C sources in ``csrc/``, built by
+``cpu_build``) and the CUDA few-row matvec (``cuda_qmv``), each with a numpy reference
+(``*_ref``). The conversion-time GGML codecs live in :mod:`hf2q.ggml`.
 """

@@ -26,343 +26,37 @@ sharing one input (q/k/v, gate/up) run in one call (:class:`QMatrixGroup`), so a
 makes 4 kernel calls per layer. A call big enough to share shares its blocks of 16 rows
 over the C thread pool of :mod:`hf2q.kernels.cpu_pool` (the same blocks in the same tiles
 whichever thread takes them, so the result does not depend on the thread count); ctypes
-releases the GIL for the call. When no compiler is available :func:`kernel` returns None
-and callers keep MLX's own path.
+releases the GIL for the call. The C is ``csrc/cpu_qmatvec.c``. When there is no compiler or the
+build fails (logged once at WARNING, shown by ``hf2q doctor``) :func:`kernel` returns None and
+callers keep MLX's own path.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 from collections.abc import Sequence
 
 import numpy as np
 
 from hf2q.kernels import cpu_pool
-from hf2q.kernels.cpu_build import build_library
+from hf2q.kernels.cpu_build import KernelLibrary, switched_off
 
-SOURCE = r"""
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
-#ifndef PF_BYTES
-#define PF_BYTES 4096 /* weight prefetch distance: decode is bound by memory latency, not bandwidth */
-#endif
-#ifndef PF_ROWS
-#define PF_ROWS 4
-#endif
-
-/* Vector layer. A 32-group is NCH chunks of VL lanes. qchunk8/qchunk4(wr, g, c): the raw q
-   values of chunk c of group g of one row as floats; 4-bit chunks follow the reordered x
-   (low nibbles = even elements first, then high nibbles = odd elements). AVX-512 has no
-   qchunk4: its 4-bit rows go through the lane-permute table of dq4 below. */
-#if defined(__AVX512F__)
-typedef __m512 vf;
-#define VL 16
-#define NCH 2
-#define RT_MAX 4 /* rows per tile: 4 rows x 4 batch rows = 16 accumulators of the 32 registers */
-#define RT_WIDE 4
-static inline vf vzero(void) { return _mm512_setzero_ps(); }
-static inline vf vset(float s) { return _mm512_set1_ps(s); }
-static inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
-static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-static inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
-static inline vf u8f(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
-static inline vf qchunk8(const uint8_t* wr, int g, int c) {
-    return u8f(_mm_loadu_si128((const __m128i*)(wr + g * 32 + c * 16)));
-}
-#elif defined(__AVX2__)
-typedef __m256 vf;
-#define VL 8
-#define NCH 4
-#define RT_MAX 4
-#define RT_WIDE 2 /* 16 registers: 3-4 batch rows take 2 rows per tile */
-static inline vf vzero(void) { return _mm256_setzero_ps(); }
-static inline vf vset(float s) { return _mm256_set1_ps(s); }
-static inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
-static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-static inline float vsum(vf v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-static inline vf u8f(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
-static inline vf qchunk8(const uint8_t* wr, int g, int c) {
-    return u8f(_mm_loadl_epi64((const __m128i*)(wr + g * 32 + c * 8)));
-}
-static inline vf qchunk4(const uint8_t* wr, int g, int c) {
-    const __m128i raw = _mm_loadu_si128((const __m128i*)(wr + g * 16));
-    const __m128i m = _mm_set1_epi8(15);
-    __m128i v = c >= 2 ? _mm_and_si128(_mm_srli_epi16(raw, 4), m) : _mm_and_si128(raw, m);
-    return u8f(c & 1 ? _mm_srli_si128(v, 8) : v);
-}
-#else
-typedef float vf;
-#define VL 1
-#define NCH 32
-#define RT_MAX 1
-#define RT_WIDE 1
-static inline vf vzero(void) { return 0.f; }
-static inline vf vset(float s) { return s; }
-static inline vf vload(const float* p) { return *p; }
-static inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
-static inline float vsum(vf v) { return v; }
-static inline vf qchunk8(const uint8_t* wr, int g, int c) { return (float)wr[g * 32 + c]; }
-static inline vf qchunk4(const uint8_t* wr, int g, int c) {
-    return (float)(c < 16 ? wr[g * 16 + c] & 15 : wr[g * 16 + c - 16] >> 4);
-}
-#endif
-
-/* Dequantization of one row's 32-group, as (prep once per group, then one vector per chunk).
-   dq8 (and dq4 without AVX-512): q·scale + bias by one FMA per chunk. dq4 on AVX-512: the group's 16 possible values
-   s·i + o (i = 0..15) are one FMA into a register table and every chunk is a lane permute of it
-   (vpermps reads the low 4 bits of each index, so the low nibble needs no mask) — no int→float
-   conversion and no dequantizing FMA per chunk beside the batch rows' FMAs; the table holds exactly
-   fma(i, s, o), so the values are the ones the FMA form gives. */
-typedef struct { vf s, o; const uint8_t* wr; int g; } dq8_t;
-static inline void dq8_prep(dq8_t* d, const uint8_t* wr, int g, float s, float o) {
-    d->s = vset(s); d->o = vset(o); d->wr = wr; d->g = g;
-}
-static inline vf dq8_chunk(const dq8_t* d, int c) { return vfma(qchunk8(d->wr, d->g, c), d->s, d->o); }
-#if defined(__AVX512F__)
-typedef struct { vf table; __m512i wide; } dq4_t;
-static inline void dq4_prep(dq4_t* d, const uint8_t* wr, int g, float s, float o) {
-    const vf iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    d->table = _mm512_fmadd_ps(iota, vset(s), vset(o));
-    d->wide = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(wr + g * 16)));
-}
-static inline vf dq4_chunk(const dq4_t* d, int c) {
-    return _mm512_permutexvar_ps(c ? _mm512_srli_epi32(d->wide, 4) : d->wide, d->table);
-}
-#else
-typedef dq8_t dq4_t;
-#define dq4_prep dq8_prep
-static inline vf dq4_chunk(const dq4_t* d, int c) { return vfma(qchunk4(d->wr, d->g, c), d->s, d->o); }
-#endif
-
-/* RT weight rows (from row r) × BT batch rows. Each row's group is dequantized once and
-   reused for all BT batch rows; each x chunk is loaded once and reused for all RT rows; one
-   horizontal sum per (row, batch row). */
-#define TILE_FN(NAME, DQ, GB, RT, BT)                                                          \
-static void NAME(const uint8_t* w, int64_t rb, const float* sc, const float* bi, const float* x, \
-                 float* y, int r, int n, int ystride) {                                        \
-    const int G = n / 32;                                                                      \
-    const uint8_t* wr[RT];                                                                     \
-    const float *scr[RT], *bir[RT];                                                            \
-    vf acc[RT][BT];                                                                            \
-    for (int i = 0; i < RT; i++) {                                                             \
-        wr[i] = w + (int64_t)(r + i) * rb;                                                     \
-        scr[i] = sc + (int64_t)(r + i) * G;                                                    \
-        bir[i] = bi + (int64_t)(r + i) * G;                                                    \
-        for (int k = 0; k < G; k += 16) {                                                      \
-            __builtin_prefetch(scr[i] + PF_ROWS * G + k);                                      \
-            __builtin_prefetch(bir[i] + PF_ROWS * G + k);                                      \
-        }                                                                                      \
-        for (int b = 0; b < BT; b++) acc[i][b] = vzero();                                      \
-    }                                                                                          \
-    for (int g = 0; g < G; g++) {                                                              \
-        DQ##_t d[RT];                                                                          \
-        for (int i = 0; i < RT; i++) {                                                         \
-            if ((g * GB) % 64 == 0) __builtin_prefetch(wr[i] + g * GB + PF_BYTES);             \
-            DQ##_prep(&d[i], wr[i], g, scr[i][g], bir[i][g]);                                  \
-        }                                                                                      \
-        for (int c = 0; c < NCH; c++) {                                                        \
-            vf wv[RT];                                                                         \
-            for (int i = 0; i < RT; i++) wv[i] = DQ##_chunk(&d[i], c);                         \
-            for (int b = 0; b < BT; b++) {                                                     \
-                const vf xv = vload(x + (int64_t)b * n + g * 32 + c * VL);                     \
-                for (int i = 0; i < RT; i++) acc[i][b] = vfma(wv[i], xv, acc[i][b]);           \
-            }                                                                                  \
-        }                                                                                      \
-    }                                                                                          \
-    for (int i = 0; i < RT; i++)                                                               \
-        for (int b = 0; b < BT; b++) y[(int64_t)b * ystride + r + i] = vsum(acc[i][b]);        \
-}
-
-#define TILES(Q, DQ, GB)                                                                   \
-TILE_FN(q##Q##_r1b1, DQ, GB, 1, 1) TILE_FN(q##Q##_r1b2, DQ, GB, 1, 2)                  \
-TILE_FN(q##Q##_r1b3, DQ, GB, 1, 3) TILE_FN(q##Q##_r1b4, DQ, GB, 1, 4)                  \
-TILE_FN(q##Q##_rNb1, DQ, GB, RT_MAX, 1) TILE_FN(q##Q##_rNb2, DQ, GB, RT_MAX, 2)        \
-TILE_FN(q##Q##_rNb3, DQ, GB, RT_WIDE, 3)                                 \
-TILE_FN(q##Q##_rNb4, DQ, GB, RT_WIDE, 4)                                 \
-typedef void (*tile_fn)(const uint8_t*, int64_t, const float*, const float*, const float*,     \
-                        float*, int, int, int);
-TILES(8, dq8, 32)
-TILES(4, dq4, 16)
-
-static const tile_fn ONE_ROW[2][4] = {{q8_r1b1, q8_r1b2, q8_r1b3, q8_r1b4}, {q4_r1b1, q4_r1b2, q4_r1b3, q4_r1b4}};
-static const tile_fn MANY_ROWS[2][4] = {{q8_rNb1, q8_rNb2, q8_rNb3, q8_rNb4}, {q4_rNb1, q4_rNb2, q4_rNb3, q4_rNb4}};
-static int rows_per_tile(int bt) { return bt <= 2 ? RT_MAX : RT_WIDE; }
-
-/* For 4-bit rows: x reordered per 32-group as [x0 x2 .. x30 | x1 x3 .. x31]. */
-static void reorder4(const float* x, float* xr, int batch, int n) {
-    for (int64_t j = 0; j < (int64_t)batch * n; j += 32)
-        for (int k = 0; k < 16; k++) {
-            xr[j + k] = x[j + 2 * k];
-            xr[j + 16 + k] = x[j + 2 * k + 1];
-        }
-}
-
-static void unpack_row(const uint8_t* wr, uint8_t* q, int n, int bits) {
-    const uint64_t mask = (1u << bits) - 1u;
-    for (int j = 0; j < n / 8; j++) {
-        uint64_t word = 0;
-        memcpy(&word, wr + (int64_t)j * bits, bits);
-        for (int i = 0; i < 8; i++) q[j * 8 + i] = (uint8_t)((word >> (bits * i)) & mask);
-    }
-}
-
-/* rows [r0, r1) of one matrix against all batch rows (x reordered when bits == 4) */
-static void rows_range(const uint8_t* w, const float* sc, const float* bi, const float* x, float* y,
-                       int r0, int r1, int n, int batch, int ystride, int bits, uint8_t* scratch) {
-    const int G = n / 32;
-    const int64_t rb = (int64_t)n * bits / 8;
-    for (int b0 = 0; b0 < batch; b0 += 4) {
-        const int bt = batch - b0 < 4 ? batch - b0 : 4;
-        const float* xb = x + (int64_t)b0 * n;
-        float* yb = y + (int64_t)b0 * ystride;
-        if (bits != 4 && bits != 8) {  /* other widths: unpack a row to bytes, then the 8-bit loop */
-            for (int r = r0; r < r1; r++) {
-                unpack_row(w + r * rb, scratch, n, bits);
-                ONE_ROW[0][bt - 1](scratch, 0, sc + (int64_t)r * G, bi + (int64_t)r * G, xb, yb + r, 0, n, ystride);
-            }
-            continue;
-        }
-        const int k = bits == 4;
-        const int rt = rows_per_tile(bt);
-        int r = r0;
-        for (; r + rt <= r1; r += rt) MANY_ROWS[k][bt - 1](w, rb, sc, bi, xb, yb, r, n, ystride);
-        for (; r < r1; r++) ONE_ROW[k][bt - 1](w, rb, sc, bi, xb, yb, r, n, ystride);
-    }
-}
-
-/* Thread-local scratch for the odd widths' unpacked row (each pool thread has its own). */
-static __thread uint8_t* tl_scratch = NULL;
-static __thread int tl_cap = 0;
-static uint8_t* scratch_for(int n) {
-    if (tl_cap < n + 64) {
-        uint8_t* p = realloc(tl_scratch, (size_t)n + 64);
-        if (!p) return NULL;
-        tl_scratch = p;
-        tl_cap = n + 64;
-    }
-    return tl_scratch;
-}
-
-/* One group call as a job over row blocks of BLOCK rows, numbered matrix by matrix (a block never
-   straddles two matrices and starts at a multiple of BLOCK in its matrix, so the row tiles, and the
-   results, do not depend on how the blocks are shared out). */
-#define BLOCK 16
-typedef struct {
-    int nmat;
-    const void* const* w; const void* const* sc; const void* const* bi;
-    const int* rows; const int* bits; const int* col;
-    const float* x; const float* xr; float* y;
-    int n, batch, ystride;
-    _Atomic int failed;
-} qjob;
-
-static void qjob_blocks(void* p, int lo, int hi) {
-    qjob* j = p;
-    uint8_t* scratch = scratch_for(j->n);
-    if (!scratch) { j->failed = 1; return; }
-    int base = 0;
-    for (int m = 0; m < j->nmat && lo < hi; m++) {
-        const int nb = (j->rows[m] + BLOCK - 1) / BLOCK;
-        if (lo < base + nb) {
-            const int b1 = hi < base + nb ? hi : base + nb;
-            const int r0 = (lo - base) * BLOCK;
-            const int r1 = (b1 - base) * BLOCK < j->rows[m] ? (b1 - base) * BLOCK : j->rows[m];
-            rows_range((const uint8_t*)j->w[m], (const float*)j->sc[m], (const float*)j->bi[m],
-                       j->bits[m] == 4 ? j->xr : j->x, j->y + j->col[m], r0, r1, j->n, j->batch, j->ystride,
-                       j->bits[m], scratch);
-            lo = b1;
-        }
-        base += nb;
-    }
-}
-
-
-/* nmat matrices sharing the input x [batch, n]; matrix m writes columns
-   [col[m], col[m] + rows[m]) of y [batch, ystride]. The row blocks are shared out over the
-   pool's threads when one is set and the call is big enough. Returns 0, or -1 when scratch
-   memory could not be allocated. */
-int qmv_group(int nmat, const void* const* w, const void* const* sc, const void* const* bi,
-              const int* rows, const int* bits, const int* col, const float* x, float* y,
-              int n, int batch, int ystride) {
-    int need4 = 0, other = 0, blocks = 0;
-    int64_t work = 0;
-    for (int m = 0; m < nmat; m++) {
-        need4 |= bits[m] == 4;
-        other |= bits[m] != 4;
-        blocks += (rows[m] + BLOCK - 1) / BLOCK;
-        work += (int64_t)rows[m] * n;
-    }
-    /* the tiles load x a vector at a time: from a cache-line-aligned copy no load splits two lines
-       (measured: a 4-bit call 8-10 % faster than from malloc's 16-byte alignment) */
-    const size_t xbytes = (sizeof(float) * (size_t)batch * n + 63) / 64 * 64;
-    const int copy = other && ((uintptr_t)x & 63);
-    float* xr = need4 ? aligned_alloc(64, xbytes) : NULL;
-    float* xa = copy ? aligned_alloc(64, xbytes) : NULL;
-    if ((need4 && !xr) || (copy && !xa)) {
-        free(xr);
-        free(xa);
-        return -1;
-    }
-    if (need4) reorder4(x, xr, batch, n);
-    if (xa) memcpy(xa, x, sizeof(float) * (size_t)batch * n);
-    qjob j = {nmat, w, sc, bi, rows, bits, col, xa ? xa : x, xr, y, n, batch, ystride, 0};
-    pool_share(qjob_blocks, &j, blocks, work * batch >= (1 << 17));
-    free(xr);
-    free(xa);
-    return j.failed ? -1 : 0;
-}
-
-/* which row loop was compiled: 512 (AVX-512F), 256 (AVX2/FMA) or 0 (portable C) */
-int simd_width(void) {
-#if defined(__AVX512F__)
-    return 512;
-#elif defined(__AVX2__)
-    return 256;
-#else
-    return 0;
-#endif
-}
-"""
-
-_LIB: ctypes.CDLL | None = None
-_TRIED = False
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 
 
-def _compile() -> ctypes.CDLL | None:
-    l = build_library("cpu_qmatvec", cpu_pool.CLIENT_SOURCE + SOURCE)
-    if l is None:
-        return None
-    l.qmv_group.argtypes = [_I, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I]
-    l.qmv_group.restype = _I
-    l.simd_width.restype = _I
-    cpu_pool.attach(l)
-    return l
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.qmv_group.argtypes = [_I, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I]
+    lib.qmv_group.restype = _I
+    lib.simd_width.restype = _I
+
+
+LIBRARY = KernelLibrary("cpu_qmatvec", declare=_declare, start=cpu_pool.attach, off=switched_off)
 
 
 def kernel() -> ctypes.CDLL | None:
-    global _LIB, _TRIED
-    if not _TRIED:
-        _TRIED = True
-        if os.environ.get("HF2Q_NO_CPU_KERNELS"):
-            return None
-        try:
-            _LIB = _compile()
-        except OSError:
-            _LIB = None
-    return _LIB
+    """The compiled matvec library, or None (no compiler, a failed build, ``HF2Q_NO_CPU_KERNELS``)."""
+    return LIBRARY.load()
 
 
 class QMatrixGroup:
@@ -372,8 +66,10 @@ class QMatrixGroup:
     pointers stay valid."""
 
     def __init__(self, mats: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, int]]):
-        if kernel() is None:
+        lib = kernel()
+        if lib is None:
             raise RuntimeError("the CPU quantized matvec kernel is not available")
+        self._qmv_group = lib.qmv_group
         self._keep = []
         rows, bits, cols, ws, ss, bs = [], [], [], [], [], []
         n = None
@@ -418,7 +114,7 @@ class QMatrixGroup:
         """The raw call: ``x_ptr`` → float32 ``[batch, n]``, ``y_ptr`` → float32 ``[batch, Σ rows]``
         (callers that keep preallocated buffers skip the numpy bookkeeping)."""
         w, s, b, rows, bits, cols = self._args
-        if _LIB.qmv_group(self._count, w, s, b, rows, bits, cols, x_ptr, y_ptr, self.n, batch, self.rows):
+        if self._qmv_group(self._count, w, s, b, rows, bits, cols, x_ptr, y_ptr, self.n, batch, self.rows):
             raise MemoryError("qmv_group: out of memory")
 
 

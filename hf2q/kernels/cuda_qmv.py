@@ -9,16 +9,19 @@ words in 16-byte chunks (each chunk lies inside one quantization group), dequant
 (``q·scale + bias``, MLX's affine layout, read in place) and accumulate them against every
 input row, then reduce across the warp. It is memory bound at any row count it takes.
 
-Math: :mod:`hf2q.kernels.cpu_qmatvec_ref` (the numpy reference both this kernel and the CPU
-one are tested against). Used by :class:`hf2q.engine.layers.Linear` for 4- and 8-bit weights
+The kernel body is ``csrc/cuda_qmv.cu``. Math: :mod:`hf2q.kernels.cpu_qmatvec_ref` (the numpy
+reference both this kernel and the CPU one are tested against). Used by :class:`hf2q.engine.layers.Linear` for 4- and 8-bit weights
 on a CUDA device when a call has 2–``MAX_ROWS`` rows; Metal and the CPU keep their own paths.
 """
 
 from __future__ import annotations
 
 import math
+import threading
+from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 #: the most input rows one call takes (from 8 rows MLX's tiled kernel reads the weights once too)
 MAX_ROWS = 7
@@ -26,67 +29,12 @@ MAX_ROWS = 7
 #: (H200, 1024×4096: 14 µs MLX vs 27 µs here at 4 rows; 12288×4096: 97 vs 53)
 MIN_ELEMENTS = 4096 * 4096
 
-SOURCE = r"""
-    /* runtime sizes: one compiled kernel per dtype, width and group size serves every matrix and row count */
-    const int M = x_shape[0];
-    const int K = x_shape[1];
-    const long long N = w_shape[0];
-    const int lane = threadIdx.x & 31;
-    const long long n = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;  /* one warp per output row */
-    if (n >= N) return;
-    constexpr int PER_WORD = 32 / BITS_;
-    constexpr int VPC = 4 * PER_WORD;          /* values per 16-byte chunk: 16 (8-bit), 32 (4-bit) */
-    constexpr int PER_LOAD = 16 / sizeof(T_);  /* inputs per 16-byte load */
-    constexpr unsigned int MASK = (1u << BITS_) - 1u;
-    const int chunks = K / VPC;
-    const int G = K / GS_;
-    const uint4* wrow = reinterpret_cast<const uint4*>(w) + n * chunks;
-    const S_* srow = scales + n * G;
-    const S_* brow = biases + n * G;
-    float acc[MAX_M_];
-#pragma unroll
-    for (int m = 0; m < MAX_M_; ++m) acc[m] = 0.f;
-    for (int c = lane; c < chunks; c += 32) {
-        const uint4 q = wrow[c];
-        const int k0 = c * VPC;
-        const float s = static_cast<float>(srow[k0 / GS_]);
-        const float b = static_cast<float>(brow[k0 / GS_]);
-        const unsigned int words[4] = {q.x, q.y, q.z, q.w};
-        float wv[VPC];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-#pragma unroll
-            for (int j = 0; j < PER_WORD; ++j)
-                wv[i * PER_WORD + j] = fmaf(static_cast<float>((words[i] >> (BITS_ * j)) & MASK), s, b);
-        }
-#pragma unroll
-        for (int m = 0; m < MAX_M_; ++m) {  /* x in 16-byte loads: a lane's VPC inputs are contiguous */
-            if (m < M) {
-                const uint4* xr = reinterpret_cast<const uint4*>(x + (long long)m * K + k0);
-                float a = 0.f;
-#pragma unroll
-                for (int l = 0; l < VPC / PER_LOAD; ++l) {
-                    const uint4 raw = xr[l];
-                    const T_* xv = reinterpret_cast<const T_*>(&raw);
-#pragma unroll
-                    for (int j = 0; j < PER_LOAD; ++j) a = fmaf(wv[l * PER_LOAD + j], static_cast<float>(xv[j]), a);
-                }
-                acc[m] += a;
-            }
-        }
-    }
-#pragma unroll
-    for (int m = 0; m < MAX_M_; ++m) {
-        if (m < M) {
-            float v = acc[m];
-#pragma unroll
-            for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-            if (lane == 0) y[(long long)m * N + n] = static_cast<T_>(v);
-        }
-    }
-"""
+#: the kernel body ``mx.fast.cuda_kernel`` compiles (shipped as package data)
+SOURCE_PATH = Path(__file__).resolve().with_name("csrc") / "cuda_qmv.cu"
+
 
 _KERNEL = None
+_KERNEL_LOCK = threading.Lock()
 _CUDA: bool | None = None
 
 
@@ -113,8 +61,10 @@ def takes(rows: int, out_features: int, in_features: int, bits: int, group_size:
 def _kernel():
     global _KERNEL
     if _KERNEL is None:
-        _KERNEL = mx.fast.cuda_kernel(name="hf2q_qmv_rows", input_names=["x", "w", "scales", "biases"],
-                                      output_names=["y"], source=SOURCE)
+        with _KERNEL_LOCK:
+            if _KERNEL is None:
+                _KERNEL = mx.fast.cuda_kernel(name="hf2q_qmv_rows", input_names=["x", "w", "scales", "biases"],
+                                              output_names=["y"], source=SOURCE_PATH.read_text(encoding="utf-8"))
     return _KERNEL
 
 
@@ -133,3 +83,27 @@ def qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, bits: int,
         output_dtypes=[x.dtype],
     )
     return y.reshape(*x.shape[:-1], N)
+
+
+def status() -> tuple[str, str]:
+    """``(status, detail)`` for ``hf2q doctor``: ``not applicable`` off CUDA; else one small call
+    (MLX compiles the kernel on its first run) checked against the numpy reference: ``ok`` or ``failed``."""
+    if not available():
+        return "not applicable", "no CUDA device"
+    from hf2q.kernels.cpu_qmatvec_ref import qmatvec as reference
+
+    try:
+        rng = np.random.default_rng(0)
+        n, k = 64, 512
+        w = mx.array(rng.standard_normal((n, k)).astype(np.float32))
+        wq, scales, biases = mx.quantize(w, group_size=64, bits=4)
+        x = mx.array(rng.standard_normal((2, k)).astype(np.float32))
+        y = qmv(x, wq, scales, biases, 4, 64)
+        mx.eval(y)
+        want = reference(np.array(wq).view(np.uint8), np.array(scales), np.array(biases), np.array(x), 4, 64)
+        error = float(np.abs(np.array(y) - want).max() / np.abs(want).max())
+        if not error < 1e-4:
+            return "failed", f"runs, but is {error:.2g} (relative) off the numpy reference"
+    except Exception as e:  # noqa: BLE001 — a compile error surfaces as whatever MLX raises
+        return "failed", f"{type(e).__name__}: {e}".strip()[:500]
+    return "ok", ""

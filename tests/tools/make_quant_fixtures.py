@@ -1,4 +1,4 @@
-"""Generate byte-exact quantizer fixtures from stock llama.cpp (the oracle for hf2q.kernels).
+"""Generate byte-exact quantizer fixtures from stock llama.cpp (the oracle for hf2q.ggml).
 
     python -m tests.tools.make_quant_fixtures        # writes tests/fixtures/quants/*.npz
 

@@ -3,7 +3,7 @@
 A direct reading of llama.cpp's k-quant reference algorithm (``quantize_row_q*_K_ref`` and
 the scale searches ``make_qkx2_quants`` / ``make_qx_quants`` / ``make_q3_quants``), kept
 as loops so that it is easy to compare line by line with the C.  Slow: tests use it to
-check the vectorised ``ggml_kquants`` on small inputs.
+check the vectorised ``kquants`` on small inputs.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 import struct
 from functools import partial
 
-from .ggml_scalar_ref import (
+from .scalar_ref import (
     GROUP_MAX_EPS,
     div,
     f32,

@@ -16,12 +16,12 @@ float types ignore it, as llama.cpp does.  NaN / infinite inputs to quantized ty
 
 Three implementations of every quantizer, all byte-identical:
 
-* compiled (numba, ``ggml_jit_*``): the C's per-block loops, ~3-10× the numpy path; used by
+* compiled (numba, ``jit_*``): the C's per-block loops, ~3-10× the numpy path; used by
   ``quantize`` whenever numba is importable and ``HF2Q_NO_JIT`` is not set
   (``jit_active()``).  Kernels compile on first use and are cached on disk;
-* vectorised numpy (``ggml_kquants`` / ``ggml_legacy`` / ``ggml_imatrix``): the fallback,
+* vectorised numpy (``kquants`` / ``legacy`` / ``imatrix``): the fallback,
   also reachable directly as ``numpy_quantize``;
-* plain per-block references (``ggml_*_ref``): ``reference_quantize``, slow, used to
+* plain per-block references (``*_ref``): ``reference_quantize``, slow, used to
   cross-check the other two.
 
 Large inputs are cut into chunks of whole blocks and quantized on a thread pool (numpy and
@@ -39,7 +39,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..errors import ConversionError, InputError
-from . import ggml_float, ggml_kquants, ggml_legacy
+from . import floats, kquants, legacy
 
 T = GGMLQuantizationType
 
@@ -92,12 +92,12 @@ def _block_codec(qtype, fast: bool):
     name = qtype.name
     if qtype in LEGACY_TYPES:
         if fast:
-            return ggml_legacy.QUANTIZE[name], ggml_legacy.DEQUANTIZE[name]
-        from . import ggml_legacy_ref as ref
+            return legacy.QUANTIZE[name], legacy.DEQUANTIZE[name]
+        from . import legacy_ref as ref
         return ref.QUANTIZE[name], ref.DEQUANTIZE[name]
     if fast:
-        return ggml_kquants.QUANTIZE[name], ggml_kquants.DEQUANTIZE[name]
-    from . import ggml_kquants_ref as ref
+        return kquants.QUANTIZE[name], kquants.DEQUANTIZE[name]
+    from . import kquants_ref as ref
     return ref.QUANTIZE[name], ref.DEQUANTIZE[name]
 
 
@@ -107,9 +107,9 @@ def _imatrix_codec(qtype, fast: bool):
     if qtype not in IMATRIX_TYPES:
         return None
     if fast:
-        from . import ggml_imatrix as mod
+        from . import imatrix as mod
     else:
-        from . import ggml_imatrix_ref as mod
+        from . import imatrix_ref as mod
     return mod.K_QUANTIZE[name] if qtype in K_TYPES else mod.LEGACY_QUANTIZE[name]
 
 
@@ -161,9 +161,9 @@ def _imatrix_args(x: np.ndarray, qtype, imatrix, fast: bool):
     sigma2 = None
     if qtype in LEGACY_TYPES:
         if fast:
-            from .ggml_imatrix import row_sigma2
+            from .imatrix import row_sigma2
         else:
-            from .ggml_imatrix_ref import row_sigma2
+            from .imatrix_ref import row_sigma2
         with np.errstate(over="ignore"):
             sigma2 = np.repeat(row_sigma2(x), per_row)
 
@@ -188,11 +188,11 @@ def _jit_kernels(qtype):
         return None
     try:
         if qtype in K_TYPES:
-            from .ggml_jit_kquants import KIND
-            from .ggml_jit_kquants import quantize_k_blocks as entry
+            from .jit_kquants import KIND
+            from .jit_kquants import quantize_k_blocks as entry
         else:
-            from .ggml_jit_legacy import KIND
-            from .ggml_jit_legacy import quantize_legacy_blocks as entry
+            from .jit_legacy import KIND
+            from .jit_legacy import quantize_legacy_blocks as entry
     except Exception as e:  # noqa: BLE001 — any failure to build the kernels means: use numpy
         _JIT_BROKEN = f"{type(e).__name__}: {e}".splitlines()[0]
         logging.getLogger(__name__).warning("compiled quantizers unavailable (%s); using the numpy codecs",
@@ -213,7 +213,7 @@ def _quantize_jit(x: np.ndarray, qtype, threads: int, imatrix, kernels) -> np.nd
           else np.zeros((1, blk), dtype=np.float32))
     sigma2 = np.zeros(1, dtype=np.float32)
     if use_qw and qtype in LEGACY_TYPES:
-        from .ggml_imatrix import row_sigma2
+        from .imatrix import row_sigma2
         with np.errstate(over="ignore"):
             sigma2 = np.repeat(row_sigma2(x), n // blk)
 
@@ -254,7 +254,7 @@ def _quantize(x, qtype, threads, imatrix, fast: bool, jit: bool = False) -> np.n
     x = _as_matrix(x, qtype)
     rows, n = x.shape
     if qtype in FLOAT_TYPES:
-        return ggml_float.quantize(x, qtype.name)
+        return floats.quantize(x, qtype.name)
     with np.errstate(over="ignore", invalid="ignore"):  # a cheap sum first; only a non-finite one is checked
         finite = bool(np.isfinite(np.add.reduce(x, axis=None))) or bool(np.isfinite(x).all())
     if not finite:
@@ -321,7 +321,7 @@ def _dequantize(raw, qtype, shape, fast: bool) -> np.ndarray:
         raise InputError(f"{qtype.name} data of {raw.size} bytes does not match shape {shape} "
                          f"({rows * rb} bytes expected)")
     if qtype in FLOAT_TYPES:
-        return ggml_float.dequantize(raw, qtype.name).reshape(shape)
+        return floats.dequantize(raw, qtype.name).reshape(shape)
     blk, size = GGML_QUANT_SIZES[qtype]
     _, dfn = _block_codec(qtype, fast)
     blocks = raw.reshape(-1, size)

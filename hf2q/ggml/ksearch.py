@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ggml_common import F32, GROUP_MAX_EPS, nearest_int, seq_sum, take
+from .common import F32, GROUP_MAX_EPS, nearest_int, seq_sum, take
 
 
 def first_extreme(x: np.ndarray, axis: int, kind: str) -> np.ndarray:

@@ -1,7 +1,7 @@
 """Plain per-block reference for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 (one value at a time).
 
 Written from the block definitions in ggml-common.h and the algorithm of
-``quantize_row_q*_ref``; used only to cross-check ``ggml_legacy`` (the fast path).
+``quantize_row_q*_ref``; used only to cross-check ``legacy`` (the fast path).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from functools import partial
 
 import numpy as np
 
-from .ggml_scalar_ref import div, f32, from_blocks, get_half, put_half, to_blocks
+from .scalar_ref import div, f32, from_blocks, get_half, put_half, to_blocks
 
 QK = 32
 

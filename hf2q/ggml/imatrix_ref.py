@@ -1,4 +1,4 @@
-"""Plain per-block reference of the importance-matrix quantizers (cross-checks ``ggml_imatrix``).
+"""Plain per-block reference of the importance-matrix quantizers (cross-checks ``imatrix``).
 
 Transcribes llama.cpp's ``quantize_row_q*_impl`` paths taken when ``quant_weights`` is given:
 σ²-scaled importance weights, ``make_qkx3_quants`` (= our ``make_qkx2_quants`` with the
@@ -12,7 +12,7 @@ from functools import partial
 
 import numpy as np
 
-from .ggml_kquants_ref import (
+from .kquants_ref import (
     QK_K,
     finish_q2_k,
     finish_q3_k,
@@ -21,8 +21,8 @@ from .ggml_kquants_ref import (
     make_qx_quants,
     quantize_block_q6_k,
 )
-from .ggml_legacy_ref import _nibbles, _qh
-from .ggml_scalar_ref import GROUP_MAX_EPS, div, f32, nearest_int, put_half
+from .legacy_ref import _nibbles, _qh
+from .scalar_ref import GROUP_MAX_EPS, div, f32, nearest_int, put_half
 
 
 def make_qp_quants(x, nmax, w):

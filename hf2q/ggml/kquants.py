@@ -1,17 +1,17 @@
 """Vectorised k-quant quantizers (Q2_K … Q6_K, 256-value super-blocks), bit-exact with llama.cpp.
 
 Each quantizer is the C's ``quantize_row_q*_K_ref`` in two halves: a scale search over all
-sub-blocks at once (``ggml_ksearch``), then ``pack_*``: store the super-block scales as fp16,
-re-quantize every value against what was stored, and lay out the bytes (``ggml_kblocks``).
-The importance-matrix quantizers (``ggml_imatrix``) reuse the ``pack_*`` halves.
+sub-blocks at once (``ksearch``), then ``pack_*``: store the super-block scales as fp16,
+re-quantize every value against what was stored, and lay out the bytes (``kblocks``).
+The importance-matrix quantizers (``imatrix``) reuse the ``pack_*`` halves.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .ggml_common import F32, GROUP_MAX_EPS, fp16_bits, nearest_int, seq_sum, u16_bytes
-from .ggml_kblocks import (
+from .common import F32, GROUP_MAX_EPS, fp16_bits, nearest_int, seq_sum, u16_bytes
+from .kblocks import (
     BLOCK_BYTES,
     DEQUANTIZE,
     QK_K,
@@ -23,7 +23,7 @@ from .ggml_kblocks import (
     unpack_q3_scales,
     unpack_scale_min_k4,
 )
-from .ggml_ksearch import make_q3, make_qkx2, make_qx, positive_max, signed_absmax
+from .ksearch import make_q3, make_qkx2, make_qx, positive_max, signed_absmax
 
 __all__ = ["BLOCK_BYTES", "DEQUANTIZE", "QK_K", "QUANTIZE"]
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ggml_jit_common import ONE, ZERO, kernel, store_half
-from .ggml_jit_lanes import make_qkx2_lanes, make_qx_lanes
+from .jit_common import ONE, ZERO, kernel, store_half
+from .jit_lanes import make_qkx2_lanes, make_qx_lanes
 
 QK = 32
 KIND = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4}
@@ -139,7 +139,7 @@ def _plain_blocks(x, b0, nbb, kind, out):
 @kernel("void(float32[:, ::1], float32[:, ::1], float32[::1], int64, int64, int64, int64, uint8[:, ::1])")
 def _weighted_blocks(x, qw, sigma2, first_block, b0, nbb, kind, out):
     """Blocks b0 … b0+nbb-1 with imatrix: weights qw·sqrt(σ² + x²), the searches run with one
-    block per lane (``ggml_jit_lanes``), then each block's scale(s) and levels are stored."""
+    block per lane (``jit_lanes``), then each block's scale(s) and levels are stored."""
     per_row = qw.shape[0]
     X = np.empty((QK, nbb), np.float32)
     W = np.empty((QK, nbb), np.float32)

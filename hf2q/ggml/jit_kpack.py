@@ -1,10 +1,10 @@
 """Compiled back halves of the k-quants: super-block scales → fp16 → re-quantize → bytes.
 
-After the per-sub-block scale search (``ggml_jit_lanes`` / ``ggml_jit_ksearch``), llama.cpp
+After the per-sub-block scale search (``jit_lanes`` / ``jit_ksearch``), llama.cpp
 stores the super-block scale(s) as fp16, re-quantizes every value against the scale that
 was actually stored, and packs levels and 4/6-bit sub-block scales into the block layout
 of ggml-common.h.  These loops do that for one super-block ``x`` (256 float32) into
-``out`` (its bytes); ``ggml_kquants_ref.finish_*`` are the readable twins.
+``out`` (its bytes); ``kquants_ref.finish_*`` are the readable twins.
 """
 
 # ruff: noqa: FURB136  (explicit comparisons keep C's NaN behaviour, which min()/max() would not)
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ggml_jit_common import GROUP_MAX_EPS, kernel, nearest_int, store_half
+from .jit_common import GROUP_MAX_EPS, kernel, nearest_int, store_half
 
 QK_K = 256
 

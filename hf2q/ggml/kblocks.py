@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ggml_common import F32, half_to_f32
+from .common import F32, half_to_f32
 
 QK_K = 256
 BLOCK_BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}

@@ -2,7 +2,7 @@
 
 Every function works on many blocks at once: ``x`` is float32 ``[nblocks, 32]`` and the
 quantized form is uint8 ``[nblocks, block_bytes]``.  The arithmetic mirrors the C reference
-(``quantize_row_q*_ref``) operation by operation in float32; see ``ggml_legacy_ref`` for
+(``quantize_row_q*_ref``) operation by operation in float32; see ``legacy_ref`` for
 the plain per-block transcription it is tested against.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ggml_common import F32, fp16_bits, half_to_f32, take, u16_bytes
+from .common import F32, fp16_bits, half_to_f32, take, u16_bytes
 
 QK = 32
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}

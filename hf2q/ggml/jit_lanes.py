@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ggml_jit_common import GROUP_MAX_EPS, MAGIC, ONE, ZERO, f32_bits, kernel
+from .jit_common import GROUP_MAX_EPS, MAGIC, ONE, ZERO, f32_bits, kernel
 
 
 @kernel("int64(float32, int64, int64)")

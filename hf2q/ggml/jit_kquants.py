@@ -3,8 +3,8 @@
 The C (``quantize_row_q*_K_ref``, ``quantize_row_q*_K_impl``) does, per super-block:
 per-value weights → a scale search per sub-block → super-block scales → fp16 →
 re-quantize → pack.  Here the searches of ``BATCH`` super-blocks run side by side
-(``ggml_jit_lanes``: one SIMD lane per sub-block, same arithmetic order as the C), then
-each super-block is finished on its own (``ggml_jit_kpack``).  Q3_K without imatrix keeps
+(``jit_lanes``: one SIMD lane per sub-block, same arithmetic order as the C), then
+each super-block is finished on its own (``jit_kpack``).  Q3_K without imatrix keeps
 the scalar ``make_q3_quants``: its greedy refinement usually stops after a pass or two, which
 lanes cannot exploit.
 
@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ggml_jit_common import ONE, ZERO, first_absmax, kernel, nearest_int, positive_max
-from .ggml_jit_kpack import finish_q2_k, finish_q3_k, finish_q6_k, finish_q45
-from .ggml_jit_ksearch import make_q3, make_qp, make_qx
-from .ggml_jit_lanes import make_qkx2_lanes, make_qx_lanes
+from .jit_common import ONE, ZERO, first_absmax, kernel, nearest_int, positive_max
+from .jit_kpack import finish_q2_k, finish_q3_k, finish_q6_k, finish_q45
+from .jit_ksearch import make_q3, make_qp, make_qx
+from .jit_lanes import make_qkx2_lanes, make_qx_lanes
 
 QK_K = 256
 KIND = {"Q2_K": 0, "Q3_K": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4}

@@ -1,4 +1,4 @@
-"""Scalar float32 helpers for the plain reference codecs (``ggml_*_ref.py``).
+"""Scalar float32 helpers for the plain reference codecs (``*_ref.py``).
 
 The references are deliberately simple: one block at a time, one value at a time, every
 intermediate an ``np.float32`` scalar so that the arithmetic is float32 like the C code.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ggml_common import F32, bf16_bits, fp16_bits
+from .common import F32, bf16_bits, fp16_bits
 
 BYTES_PER_VALUE = {"F32": 4, "F16": 2, "BF16": 2}
 

@@ -5,7 +5,7 @@ mean square of the super-block, or of the whole row for the 32-value legacy type
 the longer ``make_qkx3_quants`` / weighted ``make_qx_quants`` searches per sub-block, and
 picks the super-block scales themselves with the weighted ``make_qp_quants`` search
 instead of a plain max.  The back halves (re-quantize against fp16 scales, bit packing)
-are shared with the plain codecs in ``ggml_kquants``.
+are shared with the plain codecs in ``kquants``.
 
 Every function takes blocks ``x`` [nblocks, block] and per-value importance ``weights`` of
 the same shape (the imatrix column weights of each block's position in its row).
@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ggml_common import F32, GROUP_MAX_EPS, fp16_bits, nearest_int, seq_sum, u16_bytes
-from .ggml_kblocks import QK_K, as_columns, from_columns, pack_q3_scales
-from .ggml_kquants import affine_search, pack_q2_k, pack_q3_k, pack_q45, quantize_q6_k
-from .ggml_ksearch import make_qkx2, make_qx
-from .ggml_legacy import high_bits, pack_nibbles
+from .common import F32, GROUP_MAX_EPS, fp16_bits, nearest_int, seq_sum, u16_bytes
+from .kblocks import QK_K, as_columns, from_columns, pack_q3_scales
+from .kquants import affine_search, pack_q2_k, pack_q3_k, pack_q45, quantize_q6_k
+from .ksearch import make_qkx2, make_qx
+from .legacy import high_bits, pack_nibbles
 
 
 def make_qp(x, w, nmax: int):

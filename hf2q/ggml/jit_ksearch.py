@@ -4,10 +4,10 @@
 and ``make_qp`` (``make_qp_quants``) written as the plain loops of the C, float32
 throughout — for the searches that run once per super-block on its 8 or 16 sub-block
 scales, and for ``make_q3``, whose greedy refinement usually stops after a pass or two:
-side by side in lanes (``ggml_jit_lanes``) every lane would run every pass, which measured
+side by side in lanes (``jit_lanes``) every lane would run every pass, which measured
 slower.  Each takes 1-D float32 views, writes the chosen integer levels into ``L``
 (int64, same length) using ``scratch`` (int64, same length) for candidates, and returns
-the scale(s).  ``ggml_kquants_ref`` / ``ggml_imatrix_ref`` are the readable Python twins.
+the scale(s).  ``kquants_ref`` / ``imatrix_ref`` are the readable Python twins.
 """
 
 # ruff: noqa: FURB136  (explicit comparisons keep C's NaN behaviour, which min()/max() would not)
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ggml_jit_common import GROUP_MAX_EPS, ONE, ZERO, first_absmax, kernel, nearest_int
+from .jit_common import GROUP_MAX_EPS, ONE, ZERO, first_absmax, kernel, nearest_int
 
 
 @kernel("UniTuple(float32, 2)(float32[::1], float32[::1], boolean, int64, float32, int64[::1])")

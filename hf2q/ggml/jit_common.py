@@ -4,7 +4,7 @@ Why numba: llama.cpp's scale searches are short data-dependent loops over 16–3
 numpy can only run them as masks over many blocks at once (every candidate evaluated for
 every block), while compiled scalar loops do exactly the C's work.
 
-Exactness rules every ``ggml_jit_*`` kernel follows (the C reference is compiled without
+Exactness rules every ``jit_*`` kernel follows (the C reference is compiled without
 fast-math and without FMA contraction):
 
 * no ``fastmath``: LLVM then neither reassociates nor fuses ``a*b + c``;
@@ -14,7 +14,7 @@ fast-math and without FMA contraction):
 * comparisons are written out (``if v > m: m = v``) so NaN takes the same branch as in C.
 
 Only imported when the compiled path is used (``codec.jit_active()``).  Every kernel has
-explicit signatures: importing a ``ggml_jit_*`` module compiles its kernels the first time
+explicit signatures: importing a ``jit_*`` module compiles its kernels the first time
 (tens of seconds for all of them) and loads them from numba's on-disk cache afterwards.
 """
 
