@@ -209,18 +209,18 @@ def for_tool_choice(tokenizer, syntax: str, tools: Sequence[Mapping], tool_choic
         raise InputError("tool_choice requires a non-empty tools list")
     free = "string" if syntax in _MARKUP_GRAMMARS else None  # markup writes shapeless values verbatim
     chosen = _bounded_tools(_selected_tools(tools, tool_choice), max_tokens, free)
-    repeat = "+" if parallel and not isinstance(tool_choice, Mapping) else ""
+    many = parallel and not isinstance(tool_choice, Mapping)
     if syntax in ("qwen", "generic"):
         schema = json.dumps(_call_schema(chosen, "arguments"), ensure_ascii=False)
         lark = (
-            f'start: (call "\\n"?){repeat}\n'
+            f"start: {_calls('call', many, _lit(chr(10)) + '?')}\n"
             f'call: "<tool_call>" "\\n"? body "\\n"? "</tool_call>"\n'
             f"body: %json {schema}\n"
         )
     elif syntax == "llama3":
         return GrammarConstraint(tokenizer, json_schema_grammar(_call_schema(chosen, "parameters")), description="tool call")
     elif syntax in _MARKUP_GRAMMARS:
-        lark = _MARKUP_GRAMMARS[syntax](chosen, repeat, string_budget(max_tokens))
+        lark = _MARKUP_GRAMMARS[syntax](chosen, many, string_budget(max_tokens))
     else:
         raise InputError(f"tool_choice {tool_choice!r} is not supported for the {syntax} tool-call syntax; use auto")
     return GrammarConstraint(tokenizer, _load_llguidance().LLMatcher.grammar_from_lark(lark), description="tool call")
@@ -231,6 +231,11 @@ def for_tool_choice(tokenizer, syntax: str, tools: Sequence[Mapping], tool_choic
 # Free-text string values are "lazy" rules that end at their closing markup (llguidance's
 # ``suffix=``); typed values are inline JSON schemas. Required parameters come first, then
 # each optional one at most once, in schema order: no parameter can be written twice.
+
+def _calls(item: str, many: bool, sep: str = "") -> str:
+    """One ``item``, or (parallel calls) one or more with ``sep`` between: never a trailing extra."""
+    return f"{item} ({sep + ' ' if sep else ''}{item})*" if many else item
+
 
 def _lit(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
@@ -293,8 +298,8 @@ def _is_string(schema: Mapping) -> bool:
         t is None and "enum" not in schema and "const" not in schema)
 
 
-def _qwen_xml_grammar(tools: Sequence[Mapping], repeat: str, budget: int) -> str:
-    rules = [f"start: call{repeat}"]
+def _qwen_xml_grammar(tools: Sequence[Mapping], many: bool, budget: int) -> str:
+    rules = [f"start: {_calls('call', many, _lit(chr(10)) + '?')}"]
     forbidden = ("</parameter>", "</function>", "</tool_call>")
     calls = []
     for i, tool in enumerate(tools):
@@ -310,7 +315,7 @@ def _qwen_xml_grammar(tools: Sequence[Mapping], repeat: str, budget: int) -> str
             rule_of[name] = f"p{i}_{j}"
         body = _param_sequence(fn, rule_of)
         rules.append(f'c{i}: {_lit("<tool_call>" + chr(10) + "<function=" + fn["name"] + ">" + chr(10))} {body} '
-                     f'"</function>\\n</tool_call>" "\\n"?')
+                     f'"</function>\\n</tool_call>"')
         calls.append(f"c{i}")
     rules.append(f"call: {' | '.join(calls)}")
     return "\n".join(rules) + "\n"
@@ -323,10 +328,10 @@ def _dsml(tag: str) -> str:
     return "<" + _DSML + tag + ">"
 
 
-def _deepseek_grammar(tools: Sequence[Mapping], repeat: str, budget: int) -> str:
+def _deepseek_grammar(tools: Sequence[Mapping], many: bool, budget: int) -> str:
     end_param = _dsml("/parameter").replace("<" + _DSML + "/", "</" + _DSML) + "\n"
     rules = [
-        f"start: {_lit(_dsml('tool_calls') + chr(10))} invoke{repeat} {_lit('</' + _DSML + 'tool_calls>')}",
+        f"start: {_lit(_dsml('tool_calls') + chr(10))} {_calls('invoke', many)} {_lit('</' + _DSML + 'tool_calls>')}",
     ]
     forbidden = (end_param.strip(), "</" + _DSML + "invoke>", "</" + _DSML + "tool_calls>")
     invokes = []
@@ -350,11 +355,11 @@ def _deepseek_grammar(tools: Sequence[Mapping], repeat: str, budget: int) -> str
     return "\n".join(rules) + "\n"
 
 
-def _gemma4_grammar(tools: Sequence[Mapping], repeat: str, budget: int) -> str:
+def _gemma4_grammar(tools: Sequence[Mapping], many: bool, budget: int) -> str:
     q = '<|"|>'
     number = _json_value(bounded({"type": "number"}, None))
     rules = [
-        f"start: call{repeat}",
+        f"start: {_calls('call', many)}",
         f"gstr: {_lit(q)} sval",
         f"sval[suffix={_lit(q)}]: " + _text_without((q, "<tool_call|>"), 0, budget),
         # Gemma's own notation for nested values: unquoted keys, <|"|>-quoted strings
