@@ -91,3 +91,25 @@ def test_no_parameters_means_no_arguments_and_the_layout_is_compact():
     body = with_layout({"type": "object"})
     assert body["x-guidance"]["whitespace_flexible"] is False
     assert body["x-guidance"]["item_separator"] == ", " and body["x-guidance"]["key_separator"] == ": "
+
+
+def test_local_refs_are_written_out_and_recursive_ones_refused():
+    from hf2q.errors import InputError
+
+    params = {"type": "object", "$defs": {"point": {"type": "object", "properties": {"x": {"type": "integer"}},
+                                                    "required": ["x"]}},
+              "properties": {"a": {"$ref": "#/$defs/point", "description": "start"},
+                             "b": {"$ref": "#/definitions/name"}},
+              "definitions": {"name": {"type": "string"}}, "required": ["a"]}
+    b = bounded(params, 256)
+    assert "$defs" not in b and "definitions" not in b
+    a = b["properties"]["a"]
+    assert a["properties"]["x"]["maximum"] == NUMBER_LIMIT and a["additionalProperties"] is False
+    assert a["description"] == "start" and b["properties"]["b"]["type"] == "string"
+    assert _ok({"a": {"x": 1}, "b": "n"}, b) and _ok({"a": {"x": 1}, "b": "n"}, params)
+    tree = {"type": "object", "$defs": {"node": {"type": "object", "properties": {
+        "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}}, "properties": {"root": {"$ref": "#/$defs/node"}}}
+    with pytest.raises(InputError, match="recursive"):
+        bounded(tree, 256)
+    with pytest.raises(InputError, match="does not resolve"):
+        bounded({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}, 256)

@@ -349,3 +349,13 @@ def test_optional_markup_parameters_are_written_at_most_once(smollm2):
     twice = _call("qwen_xml", extra=EXTRA["qwen_xml"] * 2)
     assert _accepts(smollm2, _forced(smollm2, "qwen_xml", tools=tools), once)
     assert not _accepts(smollm2, _forced(smollm2, "qwen_xml", tools=tools), twice)
+
+
+def test_a_tool_schema_with_defs_still_compiles_inside_the_call(smollm2):
+    tools = [{"type": "function", "function": {"name": "move", "parameters": {
+        "type": "object", "$defs": {"pt": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}},
+        "properties": {"to": {"$ref": "#/$defs/pt"}}, "required": ["to"]}}}]
+    text = '<tool_call>{"name": "move", "arguments": {"to": {"x": 3}}}</tool_call>'
+    assert _accepts(smollm2, constrained.for_tool_choice(smollm2, "generic", tools, "required"), text)
+    assert not _accepts(smollm2, constrained.for_tool_choice(smollm2, "generic", tools, "required"),
+                        text.replace('{"x": 3}', '{"x": 3, "y": 4}'))

@@ -13,7 +13,9 @@ value is finite:
   budget derived from the request's ``max_tokens`` (a character of an ASCII string costs at
   most one token, and half of ``max_tokens`` is kept for names, keys and markup);
 * numbers get a range and integers a digit count (a fixed precision for floats);
-* values with no declared shape at all become scalars (no unbounded nesting).
+* values with no declared shape at all become scalars (no unbounded nesting);
+* local ``$ref`` s (``#/$defs/…``) are written out in place, since the arguments are
+  embedded in a call object where the schema's own pointers would no longer resolve.
 
 ``JSON_LAYOUT`` is llguidance's ``x-guidance`` layout for every JSON body: compact, with
 the single spaces models write after ``,`` and ``:`` and no free whitespace runs (see
@@ -25,6 +27,8 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 from typing import Any
+
+from hf2q.errors import InputError
 
 #: llguidance JSON layout: ``{"a": 1, "b": [2, 3]}`` and nothing looser
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -70,6 +74,9 @@ def bounded(schema: Mapping[str, Any] | None, max_tokens: int | None, free: str 
     call syntaxes pass ``"string"``, since they write such values verbatim.
     """
     out = copy.deepcopy(dict(schema)) if isinstance(schema, Mapping) else {"type": "object"}
+    out = _inline_refs(out, out, ())
+    for key in ("$defs", "definitions"):
+        out.pop(key, None)
     if "type" not in out and not any(k in out for k in _SHAPED):
         out["type"] = "object"  # a tool's arguments are always an object
     items = max_items_for(max_tokens)
@@ -77,6 +84,38 @@ def bounded(schema: Mapping[str, Any] | None, max_tokens: int | None, free: str 
     per_string = max(MIN_STRING, string_budget(max_tokens) // max(1, slots))
     _tighten(out, per_string, items, list(_SCALARS) if free is None else free)
     return out
+
+
+#: how many ``$ref`` s deep a value may go before the schema counts as recursive
+REF_DEPTH = 8
+
+
+def _resolve(root: Mapping, ref: str) -> Any:
+    node: Any = root
+    for part in ref[1:].lstrip("/").split("/") if ref != "#" else ():
+        part = part.replace("~1", "/").replace("~0", "~")
+        if not isinstance(node, Mapping) or part not in node:
+            raise InputError(f"tool parameters: $ref {ref!r} does not resolve")
+        node = node[part]
+    return node
+
+
+def _inline_refs(node: Any, root: Mapping, trail: tuple[str, ...]) -> Any:
+    """``node`` with every local ``$ref`` replaced by (a copy of) what it points at."""
+    if isinstance(node, list):
+        return [_inline_refs(x, root, trail) for x in node]
+    if not isinstance(node, Mapping):
+        return node
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        if len(trail) >= REF_DEPTH:
+            raise InputError(f"tool parameters: $ref {ref!r} is recursive; forced calls need a finite schema")
+        target = _resolve(root, ref)
+        siblings = {k: v for k, v in node.items() if k != "$ref"}
+        merged = {**target, **siblings} if isinstance(target, Mapping) else target
+        return _inline_refs(merged, root, trail + (ref,))
+    return {k: (v if k in ("$defs", "definitions", "const", "enum", "default", "examples")
+                else _inline_refs(v, root, trail)) for k, v in node.items()}
 
 
 def _types(node: Mapping) -> set[str]:
