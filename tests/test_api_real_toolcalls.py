@@ -205,6 +205,7 @@ def server_url():
 
 async def test_ten_tools_forced_calls_finish_and_validate(server_url):
     results: dict = {}
+    greedy_calls: dict = {}
     failures: list[str] = []
     limit = trio.Semaphore(CONCURRENT)
 
@@ -218,6 +219,9 @@ async def test_ten_tools_forced_calls_finish_and_validate(server_url):
                 assert r.status_code == 200, r.text
                 out = r.json()
         key = (case[0], choice, temp, seed)
+        if temp == 0:
+            greedy_calls[case[0], choice] = [(x["function"]["name"], x["function"]["arguments"])
+                                             for x in out["choices"][0]["message"].get("tool_calls") or ()]
         try:
             results[key] = check_reply(case, choice, out)
             if stream:
@@ -230,6 +234,9 @@ async def test_ten_tools_forced_calls_finish_and_validate(server_url):
         for case, choice, temp, seed, stream in rows():
             n.start_soon(one, c, case, choice, temp, seed, stream)
     print("\n" + table(results))
+    print("\ncalls at T=0:")
+    for (name, choice), calls in greedy_calls.items():
+        print(f"  {name:<20} {choice:<9} " + "; ".join(f"{n}({a})" for n, a in calls))
     assert not failures, "\n".join(failures)
 
 
