@@ -26,7 +26,7 @@ import httpx
 import pytest
 import trio
 
-from tests.test_api_real_model import real_server
+from tests.test_api_real_model import real_server, sse_chunks
 
 jsonschema = pytest.importorskip("jsonschema")  # test dependency (pyproject [test] extra)
 
@@ -52,7 +52,8 @@ CLOCK = _tool("get_time", "Current time in a time zone", {"timezone": {"type": "
 #: (row name, tools, the tool a named choice forces, prompt, extra request fields)
 CASES = [
     ("string", [WEATHER], "get_weather", "What is the weather in Paris?", ONE),
-    ("path", [_tool("read_file", "Read a file of the project", {"path": {"type": "string", "description": "file path"}})],
+    ("path", [_tool("read_file", "Read a file of the project",
+                    {"path": {"type": "string", "description": "file path"}})],
      "read_file", "Show me what is in src/main.py.", ONE),
     ("free text", [_tool("save_note", "Save a note for the user", {"content": {"type": "string"}})],
      "save_note", "Remember that the meeting moved to Thursday at 3pm.", ONE),
@@ -110,28 +111,23 @@ async def streamed(c: httpx.AsyncClient, body: dict) -> dict:
     calls: dict[int, dict] = {}
     frames = []  # (arrival time, tool-call indexes in this frame, finish_reason)
     content, finish, usage = [], None, None
-    async with c.stream("POST", "/v1/chat/completions",
-                        json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
-        assert r.status_code == 200
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ch = json.loads(line[6:])
-            assert "error" not in ch, ch
-            usage = ch.get("usage") or usage
-            for choice in ch["choices"]:
-                delta = choice["delta"]
-                content.append(delta.get("content") or "")
-                idx = []
-                for d in delta.get("tool_calls") or ():
-                    idx.append(d["index"])
-                    call = calls.setdefault(d["index"], {"id": d.get("id"), "type": "function",
-                                                         "function": {"name": "", "arguments": ""}})
-                    call["function"]["name"] += d.get("function", {}).get("name", "")
-                    call["function"]["arguments"] += d.get("function", {}).get("arguments", "")
-                frames.append((time.perf_counter(), idx, choice["finish_reason"]))
-                finish = choice["finish_reason"] or finish
-    message = {"content": "".join(content) or None, **({"tool_calls": [calls[i] for i in sorted(calls)]} if calls else {})}
+    async for ch in sse_chunks(c, {**body, "stream_options": {"include_usage": True}}):
+        usage = ch.get("usage") or usage
+        for choice in ch["choices"]:
+            delta = choice["delta"]
+            content.append(delta.get("content") or "")
+            idx = []
+            for d in delta.get("tool_calls") or ():
+                idx.append(d["index"])
+                call = calls.setdefault(d["index"], {"id": d.get("id"), "type": "function",
+                                                     "function": {"name": "", "arguments": ""}})
+                call["function"]["name"] += d.get("function", {}).get("name", "")
+                call["function"]["arguments"] += d.get("function", {}).get("arguments", "")
+            frames.append((time.perf_counter(), idx, choice["finish_reason"]))
+            finish = choice["finish_reason"] or finish
+    message = {"content": "".join(content) or None}
+    if calls:
+        message["tool_calls"] = [calls[i] for i in sorted(calls)]
     return {"choices": [{"message": message, "finish_reason": finish}], "usage": usage, "frames": frames}
 
 

@@ -107,8 +107,8 @@ def test_local_refs_are_written_out_and_recursive_ones_refused():
     assert a["properties"]["x"]["maximum"] == NUMBER_LIMIT and a["additionalProperties"] is False
     assert a["description"] == "start" and b["properties"]["b"]["type"] == "string"
     assert _ok({"a": {"x": 1}, "b": "n"}, b) and _ok({"a": {"x": 1}, "b": "n"}, params)
-    tree = {"type": "object", "$defs": {"node": {"type": "object", "properties": {
-        "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}}, "properties": {"root": {"$ref": "#/$defs/node"}}}
+    node = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}
+    tree = {"type": "object", "$defs": {"node": node}, "properties": {"root": {"$ref": "#/$defs/node"}}}
     with pytest.raises(InputError, match="recursive"):
         bounded(tree, 256)
     with pytest.raises(InputError, match="does not resolve"):

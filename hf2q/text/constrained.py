@@ -213,7 +213,7 @@ def for_tool_choice(tokenizer, syntax: str, tools: Sequence[Mapping], tool_choic
     if syntax in ("qwen", "generic"):
         schema = json.dumps(_call_schema(chosen, "arguments"), ensure_ascii=False)
         lark = (
-            f"start: {_calls('call', many, _lit(chr(10)) + '?')}\n"
+            f"start: {_calls('call', many, _MAY_NEWLINE)}\n"
             f'call: "<tool_call>" "\\n"? body "\\n"? "</tool_call>"\n'
             f"body: %json {schema}\n"
         )
@@ -230,7 +230,11 @@ def for_tool_choice(tokenizer, syntax: str, tools: Sequence[Mapping], tool_choic
 #
 # Free-text string values are "lazy" rules that end at their closing markup (llguidance's
 # ``suffix=``); typed values are inline JSON schemas. Required parameters come first, then
-# each optional one at most once, in schema order: no parameter can be written twice.
+# each optional one at most once, in schema order: no parameter can be written twice. Each
+# builder takes the tools, whether several calls may follow one another, and the string
+# budget (Gemma's nested strings use it; schema strings carry their own ``maxLength``).
+
+_MAY_NEWLINE = '"\\n"?'
 
 def _calls(item: str, many: bool, sep: str = "") -> str:
     """One ``item``, or (parallel calls) one or more with ``sep`` between: never a trailing extra."""
@@ -299,7 +303,7 @@ def _is_string(schema: Mapping) -> bool:
 
 
 def _qwen_xml_grammar(tools: Sequence[Mapping], many: bool, budget: int) -> str:
-    rules = [f"start: {_calls('call', many, _lit(chr(10)) + '?')}"]
+    rules = [f"start: {_calls('call', many, _MAY_NEWLINE)}"]
     forbidden = ("</parameter>", "</function>", "</tool_call>")
     calls = []
     for i, tool in enumerate(tools):
