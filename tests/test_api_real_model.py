@@ -103,8 +103,8 @@ async def post_all(c: httpx.AsyncClient, bodies: list[dict]) -> list[dict]:
     return out
 
 
-async def stream_call(c: httpx.AsyncClient, body: dict) -> tuple[list[dict], str]:
-    deltas, finish = [], None
+async def sse_chunks(c: httpx.AsyncClient, body: dict):
+    """The parsed ``data:`` chunks of a streamed chat completion, as they arrive (no error frame)."""
     async with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
         assert r.status_code == 200
         async for line in r.aiter_lines():
@@ -112,9 +112,15 @@ async def stream_call(c: httpx.AsyncClient, body: dict) -> tuple[list[dict], str
                 continue
             ch = json.loads(line[6:])
             assert "error" not in ch, ch
-            for choice in ch["choices"]:
-                deltas.extend(choice["delta"].get("tool_calls") or [])
-                finish = choice["finish_reason"] or finish
+            yield ch
+
+
+async def stream_call(c: httpx.AsyncClient, body: dict) -> tuple[list[dict], str]:
+    deltas, finish = [], None
+    async for ch in sse_chunks(c, body):
+        for choice in ch["choices"]:
+            deltas.extend(choice["delta"].get("tool_calls") or [])
+            finish = choice["finish_reason"] or finish
     return deltas, finish
 
 

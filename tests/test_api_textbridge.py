@@ -167,3 +167,73 @@ def test_forced_tool_choice_and_json_schema_get_a_constraint():
     assert model.prepare(parse_chat_request(body), 4096).params.constraint is not None
     body = {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS}
     assert model.prepare(parse_chat_request(body), 4096).params.constraint is None
+
+
+def _feed_until_stop(model, body: dict, completion: str):
+    """Feed ``completion`` the way the API does: stop feeding once the decoder ends the reply."""
+    decoder = model.prepare(parse_chat_request(body), 4096).new_decoder()
+    asm = MessageAssembler()
+    fed = 0
+    for t in model.tokenizer.encode(completion, add_special=False, parse_special=False):
+        fed += 1
+        for d in decoder.feed(t):
+            asm.add(d)
+        if decoder.stop_hit:
+            break
+    for d in decoder.finish():
+        asm.add(d)
+    return asm, decoder, fed
+
+
+def _generic_call(path: str) -> str:
+    return '<tool_call>{"name": "write_file", "arguments": {"path": "' + path + '", "text": "x"}}</tool_call>'
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_a_repeated_call_ends_the_reply_and_is_dropped(choice):
+    _, model = smollm2()  # no tool syntax of its own: the generic <tool_call> form
+    body = {"messages": [{"role": "user", "content": "write it"}], "tools": TOOLS, "tool_choice": choice}
+    first, other = _generic_call("a.py"), _generic_call("b.py")
+    asm, decoder, fed = _feed_until_stop(model, body, first + "\n" + other + "\n" + first + "\n" + other)
+    assert decoder.stop_hit and not decoder.truncated_call
+    assert [json.loads(c["function"]["arguments"])["path"] for c in asm.complete_calls] == ["a.py", "b.py"]
+    assert "".join(asm.content) == ""
+    # the reply ended as the repeat closed, not at the end of the text
+    assert fed == len(model.tokenizer.encode(first + "\n" + other + "\n" + first, add_special=False))
+    from hf2q.api.shapes import finish_reason_for
+
+    assert finish_reason_for("stop", asm) == "tool_calls"
+
+
+def test_parallel_tool_calls_false_allows_exactly_one_call():
+    _, model = smollm2()
+    body = {"messages": [{"role": "user", "content": "write it"}], "tools": TOOLS, "parallel_tool_calls": False}
+    first = _generic_call("a.py")
+    asm, decoder, fed = _feed_until_stop(model, body, first + "\n" + _generic_call("b.py") + " and more text")
+    assert decoder.stop_hit
+    (call,) = asm.complete_calls
+    assert json.loads(call["function"]["arguments"])["path"] == "a.py"
+    assert "".join(asm.content) == ""
+    assert fed == len(model.tokenizer.encode(first, add_special=False))
+    # with parallel calls allowed, both different calls come through
+    asm, decoder, _ = _feed_until_stop(model, {**body, "parallel_tool_calls": True},
+                                       first + "\n" + _generic_call("b.py"))
+    assert len(asm.complete_calls) == 2 and not decoder.stop_hit
+
+
+def test_the_forced_call_grammar_is_sized_by_the_request():
+    _, model = smollm2()
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS, "tool_choice": "required",
+            "parallel_tool_calls": False, "max_tokens": 40}
+    constraint = model.prepare(parse_chat_request(body), 4096).params.constraint
+    text = _generic_call("a.py")
+    for t in model.tokenizer.encode(text, add_special=False, parse_special=False):
+        constraint.advance(t)
+    assert constraint.is_finished()  # one call allowed, and it is complete
+    from hf2q.errors import InputError
+    from hf2q.text.bounded_schema import MIN_STRING
+
+    constraint = model.prepare(parse_chat_request(body), 4096).params.constraint
+    with pytest.raises(InputError):  # max_tokens 40 leaves each string the shortest bound
+        for t in model.tokenizer.encode(_generic_call("p" * (MIN_STRING + 1)), add_special=False):
+            constraint.advance(t)

@@ -243,3 +243,123 @@ def _vocab_tokenizer(path):
     if path not in _VOCABS:
         _VOCABS[path] = GGUFTokenizer.from_gguf(path)
     return _VOCABS[path]
+
+
+# ---------------------------------------------------------------------------- calls that always finish
+#
+# Texts written by hand in each syntax's own form, fed token by token: the grammar must take a
+# well-formed call and refuse what would let a small model go on forever.
+
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+_DS = "\uff5cDSML\uff5c"
+CALL_TEXT = {  # syntax → one call with {city} for the value (and {extra} for one more property's text)
+    "generic": '<tool_call>{{"name": "get_weather", "arguments": {{"city": "{city}"{extra}}}}}</tool_call>',
+    "qwen": '<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{city}"{extra}}}}}\n</tool_call>',
+    "llama3": '{{"name": "get_weather", "parameters": {{"city": "{city}"{extra}}}}}',
+    "qwen_xml": ("<tool_call>\n<function=get_weather>\n<parameter=city>\n{city}\n</parameter>\n{extra}"
+                 "</function>\n</tool_call>"),
+    "deepseek": (f'<{_DS}tool_calls>\n<{_DS}invoke name="get_weather">\n<{_DS}parameter name="city" string="true">'
+                 f"{{city}}</{_DS}parameter>\n{{extra}}</{_DS}invoke>\n</{_DS}tool_calls>"),
+    "gemma4": '<|tool_call>call:get_weather{{city:<|"|>{city}<|"|>{extra}}}<tool_call|>',
+}
+EXTRA = {"generic": ', "unit": "C"', "qwen": ', "unit": "C"', "llama3": ', "unit": "C"',
+         "qwen_xml": "<parameter=unit>\nC\n</parameter>\n",
+         "deepseek": f'<{_DS}parameter name="unit" string="true">C</{_DS}parameter>\n',
+         "gemma4": ',unit:<|"|>C<|"|>'}
+
+
+def _call(syntax: str, city: str = "Paris", extra: str = "") -> str:
+    return CALL_TEXT[syntax].format(city=city, extra=extra)
+
+
+def _accepts(tok, constraint, text: str) -> bool:
+    """Whether the grammar takes ``text`` (token by token) as a finished output."""
+    for t in tok.encode(text, add_special=False, parse_special=False):
+        try:
+            constraint.advance(t)
+        except InputError:
+            return False
+    return constraint.is_accepting()
+
+
+def _forced(tok, syntax, tools=WEATHER, choice=NAMED, **kw):
+    return constrained.for_tool_choice(tok, syntax, tools, choice, **kw)
+
+
+@pytest.mark.parametrize("syntax", sorted(CALL_TEXT))
+def test_a_call_is_taken_in_every_syntax(smollm2, syntax):
+    assert _accepts(smollm2, _forced(smollm2, syntax), _call(syntax))
+    assert _accepts(smollm2, _forced(smollm2, syntax, choice="required"), _call(syntax))
+
+
+@pytest.mark.parametrize("syntax", sorted(CALL_TEXT))
+def test_a_string_with_no_max_length_is_bounded_by_max_tokens(smollm2, syntax):
+    from hf2q.text.bounded_schema import string_budget
+
+    limit = string_budget(64)  # the only string of the call gets the whole budget
+    assert _accepts(smollm2, _forced(smollm2, syntax, max_tokens=64), _call(syntax, "x" * limit))
+    assert not _accepts(smollm2, _forced(smollm2, syntax, max_tokens=64), _call(syntax, "x" * (limit + 1)))
+    # the schema's own bound wins
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 3}}, "required": ["city"]}}}]
+    assert not _accepts(smollm2, _forced(smollm2, syntax, tools=tools, max_tokens=64), _call(syntax, "Rome"))
+
+
+@pytest.mark.parametrize("syntax", ["generic", "qwen", "llama3"])
+def test_json_bodies_refuse_whitespace_runs(smollm2, syntax):
+    good = _call(syntax)
+    assert _accepts(smollm2, _forced(smollm2, syntax), good)
+    args_key = "parameters" if syntax == "llama3" else "arguments"
+    body = '{"name": "get_weather", "%s": {"city": "Paris"}}' % args_key
+    start = good.index(body)
+    for loose in (body.replace(": ", ":  "), body.replace(", ", ",\n  "), body.replace("{", "{\n", 1),
+                  body.replace('"}}', '" }}'), body.replace(": ", ":")):
+        assert not _accepts(smollm2, _forced(smollm2, syntax), good[:start] + loose + good[start + len(body):]), loose
+
+
+@pytest.mark.parametrize("syntax", sorted(CALL_TEXT))
+def test_undeclared_properties_are_refused_unless_the_schema_allows_them(smollm2, syntax):
+    assert not _accepts(smollm2, _forced(smollm2, syntax), _call(syntax, extra=EXTRA[syntax]))
+    if syntax in ("generic", "qwen", "llama3"):  # JSON bodies can take properties the schema leaves open
+        open_tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+            **WEATHER[0]["function"]["parameters"], "additionalProperties": {"type": "string"}}}}]
+        assert _accepts(smollm2, _forced(smollm2, syntax, tools=open_tools), _call(syntax, extra=EXTRA[syntax]))
+
+
+@pytest.mark.parametrize("syntax", ["generic", "qwen", "qwen_xml", "deepseek", "gemma4"])
+def test_a_second_call_follows_only_when_parallel_calls_are_allowed(smollm2, syntax):
+    if syntax == "deepseek":  # one DSML block holds the reply's invokes
+        one = _call(syntax)
+        head, tail = one.split(f'<{_DS}invoke name="get_weather">', 1)
+        invoke = f'<{_DS}invoke name="get_weather">' + tail[: tail.index(f"</{_DS}tool_calls>")]
+        two = head + invoke + invoke.replace("Paris", "Rome") + f"</{_DS}tool_calls>"
+    else:
+        two = _call(syntax) + _call(syntax, "Rome")
+    assert _accepts(smollm2, _forced(smollm2, syntax, choice="required", parallel=True), two)
+    single = _forced(smollm2, syntax, choice="required", parallel=False)
+    assert not _accepts(smollm2, single, two)
+    single = _forced(smollm2, syntax, choice="required", parallel=False)
+    assert _accepts(smollm2, single, _call(syntax)) and single.is_finished()  # nothing but the end may follow
+
+
+def test_optional_markup_parameters_are_written_at_most_once(smollm2):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
+        "required": ["city"]}}}]
+    once = _call("qwen_xml", extra=EXTRA["qwen_xml"])
+    twice = _call("qwen_xml", extra=EXTRA["qwen_xml"] * 2)
+    assert _accepts(smollm2, _forced(smollm2, "qwen_xml", tools=tools), once)
+    assert not _accepts(smollm2, _forced(smollm2, "qwen_xml", tools=tools), twice)
+
+
+def test_a_tool_schema_with_defs_still_compiles_inside_the_call(smollm2):
+    tools = [{"type": "function", "function": {"name": "move", "parameters": {
+        "type": "object",
+        "$defs": {"pt": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}},
+        "properties": {"to": {"$ref": "#/$defs/pt"}}, "required": ["to"]}}}]
+    text = '<tool_call>{"name": "move", "arguments": {"to": {"x": 3}}}</tool_call>'
+    assert _accepts(smollm2, constrained.for_tool_choice(smollm2, "generic", tools, "required"), text)
+    assert not _accepts(smollm2, constrained.for_tool_choice(smollm2, "generic", tools, "required"),
+                        text.replace('{"x": 3}', '{"x": 3, "y": 4}'))

@@ -87,7 +87,7 @@ def _stop_matcher(stops: Sequence[str]):
     return StopStringMatcher(list(stops))
 
 
-def _constraint(tokenizer, req: ChatRequest, syntax):
+def _constraint(tokenizer, req: ChatRequest, syntax, max_tokens: int):
     """A ``SamplingParams.constraint`` for json_object / json_schema / forced tool calls, or None."""
     forced = req.tools_active and (req.tool_choice == "required" or req.forced_tool is not None)
     if req.response_format is None and not forced:
@@ -101,7 +101,8 @@ def _constraint(tokenizer, req: ChatRequest, syntax):
         return None  # forced tool calls then rest on the instructions alone
     try:
         return constrained.for_request(tokenizer, response_format=req.response_format, tools=list(req.tools),
-                                       tool_choice=req.tool_choice, syntax=syntax)
+                                       tool_choice=req.tool_choice, syntax=syntax,
+                                       parallel=req.parallel_tool_calls, max_tokens=max_tokens)
     except InputError as e:
         raise ApiError(400, str(e), code="invalid_value",
                        param="tool_choice" if forced else "response_format") from None
@@ -180,8 +181,9 @@ class GGUFChatModel:
         room = (max_context - len(ids)) if max_context else 4096
         max_tokens = min(req.max_tokens, room) if req.max_tokens else room
         bias = tuple((t, b) for t, b in req.logit_bias if 0 <= t < tok.vocab_size)
+        max_tokens = max(1, max_tokens)
         params = SamplingParams(
-            max_tokens=max(1, max_tokens),
+            max_tokens=max_tokens,
             temperature=DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
             top_p=DEFAULT_TOP_P if req.top_p is None else req.top_p,
             top_k=DEFAULT_TOP_K if req.top_k is None else max(0, req.top_k),
@@ -190,7 +192,7 @@ class GGUFChatModel:
             frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty, seed=req.seed,
             logit_bias=bias, logprobs=req.logprobs, top_logprobs=req.top_logprobs,
             stop_token_ids=frozenset(tok.eos_ids),
-            constraint=_constraint(tok, req, self.tool_syntax if req.tools_active else None))
+            constraint=_constraint(tok, req, self.tool_syntax if req.tools_active else None, max_tokens))
         thinking = bool(req.chat_template_kwargs.get("enable_thinking", True)) and req.reasoning_effort != "none"
         tools = list(req.tools) if req.tools_active else None
         syntax = self.tool_syntax if tools else None
@@ -199,7 +201,8 @@ class GGUFChatModel:
             return ChatOutputDecoder(
                 tok, req.stop,
                 tool_parser=_tool_parser(syntax, tools) if tools else None,
-                reasoning=_reasoning_splitter(self.template, text) if thinking else None)
+                reasoning=_reasoning_splitter(self.template, text) if thinking else None,
+                parallel_calls=req.parallel_tool_calls)
         return PreparedChat(ids, params, new_decoder)
 
     def decode_tokens(self, ids: Sequence[int]) -> str:
@@ -222,16 +225,27 @@ class GGUFEmbeddingModel:
 # ---- the per-request output pipeline ------------------------------------------------------------
 
 class ChatOutputDecoder:
-    """Generated ids → ``OutputDelta`` records (see the module docstring for the order)."""
+    """Generated ids → ``OutputDelta`` records (see the module docstring for the order).
 
-    def __init__(self, tokenizer, stops: Sequence[str], *, tool_parser=None, reasoning=None):
+    The reply's calls end the reply (``stop_hit``, as a stop string does) when a call repeats
+    one already made (a small model, once it has made a call, tends to make it again: that is
+    not a parallel call, and the repeat is dropped), and after the first call when
+    ``parallel_calls`` is off (``parallel_tool_calls: false`` allows exactly one).
+    """
+
+    def __init__(self, tokenizer, stops: Sequence[str], *, tool_parser=None, reasoning=None,
+                 parallel_calls: bool = True):
         from hf2q.text.tokenizer import IncrementalDetokenizer
 
         self._detok = IncrementalDetokenizer(tokenizer, skip_special=True)
         self._stops = _stop_matcher(stops) if stops else None
         self._tools = tool_parser
         self._reasoning = reasoning
+        self._parallel = parallel_calls
         self._index: dict[int, int] = {}  # parser's call index → ours
+        self._names: dict[int, str] = {}  # parser's call index → name, until its arguments come
+        self._made: set[tuple[str, str]] = set()  # (name, canonical arguments) of the calls emitted
+        self._calls_ended = False
         self.stop_hit = False
         self.truncated_call = False
 
@@ -269,6 +283,8 @@ class ChatOutputDecoder:
     def _content(self, text: str, final: bool) -> list[OutputDelta]:
         if self._tools is None:
             return [ContentDelta(text)] if text else []
+        if self._calls_ended:
+            return []  # whatever follows the reply's last call is not part of the reply
         events = self._tools.feed(text) if text else []
         if final:
             events += self._tools.finish()
@@ -279,13 +295,34 @@ class ChatOutputDecoder:
                 if ev.text:
                     out.append(ContentDelta(ev.text))
             elif kind == "ToolCallStart":
-                idx = len(self._index)
-                self._index[ev.index] = idx
-                out.append(ToolCallStart(idx, new_tool_call_id(), ev.name))
+                self._names[ev.index] = ev.name
             elif kind == "ToolCallArgsDelta":
                 # the parser emits a call's arguments once the call is closed: it is complete now
-                out.append(ToolCallArgs(self._index[ev.index], ev.text))
-                out.append(ToolCallEnd(self._index[ev.index]))
+                name = self._names.pop(ev.index)
+                if not self._admit_call(name, ev.text):
+                    break
+                idx = len(self._index)
+                self._index[ev.index] = idx
+                out += [ToolCallStart(idx, new_tool_call_id(), name), ToolCallArgs(idx, ev.text), ToolCallEnd(idx)]
+                if not self._parallel:
+                    self._end_calls()
+                    break
             elif kind == "ToolCallIncomplete":
                 self.truncated_call = True  # never emitted; the runtime's "length" becomes the finish reason
         return out
+
+    def _admit_call(self, name: str, arguments: str) -> bool:
+        """False (and the reply ends) for a call that repeats one this reply already made."""
+        try:
+            canonical = json.dumps(json.loads(arguments), sort_keys=True, ensure_ascii=False)
+        except ValueError:
+            canonical = arguments
+        if (name, canonical) in self._made:
+            self._end_calls()
+            return False
+        self._made.add((name, canonical))
+        return True
+
+    def _end_calls(self) -> None:
+        self._calls_ended = True
+        self.stop_hit = True

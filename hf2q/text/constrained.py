@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from hf2q.errors import InputError
+from hf2q.text.bounded_schema import JSON_LAYOUT, bounded, string_budget, with_layout
 
 _FACTORIES_LOCK = threading.Lock()
 
@@ -120,13 +121,10 @@ class GrammarConstraint:
 
 # ---------------------------------------------------------------------------- grammars
 
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
 def json_schema_grammar(schema: Mapping[str, Any] | bool) -> str:
     llg = _load_llguidance()
     try:
-        return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=_JSON_OPTIONS)
+        return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_LAYOUT)
     except (ValueError, TypeError) as exc:
         raise InputError(f"invalid JSON schema: {exc}") from None
 
@@ -152,19 +150,34 @@ def for_response_format(tokenizer, response_format: Mapping[str, Any] | None) ->
 
 
 def _call_schema(tools: Sequence[Mapping], args_key: str) -> dict:
+    """One JSON call object (``{"name": …, args_key: {…}}``) per tool, in the compact layout."""
     variants = []
     for tool in tools:
         fn = tool.get("function", tool)
-        params = fn.get("parameters") or {"type": "object"}
         variants.append(
             {
                 "type": "object",
-                "properties": {"name": {"const": fn["name"]}, args_key: params},
+                "properties": {"name": {"const": fn["name"]}, args_key: fn["parameters"]},
                 "required": ["name", args_key],
                 "additionalProperties": False,
             }
         )
-    return variants[0] if len(variants) == 1 else {"anyOf": variants}
+    return with_layout(variants[0] if len(variants) == 1 else {"anyOf": variants})
+
+
+def _json_value(schema: Mapping) -> str:
+    """A Lark ``%json`` item for one (already bounded) value schema."""
+    return "%json " + json.dumps(with_layout(schema), ensure_ascii=False)
+
+
+def _bounded_tools(tools: Sequence[Mapping], max_tokens: int | None, free: str | None = None) -> list[dict]:
+    """The tools' functions with finite argument schemas (:mod:`hf2q.text.bounded_schema`)."""
+    out = []
+    for tool in tools:
+        fn = dict(tool.get("function", tool))
+        fn["parameters"] = bounded(fn.get("parameters"), max_tokens, free)
+        out.append(fn)
+    return out
 
 
 def _selected_tools(tools: Sequence[Mapping], tool_choice: Any) -> list[Mapping]:
@@ -177,30 +190,37 @@ def _selected_tools(tools: Sequence[Mapping], tool_choice: Any) -> list[Mapping]
     return list(tools)
 
 
-def for_tool_choice(tokenizer, syntax: str, tools: Sequence[Mapping], tool_choice: Any, parallel: bool = True) -> GrammarConstraint | None:
+def for_tool_choice(tokenizer, syntax: str, tools: Sequence[Mapping], tool_choice: Any, parallel: bool = True,
+                    max_tokens: int | None = None) -> GrammarConstraint | None:
     """Force a tool call for ``tool_choice`` ``required`` or ``{"type": "function", ...}``.
 
     The grammar writes the call in the model's own syntax (see :mod:`hf2q.text.toolcalls`):
     JSON bodies for ``qwen``/``generic``/``llama3``, the XML-ish markup of ``qwen_xml`` and
     ``deepseek``, Gemma 4's ``call:NAME{…}``. Returns None for ``auto``/``none``.
+
+    Every value is finite (:func:`hf2q.text.bounded_schema.bounded`, sized by ``max_tokens``)
+    and JSON is compact, so a call closes as soon as its schema allows. Only ``required`` with
+    ``parallel`` lets further calls follow; a further call that repeats an earlier one is the
+    reply decoder's to cut (a grammar cannot compare two calls).
     """
     if tool_choice in (None, "auto", "none"):
         return None
     if not tools:
         raise InputError("tool_choice requires a non-empty tools list")
-    chosen = _selected_tools(tools, tool_choice)
-    repeat = "+" if parallel and not isinstance(tool_choice, Mapping) else ""
+    free = "string" if syntax in _MARKUP_GRAMMARS else None  # markup writes shapeless values verbatim
+    chosen = _bounded_tools(_selected_tools(tools, tool_choice), max_tokens, free)
+    many = parallel and not isinstance(tool_choice, Mapping)
     if syntax in ("qwen", "generic"):
-        schema = json.dumps(_call_schema(chosen, "arguments"))
+        schema = json.dumps(_call_schema(chosen, "arguments"), ensure_ascii=False)
         lark = (
-            f'start: (call "\\n"?){repeat}\n'
+            f"start: {_calls('call', many, _MAY_NEWLINE)}\n"
             f'call: "<tool_call>" "\\n"? body "\\n"? "</tool_call>"\n'
             f"body: %json {schema}\n"
         )
     elif syntax == "llama3":
         return GrammarConstraint(tokenizer, json_schema_grammar(_call_schema(chosen, "parameters")), description="tool call")
     elif syntax in _MARKUP_GRAMMARS:
-        lark = _MARKUP_GRAMMARS[syntax](chosen, repeat)
+        lark = _MARKUP_GRAMMARS[syntax](chosen, many, string_budget(max_tokens))
     else:
         raise InputError(f"tool_choice {tool_choice!r} is not supported for the {syntax} tool-call syntax; use auto")
     return GrammarConstraint(tokenizer, _load_llguidance().LLMatcher.grammar_from_lark(lark), description="tool call")
@@ -209,7 +229,17 @@ def for_tool_choice(tokenizer, syntax: str, tools: Sequence[Mapping], tool_choic
 # ---- call grammars for the markup syntaxes (Lark, as llguidance reads it) ----------------------
 #
 # Free-text string values are "lazy" rules that end at their closing markup (llguidance's
-# ``suffix=``); typed values are inline JSON schemas. Parameters may come in any order.
+# ``suffix=``); typed values are inline JSON schemas. Required parameters come first, then
+# each optional one at most once, in schema order: no parameter can be written twice. Each
+# builder takes the tools, whether several calls may follow one another, and the string
+# budget (Gemma's nested strings use it; schema strings carry their own ``maxLength``).
+
+_MAY_NEWLINE = '"\\n"?'
+
+def _calls(item: str, many: bool, sep: str = "") -> str:
+    """One ``item``, or (parallel calls) one or more with ``sep`` between: never a trailing extra."""
+    return f"{item} ({sep + ' ' if sep else ''}{item})*" if many else item
+
 
 def _lit(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
@@ -251,27 +281,29 @@ def _required(fn: Mapping) -> list[str]:
 
 
 def _param_sequence(fn: Mapping, rule_of: dict[str, str], sep: str = "") -> str:
-    """Required parameters first, in schema order; then any optional ones, any order."""
+    """Required parameters first (in ``required`` order), then each optional one at most once."""
     required = [rule_of[r] for r in _required(fn) if r in rule_of]
     optional = [rule for name, rule in rule_of.items() if name not in _required(fn)]
-    joiner = f" {sep} " if sep else " "
-    parts = [joiner.join(required)] if required else []
-    if optional:
-        alt = f"({' | '.join(optional)})"
-        if required:
-            parts.append(f"({sep + ' ' if sep else ''}{alt})*")
-        else:
-            parts.append(f"({alt} ({sep + ' ' if sep else ''}{alt})*)?" if sep else f"{alt}*")
-    return " ".join(parts)
+    lead = f"{sep} " if sep else ""
+    joiner = f" {lead}"
+    if required:
+        return " ".join([joiner.join(required)] + [f"({lead}{o})?" for o in optional])
+    if not optional:
+        return ""
+    # no required parameter: the first one written takes no separator
+    firsts = [" ".join([o] + [f"({lead}{p})?" for p in optional[k + 1 :]]) for k, o in enumerate(optional)]
+    return "(" + " | ".join(f"({f})" for f in firsts) + ")?"
 
 
 def _is_string(schema: Mapping) -> bool:
+    """Written verbatim (as the parsers read it back: :func:`hf2q.text.call_formats._coerce`)."""
     t = schema.get("type")
-    return t == "string" or (t is None and "enum" not in schema and "const" not in schema)
+    return t == "string" or (isinstance(t, list) and "string" in t) or (
+        t is None and "enum" not in schema and "const" not in schema)
 
 
-def _qwen_xml_grammar(tools: Sequence[Mapping], repeat: str) -> str:
-    rules = [f"start: call{repeat}"]
+def _qwen_xml_grammar(tools: Sequence[Mapping], many: bool, budget: int) -> str:
+    rules = [f"start: {_calls('call', many, _MAY_NEWLINE)}"]
     forbidden = ("</parameter>", "</function>", "</tool_call>")
     calls = []
     for i, tool in enumerate(tools):
@@ -283,11 +315,11 @@ def _qwen_xml_grammar(tools: Sequence[Mapping], repeat: str) -> str:
                 value = _string_value(rules, f"s{i}_{j}", schema, "\n</parameter>\n", forbidden)
                 rules.append(f"p{i}_{j}: {head} {value}")
             else:
-                rules.append(f'p{i}_{j}: {head} %json {json.dumps(schema)} "\\n</parameter>\\n"')
+                rules.append(f'p{i}_{j}: {head} {_json_value(schema)} "\\n</parameter>\\n"')
             rule_of[name] = f"p{i}_{j}"
         body = _param_sequence(fn, rule_of)
         rules.append(f'c{i}: {_lit("<tool_call>" + chr(10) + "<function=" + fn["name"] + ">" + chr(10))} {body} '
-                     f'"</function>\\n</tool_call>" "\\n"?')
+                     f'"</function>\\n</tool_call>"')
         calls.append(f"c{i}")
     rules.append(f"call: {' | '.join(calls)}")
     return "\n".join(rules) + "\n"
@@ -300,10 +332,10 @@ def _dsml(tag: str) -> str:
     return "<" + _DSML + tag + ">"
 
 
-def _deepseek_grammar(tools: Sequence[Mapping], repeat: str) -> str:
+def _deepseek_grammar(tools: Sequence[Mapping], many: bool, budget: int) -> str:
     end_param = _dsml("/parameter").replace("<" + _DSML + "/", "</" + _DSML) + "\n"
     rules = [
-        f"start: {_lit(_dsml('tool_calls') + chr(10))} invoke{repeat} {_lit('</' + _DSML + 'tool_calls>')}",
+        f"start: {_lit(_dsml('tool_calls') + chr(10))} {_calls('invoke', many)} {_lit('</' + _DSML + 'tool_calls>')}",
     ]
     forbidden = (end_param.strip(), "</" + _DSML + "invoke>", "</" + _DSML + "tool_calls>")
     invokes = []
@@ -316,7 +348,7 @@ def _deepseek_grammar(tools: Sequence[Mapping], repeat: str) -> str:
             if as_string:
                 value = _string_value(rules, f"s{i}_{j}", schema, end_param, forbidden)
             else:
-                value = f"%json {json.dumps(schema)} {_lit(end_param)}"
+                value = f"{_json_value(schema)} {_lit(end_param)}"
             rules.append(f"p{i}_{j}: {head} {value}")
             rule_of[name] = f"p{i}_{j}"
         body = _param_sequence(fn, rule_of)
@@ -327,14 +359,15 @@ def _deepseek_grammar(tools: Sequence[Mapping], repeat: str) -> str:
     return "\n".join(rules) + "\n"
 
 
-def _gemma4_grammar(tools: Sequence[Mapping], repeat: str) -> str:
+def _gemma4_grammar(tools: Sequence[Mapping], many: bool, budget: int) -> str:
     q = '<|"|>'
+    number = _json_value(bounded({"type": "number"}, None))
     rules = [
-        f"start: call{repeat}",
+        f"start: {_calls('call', many)}",
         f"gstr: {_lit(q)} sval",
-        f"sval[suffix={_lit(q)}]: " + _text_without((q, "<tool_call|>")),
+        f"sval[suffix={_lit(q)}]: " + _text_without((q, "<tool_call|>"), 0, budget),
         # Gemma's own notation for nested values: unquoted keys, <|"|>-quoted strings
-        'gval: gstr | %json {"type": "number"} | "true" | "false" | gobj | garr',
+        f'gval: gstr | {number} | "true" | "false" | gobj | garr',
         'gobj: "{" (GKEY ":" gval ("," GKEY ":" gval)*)? "}"',
         'garr: "[" (gval ("," gval)*)? "]"',
         "GKEY: /[A-Za-z_][A-Za-z0-9_]*/",
@@ -348,7 +381,7 @@ def _gemma4_grammar(tools: Sequence[Mapping], repeat: str) -> str:
             if _is_string(schema):
                 value = f"{_lit(q)} " + _string_value(rules, f"s{i}_{j}", schema, q, (q, "<tool_call|>"))
             elif t in ("integer", "number"):
-                value = f"%json {json.dumps({'type': t})}"
+                value = _json_value(schema)
             elif t == "boolean":
                 value = '("true" | "false")'
             else:
@@ -372,15 +405,16 @@ def for_request(
     tools: Sequence[Mapping] | None = None,
     tool_choice: Any = None,
     syntax: str | None = None,
+    parallel: bool = True,
+    max_tokens: int | None = None,
 ) -> GrammarConstraint | None:
     """The one constraint an OpenAI chat request needs, or None.
 
     A forced tool call (``tool_choice`` ``required`` / named) wins over ``response_format``
-    because the reply is then a call, not a message. Syntaxes we have no call grammar for
-    (``qwen_xml``, ``gemma4``, ``deepseek``) return None: the template's own instructions
-    and the parser still apply, only without a hard guarantee.
+    because the reply is then a call, not a message. ``parallel`` is the request's
+    ``parallel_tool_calls`` and ``max_tokens`` its budget, which sizes the call's value bounds.
     """
     forced = bool(tools) and tool_choice not in (None, "auto", "none")
     if forced and syntax is not None:
-        return for_tool_choice(tokenizer, syntax, tools, tool_choice)
+        return for_tool_choice(tokenizer, syntax, tools, tool_choice, parallel=parallel, max_tokens=max_tokens)
     return for_response_format(tokenizer, response_format)
