@@ -4,7 +4,8 @@
 engine thread exists; only code reached from the engine thread imports MLX, so the check
 cannot ask ``mlx.core``. MLX's default device is its GPU whenever its GPU back-end is
 installed and finds a device: Metal on macOS (``mlx-metal``, memory shared with the system),
-CUDA on Linux (an ``mlx-cuda-*`` wheel and a visible NVIDIA device, whose memory NVML reports).
+CUDA on Linux (an ``mlx-cuda-*`` wheel and a visible NVIDIA device, whose total memory we read from
+NVML, as MLX's own CUDA ``device_info`` does).
 Otherwise it is the CPU and the system's RAM. ``tests/test_memory_plan.py`` checks this guess
 against MLX itself.
 """
