@@ -1,4 +1,4 @@
-"""``hf2q info MODEL.gguf``: a static preflight of one GGUF (SPEC §1).
+"""``hf2q info MODEL.gguf``: a static preflight of one GGUF.
 
 Reads only the header and metadata (tensor data stays memory-mapped and untouched), so
 it answers in well under a second for any size. It reports what the engine would do
