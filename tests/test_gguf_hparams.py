@@ -179,3 +179,21 @@ def test_extra_keys_are_only_those_gguf_lacks():
     exact, _ = _gguf_key_names()
     ours = [v for k, v in vars(ExtraKeys).items() if not k.startswith("_") and isinstance(v, str)]
     assert ours and not set(ours) & exact
+
+
+def test_an_encoder_without_context_length_stops_at_its_learned_positions(tiny_checkpoint, tmp_path):
+    """llama.cpp refuses a file without ``context_length``; hf2q defaults it (4096), and a BERT encoder
+    never goes past the rows of its position embedding."""
+    import mlx.core as mx
+
+    from hf2q.cli import main
+    from hf2q.engine.models import build_model
+
+    full = tmp_path / "bert.gguf"
+    assert main(["convert", str(tiny_checkpoint("bert")), "-q", "f32", "-o", str(full), "--no-integrity"]) == 0
+    stripped = tmp_path / "bert-no-ctx.gguf"
+    _copy_without(full, stripped, {"context_length"})
+    g = open_gguf(stripped)
+    assert g.hparams.stored(Keys.LLM.CONTEXT_LENGTH) is None and g.hparams.n_ctx_train == 4096
+    rows = g.tensor("position_embd.weight").shape[0]
+    assert build_model(g, mx.float32).cfg.n_ctx_train == rows == open_gguf(full).hparams.n_ctx_train
