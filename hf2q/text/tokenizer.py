@@ -199,7 +199,7 @@ class GGUFTokenizer:
         if kind in ("gpt2", "gemma4"):
             raw_merges = meta.get(Keys.Tokenizer.MERGES)
             if raw_merges is None:
-                raise InputError(f"{source}: BPE vocabulary without tokenizer.ggml.merges")
+                raise InputError(f"{source}: BPE vocabulary without {Keys.Tokenizer.MERGES}")
             merges = []
             for m in raw_merges:
                 s = m.decode("utf-8", errors="replace") if isinstance(m, bytes) else str(m)
@@ -224,7 +224,7 @@ class GGUFTokenizer:
         elif kind == "llama":
             scores = meta.get(Keys.Tokenizer.SCORES)
             if scores is None:
-                raise InputError(f"{source}: SentencePiece vocabulary without tokenizer.ggml.scores")
+                raise InputError(f"{source}: SentencePiece vocabulary without {Keys.Tokenizer.SCORES}")
             vocab = self._vocab_dict(texts)
             merges = _spm_merges(vocab, np.asarray(scores, dtype=np.float32), self._types)
             unk = texts[self.unk_id] if self.unk_id is not None and 0 <= self.unk_id < len(texts) else None
