@@ -29,7 +29,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import hf2q.engine  # noqa: E402,F401 — optimised BLAS before MLX
+from hf2q.engine.factory import prepare_mlx  # noqa: E402
+
+prepare_mlx()  # the fast CPU BLAS before MLX
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 

@@ -24,7 +24,9 @@ sys.path.insert(0, str(ROOT))
 
 from common import chat_model, emit  # noqa: E402 (bench/ is on the path of a bench script)
 
-import hf2q.engine  # noqa: E402,F401 — optimised BLAS before MLX
+from hf2q.engine.factory import prepare_mlx  # noqa: E402
+
+prepare_mlx()  # the fast CPU BLAS before MLX
 import numpy as np  # noqa: E402
 
 

@@ -39,22 +39,11 @@ from common import emit  # noqa: E402
 
 
 def kv_shapes_from_gguf(path: str) -> dict:
-    import gguf
+    from hf2q.formats.gguf_file import open_gguf
 
-    r = gguf.GGUFReader(path)
-
-    def field(suffix):
-        for k, f in r.fields.items():
-            if k.endswith(suffix) and f.data:
-                return int(f.parts[f.data[0]][0])
-        raise KeyError(suffix)
-
-    n_layer, n_head, n_kv = field(".block_count"), field(".attention.head_count"), field(".attention.head_count_kv")
-    try:
-        head_dim = field(".attention.key_length")
-    except KeyError:
-        head_dim = field(".embedding_length") // n_head
-    return {"n_layer": n_layer, "n_kv_heads": n_kv, "head_dim": head_dim}
+    hp = open_gguf(path).hparams
+    _, n_kv = hp.uniform_heads()
+    return {"n_layer": hp.n_layers, "n_kv_heads": n_kv, "head_dim": hp.key_length}
 
 
 def make_block_arrays(shapes: dict, rng, dtype=np.float16) -> dict[str, np.ndarray]:

@@ -3,18 +3,20 @@
 Each check is a small function returning a ``Check`` (ok / warn / fail + a one-line detail).
 *Core* checks — Python version, the core libraries, MLX and its device — decide the exit
 code (0 when all pass, 1 otherwise); the rest are advice: free disk in the cache, what is
-cached, optional dependencies, the BLAS MLX runs on (Linux CPU wheels link a slow reference
-BLAS: see docs), and whether a stock llama.cpp build is around for parity tests.
+cached, optional dependencies, the BLAS MLX runs on after hf2q's own OpenBLAS preload (Linux
+CPU wheels link a slow reference BLAS), and whether a stock llama.cpp build is around for parity tests.
 Nothing here downloads, builds or loads a model, so doctor is quick and safe to run anywhere.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib
 import importlib.metadata
 import importlib.util
 import json
+import os
 import platform
 import shutil
 import sys
@@ -31,6 +33,7 @@ OPTIONAL_LIBS = {"mlx_lm": "mlx-lm", "torch": "torch", "transformers": "transfor
                  "llguidance": "llguidance", "sentencepiece": "sentencepiece", "openai": "openai"}
 LOW_DISK_BYTES = 10 << 30
 _BLAS_HINTS = ("openblas", "mkl", "blis", "libblas", "libcblas", "accelerate", "atlas", "flexiblas")
+_FAST_BLAS = ("openblas", "mkl", "blis", "flexiblas")
 
 
 @attrs.frozen
@@ -103,18 +106,81 @@ def loaded_blas_libraries() -> list[str]:
     return sorted(p for p in libs if any(h in Path(p).name.lower() for h in _BLAS_HINTS))
 
 
-def check_blas(mlx_check: Check) -> Check:
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+
+def _sgemm_address(lib: ctypes.CDLL) -> int | None:
+    try:
+        return ctypes.cast(lib.cblas_sgemm, ctypes.c_void_p).value
+    except AttributeError:
+        return None
+
+
+def _file_of(address: int) -> str | None:
+    try:
+        dladdr = ctypes.CDLL(None).dladdr
+    except AttributeError:
+        return None
+    dladdr.argtypes, dladdr.restype = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)], ctypes.c_int
+    info = _DlInfo()
+    if not dladdr(address, ctypes.byref(info)) or not info.dli_fname:
+        return None
+    return os.path.realpath(info.dli_fname.decode())
+
+
+def blas_in_use() -> str | None:
+    """The library MLX's ``cblas_sgemm`` calls bind to: the first definition in the process's global
+    symbol scope (hf2q's preload, or an ``LD_PRELOAD``), else the one MLX's own library links."""
+    address = _sgemm_address(ctypes.CDLL(None))
+    if address:
+        return _file_of(address)
+    for path in loaded_blas_libraries():
+        try:
+            address = _sgemm_address(ctypes.CDLL(path))
+        except OSError:
+            continue
+        if address:
+            return _file_of(address) or path
+    return None
+
+
+def blas_vendor(path: str) -> str | None:
+    """The library's own description of itself (OpenBLAS's build config, BLIS's version), if it has one."""
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError:
+        return None
+    for fn_name in ("openblas_get_config", "bli_info_get_version_str"):
+        fn = getattr(lib, fn_name, None)
+        if fn is not None:
+            fn.restype = ctypes.c_char_p
+            text = fn()
+            return text.decode(errors="replace").strip() if text else None
+    return None
+
+
+def check_blas(mlx_check: Check, preload_status: str = "") -> Check:
+    """Reports the BLAS MLX really calls after hf2q's own preload (``hf2q.engine.factory.prepare_mlx``);
+    warns only when that is a reference BLAS on MLX's CPU back-end."""
     if sys.platform == "darwin":
         return Check("blas", "ok", "Accelerate (macOS)", data={"libraries": ["Accelerate"]})
     libs = loaded_blas_libraries()
-    names = [Path(p).name for p in libs]
-    fast = [n for n in names if any(h in n.lower() for h in ("openblas", "mkl", "blis", "flexiblas"))]
-    data = {"libraries": libs}
+    used = blas_in_use()
+    vendor = blas_vendor(used) if used else None
+    data = {"libraries": libs, "in_use": used, "vendor": vendor, "preload": preload_status}
+    name = Path(used).name if used else ""
+    fast = any(h in name.lower() for h in _FAST_BLAS) or any(h in (vendor or "").lower() for h in _FAST_BLAS)
     if mlx_check.data.get("backend") == "cpu" and not fast:
-        return Check("blas", "warn", ("reference BLAS " + ", ".join(names) if names else "no optimised BLAS loaded")
-                     + " — MLX CPU float32 matmul will be slow; LD_PRELOAD an OpenBLAS (e.g. libopenblas0-pthread)",
-                     data=data)
-    return Check("blas", "ok", ", ".join(names) or "none needed on the GPU backend", data=data)
+        why = f" ({preload_status})" if preload_status and not preload_status.startswith("openblas") else ""
+        fix = ("unset HF2Q_NO_FAST_BLAS" if preload_status.startswith("disabled")
+               else "install cmeel-openblas (pip install 'hf2q[cpu]')")
+        return Check("blas", "warn", (f"reference BLAS {used}" if used else "no BLAS found") + why
+                     + f" — MLX CPU float32 matmul will be slow; {fix}", data=data)
+    if not used:
+        return Check("blas", "ok", "none needed on the GPU backend", data=data)
+    return Check("blas", "ok", used + (f" — {vendor}" if vendor else ""), data=data)
 
 
 def check_disk(root: Path) -> Check:
@@ -204,10 +270,13 @@ def check_kernel_builds() -> Check:
 
 
 def run_checks() -> list[Check]:
+    from hf2q.engine.factory import prepare_mlx
+
     root = cache_root()
+    preload = prepare_mlx()  # what hf2q itself does before MLX, so the BLAS found is the one serving gets
     mlx = check_mlx()
-    return [check_python(), check_core_libs(), mlx, check_blas(mlx), check_disk(root), check_model_cache(root),
-            check_optional(), check_llama_cpp(root), check_kernel_builds()]
+    return [check_python(), check_core_libs(), mlx, check_blas(mlx, preload), check_disk(root),
+            check_model_cache(root), check_optional(), check_llama_cpp(root), check_kernel_builds()]
 
 
 def run(args: argparse.Namespace) -> int:

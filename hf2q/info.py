@@ -15,37 +15,20 @@ from typing import Any
 from gguf import GGMLQuantizationType as T
 
 from hf2q.errors import EXIT_INPUT, EXIT_OK, InputError
-from hf2q.formats.gguf_file import GGUFFile, open_gguf
+from hf2q.formats.gguf_file import open_gguf
+from hf2q.formats.gguf_hparams import ENCODER_ARCHS
+from hf2q.formats.gguf_keys import Keys
 
 SUPPORTED_TYPES = {T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K,
                    T.Q6_K}
-EMBEDDING_ARCHS = {"bert"}
+EMBEDDING_ARCHS = ENCODER_ARCHS
 
 
 def kv_dtype_bytes() -> int:
     """Bytes per KV element in the engine on this machine (float32 on CPU, float16 on GPU)."""
-    try:
-        import hf2q.engine  # noqa: F401 — loads the fast BLAS before MLX
-        import mlx.core as mx
+    from hf2q.engine.device_probe import probe
 
-        return 4 if mx.default_device() == mx.cpu else 2
-    except ImportError:
-        return 2
-
-
-def kv_bytes_per_token(g: GGUFFile, elem_bytes: int) -> int:
-    """All layers, K and V: ``layers × kv_heads × (key_len + value_len) × elem_bytes``."""
-    if g.arch in EMBEDDING_ARCHS:
-        return 0
-    n_layers = int(g.require(".block_count"))
-    hidden = int(g.require(".embedding_length"))
-    n_heads = g.require(".attention.head_count")
-    n_kv = g.get(".attention.head_count_kv", n_heads)
-    heads = max(n_heads) if isinstance(n_heads, list) else int(n_heads)
-    kv = max(n_kv) if isinstance(n_kv, list) else int(n_kv)
-    k_len = int(g.get(".attention.key_length", hidden // heads))
-    v_len = int(g.get(".attention.value_length", k_len))
-    return n_layers * kv * (k_len + v_len) * elem_bytes
+    return probe().activation_bytes()
 
 
 def _human(n: int) -> str:
@@ -77,18 +60,19 @@ def inspect(path, ctx: int | None = None, slots: int = 4, kv_budget: int | None 
             reasons.append(str(e).split(": ", 1)[-1])
         except (KeyError, ValueError, TypeError) as e:
             reasons.append(f"unreadable model metadata ({e})")
-    tokens = g.get("tokenizer.ggml.tokens")
-    tok_model = g.get("tokenizer.ggml.model")
+    hp = g.hparams
+    tokens = g.get(Keys.Tokenizer.LIST)
+    tok_model = g.get(Keys.Tokenizer.MODEL)
     has_tokenizer = bool(tokens) and bool(tok_model)
     if not has_tokenizer:
-        reasons.append("no tokenizer metadata (tokenizer.ggml.model / tokens)")
-    template = g.get("tokenizer.chat_template")
-    n_ctx_train = int(g.get(".context_length", 0) or 0)
+        reasons.append(f"no tokenizer metadata ({Keys.Tokenizer.MODEL} / tokens)")
+    template = g.get(Keys.Tokenizer.CHAT_TEMPLATE)
+    n_ctx_train = hp.n_ctx_train
     ctx = int(ctx or n_ctx_train or 0)
     kind = "embedding" if arch in EMBEDDING_ARCHS else "chat"
     elem = kv_dtype_bytes()
     try:
-        per_token = kv_bytes_per_token(g, elem)
+        per_token = hp.kv_bytes_per_token(elem)
     except InputError as e:
         per_token = 0
         reasons.append(str(e).split(": ", 1)[-1])
@@ -101,12 +85,12 @@ def inspect(path, ctx: int | None = None, slots: int = 4, kv_budget: int | None 
                        f"({_human(per_slot)})")
     return {
         "path": str(g.path), "architecture": arch, "family": arch, "kind": kind,
-        "name": g.get("general.name"), "file_type": g.get("general.file_type"),
+        "name": g.get(Keys.General.NAME), "file_type": g.get(Keys.General.FILE_TYPE),
         "tensor_count": len(g.tensors), "tensor_bytes": g.tensor_bytes, "file_bytes": g.file_bytes,
         "quant_mix": g.type_counts(),
         "parameters": sum(t.n_elements for t in g.tensors.values()),
         "context_length": n_ctx_train, "ctx": ctx, "slots": slots,
-        "layers": g.get(".block_count"), "embedding_length": g.get(".embedding_length"),
+        "layers": hp.stored(Keys.LLM.BLOCK_COUNT), "embedding_length": hp.stored(Keys.LLM.EMBEDDING_LENGTH),
         "tokenizer": tok_model if has_tokenizer else None, "vocab_size": len(tokens) if tokens else 0,
         "chat_template": bool(template),
         "kv_dtype_bytes": elem, "kv_bytes_per_token": per_token, "kv_bytes_per_slot": per_slot,

@@ -25,6 +25,12 @@ from hf2q.paths import cache_root
 # a value set by the caller (CI, an engineer) wins.
 os.environ.setdefault("HF2Q_CACHE", str(cache_root()))
 
+# Engine tests build runners themselves, not through hf2q.engine.factory.load_runner: ready the
+# process for MLX (the fast CPU BLAS) the same way, before any test module imports mlx.
+from hf2q.engine.factory import prepare_mlx  # noqa: E402
+
+prepare_mlx()
+
 
 # ---------------------------------------------------------------------------- test models
 

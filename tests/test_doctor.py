@@ -97,3 +97,52 @@ def test_low_disk_is_a_warning_not_a_failure(free, status, monkeypatch, tmp_path
     monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(200 << 30, 0, free))
     c = doctor.check_disk(tmp_path / "not" / "yet")
     assert c.status == status and not c.core and c.data["free_bytes"] == free
+
+
+def _doctor_in_fresh_process(**env_extra) -> dict:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPENBLAS_") and k != "HF2Q_NO_FAST_BLAS"}
+    env.update(env_extra)
+    r = subprocess.run([sys.executable, "-m", "hf2q", "doctor", "--json"], capture_output=True, text=True,
+                       timeout=300, env=env, check=False)
+    assert r.returncode == 0, r.stderr
+    return _checks(r.stdout)[1]["blas"]
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="Linux CPU wheels only")
+def test_blas_check_reports_the_openblas_hf2q_preloads():
+    """With cmeel-openblas installed, doctor does hf2q's own preload and names that library (the one
+    the package ships) and its version — no "reference BLAS" warning."""
+    import os
+
+    try:
+        dist = importlib.metadata.distribution("cmeel-openblas")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("cmeel-openblas is not installed")
+    shipped = [os.path.realpath(dist.locate_file(f)) for f in dist.files or () if f.name == "libopenblas.so.0"]
+    assert shipped
+    blas = _doctor_in_fresh_process()
+    assert blas["status"] == "ok", blas
+    assert blas["data"]["in_use"] in shipped
+    assert blas["data"]["vendor"].startswith(f"OpenBLAS {dist.version.split('.post')[0]}"), blas
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or shutil.which("ldd") is None, reason="needs Linux ldd")
+def test_blas_check_warns_when_mlx_is_left_on_its_reference_blas():
+    """Without the preload MLX calls the BLAS its own library links (``ldd``): that one is named, with a warning."""
+    import subprocess
+    from pathlib import Path
+
+    import mlx.core as mx
+
+    lib = Path(mx.__file__).parent / "lib" / "libmlx.so"
+    ldd = subprocess.run(["ldd", str(lib)], capture_output=True, text=True, check=True).stdout
+    linked = [line.split()[0] for line in ldd.splitlines() if line.split()[0].startswith("libblas")]
+    if not linked:
+        pytest.skip(f"this MLX links no reference BLAS: {ldd}")
+    blas = _doctor_in_fresh_process(HF2Q_NO_FAST_BLAS="1")
+    assert blas["status"] == "warn" and "reference BLAS" in blas["detail"]
+    assert Path(blas["data"]["in_use"]).name == linked[0]

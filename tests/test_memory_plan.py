@@ -70,3 +70,31 @@ def test_serve_refuses_before_starting(tiny_quant, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 3
     assert len(err) == 1 and "--memory-limit" in err[0] and "Traceback" not in err[0]
+
+
+def test_device_probe_agrees_with_mlx():
+    """The memory plan's device facts come without MLX (``device_probe``); MLX itself says the same."""
+    import psutil
+
+    from hf2q.engine.device_probe import probe
+    from hf2q.engine.runner import compute_dtype
+
+    facts = probe()
+    assert facts.kind == mx.default_device().type.name
+    info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
+    assert facts.memory == int(info.get("memory_size") or info.get("total_memory") or psutil.virtual_memory().total)
+    assert facts.activation_bytes() == compute_dtype("llama").size == compute_dtype("gemma3").size
+
+
+def test_check_model_takes_the_device_it_is_given(tiny_quant):
+    """A GPU's smaller activations and the device's own memory enter the plan: the same model fits
+    a 16-bit device with twice the KV room that a 32-bit one lacks."""
+    from hf2q.engine.device_probe import DeviceFacts
+    from hf2q.engine.memory_plan import check_model
+
+    g = open_gguf(tiny_quant("q8_0"))
+    cpu = check_model(g, 1, ctx=256, slots=2, kv_budget=None, limit=None, device=DeviceFacts("cpu", "cpu", 1 << 40))
+    gpu = check_model(g, 1, ctx=256, slots=2, kv_budget=None, limit=None, device=DeviceFacts("gpu", "cuda", 1 << 40))
+    assert cpu.kv == 2 * 256 * g.hparams.kv_bytes_per_token(4) and gpu.kv == cpu.kv // 2
+    with pytest.raises(InputError, match="--memory-limit"):
+        check_model(g, 1, ctx=256, slots=2, kv_budget=None, limit=None, device=DeviceFacts("cpu", "cpu", cpu.total))

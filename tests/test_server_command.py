@@ -137,3 +137,34 @@ def test_tensor_parallel_that_cannot_split_exits_3(smollm2_path):
     r = hf2q("serve", "--model", str(smollm2_path), "--port", "0", "--tensor-parallel", "2")
     assert r.returncode == 3
     assert "--tensor-parallel" in one_error_line(r.stderr)
+
+
+_PREFLIGHT = """
+import json, sys
+from hf2q.api.command import preflight
+from hf2q.cli import build_parser
+from hf2q.errors import InputError
+
+args = build_parser().parse_args(["serve", *sys.argv[1:]])
+try:
+    preflight(args)
+    outcome = "passed"
+except InputError as e:
+    outcome = "refused: " + str(e)
+print(json.dumps({"outcome": outcome, "mlx": sorted(m for m in sys.modules if m == "mlx" or m.startswith("mlx."))}))
+"""
+
+
+@pytest.mark.parametrize("extra, outcome", [
+    ((), "passed"),
+    (("--memory-limit", "64K"), "refused"),
+    (("--tensor-parallel", "2"), "refused"),
+], ids=["fits", "over-the-memory-limit", "cannot-split"])
+def test_serve_preflight_never_imports_mlx(smollm2_path, extra, outcome):
+    """The start-up checks run in the main thread, which never imports MLX (only the engine thread does)."""
+    r = subprocess.run([sys.executable, "-c", _PREFLIGHT, "--model", str(smollm2_path), "--port", "0", *extra],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT, check=False)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["outcome"].startswith(outcome), got
+    assert got["mlx"] == []

@@ -63,9 +63,9 @@ def runner_factory(path: Path, ctx: int | None, tensor_parallel: int = 1):
         load = tp_runner_factory(path, tensor_parallel, ctx)
     else:
         def load():
-            from hf2q.engine.runner import MlxModelRunner
+            from hf2q.engine.factory import load_runner
 
-            return MlxModelRunner.load(str(path), ctx=ctx)
+            return load_runner(path, ctx)  # readies the process for MLX (the fast BLAS) first
 
     def build():
         from hf2q.engine.runner import warm_up
@@ -106,7 +106,10 @@ def kv_store_opener(args, model_path: Path, chat_template: str | None):
     return open_store
 
 
-def run(args) -> int:
+def preflight(args) -> tuple[Path, Path | None]:
+    """The start-up checks, in the main thread and without MLX (the device's memory comes from
+    ``engine.device_probe``): the model files, the tensor-parallel split, the memory plan, the port.
+    Returns ``(model_path, embedding_model_path)``; any refusal is an ``InputError`` (exit 3)."""
     from hf2q.api.server import check_port_free
 
     if args.model:
@@ -128,6 +131,11 @@ def run(args) -> int:
     if not 0 <= args.port <= 65535:
         raise InputError(f"--port must be 0..65535, got {args.port}")
     check_port_free(args.host, args.port)
+    return model_path, embed_path
+
+
+def run(args) -> int:
+    model_path, embed_path = preflight(args)
     from hf2q.api.textbridge import GGUFChatModel, GGUFEmbeddingModel
 
     model_id = args.model_name or model_path.stem

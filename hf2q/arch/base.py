@@ -22,6 +22,7 @@ import gguf
 import numpy as np
 
 from hf2q.errors import InputError
+from hf2q.formats.gguf_keys import Keys
 from hf2q.sources.hf_config import optional, require
 from hf2q.sources.safetensors_reader import SafetensorsCheckpoint, to_f32
 
@@ -247,45 +248,45 @@ class Family:
     def hparams(self, md: Metadata) -> None:
         """Common keys, written the way llama.cpp's ``TextModel.set_gguf_parameters`` does."""
         a, c = self.arch_name, self.cfg
-        md.u32(f"{a}.block_count", self.n_layer)
+        md.u32(Keys.LLM.BLOCK_COUNT.format(arch=a), self.n_layer)
         if (v := optional(c, "max_position_embeddings", "n_ctx", "n_positions", "max_length")) is not None:
-            md.u32(f"{a}.context_length", v)
+            md.u32(Keys.LLM.CONTEXT_LENGTH.format(arch=a), v)
         if (v := optional(c, "hidden_size", "n_embd", "dim")) is not None:
-            md.u32(f"{a}.embedding_length", v)
+            md.u32(Keys.LLM.EMBEDDING_LENGTH.format(arch=a), v)
         if (v := optional(c, "intermediate_size", "n_inner", "hidden_dim")) is not None:
-            md.u32(f"{a}.feed_forward_length", v)
+            md.u32(Keys.LLM.FEED_FORWARD_LENGTH.format(arch=a), v)
         if (v := optional(c, "num_attention_heads", "n_head", "n_heads")) is not None:
-            md.u32(f"{a}.attention.head_count", v)
+            md.u32(Keys.Attention.HEAD_COUNT.format(arch=a), v)
         if (v := optional(c, "num_key_value_heads", "n_kv_heads")) is not None:
-            md.u32(f"{a}.attention.head_count_kv", v)
+            md.u32(Keys.Attention.HEAD_COUNT_KV.format(arch=a), v)
         if c.get("is_causal") is False:
-            md.boolean(f"{a}.attention.causal", False)
+            md.boolean(Keys.Attention.CAUSAL.format(arch=a), False)
         rope = self.rope_parameters()
         full = rope.get("full_attention", rope)
         rope_type = full.get("rope_type") or full.get("type")
         factor = full.get("factor")
         if rope_type == "linear" and factor is not None:
-            md.string(f"{a}.rope.scaling.type", "linear")
-            md.f32(f"{a}.rope.scaling.factor", factor)
+            md.string(Keys.Rope.SCALING_TYPE.format(arch=a), "linear")
+            md.f32(Keys.Rope.SCALING_FACTOR.format(arch=a), factor)
         elif rope_type == "yarn" and factor is not None:
-            md.string(f"{a}.rope.scaling.type", "yarn")
-            md.f32(f"{a}.rope.scaling.factor", factor)
-            md.u32(f"{a}.rope.scaling.original_context_length", full["original_max_position_embeddings"])
+            md.string(Keys.Rope.SCALING_TYPE.format(arch=a), "yarn")
+            md.f32(Keys.Rope.SCALING_FACTOR.format(arch=a), factor)
+            md.u32(Keys.Rope.SCALING_ORIG_CTX_LEN.format(arch=a), full["original_max_position_embeddings"])
         if (theta := full.get("rope_theta")) is not None:
-            md.f32(f"{a}.rope.freq_base", theta)
+            md.f32(Keys.Rope.FREQ_BASE.format(arch=a), theta)
         if (swa := rope.get("sliding_attention", {}).get("rope_theta")) is not None:
-            md.f32(f"{a}.rope.freq_base_swa", swa)
+            md.f32(Keys.Rope.FREQ_BASE_SWA.format(arch=a), swa)
         if (v := optional(c, "rms_norm_eps", "norm_eps")) is not None:
-            md.f32(f"{a}.attention.layer_norm_rms_epsilon", v)
+            md.f32(Keys.Attention.LAYERNORM_RMS_EPS.format(arch=a), v)
         if (v := optional(c, "layer_norm_eps", "layer_norm_epsilon", "norm_epsilon")) is not None:
-            md.f32(f"{a}.attention.layer_norm_epsilon", v)
+            md.f32(Keys.Attention.LAYERNORM_EPS.format(arch=a), v)
         if (v := optional(c, "num_local_experts", "num_experts", "n_routed_experts")) is not None:
-            md.u32(f"{a}.expert_count", v)
+            md.u32(Keys.LLM.EXPERT_COUNT.format(arch=a), v)
         if (v := optional(c, "num_experts_per_tok", "num_experts_per_token")) is not None:
-            md.u32(f"{a}.expert_used_count", v)
+            md.u32(Keys.LLM.EXPERT_USED_COUNT.format(arch=a), v)
         if (v := c.get("head_dim")) is not None:
-            md.u32(f"{a}.attention.key_length", v)
-            md.u32(f"{a}.attention.value_length", v)
+            md.u32(Keys.Attention.KEY_LENGTH.format(arch=a), v)
+            md.u32(Keys.Attention.VALUE_LENGTH.format(arch=a), v)
 
     def rope_parameters(self) -> dict[str, Any]:
         """transformers 5 ``rope_parameters`` or older ``rope_scaling`` + top-level thetas, one shape."""

@@ -11,6 +11,7 @@ import gguf
 
 from hf2q.arch.base import Family, Metadata
 from hf2q.arch.pooling import add_pooling_type
+from hf2q.formats.gguf_keys import Keys
 
 _DROP = ("embeddings.position_ids", "pooler.dense.weight", "pooler.dense.bias")
 
@@ -39,5 +40,5 @@ class Bert(Family):
     def hparams(self, md: Metadata) -> None:
         super().hparams(md)
         a = self.arch_name
-        md.boolean(f"{a}.attention.causal", False)
+        md.boolean(Keys.Attention.CAUSAL.format(arch=a), False)
         add_pooling_type(self.src, self.cfg, md, a)

@@ -12,6 +12,7 @@ import gguf
 
 from hf2q.arch.base import Direct, Family, Metadata
 from hf2q.errors import InputError
+from hf2q.formats.gguf_keys import Keys
 
 
 class Gemma3(Family):
@@ -49,21 +50,21 @@ class Gemma3(Family):
     def hparams(self, md: Metadata) -> None:
         super().hparams(md)
         a, c = self.arch_name, self.cfg
-        md.u32(f"{a}.context_length", c.get("max_position_embeddings", 131072))
-        md.u32(f"{a}.attention.head_count", c.get("num_attention_heads", 8))
-        md.f32(f"{a}.attention.layer_norm_rms_epsilon", c.get("rms_norm_eps", 1e-6))
-        md.u32(f"{a}.attention.key_length", c.get("head_dim", 256))
-        md.u32(f"{a}.attention.value_length", c.get("head_dim", 256))
+        md.u32(Keys.LLM.CONTEXT_LENGTH.format(arch=a), c.get("max_position_embeddings", 131072))
+        md.u32(Keys.Attention.HEAD_COUNT.format(arch=a), c.get("num_attention_heads", 8))
+        md.f32(Keys.Attention.LAYERNORM_RMS_EPS.format(arch=a), c.get("rms_norm_eps", 1e-6))
+        md.u32(Keys.Attention.KEY_LENGTH.format(arch=a), c.get("head_dim", 256))
+        md.u32(Keys.Attention.VALUE_LENGTH.format(arch=a), c.get("head_dim", 256))
         rope = self.rope_parameters()
-        md.f32(f"{a}.rope.freq_base", rope.get("full_attention", rope).get("rope_theta", 1_000_000.0))
+        md.f32(Keys.Rope.FREQ_BASE.format(arch=a), rope.get("full_attention", rope).get("rope_theta", 1_000_000.0))
         if c.get("final_logit_softcapping"):
-            md.f32(f"{a}.final_logit_softcapping", c["final_logit_softcapping"])
+            md.f32(Keys.LLM.FINAL_LOGIT_SOFTCAPPING.format(arch=a), c["final_logit_softcapping"])
         if c.get("sliding_window_pattern") != 1:
             if c.get("sliding_window") is None:
                 raise InputError("config.json: Gemma 3 needs sliding_window")
-            md.u32(f"{a}.attention.sliding_window", c["sliding_window"])
-        md.u32(f"{a}.attention.head_count_kv", c.get("num_key_value_heads", 4))
+            md.u32(Keys.Attention.SLIDING_WINDOW.format(arch=a), c["sliding_window"])
+        md.u32(Keys.Attention.HEAD_COUNT_KV.format(arch=a), c.get("num_key_value_heads", 4))
 
     def tokenizer_overrides(self, md: Metadata) -> None:
         if (self.src / "tokenizer.model").is_file():
-            md.boolean("tokenizer.ggml.add_space_prefix", False)
+            md.boolean(Keys.Tokenizer.ADD_PREFIX, False)

@@ -21,6 +21,7 @@ import gguf
 import numpy as np
 
 from hf2q.arch.base import Direct, Family, Metadata, RowSource, permute_rows
+from hf2q.formats.gguf_keys import Keys
 from hf2q.sources.hf_config import require
 
 ROPE_FREQS = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
@@ -97,8 +98,8 @@ class Llama(Family):
     def hparams(self, md: Metadata) -> None:
         super().hparams(md)
         a = self.arch_name
-        md.u32(f"{a}.vocab_size", require(self.cfg, "vocab_size"))
-        md.u32(f"{a}.rope.dimension_count", self.head_dim)
+        md.u32(Keys.LLM.VOCAB_SIZE.format(arch=a), require(self.cfg, "vocab_size"))
+        md.u32(Keys.Rope.DIMENSION_COUNT.format(arch=a), self.head_dim)
 
     def tokenizer_overrides(self, md: Metadata) -> None:
         tc = self.src / "tokenizer_config.json"
@@ -108,7 +109,7 @@ class Llama(Family):
             except ValueError:
                 prefix = None
             if prefix is not None:
-                md.boolean("tokenizer.ggml.add_space_prefix", prefix)
+                md.boolean(Keys.Tokenizer.ADD_PREFIX, prefix)
         # llama.cpp's converter turns BOS off for 49152-token vocabularies (Granite / SmolLM)
         if self.cfg.get("vocab_size", 32000) == 49152:
-            md.boolean("tokenizer.ggml.add_bos_token", False)
+            md.boolean(Keys.Tokenizer.ADD_BOS, False)

@@ -13,6 +13,7 @@ from typing import Any
 import gguf
 
 from hf2q.errors import InputError
+from hf2q.formats.gguf_keys import Keys
 
 _MODES = {"mean": gguf.PoolingType.MEAN, "cls": gguf.PoolingType.CLS, "lasttoken": gguf.PoolingType.LAST}
 
@@ -42,4 +43,4 @@ def pooling_type(src: Path) -> gguf.PoolingType | None:
 
 def add_pooling_type(src: Path, cfg: dict[str, Any], md, arch: str) -> None:
     if (p := pooling_type(src)) is not None:
-        md.u32(f"{arch}.pooling_type", int(p))
+        md.u32(Keys.LLM.POOLING_TYPE.format(arch=arch), int(p))

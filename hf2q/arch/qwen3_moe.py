@@ -16,6 +16,7 @@ import gguf
 from hf2q.arch.base import Metadata, Stacked
 from hf2q.arch.qwen3 import Qwen3
 from hf2q.errors import InputError
+from hf2q.formats.gguf_keys import Keys
 from hf2q.sources.hf_config import require
 
 _PER_EXPERT = re.compile(r"^(?:model\.)?layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -71,7 +72,7 @@ class Qwen3Moe(Qwen3):
         super().hparams(md)
         a = self.arch_name
         if (v := self.cfg.get("moe_intermediate_size")) is not None:
-            md.u32(f"{a}.expert_feed_forward_length", v)
+            md.u32(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH.format(arch=a), v)
         if (v := self.cfg.get("shared_expert_intermediate_size")) is not None:
-            md.u32(f"{a}.expert_shared_feed_forward_length", v)
+            md.u32(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH.format(arch=a), v)
         require(self.cfg, "num_experts_per_tok")

@@ -32,6 +32,7 @@ from hf2q.convert.imatrix_plan import describe as describe_imatrix
 from hf2q.convert.policy import ModelFacts, TensorFacts, plan_types
 from hf2q.convert.quant_names import QuantName
 from hf2q.errors import ConversionError, InputError
+from hf2q.formats.gguf_keys import Keys
 from hf2q.progress import progress_bar
 from hf2q.sources.hf_config import load_config
 from hf2q.sources.imatrix import ImatrixFile
@@ -85,12 +86,12 @@ def build_plan(src: Path, quant: QuantName, has_imatrix: bool = False) -> Conver
 
 def build_metadata(family, src: Path, cfg: dict, quant: QuantName) -> Metadata:
     md = Metadata()
-    md.string("general.architecture", family.arch_name)
-    md.string("general.type", "model")
-    md.string("general.name", cfg.get("_name_or_path") or cfg.get("_model_name_or_path") or src.name)
+    md.string(Keys.General.ARCHITECTURE, family.arch_name)
+    md.string(Keys.General.TYPE, "model")
+    md.string(Keys.General.NAME, cfg.get("_name_or_path") or cfg.get("_model_name_or_path") or src.name)
     family.hparams(md)
-    md.u32("general.file_type", int(quant.ftype))
-    md.u32("general.quantization_version", gguf.GGML_QUANT_VERSION)
+    md.u32(Keys.General.FILE_TYPE, int(quant.ftype))
+    md.u32(Keys.General.QUANTIZATION_VERSION, gguf.GGML_QUANT_VERSION)
     add_tokenizer(md, src, cfg, family.tokenizer_kind,
                   pre_fallback="qwen2" if family.arch_name.startswith("qwen") else "default")
     family.tokenizer_overrides(md)

@@ -1,9 +1,6 @@
 """The MLX model engine: GGUF loader, family graphs, KV caches, the model runner.
 
-Importing this package first loads an optimised CPU BLAS (``hf2q.kernels.cpu_blas``),
-so it must happen before anything else in the process calls into MLX's matmul.
+Importing this package (or any module of it) changes nothing in the process: the fast CPU
+BLAS that MLX needs is loaded by :func:`hf2q.engine.factory.load_runner` /
+:func:`~hf2q.engine.factory.prepare_mlx`, called by whoever is about to build a runner.
 """
-
-from hf2q.kernels import cpu_blas as _cpu_blas
-
-_cpu_blas.preload()

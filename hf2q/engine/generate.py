@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 
-from hf2q.engine.device_sampler import device_capable
 from hf2q.errors import InputError
 
 log = logging.getLogger("hf2q.generate")
@@ -96,6 +95,8 @@ def generate_once(runner, prompt: list[int], params, on_token=None) -> dict:
     t1 = time.perf_counter()
     generated: list[int] = []
     budget = min(params.max_tokens, runner.n_ctx - len(prompt))
+    from hf2q.engine.device_sampler import device_capable  # MLX: imported once the runner readied the process
+
     pipelined = device_capable(params) and getattr(runner, "pipelines_decode", False)
     decode = _decode_pipelined if pipelined else _decode_host
     reason = decode(runner, seq, logits, params, budget, generated, on_token)
@@ -152,7 +153,7 @@ def _decode_pipelined(runner, seq, logits, params, budget, generated, on_token) 
 
 
 def run(args) -> int:
-    from hf2q.engine.runner import MlxModelRunner
+    from hf2q.engine.factory import load_runner
     from hf2q.text.tokenizer import GGUFTokenizer, IncrementalDetokenizer
 
     if getattr(args, "json", False) and not getattr(args, "benchmark", False):
@@ -165,19 +166,19 @@ def run(args) -> int:
         from hf2q.fetch import default_chat_model
 
         model_path = default_chat_model()
-    from hf2q.formats.gguf_file import open_gguf
-
     from hf2q.engine.models import FAMILIES
+    from hf2q.formats.gguf_file import open_gguf
+    from hf2q.formats.gguf_keys import Keys
 
     header = open_gguf(model_path)  # validates the file before anything heavy
     if header.arch not in FAMILIES:
         raise InputError(f"{model_path.name}: unsupported architecture {header.arch or '(none)'!r} "
                          f"(supported: {', '.join(sorted(FAMILIES))})")
-    if not header.get("tokenizer.ggml.model") or not header.get("tokenizer.ggml.tokens"):
-        raise InputError(f"{model_path.name}: no tokenizer metadata (tokenizer.ggml.model / tokens)")
+    if not header.get(Keys.Tokenizer.MODEL) or not header.get(Keys.Tokenizer.LIST):
+        raise InputError(f"{model_path.name}: no tokenizer metadata ({Keys.Tokenizer.MODEL} / tokens)")
     tokenizer = GGUFTokenizer.from_gguf(model_path)
     prompt = render_prompt(args, model_path, tokenizer)
-    runner = MlxModelRunner.load(model_path, ctx=getattr(args, "ctx", None))
+    runner = load_runner(model_path, ctx=getattr(args, "ctx", None))
     if runner.is_embedding_model:
         raise InputError(f"{model_path.name} is an embedding model; generate needs a chat/text model")
     params = _params(args)

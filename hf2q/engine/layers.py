@@ -26,6 +26,7 @@ import mlx.core as mx
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
+from hf2q.engine.device_probe import EXACT_GPU_SCALES  # HF2Q_EXACT_SCALES=1: float32 group scales on GPUs
 from hf2q.engine.quant_repack import FLOAT_TYPES, QUANTIZED_TYPES, to_affine
 from hf2q.errors import InputError
 from hf2q.formats.gguf_file import GGUFTensor
@@ -81,8 +82,6 @@ def _release_dense(nbytes: int) -> None:
     _DENSE_KEPT[0] -= nbytes
 
 
-#: ``HF2Q_EXACT_SCALES=1`` keeps float32 group scales on GPUs (bit-faithful to the GGUF, slower).
-EXACT_GPU_SCALES = os.environ.get("HF2Q_EXACT_SCALES", "0") not in ("", "0")
 
 
 class Linear:

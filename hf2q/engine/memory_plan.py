@@ -1,5 +1,8 @@
 """Will a model fit one device (or one rank's share of it)? Decided before any weight is read.
 
+Pure: the GGUF header, its hyper-parameters and the device's memory (``device_probe``), no
+MLX — ``hf2q serve`` runs it in the main thread, which never imports MLX.
+
 Loading a model that does not fit ends in an allocator failure deep inside MLX, minutes
 in, possibly after other ranks have started. This module predicts, from the GGUF header
 alone, what a rank will hold — its shard of the weights in the engine's in-memory form
@@ -17,6 +20,7 @@ import math
 import attrs
 from gguf import GGMLQuantizationType as T
 
+from hf2q.engine.device_probe import DeviceFacts, probe
 from hf2q.errors import InputError
 from hf2q.formats.gguf_file import GGUFFile, GGUFTensor
 
@@ -60,16 +64,8 @@ def rank_need(g: GGUFFile, size: int, kv_budget: int, *, float_bytes: int, scale
 
 
 def device_memory() -> int:
-    """Bytes of memory of the default MLX device (GPU memory, or system RAM for the CPU)."""
-    import mlx.core as mx
-
-    info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
-    for key in ("memory_size", "total_memory"):
-        if info.get(key):
-            return int(info[key])
-    import psutil
-
-    return int(psutil.virtual_memory().total)
+    """Bytes of memory of the device MLX will use (GPU memory, or system RAM for the CPU)."""
+    return probe().memory
 
 
 def _gib(n: int) -> str:
@@ -99,27 +95,21 @@ def check_fits(g: GGUFFile, size: int, kv_budget: int, limit: int, *, float_byte
 
 
 def check_model(path, size: int, *, ctx: int | None, slots: int, kv_budget: int | None,
-                limit: int | None) -> RankNeed:
-    """``check_fits`` for a GGUF (path or opened) with the server's settings, on the default MLX device.
+                limit: int | None, device: DeviceFacts | None = None) -> RankNeed:
+    """``check_fits`` for a GGUF (path or opened) with the server's settings, on ``device``
+    (default: the one MLX will use, found without importing MLX — ``device_probe``).
 
     The KV budget defaults to the scheduler's (``slots × ctx`` tokens), the limit to
     ``DEFAULT_FRACTION`` of the device's memory.
     """
-    import mlx.core as mx
-
-    from hf2q.engine.runner import compute_dtype
     from hf2q.formats.gguf_file import open_gguf
-    from hf2q.info import kv_bytes_per_token
 
     g = path if isinstance(path, GGUFFile) else open_gguf(path)
-    dtype = compute_dtype(g.arch)
-    on_cpu = mx.default_device() == mx.cpu
+    device = device or probe()
+    elem = device.activation_bytes()
     if kv_budget is None:
-        kv_budget = slots * (ctx or int(g.get(".context_length", 4096))) * kv_bytes_per_token(g, dtype.size)
+        hp = g.hparams
+        kv_budget = slots * (ctx or hp.n_ctx_train) * hp.kv_bytes_per_token(elem)
     if limit is None:
-        limit = int(device_memory() * DEFAULT_FRACTION)
-    # scales: float32 on the CPU (and with HF2Q_EXACT_SCALES), the activation dtype on GPUs
-    from hf2q.engine.layers import EXACT_GPU_SCALES
-
-    scale_bytes = 4 if on_cpu or EXACT_GPU_SCALES else dtype.size
-    return check_fits(g, size, kv_budget, limit, float_bytes=dtype.size, scale_bytes=scale_bytes)
+        limit = int(device.memory * DEFAULT_FRACTION)
+    return check_fits(g, size, kv_budget, limit, float_bytes=elem, scale_bytes=device.scale_bytes())

@@ -36,6 +36,7 @@ from hf2q.engine.kv_cache import ForwardBatch, SequenceCache, StackedDecode
 from hf2q.engine.models import build_model
 from hf2q.errors import InputError
 from hf2q.formats.gguf_file import GGUFFile, open_gguf
+from hf2q.formats.gguf_keys import Keys
 
 #: Prefill chunks up to this many tokens run as rows of the CPU host step (``HostDecoder.prefill``):
 #: the MLX graph costs ~60–100 ms a call before any arithmetic on SmolLM2, so a 13-token chat
@@ -57,11 +58,11 @@ def compute_dtype(arch: str):
 
 def eos_ids(g: GGUFFile) -> frozenset[int]:
     ids = set()
-    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+    for key in (Keys.Tokenizer.EOS_ID, Keys.Tokenizer.EOT_ID, Keys.Tokenizer.EOM_ID):
         v = g.get(key)
         if v is not None:
             ids.add(int(v))
-    tokens = g.get("tokenizer.ggml.tokens") or []
+    tokens = g.get(Keys.Tokenizer.LIST) or []
     for i, t in enumerate(tokens):
         if t in END_OF_GENERATION_TEXTS:
             ids.add(i)
@@ -95,11 +96,7 @@ class MlxModelRunner:
         self.n_ctx_train = int(cfg.n_ctx_train)
         self.n_ctx = int(ctx or cfg.n_ctx_train)
         self.eos_token_ids = eos_ids(gguf)
-        if self.is_embedding_model:
-            self.kv_bytes_per_token = 0
-        else:
-            n_layers, kv_heads, head_dim = model.kv_shape
-            self.kv_bytes_per_token = n_layers * kv_heads * head_dim * 2 * dtype.size
+        self.kv_bytes_per_token = 0 if self.is_embedding_model else gguf.hparams.kv_bytes_per_token(dtype.size)
         self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_steps": 0, "decode_s": 0.0}
         #: batched graph decodes keep their sequences' K/V stacked (kv_cache.StackedDecode) while
         #: the same sequences decode together; HF2Q_NO_STACKED_DECODE=1 keeps per-sequence buffers

@@ -35,6 +35,7 @@ from gguf.constants import GGML_QUANT_SIZES
 
 from hf2q.errors import InputError
 from hf2q.formats.gguf_file import GGUFFile, GGUFTensor
+from hf2q.formats.gguf_keys import ExtraKeys, Keys
 
 
 @attrs.frozen
@@ -127,23 +128,16 @@ def shard_gguf(g: GGUFFile, rank: int, size: int) -> GGUFFile:
     """
     if size == 1:
         return g
-    name = g.path.name
-    n_heads = int(g.require(".attention.head_count"))
-    n_kv = g.get(".attention.head_count_kv", n_heads)
-    if isinstance(n_kv, list):
-        raise InputError(f"{name}: per-layer head counts are not supported with tensor parallelism")
-    n_kv = int(n_kv)
-    hidden = int(g.require(".embedding_length"))
-    head_dim = int(g.get(".attention.key_length", hidden // n_heads))
-    v_dim = int(g.get(".attention.value_length", head_dim))
+    name, hp = g.path.name, g.hparams
+    n_heads, n_kv = hp.uniform_heads(" with tensor parallelism")
+    head_dim, v_dim = hp.key_length, hp.value_length
     plan = head_plan(n_heads, n_kv, size, rank, name)
-    arch = g.arch
     meta = dict(g.metadata)
-    meta[f"{arch}.attention.head_count"] = plan.q_count
-    meta[f"{arch}.attention.head_count_kv"] = plan.kv_count
-    meta[f"{arch}.attention.key_length"] = head_dim
-    meta[f"{arch}.attention.value_length"] = v_dim
-    meta["hf2q.tensor_parallel"] = [rank, size]
+    meta[hp.key(Keys.Attention.HEAD_COUNT)] = plan.q_count
+    meta[hp.key(Keys.Attention.HEAD_COUNT_KV)] = plan.kv_count
+    meta[hp.key(Keys.Attention.KEY_LENGTH)] = head_dim  # the shard's hidden / heads no longer gives them
+    meta[hp.key(Keys.Attention.VALUE_LENGTH)] = v_dim
+    meta[ExtraKeys.TENSOR_PARALLEL] = [rank, size]
 
     q_rows = (plan.q_start * head_dim, (plan.q_start + plan.q_count) * head_dim)
     k_rows = (plan.kv_start * head_dim, (plan.kv_start + plan.kv_count) * head_dim)
@@ -155,7 +149,7 @@ def shard_gguf(g: GGUFFile, rank: int, size: int) -> GGUFFile:
         "attn_v.weight": (-2, v_rows), "attn_v.bias": (0, v_rows),
         "attn_output.weight": (-1, o_cols),
     }
-    ff = g.get(".feed_forward_length")
+    ff = hp.feed_forward_length
     tensors = dict(g.tensors)
     for tname, t in g.tensors.items():
         if not tname.startswith("blk."):
@@ -171,7 +165,7 @@ def shard_gguf(g: GGUFFile, rank: int, size: int) -> GGUFFile:
         elif suffix in ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"):
             tensors[tname] = slice_tensor(t, 0, *_even_range(t.shape[0], size, rank, f"{tname} experts"))
     if isinstance(ff, int):
-        meta[f"{arch}.feed_forward_length"] = ff // size
+        meta[hp.key(Keys.LLM.FEED_FORWARD_LENGTH)] = ff // size
     return GGUFFile(g.path, meta, tensors, g.file_bytes)
 
 

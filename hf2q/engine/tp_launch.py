@@ -94,11 +94,10 @@ def plan_split(model, size: int):
     g = model if isinstance(model, GGUFFile) else open_gguf(model)
     if g.arch == "bert":
         raise InputError(f"{g.path.name}: tensor parallelism serves decoder (chat) models only")
-    n_heads = int(g.require(".attention.head_count"))
-    n_kv = g.get(".attention.head_count_kv", n_heads)
+    n_heads, n_kv = g.hparams.uniform_heads(" with tensor parallelism")
     plans = []
     for r in range(size):
-        plans.append(head_plan(n_heads, int(n_kv) if not isinstance(n_kv, list) else -1, size, r, g.path.name))
+        plans.append(head_plan(n_heads, n_kv, size, r, g.path.name))
         shard_gguf(g, r, size)  # views only: proves every column cut is block-aligned
     return plans
 
@@ -143,6 +142,9 @@ def _wait(what: str, done: Callable[[], bool], followers: Followers, deadline: f
 def launch(path: str | Path, size: int, ctx: int | None = None, *, backend: str | None = None,
            timeout_s: float = START_TIMEOUT_S) -> DistributedRunner:
     """Start ``size`` ranks over ``path``; this process becomes rank 0. Returns its runner."""
+    from hf2q.engine.factory import prepare_mlx
+
+    prepare_mlx()
     import mlx.core as mx
 
     from hf2q.engine.tensor_parallel import load_shard
@@ -247,9 +249,9 @@ def runner_factory(path: str | Path, size: int, ctx: int | None = None) -> Calla
     """What the serving runtime calls in its GPU-owner thread: one rank (plain runner) or a TP group."""
     def build():
         if size == 1:
-            from hf2q.engine.runner import MlxModelRunner
+            from hf2q.engine.factory import load_runner
 
-            return MlxModelRunner.load(str(path), ctx=ctx)
+            return load_runner(path, ctx)
         return launch(path, size, ctx)
     return build
 
@@ -283,6 +285,9 @@ def follower_main(argv: list[str] | None = None) -> int:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     send_message(sock, {"token": os.environ.pop(TOKEN_ENV, ""), "rank": a.rank})
     try:
+        from hf2q.engine.factory import prepare_mlx
+
+        prepare_mlx()
         import mlx.core as mx
 
         from hf2q.engine.tensor_parallel import head_plan, load_shard
@@ -290,8 +295,7 @@ def follower_main(argv: list[str] | None = None) -> int:
         group = mx.distributed.init(strict=True, backend=a.backend)
         runner = load_shard(a.model, a.rank, a.size, group, a.ctx)
         g = runner.gguf
-        n_heads = int(g.require(".attention.head_count"))
-        plan = head_plan(n_heads, int(g.get(".attention.head_count_kv", n_heads)), a.size, a.rank)
+        plan = head_plan(*g.hparams.uniform_heads(), a.size, a.rank)
     except Exception as e:  # noqa: BLE001 — reported to rank 0, which fails the load
         send_message(sock, {"op": "failed", "error": f"{type(e).__name__}: {e}"})
         return 1

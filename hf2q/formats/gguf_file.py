@@ -18,6 +18,8 @@ from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 
 from hf2q.errors import InputError
+from hf2q.formats.gguf_hparams import GGUFHparams
+from hf2q.formats.gguf_keys import Keys, arch_key
 from hf2q.formats.gguf_parse import ParseError, parse
 
 GGUF_MAGIC = b"GGUF"
@@ -51,19 +53,25 @@ class GGUFFile:
 
     @property
     def arch(self) -> str:
-        return str(self.metadata.get("general.architecture", ""))
+        return str(self.metadata.get(Keys.General.ARCHITECTURE, ""))
+
+    @property
+    def hparams(self) -> GGUFHparams:
+        """The model's hyper-parameters with hf2q's one table of defaults."""
+        return GGUFHparams(self.metadata, self.path.name)
+
+    def _full_key(self, key: str) -> str:
+        return self.arch + key if key.startswith(".") else arch_key(key, self.arch)
 
     def get(self, key: str, default: Any = None) -> Any:
-        """Look up ``key``; a leading ``.`` means ``{arch}.key`` (e.g. ``.block_count``)."""
-        if key.startswith("."):
-            key = self.arch + key
-        return self.metadata.get(key, default)
+        """Look up ``key``: a ``gguf.Keys`` name (``{arch}`` filled in) or, for short, ``.key``
+        for ``{arch}.key``. Hyper-parameters with defaults: :attr:`hparams`."""
+        return self.metadata.get(self._full_key(key), default)
 
     def require(self, key: str) -> Any:
         v = self.get(key)
         if v is None:
-            full = self.arch + key if key.startswith(".") else key
-            raise InputError(f"{self.path.name}: missing GGUF metadata key {full!r}")
+            raise InputError(f"{self.path.name}: missing GGUF metadata key {self._full_key(key)!r}")
         return v
 
     def tensor(self, name: str) -> GGUFTensor:

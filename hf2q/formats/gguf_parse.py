@@ -1,19 +1,27 @@
-"""A fast GGUF header parser (metadata + tensor directory) over one memory map.
+"""The one GGUF header parser (metadata + tensor directory) over one memory map.
 
 ``gguf.GGUFReader`` builds numpy views for every element of every metadata array; on a
 262k-token vocabulary (Gemma 3) that takes half a minute, which ``hf2q info`` and model
 start-up cannot afford. This parser decodes numeric arrays with one ``np.frombuffer``
 each and strings with a tight loop (≈0.3 s for 262k tokens), and returns tensor data as
 views into the same read-only memory map. Tests check it against ``GGUFReader``.
+
+:func:`parse` reads the whole header (``formats.gguf_file`` validates it);
+:func:`read_metadata` stops after the key/values (the text layer needs only the tokenizer
+arrays and the chat template) and reports any defect as an ``InputError``.
 """
 
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from hf2q.errors import InputError
+from hf2q.formats.gguf_keys import ExtraKeys, Keys
 
 _SCALAR = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8",
            12: "<f8"}
@@ -93,9 +101,8 @@ class _Cursor:
         return out
 
 
-def parse(path: Path) -> tuple[dict[str, Any], list[tuple[str, int, tuple[int, ...], int]], int, np.ndarray]:
-    """→ (metadata, [(name, ggml_type, dims_ggml_order, absolute_offset)], version, memmap)."""
-    mm = np.memmap(path, dtype=np.uint8, mode="r")
+def _metadata(mm: np.ndarray) -> tuple[_Cursor, dict[str, Any], int, int]:
+    """Parse up to the end of the key/values → (cursor, metadata, version, tensor count)."""
     cur = _Cursor(mm)
     magic = bytes(mm[:4]) if len(mm) >= 4 else b""
     if magic != b"GGUF":
@@ -107,11 +114,19 @@ def parse(path: Path) -> tuple[dict[str, Any], list[tuple[str, int, tuple[int, .
     n_tensors, n_kv = cur.unpack("<QQ")
     if n_tensors > 1 << 24 or n_kv > 1 << 24:
         raise ParseError(f"implausible counts: {n_tensors} tensors, {n_kv} metadata keys")
-    meta: dict[str, Any] = {"GGUF.version": version, "GGUF.tensor_count": n_tensors, "GGUF.kv_count": n_kv}
+    meta: dict[str, Any] = {ExtraKeys.GGUF_VERSION: version, ExtraKeys.GGUF_TENSOR_COUNT: n_tensors,
+                            ExtraKeys.GGUF_KV_COUNT: n_kv}
     for _ in range(n_kv):
         key = cur.string()
         (vtype,) = cur.unpack("<I")
         meta[key] = cur.value(vtype)
+    return cur, meta, version, n_tensors
+
+
+def parse(path: Path) -> tuple[dict[str, Any], list[tuple[str, int, tuple[int, ...], int]], int, np.ndarray]:
+    """→ (metadata, [(name, ggml_type, dims_ggml_order, absolute_offset)], version, memmap)."""
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    cur, meta, version, n_tensors = _metadata(mm)
     infos = []
     for _ in range(n_tensors):
         name = cur.string()
@@ -121,6 +136,44 @@ def parse(path: Path) -> tuple[dict[str, Any], list[tuple[str, int, tuple[int, .
         dims = cur.unpack(f"<{n_dims}Q")
         ttype, offset = cur.unpack("<IQ")
         infos.append((name, ttype, tuple(int(d) for d in dims), offset))
-    align = int(meta.get("general.alignment", 32) or 32)
+    align = int(meta.get(Keys.General.ALIGNMENT, 32) or 32)
     data_start = (cur.pos + align - 1) // align * align
     return meta, [(n, t, d, data_start + o) for n, t, d, o in infos], version, mm
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """All metadata key/values of a GGUF file; any defect is an ``InputError`` naming the file."""
+    try:
+        size = os.stat(path).st_size
+        if size < 24:
+            raise InputError(f"{path}: not a GGUF file (too small)")
+        mm = np.memmap(path, dtype=np.uint8, mode="r")
+    except OSError as exc:
+        raise InputError(f"cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        return _metadata(mm)[1]
+    except ParseError as exc:
+        if str(exc).startswith("bad magic"):
+            raise InputError(f"{path}: not a GGUF file ({exc})") from None
+        raise InputError(f"{path}: corrupt GGUF metadata ({exc})") from None
+    finally:
+        del mm
+
+
+def metadata_from(source: Any) -> dict[str, Any]:
+    """Metadata from a path, a ready dict, or a ``gguf.GGUFReader``."""
+    if isinstance(source, dict):
+        return source
+    if hasattr(source, "fields"):  # gguf.GGUFReader
+        meta: dict[str, Any] = {}
+        for key, field in source.fields.items():
+            if not field.types:
+                continue
+            if field.types[0] == 9 and len(field.types) > 1 and field.types[1] == 8:
+                meta[key] = [bytes(field.parts[i]) for i in field.data]
+            elif field.types[0] == 9 and len(field.types) > 1:
+                meta[key] = np.concatenate([np.asarray(field.parts[i]) for i in field.data]) if field.data else np.array([])
+            else:
+                meta[key] = field.contents()
+        return meta
+    return read_metadata(source)

@@ -1,5 +1,8 @@
 """Give MLX's CPU backend an optimised BLAS (docs/ENGINE.md, "CPU backend").
 
+Nothing happens at import: :func:`preload` runs when ``hf2q.engine.factory.prepare_mlx`` asks,
+before the process imports MLX.
+
 MLX's Linux CPU wheel links the reference netlib BLAS: float32 matmul runs at ~2 GFLOP/s.
 MLX calls plain ``cblas_sgemm``; if a library exporting that symbol is loaded into the
 global symbol scope *before* MLX makes its first call, the dynamic linker binds MLX to

@@ -34,11 +34,12 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InputError
+from ..formats.gguf_keys import Keys
 
 GGUF_MAGIC = b"GGUF"
-KEY_DATASETS = "imatrix.datasets"
-KEY_CHUNK_COUNT = "imatrix.chunk_count"
-KEY_CHUNK_SIZE = "imatrix.chunk_size"
+KEY_DATASETS = Keys.IMatrix.DATASETS
+KEY_CHUNK_COUNT = Keys.IMatrix.CHUNK_COUNT
+KEY_CHUNK_SIZE = Keys.IMatrix.CHUNK_SIZE
 SUM_SUFFIX = ".in_sum2"
 COUNT_SUFFIX = ".counts"
 MAX_NAME = 1 << 16  # tensor names are short; a larger length means a corrupt file

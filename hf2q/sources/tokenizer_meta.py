@@ -27,6 +27,7 @@ from typing import Any
 import gguf
 
 from hf2q.errors import InputError
+from hf2q.formats.gguf_keys import ExtraKeys, Keys
 
 log = logging.getLogger("hf2q.tokenizer")
 TT = gguf.TokenType
@@ -213,26 +214,26 @@ def add_tokenizer(md, src: Path, cfg: dict[str, Any], kind: str, pre_fallback: s
     n_vocab = None
     if kind == "spm":
         tokens, scores, types = spm_vocab(src, cfg)
-        md.string("tokenizer.ggml.model", "llama")
-        md.string("tokenizer.ggml.pre", "default")
-        md.array("tokenizer.ggml.tokens", tokens, V.STRING)
-        md.array("tokenizer.ggml.scores", scores, V.FLOAT32)
-        md.array("tokenizer.ggml.token_type", types, V.INT32)
+        md.string(Keys.Tokenizer.MODEL, "llama")
+        md.string(Keys.Tokenizer.PRE, "default")
+        md.array(Keys.Tokenizer.LIST, tokens, V.STRING)
+        md.array(Keys.Tokenizer.SCORES, scores, V.FLOAT32)
+        md.array(Keys.Tokenizer.TOKEN_TYPE, types, V.INT32)
         n_vocab, merges = len(tokens), False
     elif kind == "bpe":
         tokens, types = vocab_from_tokenizer_json(src, cfg)
-        md.string("tokenizer.ggml.model", "gpt2")
-        md.string("tokenizer.ggml.pre", pre_tokenizer_name(src, pre_fallback))
-        md.array("tokenizer.ggml.tokens", tokens, V.STRING)
-        md.array("tokenizer.ggml.token_type", types, V.INT32)
+        md.string(Keys.Tokenizer.MODEL, "gpt2")
+        md.string(Keys.Tokenizer.PRE, pre_tokenizer_name(src, pre_fallback))
+        md.array(Keys.Tokenizer.LIST, tokens, V.STRING)
+        md.array(Keys.Tokenizer.TOKEN_TYPE, types, V.INT32)
         merges = True
     elif kind == "wordpiece":
         tokens, types = vocab_from_tokenizer_json(src, cfg)
-        md.u32("tokenizer.ggml.token_type_count", cfg.get("type_vocab_size", 1))
-        md.string("tokenizer.ggml.model", "bert")
-        md.string("tokenizer.ggml.pre", pre_tokenizer_name(src, "default"))
-        md.array("tokenizer.ggml.tokens", [_phantom(t, k) for t, k in zip(tokens, types)], V.STRING)
-        md.array("tokenizer.ggml.token_type", types, V.INT32)
+        md.u32(Keys.Tokenizer.TOKEN_TYPE_COUNT, cfg.get("type_vocab_size", 1))
+        md.string(Keys.Tokenizer.MODEL, "bert")
+        md.string(Keys.Tokenizer.PRE, pre_tokenizer_name(src, "default"))
+        md.array(Keys.Tokenizer.LIST, [_phantom(t, k) for t, k in zip(tokens, types)], V.STRING)
+        md.array(Keys.Tokenizer.TOKEN_TYPE, types, V.INT32)
         n_vocab, merges = len(tokens), False
     else:
         raise InputError(f"unknown tokenizer kind {kind!r}")
@@ -240,8 +241,10 @@ def add_tokenizer(md, src: Path, cfg: dict[str, Any], kind: str, pre_fallback: s
 
 
 # --------------------------------------------------------------------------- special tokens
-_ID_KEYS = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id", "sep": "seperator_token_id",
-            "pad": "padding_token_id", "mask": "mask_token_id", "eot": "eot_token_id", "eom": "eom_token_id"}
+_ID_KEYS = {"bos": Keys.Tokenizer.BOS_ID, "eos": Keys.Tokenizer.EOS_ID, "unk": Keys.Tokenizer.UNK_ID,
+            "sep": Keys.Tokenizer.SEP_ID, "pad": Keys.Tokenizer.PAD_ID, "mask": Keys.Tokenizer.MASK_ID,
+            "eot": Keys.Tokenizer.EOT_ID, "eom": Keys.Tokenizer.EOM_ID}
+_ADD_KEYS = {"bos": Keys.Tokenizer.ADD_BOS, "eos": Keys.Tokenizer.ADD_EOS, "sep": Keys.Tokenizer.ADD_SEP}
 
 
 class SpecialTokens:
@@ -407,24 +410,24 @@ def add_special(md, src: Path, merges: bool, n_vocab: int | None) -> None:
     """Merges, special ids, add_* flags, normalizer flags and chat template."""
     sv = SpecialTokens(src, merges, n_vocab)
     if sv.merges:
-        md.array("tokenizer.ggml.merges", sv.merges, V.STRING)
+        md.array(Keys.Tokenizer.MERGES, sv.merges, V.STRING)
     for typ, tid in sv.ids.items():
         if typ in _ID_KEYS:
-            md.u32(f"tokenizer.ggml.{_ID_KEYS[typ]}", tid)
+            md.u32(_ID_KEYS[typ], tid)
     for typ, value in sv.add.items():
-        if typ in ("bos", "eos", "sep"):
-            md.boolean(f"tokenizer.ggml.add_{typ}_token", value)
+        if typ in _ADD_KEYS:
+            md.boolean(_ADD_KEYS[typ], value)
     if sv.lowercase is not None:
-        md.boolean("tokenizer.ggml.normalizer.lowercase", sv.lowercase)
+        md.boolean(ExtraKeys.NORMALIZER_LOWERCASE, sv.lowercase)
     if sv.strip_accents is not None:
-        md.boolean("tokenizer.ggml.normalizer.strip_accents", sv.strip_accents)
+        md.boolean(ExtraKeys.NORMALIZER_STRIP_ACCENTS, sv.strip_accents)
     tmpl = sv.chat_template
     if isinstance(tmpl, str):
-        md.string("tokenizer.chat_template", tmpl)
+        md.string(Keys.Tokenizer.CHAT_TEMPLATE, tmpl)
     elif isinstance(tmpl, list):
         for entry in tmpl:
             name, text = entry.get("name"), entry.get("template")
             if name == "default":
-                md.string("tokenizer.chat_template", text)
+                md.string(Keys.Tokenizer.CHAT_TEMPLATE, text)
             elif name and text:
-                md.string(f"tokenizer.chat_template.{name}", text)
+                md.string(Keys.Tokenizer.CHAT_TEMPLATE_N.format(name=name), text)

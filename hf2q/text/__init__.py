@@ -3,7 +3,7 @@
 * :mod:`~hf2q.text.tokenizer` — ``GGUFTokenizer`` rebuilt from ``tokenizer.ggml.*`` on the
   ``tokenizers`` library, ``IncrementalDetokenizer`` for streaming;
   :mod:`~hf2q.text.pretokenizers` names each ``tokenizer.ggml.pre`` split rule;
-  :mod:`~hf2q.text.gguf_meta` reads a GGUF's metadata without its tensors.
+  ``hf2q.formats.gguf_parse.read_metadata`` reads a GGUF's metadata without its tensors.
 * :mod:`~hf2q.text.chat_template` — sandboxed Jinja chat templates, transformers-compatible.
 * :mod:`~hf2q.text.reasoning` — streaming ``<think>`` splitter (``reasoning_content``).
 * :mod:`~hf2q.text.toolcalls` — streaming tool-call parsers per family syntax

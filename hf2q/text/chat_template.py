@@ -24,7 +24,8 @@ import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from hf2q.errors import InputError
-from hf2q.text.gguf_meta import metadata_from
+from hf2q.formats.gguf_keys import Keys
+from hf2q.formats.gguf_parse import metadata_from
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
@@ -159,13 +160,13 @@ class ChatTemplate:
         missing template is an :class:`InputError`.
         """
         meta = metadata_from(path_or_reader)
-        source = meta.get("tokenizer.chat_template")
+        source = meta.get(Keys.Tokenizer.CHAT_TEMPLATE)
         name = os.fspath(path_or_reader) if isinstance(path_or_reader, (str, os.PathLike)) else "GGUF"
         if not source:
             if fallback is None:
                 raise InputError(f"{name}: no chat template in the GGUF (tokenizer.chat_template)")
             source = fallback
-        tokens = meta.get("tokenizer.ggml.tokens") or []
+        tokens = meta.get(Keys.Tokenizer.LIST) or []
 
         def text_of(key):
             tid = meta.get(key)
@@ -176,10 +177,10 @@ class ChatTemplate:
 
         return cls(
             source,
-            bos_token=text_of("tokenizer.ggml.bos_token_id"),
-            eos_token=text_of("tokenizer.ggml.eos_token_id"),
-            unk_token=text_of("tokenizer.ggml.unknown_token_id"),
-            pad_token=text_of("tokenizer.ggml.padding_token_id"),
+            bos_token=text_of(Keys.Tokenizer.BOS_ID),
+            eos_token=text_of(Keys.Tokenizer.EOS_ID),
+            unk_token=text_of(Keys.Tokenizer.UNK_ID),
+            pad_token=text_of(Keys.Tokenizer.PAD_ID),
         )
 
     def render(

@@ -39,7 +39,8 @@ from tokenizers import (
 )
 
 from hf2q.errors import InputError
-from hf2q.text.gguf_meta import metadata_from
+from hf2q.formats.gguf_keys import ExtraKeys, Keys
+from hf2q.formats.gguf_parse import metadata_from
 from hf2q.text.pretokenizers import PreTokenizerRule, rule_for
 
 # GGUF token types (llama.cpp's llama_token_type)
@@ -123,29 +124,29 @@ class GGUFTokenizer:
     """Encode/decode with the vocabulary stored in a GGUF (see module docstring)."""
 
     def __init__(self, meta: dict[str, Any], *, source: str = "GGUF"):
-        model = meta.get("tokenizer.ggml.model")
-        raw_tokens = meta.get("tokenizer.ggml.tokens")
+        model = meta.get(Keys.Tokenizer.MODEL)
+        raw_tokens = meta.get(Keys.Tokenizer.LIST)
         if model is None or raw_tokens is None:
             raise InputError(f"{source}: no tokenizer in the GGUF metadata")
         self.model_kind = str(model)
-        self.pre = meta.get("tokenizer.ggml.pre")
+        self.pre = meta.get(Keys.Tokenizer.PRE)
         texts = [t.decode("utf-8", errors="replace") if isinstance(t, bytes) else str(t) for t in raw_tokens]
         n = len(texts)
-        types = meta.get("tokenizer.ggml.token_type")
+        types = meta.get(Keys.Tokenizer.TOKEN_TYPE)
         self._types = np.asarray(types, dtype=np.int32) if types is not None else np.full(n, NORMAL, np.int32)
         if len(self._types) != n:
             raise InputError(f"{source}: tokenizer token_type has {len(self._types)} entries for {n} tokens")
         self._texts = texts
         self.vocab_size = n
 
-        self.bos_id = _meta_int(meta, "tokenizer.ggml.bos_token_id")
-        self.eos_id = _meta_int(meta, "tokenizer.ggml.eos_token_id")
-        self.unk_id = _meta_int(meta, "tokenizer.ggml.unknown_token_id")
-        self.sep_id = _meta_int(meta, "tokenizer.ggml.seperator_token_id")
-        self.pad_id = _meta_int(meta, "tokenizer.ggml.padding_token_id")
+        self.bos_id = _meta_int(meta, Keys.Tokenizer.BOS_ID)
+        self.eos_id = _meta_int(meta, Keys.Tokenizer.EOS_ID)
+        self.unk_id = _meta_int(meta, Keys.Tokenizer.UNK_ID)
+        self.sep_id = _meta_int(meta, Keys.Tokenizer.SEP_ID)
+        self.pad_id = _meta_int(meta, Keys.Tokenizer.PAD_ID)
 
         # extra end-of-generation ids: explicit eot/eom plus the well-known texts
-        eog = {i for i in (self.eos_id, _meta_int(meta, "tokenizer.ggml.eot_token_id"), _meta_int(meta, "tokenizer.ggml.eom_token_id")) if i is not None}
+        eog = {i for i in (self.eos_id, _meta_int(meta, Keys.Tokenizer.EOT_ID), _meta_int(meta, Keys.Tokenizer.EOM_ID)) if i is not None}
         for i, text in enumerate(texts):
             if text in _EOG_TEXTS:
                 eog.add(i)
@@ -153,7 +154,7 @@ class GGUFTokenizer:
                     self._types[i] = CONTROL  # llama.cpp overrides these to control as well
         self.eos_ids = frozenset(i for i in eog if 0 <= i < n)
 
-        self.add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", self.model_kind == "llama"))
+        self.add_space_prefix = bool(meta.get(Keys.Tokenizer.ADD_PREFIX, self.model_kind == "llama"))
         self._rule: PreTokenizerRule | None = None
         if self.model_kind == "gpt2":
             self._rule = rule_for(self.pre)
@@ -164,12 +165,12 @@ class GGUFTokenizer:
             self._rule = rule_for("gemma4")
             self.add_space_prefix = False
         default_bos = {"llama": True, "bert": True}.get(self.model_kind, bool(self._rule and self._rule.default_add_bos))
-        self.add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", default_bos))
+        self.add_bos = bool(meta.get(Keys.Tokenizer.ADD_BOS, default_bos))
         if self.model_kind == "gemma4":
             self.add_bos = True
-        self.add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", self.model_kind == "bert"))
+        self.add_eos = bool(meta.get(Keys.Tokenizer.ADD_EOS, self.model_kind == "bert"))
         if self.model_kind == "bert":
-            self.bos_id = _meta_int(meta, "tokenizer.ggml.cls_token_id") if self.bos_id is None else self.bos_id
+            self.bos_id = _meta_int(meta, ExtraKeys.CLS_ID) if self.bos_id is None else self.bos_id
             self.eos_for_add = self.sep_id
         else:
             self.eos_for_add = self.eos_id
@@ -196,9 +197,9 @@ class GGUFTokenizer:
     def _build(self, meta: dict[str, Any], texts: list[str], source: str) -> Tokenizer:
         kind = self.model_kind
         if kind in ("gpt2", "gemma4"):
-            raw_merges = meta.get("tokenizer.ggml.merges")
+            raw_merges = meta.get(Keys.Tokenizer.MERGES)
             if raw_merges is None:
-                raise InputError(f"{source}: BPE vocabulary without tokenizer.ggml.merges")
+                raise InputError(f"{source}: BPE vocabulary without {Keys.Tokenizer.MERGES}")
             merges = []
             for m in raw_merges:
                 s = m.decode("utf-8", errors="replace") if isinstance(m, bytes) else str(m)
@@ -221,9 +222,9 @@ class GGUFTokenizer:
                 steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
             tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
         elif kind == "llama":
-            scores = meta.get("tokenizer.ggml.scores")
+            scores = meta.get(Keys.Tokenizer.SCORES)
             if scores is None:
-                raise InputError(f"{source}: SentencePiece vocabulary without tokenizer.ggml.scores")
+                raise InputError(f"{source}: SentencePiece vocabulary without {Keys.Tokenizer.SCORES}")
             vocab = self._vocab_dict(texts)
             merges = _spm_merges(vocab, np.asarray(scores, dtype=np.float32), self._types)
             unk = texts[self.unk_id] if self.unk_id is not None and 0 <= self.unk_id < len(texts) else None

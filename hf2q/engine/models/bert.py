@@ -96,12 +96,13 @@ class BertModel:
 
 
 def build(g: GGUFFile, dtype) -> BertModel:
-    pooling = int(g.get(".pooling_type", 1))
+    hp = g.hparams
+    pooling = hp.pooling_type
     if pooling not in (1, 2):
         raise InputError(f"{g.path.name}: pooling type {pooling} is not supported (mean or CLS)")
-    cfg = BertConfig(n_layers=int(g.require(".block_count")), hidden=int(g.require(".embedding_length")),
-                     n_heads=int(g.require(".attention.head_count")),
+    n_heads, _ = hp.uniform_heads()
+    positions = int(g.tensor("position_embd.weight").shape[0])  # no input may go past the learned positions
+    cfg = BertConfig(n_layers=hp.n_layers, hidden=hp.hidden, n_heads=n_heads,
                      vocab=int(g.tensor("token_embd.weight").shape[0]),
-                     n_ctx_train=int(g.get(".context_length", 512)),
-                     eps=float(g.get(".attention.layer_norm_epsilon", 1e-12)), pooling=pooling)
+                     n_ctx_train=min(hp.n_ctx_train, positions), eps=hp.norm_eps, pooling=pooling)
     return BertModel(cfg, g, dtype)

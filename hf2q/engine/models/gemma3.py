@@ -25,17 +25,15 @@ def build(g: GGUFFile, dtype) -> DecoderModel:
     cfg.attn_scale = cfg.head_dim ** -0.5
     if cfg.n_layers == 62:  # 27B: query_pre_attn_scalar = hidden / heads
         cfg.attn_scale = (cfg.hidden / cfg.n_heads) ** -0.5
-    softcap = g.get(".final_logit_softcapping")
-    cfg.final_softcap = float(softcap) if softcap else None
-    window = g.get(".attention.sliding_window")
+    hp = g.hparams
+    cfg.final_softcap = hp.final_logit_softcap
+    window = hp.sliding_window
     if window:
-        pattern = g.get(".attention.sliding_window_pattern", 6)
+        pattern = hp.sliding_window_pattern
         if isinstance(pattern, list):  # per-layer booleans
-            flags = [bool(x) for x in pattern]
-            cfg.is_local = lambda i: flags[i]
+            cfg.is_local = lambda i: pattern[i]
         else:
-            n = int(pattern)
-            cfg.is_local = lambda i: (i + 1) % n != 0
-        cfg.sliding_window = int(window)
-        cfg.rope_base_local = float(g.get(".rope.freq_base_swa", 10000.0))
+            cfg.is_local = lambda i: (i + 1) % pattern != 0
+        cfg.sliding_window = window
+        cfg.rope_base_local = hp.rope_base_swa
     return DecoderModel(cfg, g, dtype, lambda i: gated_mlp(g, i, dtype, act=gelu_tanh))

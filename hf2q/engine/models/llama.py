@@ -33,18 +33,13 @@ _KNOWN_SCALING = (None, "none", "linear", "yarn")
 
 
 def common_config(g: GGUFFile, *, traditional: bool) -> DecoderConfig:
-    hidden = int(g.require(".embedding_length"))
-    n_heads = int(g.require(".attention.head_count"))
-    n_kv = g.get(".attention.head_count_kv", n_heads)
-    if isinstance(n_kv, list):
-        raise InputError(f"{g.path.name}: per-layer head counts are not supported")
-    head_dim = int(g.get(".attention.key_length", hidden // n_heads))
+    hp = g.hparams
+    n_heads, n_kv = hp.uniform_heads()
     embd = g.tensor("token_embd.weight")
     cfg = DecoderConfig(
-        n_layers=int(g.require(".block_count")), hidden=hidden, n_heads=n_heads, n_kv_heads=int(n_kv),
-        head_dim=head_dim, vocab=int(embd.shape[0]), n_ctx_train=int(g.get(".context_length", 4096)),
-        norm_eps=float(g.get(".attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_base=float(g.get(".rope.freq_base", 10000.0)), rope_dims=int(g.get(".rope.dimension_count", head_dim)),
+        n_layers=hp.n_layers, hidden=hp.hidden, n_heads=n_heads, n_kv_heads=n_kv,
+        head_dim=hp.key_length, vocab=int(embd.shape[0]), n_ctx_train=hp.n_ctx_train,
+        norm_eps=hp.rms_eps, rope_base=hp.rope_base, rope_dims=hp.rope_dims,
         rope_traditional=traditional,
     )
     apply_rope_scaling(g, cfg)
@@ -53,11 +48,12 @@ def common_config(g: GGUFFile, *, traditional: bool) -> DecoderConfig:
 
 def apply_rope_scaling(g: GGUFFile, cfg: DecoderConfig) -> None:
     """Set ``rope_scale`` / ``rope_freqs`` / ``attn_scale`` from the GGUF's rope scaling, or refuse it."""
-    scaling = g.get(".rope.scaling.type")
+    hp = g.hparams
+    scaling = hp.rope_scaling
     if scaling not in _KNOWN_SCALING:
         raise InputError(f"{g.path.name}: rope scaling {scaling!r} is not supported "
                          "(supported: linear, yarn, Llama 3 rope_freqs)")
-    factor = float(g.get(".rope.scaling.factor", 1.0) or 1.0)
+    factor = hp.rope_scaling_factor
     d = cfg.rope_dims
     exponents = np.arange(0, d // 2, dtype=np.float64) * 2.0 / d
     periods = cfg.rope_base ** exponents  # MLX's default periods: base^(2i/d)
@@ -89,17 +85,16 @@ def _yarn_periods(g: GGUFFile, cfg: DecoderConfig, factor: float, periods: np.nd
     frequency, pairs that turn fewer than ``beta_slow`` times are interpolated, linear in
     between (bounds floored/ceiled to whole pairs, as ggml's ``rope_yarn_corr_dims``).
     """
-    name = g.path.name
-    ext = float(g.get(".rope.scaling.yarn_ext_factor", 1.0))
+    name, hp = g.path.name, g.hparams
+    ext = hp.yarn_ext_factor
     if ext != 1.0:
         raise InputError(f"{name}: YaRN with yarn_ext_factor {ext} is not supported (only 1.0)")
-    if float(g.get(".rope.scaling.yarn_log_multiplier", 0.0) or 0.0) != 0.0:
+    if hp.yarn_log_multiplier != 0.0:
         raise InputError(f"{name}: YaRN with yarn_log_multiplier (DeepSeek-style mscale) is not supported")
-    n_orig = g.get(".rope.scaling.original_context_length")
+    n_orig = hp.rope_original_context
     if not n_orig:
         raise InputError(f"{name}: YaRN rope scaling without rope.scaling.original_context_length")
-    beta_fast = float(g.get(".rope.scaling.yarn_beta_fast", 32.0))
-    beta_slow = float(g.get(".rope.scaling.yarn_beta_slow", 1.0))
+    beta_fast, beta_slow = hp.yarn_beta_fast, hp.yarn_beta_slow
     d, base = cfg.rope_dims, cfg.rope_base
     if cfg.rope_dims != cfg.head_dim:
         raise InputError(f"{name}: YaRN with partial rotary dimensions is not supported")
@@ -114,7 +109,7 @@ def _yarn_periods(g: GGUFFile, cfg: DecoderConfig, factor: float, periods: np.nd
     i = np.arange(d // 2, dtype=np.float64)
     ramp = 1.0 - np.clip((i - low) / max(0.001, high - low), 0.0, 1.0)  # 1 → keep, 0 → interpolate
     inv = (1.0 / periods) * (ramp + (1.0 - ramp) / factor)
-    mscale = (0.1 * math.log(factor) + 1.0) * float(g.get(".rope.scaling.attn_factor", 1.0))
+    mscale = (0.1 * math.log(factor) + 1.0) * hp.rope_attn_factor
     return 1.0 / inv, mscale
 
 

@@ -45,6 +45,5 @@ class MoEFeedForward:
 def build(g: GGUFFile, dtype) -> DecoderModel:
     cfg = common_config(g, traditional=False)
     cfg.qk_norm = True
-    top_k = int(g.require(".expert_used_count"))
-    normalize = bool(g.get(".expert_weights_norm", True))
+    top_k, normalize = g.hparams.expert_used_count, g.hparams.expert_weights_norm
     return DecoderModel(cfg, g, dtype, lambda i: MoEFeedForward(g, i, dtype, top_k, normalize))

@@ -1,0 +1,29 @@
+"""Building a model runner: the one place a process readies itself for MLX, then imports it.
+
+MLX's Linux CPU wheel links the reference BLAS. ``hf2q.kernels.cpu_blas.preload`` puts an
+OpenBLAS into the global symbol scope (and sets OpenBLAS's thread variables, which it reads
+when it loads), and that has to happen before MLX makes its first matmul — we do it before
+``mlx.core`` is even imported. Importing ``hf2q.engine`` or any of its modules does none of
+this: code that is about to load a model calls :func:`load_runner` (or :func:`prepare_mlx`
+first, when it builds a runner another way), so a process that only reads GGUF headers or
+plans memory keeps its environment and its loaded libraries untouched.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def prepare_mlx() -> str:
+    """Load the fast CPU BLAS before MLX (idempotent); returns ``cpu_blas.status()``."""
+    from hf2q.kernels import cpu_blas
+
+    return cpu_blas.preload()
+
+
+def load_runner(path: str | Path, ctx: int | None = None):
+    """An ``MlxModelRunner`` for the GGUF at ``path``, with the process readied for MLX first."""
+    prepare_mlx()
+    from hf2q.engine.runner import MlxModelRunner
+
+    return MlxModelRunner.load(str(path), ctx=ctx)

@@ -1,0 +1,33 @@
+"""GGUF metadata key names: the PyPI ``gguf`` package's ``gguf.Keys``, plus the few it lacks.
+
+Every key hf2q reads or writes is named through ``gguf.Keys`` (``Keys.LLM.BLOCK_COUNT`` is
+``"{arch}.block_count"``) or through :class:`ExtraKeys` below, never as a literal string, so a
+misspelt key is an ``AttributeError`` at import time instead of a silently missing value.
+"""
+
+from __future__ import annotations
+
+from gguf import Keys
+
+__all__ = ["ExtraKeys", "Keys", "arch_key"]
+
+
+class ExtraKeys:
+    """Keys the PyPI ``gguf`` package does not define."""
+
+    #: BERT vocabularies: the id of ``[CLS]`` (llama.cpp's ``LLM_KV_TOKENIZER_CLS_ID``)
+    CLS_ID = "tokenizer.ggml.cls_token_id"
+    #: hf2q's WordPiece normaliser flags, written by ``sources.tokenizer_meta`` for BERT vocabularies
+    NORMALIZER_LOWERCASE = "tokenizer.ggml.normalizer.lowercase"
+    NORMALIZER_STRIP_ACCENTS = "tokenizer.ggml.normalizer.strip_accents"
+    #: ``[rank, size]`` on the per-rank view of a tensor-parallel shard (never written to a file)
+    TENSOR_PARALLEL = "hf2q.tensor_parallel"
+    #: the parser's own entries (not file keys): the container version and counts
+    GGUF_VERSION = "GGUF.version"
+    GGUF_TENSOR_COUNT = "GGUF.tensor_count"
+    GGUF_KV_COUNT = "GGUF.kv_count"
+
+
+def arch_key(template: str, arch: str) -> str:
+    """``template`` (a ``gguf.Keys`` name, possibly ``"{arch}.…"``) for the architecture ``arch``."""
+    return template.format(arch=arch) if "{arch}" in template else template
