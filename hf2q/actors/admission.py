@@ -10,8 +10,6 @@ request, a released slot, a drain. A request whose client left while queued ends
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING
-
 import trio
 
 from hf2q.actors.handle import RequestHandle
@@ -21,9 +19,6 @@ from hf2q.sched.requests import Failed, Finished
 from hf2q.statemachines.admission import ADMISSION
 from hf2q.statemachines.base import Lifecycle
 
-if TYPE_CHECKING:
-    from hf2q.actors.system import ActorSystem
-
 
 class QueueFull(Exception):
     def __init__(self, code: str, message: str):
@@ -32,7 +27,7 @@ class QueueFull(Exception):
 
 
 class Admission:
-    def __init__(self, system: "ActorSystem", capacity: int):
+    def __init__(self, system, capacity: int):
         self.fsm = Lifecycle(ADMISSION)
         self.system = system
         self.capacity = capacity

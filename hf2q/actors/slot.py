@@ -11,8 +11,6 @@ checked at every GPU step boundary; the slot is released exactly once per reques
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
-
 import attrs
 import trio
 
@@ -32,9 +30,6 @@ from hf2q.sched.planner import prefill_chunks
 from hf2q.sched.requests import Admitted, Failed, Finished, PrefillProgress, Token
 from hf2q.statemachines.base import Lifecycle
 from hf2q.statemachines.slot import SLOT
-
-if TYPE_CHECKING:
-    from hf2q.actors.system import ActorSystem
 
 
 @attrs.frozen
@@ -73,7 +68,7 @@ class SlotProgress:
 
 
 class SlotActor:
-    def __init__(self, index: int, system: "ActorSystem"):
+    def __init__(self, index: int, system):
         self.index = index
         self.fsm = Lifecycle(SLOT)
         self.system = system

@@ -17,11 +17,11 @@ import trio
 from hf2q.actors.admission import Admission, QueueFull
 from hf2q.actors.gpu_owner import EnginePoisoned, GpuOwner
 from hf2q.actors.handle import RequestHandle
-from hf2q.actors.runtime import AdmissionRejected, RuntimeSnapshot, SlotSnapshot
 from hf2q.actors.slot import SlotActor
 from hf2q.sched.budget import KvBudget
 from hf2q.sched.ledger import SlotLedger
-from hf2q.sched.requests import EmbeddingRequest, Failed, Finished, GenerationRequest
+from hf2q.sched.contracts import (AdmissionRejected, EmbeddingRequest, Failed, Finished, GenerationRequest,
+                                  RuntimeSnapshot, SlotSnapshot)
 
 log = logging.getLogger("hf2q.runtime")
 
