@@ -14,6 +14,7 @@ from typing import Callable
 
 import trio
 
+from hf2q.sched.contracts import AdmissionRejected
 from hf2q.statemachines.base import Lifecycle
 from hf2q.statemachines.supervisor import SUPERVISOR
 
@@ -43,6 +44,14 @@ class Supervisor:
 
     def readiness(self) -> tuple[bool, str]:
         return (self.ready, "ready" if self.ready else self.detail)
+
+    def refusal(self) -> AdmissionRejected | None:
+        """The 503 ``AdmissionRejected`` every new request gets now, or None while the engine serves."""
+        if self.poisoned:
+            return AdmissionRejected(503, "engine_unhealthy", self.detail, 1)
+        if not self.ready:
+            return AdmissionRejected(503, "not_ready", self.detail, 1)
+        return None
 
     def loaded(self) -> None:
         if self.fsm.state == "starting":
