@@ -111,3 +111,20 @@ async def test_the_kv_prefix_actor_restores_and_persists(tmp_path):
         assert isinstance(terminal(ev), Finished) and tokens_of(ev) == greedy(fresh, list(prompt), 2)
         assert rt._system.kv_prefix.counters["kv_blocks_restored"] == 1  # noqa: SLF001
     store.close()
+
+
+def test_only_the_gpu_owner_imports_the_engine_at_module_level():
+    """Only code reached from the engine thread imports ``hf2q.engine``: in actors/, the GPU owner."""
+    import ast
+    from pathlib import Path
+
+    import hf2q.actors
+
+    found = {}
+    for path in Path(hf2q.actors.__file__).parent.glob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        names = [n.module for n in tree.body if isinstance(n, ast.ImportFrom) and n.module]
+        names += [a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names]
+        if any(name == "hf2q.engine" or name.startswith("hf2q.engine.") for name in names):
+            found[path.name] = True
+    assert set(found) == {"gpu_owner.py"}

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from hf2q.engine.sampler import Sampler, StopStringMatcher
+from hf2q.engine.sampler import StopStringMatcher
+from hf2q.engine.sampling import Sampler
 from hf2q.errors import InputError
 from hf2q.sched.requests import SamplingParams
 

@@ -20,18 +20,19 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import sys
 from typing import Any, Callable
 
 import attrs
-import numpy as np
 import outcome
 import trio
 
-from hf2q.actors.decode_pipeline import DecodePipeline
 from hf2q.actors.engine_thread import EngineThread
-from hf2q.actors.messages import Generation, PrefillWork, Sampled, SampleError
-from hf2q.errors import InputError
+from hf2q.actors.messages import Generation, PrefillWork
+from hf2q.actors.supervisor import EnginePoisoned
+from hf2q.engine.decode_pipeline import DecodePipeline
+from hf2q.engine.sampling import Sampler
+from hf2q.engine.sampling.rows import Sampled, SampleError
+from hf2q.engine.step import run_step
 from hf2q.sched.contracts import Failed, PrefillProgress, Token
 from hf2q.sched.planner import StepPlanner
 from hf2q.statemachines.base import Lifecycle
@@ -43,14 +44,8 @@ log = logging.getLogger("hf2q.gpu")
 PEER_POLL_S = 0.5
 
 
-class EnginePoisoned(Exception):
-    """The engine faulted or hung; no GPU work will run again."""
-
-
 def make_sampler(params):
-    """The request's host sampler (the engine's numpy chain)."""
-    from hf2q.engine.sampler import Sampler
-
+    """The request's host sampler (a ``hf2q.engine.sampling`` chain, built in trio before any GPU work)."""
     return Sampler(params)
 
 
@@ -75,102 +70,6 @@ class RunningRequest:
     @property
     def slot(self) -> int:
         return self.gen.slot
-
-
-def sample(sampler, constraint, logits: np.ndarray, history: list[int]) -> Sampled:
-    """Pick the next token (runs in the GPU thread, right after the forward)."""
-    mask = None
-    if constraint is not None:  # hf2q.text's constraint objects: allowed_mask() (or allowed(history))
-        mask = constraint.allowed_mask() if hasattr(constraint, "allowed_mask") else constraint.allowed(history)
-    token, logprob, top = sampler.sample(np.asarray(logits, dtype=np.float32), history, mask)
-    if constraint is not None:
-        constraint.advance(int(token))
-    return Sampled(int(token), None if logprob is None else float(logprob),
-                   tuple((int(t), float(p)) for t, p in (top or ())))
-
-
-def guarded_sample(work, logits) -> Sampled | SampleError:
-    """``sample`` for one request; its failure is that request's alone (the engine is fine)."""
-    try:
-        return sample(work.sampler, work.constraint, logits, work.history)
-    except InputError as e:  # e.g. a logit_bias id outside the vocabulary, everything masked
-        return SampleError(400, "invalid_request", str(e))
-    except Exception as e:  # noqa: BLE001
-        return SampleError(500, "sampling_failed", f"sampling failed: {type(e).__name__}: {e}")
-
-
-def plain_greedy(sampler, constraint) -> bool:
-    """True when ``sampler`` would return the argmax of the raw logits: the engine's ``Sampler`` at
-    temperature 0 with no bias, penalty, constraint or logprobs. Such rows skip its float64 pass
-    over the vocabulary (~0.4 ms a row); their ``Sampled.logprob`` is None (nobody asked for it)."""
-    mod = sys.modules.get("hf2q.engine.sampler")  # no Sampler exists before that module is imported
-    if constraint is not None or mod is None or type(sampler) is not mod.Sampler:
-        return False
-    p = sampler.params
-    return (p.temperature == 0.0 and not p.logprobs and not p.logit_bias and p.repetition_penalty == 1.0
-            and not p.frequency_penalty and not p.presence_penalty)
-
-
-def sample_rows(works, logits) -> list[Sampled | SampleError]:
-    """One sampled token per row of ``logits`` for ``works`` (decode runs), in order."""
-    logits = np.asarray(logits)
-    out: list = [None] * len(works)
-    fast = [i for i, w in enumerate(works) if plain_greedy(w.sampler, w.constraint)]
-    if fast:
-        rows = logits if len(fast) == len(works) else logits[fast]  # no copy of a whole [N, vocab] batch
-        picked = np.argmax(rows, axis=1)
-        finite = np.isfinite(rows[np.arange(len(fast)), picked])
-        for i, tok, ok in zip(fast, picked.tolist(), finite.tolist()):
-            if ok:  # a non-finite best logit: the sampler reports it (an error of this request)
-                out[i] = Sampled(int(tok), None, ())
-    for i, w in enumerate(works):
-        if out[i] is None:
-            out[i] = guarded_sample(w, logits[i])
-    return out
-
-
-def run_step(runner, decode: list, tokens: list[int], prefill: PrefillWork | None,
-             pipeline: DecodePipeline | None = None, first=None) -> dict[int, Any]:
-    """One decode-first mixed step, in the GPU thread: slot → Sampled | SampleError | None.
-
-    Every run of ``decode`` is fed its token of ``tokens`` in one batched ``runner.decode``
-    — or, when ``pipeline`` can serve the batch (MLX graph, device-sampled rows), through the
-    step it queued last time, queueing the next one before this one is read. A runner with
-    ``decode_with_prefill`` takes the decode and the prefill chunk as one call (the CPU host
-    step runs both as rows of one pass over the weights).
-    ``first`` is the request whose first token ``prefill``'s logits give (its last chunk).
-    Errors raised by the runner propagate (they poison the engine).
-    """
-    results: dict[int, Any] = {}
-    pipelined = pipeline is not None and bool(decode) and pipeline.usable(runner, decode)
-    if pipeline is not None and not pipelined:
-        pipeline.settle()
-    if prefill is not None and prefill.keep is not None:
-        prefill.seq.trim(prefill.keep)  # its own cache: no decode row of this step reads it
-    prefill_logits = None
-    if pipelined:
-        for r, res in zip(decode, pipeline.step(runner, decode, tokens)):
-            results[r.slot] = res
-    elif decode:
-        seqs = [r.seq for r in decode]
-        if prefill is not None and hasattr(runner, "decode_with_prefill"):
-            logits, prefill_logits = runner.decode_with_prefill(seqs, tokens, prefill.seq, prefill.tokens)
-        else:
-            logits = runner.decode(seqs, tokens)
-        for r, res in zip(decode, sample_rows(decode, logits)):
-            results[r.slot] = res
-    if prefill is not None:
-        if prefill_logits is None:
-            prefill_logits = runner.prefill(prefill.seq, prefill.tokens)
-        results[prefill.slot] = guarded_sample(first, prefill_logits) if first is not None else None
-    return results
-
-
-def _after_settling(pipeline: DecodePipeline, job: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    def settled_job(runner):
-        pipeline.settle()
-        return job(runner)
-    return settled_job
 
 
 class _Pending:
@@ -259,7 +158,7 @@ class GpuOwner:
             self.fsm.fire("transaction_submitted")
             self._pending = pending
             if self.pipeline is not None and what != "step":
-                job = _after_settling(self.pipeline, job)  # other jobs see caches holding only fed tokens
+                job = self.pipeline.settled(job)  # other jobs see caches holding only fed tokens
             self._thread.submit(job, pending.finished)
             if then is not None:
                 then()

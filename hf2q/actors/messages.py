@@ -38,22 +38,6 @@ class Reply:
 
 
 @attrs.frozen
-class SampleError:
-    """Sampling failed for one request: bad input (400) or a sampler bug (500)."""
-
-    status: int
-    code: str
-    message: str
-
-
-@attrs.frozen
-class Sampled:
-    token_id: int
-    logprob: float | None
-    top_logprobs: tuple[tuple[int, float], ...]
-
-
-@attrs.frozen
 class Assignment:
     handle: RequestHandle
     cached_tokens: int  # of the prompt, already in the slot's KV

@@ -19,10 +19,10 @@ from typing import Any, Awaitable, Callable
 import attrs
 import trio
 
-from hf2q.actors.gpu_owner import EnginePoisoned
 from hf2q.actors.messages import Assignment, Evict, Generation, Persist, PrefillWork, Released, Restore
 from hf2q.actors.prefill import PrefillTransaction
 from hf2q.actors.progress import SlotProgress
+from hf2q.actors.supervisor import EnginePoisoned
 from hf2q.sched.contracts import Admitted, Failed, Finished
 from hf2q.sched.planner import prefill_chunks
 from hf2q.statemachines.base import Lifecycle

@@ -21,6 +21,10 @@ from hf2q.statemachines.supervisor import SUPERVISOR
 log = logging.getLogger("hf2q.supervisor")
 
 
+class EnginePoisoned(Exception):
+    """The engine faulted or hung; no GPU work will run again."""
+
+
 class Supervisor:
     def __init__(self, gpu_deadline_s: float | None):
         self.fsm = Lifecycle(SUPERVISOR)

@@ -15,11 +15,11 @@ import logging
 import trio
 
 from hf2q.actors.admission import Admission
-from hf2q.actors.gpu_owner import EnginePoisoned, GpuOwner
+from hf2q.actors.gpu_owner import GpuOwner
 from hf2q.actors.kv_prefix import KvPrefixActor
 from hf2q.actors.slot import SlotActor, SlotEnv
 from hf2q.actors.snapshot import runtime_snapshot
-from hf2q.actors.supervisor import Supervisor
+from hf2q.actors.supervisor import EnginePoisoned, Supervisor
 from hf2q.sched.contracts import AdmissionRejected, EmbeddingRequest, Failed, GenerationRequest, ModelFacts
 from hf2q.sched.intake import check_embedding
 
