@@ -72,6 +72,12 @@ class RunningRequest:
         return self.gen.slot
 
 
+def _run_once(then: Callable[[], None] | None) -> None:
+    """Call ``then`` if given; returns None (so the caller's ``then`` is spent)."""
+    if then is not None:
+        then()
+
+
 class _Pending:
     """One submitted GPU transaction, until its outcome is taken."""
 
@@ -143,14 +149,17 @@ class GpuOwner:
         Transactions run one at a time, in arrival order. If the caller is cancelled while its
         job runs (a running MLX step cannot be interrupted), the job stays on the books and the
         next transaction first waits for it — still under its deadline. ``then()`` runs right
-        after the job reached the thread, before this task first yields.
+        after the job reached the thread, or earlier when the job must wait for another one;
+        always before this task first yields.
         """
         try:  # a free lock is taken without a checkpoint, so the job reaches the thread before
             self._lock.acquire_nowait()  # any other trio task runs (the step loop relies on it)
         except trio.WouldBlock:
+            then = _run_once(then)  # whatever waits on ``then`` must not wait for another job
             await self._lock.acquire()
         try:
             if self._pending is not None:
+                then = _run_once(then)
                 await self._settle(self._pending)
             if self.fsm.state != "idle":
                 raise EnginePoisoned(self._supervisor.detail)
@@ -274,15 +283,14 @@ class GpuOwner:
         if chunk is not None:
             self.counters["prefill_transactions"] += 1
 
-    @staticmethod
-    def _prefilled(chunk: PrefillWork) -> None:
+    def _prefilled(self, chunk: PrefillWork) -> None:
         """The chunk is in the slot's KV: its progress, then the slot's reply."""
         gen, now = chunk.generation, trio.current_time()
         p = gen.progress
         p.prefilled_tokens += len(chunk.tokens)
         p.prefill_seconds += now - chunk.posted_at
         p.resident_tokens = p.cached_tokens + p.prefilled_tokens
-        gen.handle.emit(PrefillProgress(p.resident_tokens, gen.prompt_len))  # hooks now: no token waits
+        gen.handle.emit(PrefillProgress(p.resident_tokens, gen.prompt_len), self._notices)
         chunk.reply.set()
 
     def _postprocess(self, run: RunningRequest, result) -> bool:

@@ -1,4 +1,4 @@
-"""Messages between the actors (attrs records); who sends what is drawn in docs/ARCHITECTURE.md.
+"""Messages between the actors (attrs records), and who sends them to whom.
 
 - admission → slot: ``Assignment`` (a request and how much of its prompt the slot's KV
   already holds), ``Evict`` (drop an idle cache);

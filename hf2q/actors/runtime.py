@@ -10,7 +10,7 @@ back a ``Runtime`` whose methods are safe to call from any trio task::
             async for ev in events:             # Admitted, PrefillProgress*, Token*, then
                 ...                             # exactly one Finished or Failed
 
-Contract of the per-request channel (SPEC §4-§6):
+Contract of the per-request channel (the HTTP side: docs/API.md):
 
 - ``Admitted(slot, prompt_tokens, cached_tokens)`` once a slot is assigned (a queued
   request may wait for it), then ``PrefillProgress(done, total)`` after every prefill
@@ -32,7 +32,7 @@ Contract of the per-request channel (SPEC §4-§6):
 - After an engine fault or a GPU step that outlives ``gpu_deadline_s`` every active and
   queued request receives ``Failed(503, "engine_unhealthy", …)``; later submissions
   raise ``AdmissionRejected(503, "engine_unhealthy")``; ``readiness()`` is
-  ``(False, detail)`` for good (SPEC §6).
+  ``(False, detail)`` for good.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The engine supervisor: readiness, the GPU deadline, and one-way poisoning (SPEC §6).
+"""The engine supervisor: readiness, the GPU deadline, and one-way poisoning.
 
 Its ``transitions`` machine is the single source of ``readiness()`` (and so ``/readyz``);
-reading it never touches the engine thread (STYLE.md #10). ``poison(detail)`` is
+reading it never touches the engine thread. ``poison(detail)`` is
 idempotent and one way: the first call moves the machine to ``poisoned`` and runs the
 ``on_poisoned`` callback, which fails every active and queued request exactly once and
 stops all GPU work; later calls only keep the first detail.

@@ -5,7 +5,7 @@ whose cancel scope is the "work" scope — the step loop, one actor per slot, ad
 the KV prefix actor; the KV writer runs outside it, so poisoning never cuts a write short.
 Poisoning fails every live request exactly once, queued or running, and cancels the work
 scope, so nothing submits GPU work again, while ``submit``/``readiness`` keep answering
-503 / ``(False, detail)`` from plain state. Who sends what: docs/ARCHITECTURE.md.
+503 / ``(False, detail)`` from plain state. Who sends what to whom: ``messages.py``.
 """
 
 from __future__ import annotations
