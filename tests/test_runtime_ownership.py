@@ -128,3 +128,19 @@ def test_only_the_gpu_owner_imports_the_engine_at_module_level():
         if any(name == "hf2q.engine" or name.startswith("hf2q.engine.") for name in names):
             found[path.name] = True
     assert set(found) == {"gpu_owner.py"}
+
+
+def test_the_contracts_module_is_a_leaf():
+    """The API and the actors share ``hf2q.sched.contracts``; it imports neither (stdlib, attrs,
+    numpy and ``hf2q.errors`` at most), so it can never close an import loop."""
+    import ast
+    import sys
+    from pathlib import Path
+
+    import hf2q.sched.contracts as contracts
+
+    tree = ast.parse(Path(contracts.__file__).read_text(encoding="utf-8"))
+    names = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    allowed = {"attrs", "numpy", "hf2q.errors", "__future__"}
+    assert {n for n in names if n.split(".")[0] not in sys.stdlib_module_names} <= allowed, names
