@@ -10,7 +10,7 @@ sys.path.insert(0, ".")
 import mlx.core as mx
 import numpy as np
 from hf2q.engine.runner import MlxModelRunner
-from hf2q.engine.device_sampler import DeviceSampler
+from hf2q.engine.sampling.device import DeviceSampler
 from hf2q.engine.kv_cache import ForwardBatch
 from hf2q.sched.requests import SamplingParams
 

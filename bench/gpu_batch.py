@@ -16,7 +16,7 @@ sys.path.insert(0, ".")
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from hf2q.engine.device_sampler import DeviceSampler  # noqa: E402
+from hf2q.engine.sampling.device import DeviceSampler  # noqa: E402
 from hf2q.engine.runner import MlxModelRunner, warm_up  # noqa: E402
 from hf2q.sched.requests import SamplingParams  # noqa: E402
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import trio
 
-from hf2q.actors.decode_pipeline import DecodePipeline
+from hf2q.engine.decode_pipeline import DecodePipeline
 from hf2q.actors.runtime import RuntimeConfig, open_runtime
 from hf2q.sched.requests import Finished, GenerationRequest, SamplingParams, Token
 from tests.engine_support import convert_f32, load_runner, random_tokens
@@ -38,7 +38,7 @@ class _Run:
     """The fields of a DecodeRun the pipeline reads."""
 
     def __init__(self, seq, params):
-        from hf2q.engine.sampler import Sampler
+        from hf2q.engine.sampling import Sampler
 
         self.seq, self.sampler, self.constraint = seq, Sampler(params), None
 

@@ -12,8 +12,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from hf2q.engine.device_sampler import DeviceSampler, device_capable, sample_rows
-from hf2q.engine.sampler import Sampler
+from hf2q.engine.sampling import Sampler, device_capable
+from hf2q.engine.sampling.device import DeviceSampler, sample_rows
 from hf2q.sched.requests import SamplingParams
 from tests.engine_support import convert_f32, load_runner, random_tokens
 

@@ -483,16 +483,16 @@ async def test_constraint_mask_is_applied_and_advanced_in_the_engine_thread():
 
 
 async def test_a_failing_sampler_fails_only_its_request(monkeypatch):
-    import hf2q.actors.system as system_mod
+    import hf2q.actors.gpu_owner as gpu_owner_mod
 
-    real = system_mod.default_sampler
+    real = gpu_owner_mod.make_sampler
 
     def picky(params):
         if params.seed == 666:
             raise ValueError("seed 666 is not supported")
         return real(params)
 
-    monkeypatch.setattr(system_mod, "default_sampler", picky)
+    monkeypatch.setattr(gpu_owner_mod, "make_sampler", picky)
     fake = FakeModelRunner()
     async with open_runtime(fake.factory(), RuntimeConfig(slots=1)) as rt:
         await rt.wait_ready()

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import trio
 
-from hf2q.actors.gpu_owner import guarded_sample, plain_greedy, sample_rows
-from hf2q.actors.messages import Sampled, SampleError
+from hf2q.engine.sampling import plain_greedy
+from hf2q.engine.sampling.rows import Sampled, SampleError, guarded_sample, sample_rows
 from hf2q.actors.runtime import RuntimeConfig, open_runtime
-from hf2q.engine.sampler import Sampler
+from hf2q.engine.sampling import Sampler
 from hf2q.sched.decoding import DecodeLimits
 from hf2q.sched.requests import GenerationRequest, SamplingParams, Token
 from tests.fakes import FakeModelRunner

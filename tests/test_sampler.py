@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf2q.engine.sampler import Sampler
+from hf2q.engine.sampling import Sampler
 from hf2q.errors import InputError
 from hf2q.sched.requests import SamplingParams
 from hf2q.text.stop_strings import StopStringMatcher

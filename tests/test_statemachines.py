@@ -13,7 +13,7 @@ from hf2q.statemachines.base import IllegalTransition, Lifecycle
 from hf2q.statemachines.registry import all_machines
 
 MACHINES = all_machines()
-OURS = ["supervisor", "admission", "slot", "prefill_transaction", "gpu_owner"]
+OURS = ["supervisor", "admission", "slot", "prefill_transaction", "gpu_owner", "kv_prefix"]
 
 
 def _reach(spec, target: str) -> list[str]:
@@ -82,7 +82,7 @@ def test_illegal_transitions_raise(name):
 def test_specific_lifecycles():
     slot = MACHINES["slot"]
     m = Lifecycle(slot)
-    for t in ("assigned", "prefill_started", "chunk_prefilled", "prefilled", "token_decoded", "stop_reached",
+    for t in ("assigned", "prefill_started", "chunk_prefilled", "prefilled", "stop_reached",
               "released"):
         m.fire(t)
     assert m.state == "idle"

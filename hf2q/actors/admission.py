@@ -1,28 +1,32 @@
-"""The admission actor: the queue between ``Runtime.submit`` and the slot actors.
+"""The admission actor: the runtime's front door, and the one owner of the ledger, reservations and budget.
 
-``offer`` runs synchronously inside ``submit`` so the caller learns at once whether the
-request is queued or refused (429 when the queue is full). The actor's loop hands queued
-requests, in arrival order, to the slot chosen by the pure ``KvBudget.decide`` (longest
-cached prefix, KV budget, LRU eviction of idle caches) whenever something changed: a new
-request, a released slot, a drain. A request whose client left while queued ends there.
+``submit`` answers at once: refused (``AdmissionRejected``: not serving, can never fit, or
+429 when the queue is full) or queued. The actor's loop hands queued requests, in arrival
+order, to the slot chosen by the pure ``KvBudget.decide`` (longest cached prefix, KV
+budget, LRU eviction of idle caches) whenever something changed: a new request, a slot's
+``Released`` message on its inbox, a drain. A request whose client left while queued ends
+there. It also keeps the live request handles (so a poisoned engine or a shutdown fails
+each exactly once) and the request counters.
 """
 
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING
+import math
+from typing import Callable
 
+import attrs
 import trio
 
 from hf2q.actors.handle import RequestHandle
-from hf2q.actors.slot import Assignment, Evict
-from hf2q.sched.budget import Admit, Never, Wait
-from hf2q.sched.requests import Failed, Finished
+from hf2q.actors.messages import Assignment, Evict, Released
+from hf2q.sched.budget import Admit, KvBudget, Never, Wait
+from hf2q.sched.contracts import AdmissionRejected, Failed, Finished, GenerationRequest, ModelFacts, RuntimeConfig
+from hf2q.sched.decoding import DecodeLimits
+from hf2q.sched.intake import check_generation
+from hf2q.sched.ledger import SlotLedger
 from hf2q.statemachines.admission import ADMISSION
 from hf2q.statemachines.base import Lifecycle
-
-if TYPE_CHECKING:
-    from hf2q.actors.system import ActorSystem
 
 
 class QueueFull(Exception):
@@ -31,13 +35,29 @@ class QueueFull(Exception):
         self.code = code
 
 
+@attrs.frozen
+class Wake:
+    """Inbox marker: look at the queue again (a request was queued, a drain began)."""
+
+
 class Admission:
-    def __init__(self, system: "ActorSystem", capacity: int):
+    def __init__(self, config: RuntimeConfig, slot_inboxes: list[trio.MemorySendChannel],
+                 refusal: Callable[[], AdmissionRejected | None]):
         self.fsm = Lifecycle(ADMISSION)
-        self.system = system
-        self.capacity = capacity
+        self.config = config
+        self.capacity = config.queue_capacity
+        self._slots = slot_inboxes
+        self._refusal = refusal  # the supervisor's 503 while the engine does not serve
         self.queue: collections.deque[RequestHandle] = collections.deque()
-        self._changed = trio.Event()
+        self.ledger = SlotLedger(len(slot_inboxes))
+        self.reservations: dict[int, int] = {}
+        self.budget: KvBudget | None = None
+        self.facts: ModelFacts | None = None
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.hooks: list[Callable] = [self._count] + ([config.on_event] if config.on_event else [])
+        self.live: list[RequestHandle] = []
+        self.inbox_send, self._inbox = trio.open_memory_channel(math.inf)  # Released | Wake
+        self.activity = trio.Event()  # set whenever a slot was released (drain waits on it)
 
     @property
     def state(self) -> str:
@@ -48,16 +68,62 @@ class Admission:
     def accepting(self) -> bool:
         return self.fsm.state == "accepting"
 
-    def wake(self) -> None:
-        self._changed.set()
+    @property
+    def quiet(self) -> bool:
+        """Nothing queued and nothing running."""
+        return not self.queue and not self.ledger.busy_slots()
 
-    def offer(self, h: RequestHandle) -> None:
+    def configure(self, facts: ModelFacts) -> None:
+        """The model is loaded: the per-slot context and the KV budget are known."""
+        self.facts = facts
+        self.budget = KvBudget(facts.kv_bytes_per_token, facts.budget_bytes(self.config), facts.ctx)
+
+    # ---- the front door -------------------------------------------------------------------
+
+    def submit(self, req: GenerationRequest) -> trio.MemoryReceiveChannel:
+        """Queue ``req`` and return its event channel, or raise ``AdmissionRejected``."""
+        self.counters["requests"] += 1
+        try:
+            refused = self._refusal() or (None if self.accepting else AdmissionRejected(
+                503, "not_ready", "draining: not accepting new requests", 1))
+            if refused is not None:
+                raise refused
+            check_generation(req, self.facts, self.budget)
+            h = RequestHandle(req, self.config.token_buffer, self.hooks, trio.current_time())
+            try:
+                self._offer(h)
+            except QueueFull as e:
+                raise AdmissionRejected(429, e.code, str(e), 1) from None
+        except AdmissionRejected as e:
+            raise self.reject(req.request_id, e) from None
+        self.live = [x for x in self.live if not x.done]
+        self.live.append(h)
+        self.counters["prompt_tokens"] += len(req.prompt_tokens)
+        return h.receive
+
+    def reject(self, request_id: str, err: AdmissionRejected) -> AdmissionRejected:
+        """Count a refusal and tell the event hooks; returns ``err`` for the caller to raise."""
+        self.counters[f"rejected_{err.code}"] += 1
+        for hook in self.hooks:
+            try:
+                hook(request_id, err)
+            except Exception:  # noqa: BLE001 — a metrics bug must not break serving
+                pass
+        return err
+
+    def _count(self, request_id: str, event) -> None:
+        if isinstance(event, Finished):
+            self.counters["cancelled" if event.reason == "cancelled" else "finished"] += 1
+            self.counters["completion_tokens"] += event.completion_tokens
+            self.counters["cached_tokens"] += event.cached_tokens
+        elif isinstance(event, Failed):
+            self.counters["failed"] += 1
+            self.counters[f"failed_{event.code}"] += 1
+
+    def _offer(self, h: RequestHandle) -> None:
         """Queue ``h`` or raise ``QueueFull``; the caller already checked it can ever fit."""
         self._drop_gone()
-        if self.queue:
-            waiting = Wait("slots")
-        else:
-            waiting = self._decide(h)
+        waiting = Wait("slots") if self.queue else self._decide(h)
         if isinstance(waiting, Wait) and len(self.queue) >= self.capacity:
             if waiting.reason == "kv":
                 raise QueueFull("slot_budget_exceeded",
@@ -67,8 +133,7 @@ class Admission:
         self.admit_ready()  # assign at once when possible, so the next offer sees the true state
 
     def _decide(self, h: RequestHandle):
-        s = self.system
-        return s.budget.decide(s.ledger, s.reservations, h.req.prompt_tokens, h.req.params.max_tokens)
+        return self.budget.decide(self.ledger, self.reservations, h.req.prompt_tokens, h.req.params.max_tokens)
 
     def _drop_gone(self) -> None:
         kept = collections.deque()
@@ -79,17 +144,35 @@ class Admission:
                 kept.append(h)
         self.queue = kept
 
+    # ---- the actor ------------------------------------------------------------------------
+
     async def run(self) -> None:
         while True:
             self.admit_ready()
             if self.fsm.state == "draining" and not self.queue:
                 self.fsm.fire("queue_emptied")
-            await self._changed.wait()
-            self._changed = trio.Event()
+            self._take(await self._inbox.receive())
+            while True:
+                try:
+                    self._take(self._inbox.receive_nowait())
+                except trio.WouldBlock:
+                    break
+
+    def _take(self, msg) -> None:
+        if isinstance(msg, Released):
+            self.ledger.replace(msg.slot, msg.tokens)
+            self.ledger.release(msg.slot)
+            self.reservations.pop(msg.slot, None)
+            self.activity.set()
+            self.activity = trio.Event()
+        elif not isinstance(msg, Wake):
+            raise TypeError(f"unexpected message {msg!r}")
+
+    def wake(self) -> None:
+        self.inbox_send.send_nowait(Wake())
 
     def admit_ready(self) -> None:
         """Assign queued requests to slots while the head of the queue fits."""
-        s = self.system
         self._drop_gone()
         while self.queue and self.fsm.state in ("accepting", "draining"):
             h = self.queue[0]
@@ -102,14 +185,14 @@ class Admission:
                 continue
             assert isinstance(decision, Admit)
             for victim in decision.evict:
-                s.ledger.evict(victim)
-                s.slots[victim].inbox_send.send_nowait(Evict())
-            s.ledger.acquire(decision.slot, decision.cached_tokens)
-            s.reservations[decision.slot] = s.budget.reservation(len(h.req.prompt_tokens),
-                                                                 h.req.params.max_tokens)
-            restore = s.plan_restore(decision.slot, h.req.prompt_tokens, decision.cached_tokens)
-            s.stats["admitted"] += 1
-            s.slots[decision.slot].inbox_send.send_nowait(Assignment(h, decision.cached_tokens, restore))
+                self.ledger.evict(victim)
+                self._slots[victim].send_nowait(Evict())
+            params = h.req.params
+            self.ledger.acquire(decision.slot, decision.cached_tokens)
+            self.reservations[decision.slot] = self.budget.reservation(len(h.req.prompt_tokens), params.max_tokens)
+            self.counters["admitted"] += 1
+            limits = DecodeLimits(self.facts.eos_token_ids, params.stop_token_ids, params.max_tokens, self.facts.ctx)
+            self._slots[decision.slot].send_nowait(Assignment(h, decision.cached_tokens, limits))
 
     def drain_requested(self) -> None:
         if self.fsm.state == "accepting":
@@ -124,3 +207,11 @@ class Admission:
             h = self.queue.popleft()
             if terminal is not None:
                 h.finish(terminal)
+
+    def fail_all(self, trigger: str, terminal: Failed) -> None:
+        """Stop admitting; every queued and running request ends with ``terminal`` (once)."""
+        self.close(trigger, terminal)
+        for h in self.live:
+            h.finish(terminal)
+        self.live.clear()
+        self.activity.set()

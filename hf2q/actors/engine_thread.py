@@ -1,13 +1,13 @@
 """The one thread that calls the model engine.
 
-MLX streams belong to the thread that created them (STYLE.md #1), so a single
+MLX streams belong to the thread that created them, so a single
 ``threading.Thread`` builds the runner (``runner_factory()`` runs *in* the thread) and
 runs every job, in order, from a thread-safe queue. Results travel back to trio through the
 trio token captured when the thread started (``run_sync_soon``: the thread does not wait for
 trio to take the answer, it goes straight back to its queue) — never through
 ``trio.to_thread``, whose worker threads change between calls.
 
-The thread is a daemon: a hung GPU step (SPEC §6) must not keep the process alive.
+The thread is a daemon: a hung GPU step must not keep the process alive.
 """
 
 from __future__ import annotations

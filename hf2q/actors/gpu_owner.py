@@ -4,38 +4,36 @@ Trio side of ``EngineThread``. ``transact(job)`` runs one GPU transaction and ar
 supervisor's deadline on it; an exception or an expired deadline poisons the engine
 (``Supervisor.poison``) and raises ``EnginePoisoned`` — no further job is ever submitted.
 
-``run_steps`` is the step loop: slots post ``PrefillWork``; every step batches the decode of
-every running ``DecodeRun`` into one ``runner.decode`` and runs at most one prefill
-transaction, chosen round-robin by the pure ``StepPlanner`` (SPEC §5). A run stays in the
-loop's table from its first token to its last, so the next step is submitted as soon as the
-previous one returns — before any slot or HTTP task handles the tokens — and the engine
-thread does not idle through a trio round trip per token. Sampling happens in the thread,
-right after the logits (the plain greedy rows of a batch in one vectorised argmax).
+``run_steps`` is the step loop and the one owner of a running request's tokens, in three
+phases per step: *schedule* (take the slots' ``PrefillWork``, drop requests whose client
+left, let the pure ``StepPlanner`` pick the decode batch and at most one prefill chunk),
+*run* (one GPU transaction: every running request's decode batched into one
+``runner.decode``, sampling in the thread right after the logits), *postprocess* (per
+request: the stop rule ``DecodeLimits.after_token``, the ``Token`` or terminal event sent
+straight to the request's channel, the token fed to the next step). Postprocessing has no
+checkpoint, so the next step is submitted before any slot or HTTP task runs and the
+engine thread does not idle through a trio round trip per token.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
-import sys
 from typing import Any, Callable
 
-import numpy as np
+import attrs
 import outcome
 import trio
 
-from hf2q.actors.decode_pipeline import DecodePipeline
 from hf2q.actors.engine_thread import EngineThread
-from hf2q.actors.messages import (
-    ENDED,
-    SKIPPED,
-    DecodeRun,
-    Leave,
-    PrefillWork,
-    Sampled,
-    SampleError,
-)
-from hf2q.errors import InputError
+from hf2q.actors.messages import Generation, PrefillWork
+from hf2q.actors.supervisor import EnginePoisoned
+from hf2q.engine.decode_pipeline import DecodePipeline
+from hf2q.engine.sampling import Sampler
+from hf2q.engine.sampling.rows import Sampled, SampleError
+from hf2q.engine.step import run_step
+from hf2q.sched.contracts import Failed, PrefillProgress, Token
 from hf2q.sched.planner import StepPlanner
 from hf2q.statemachines.base import Lifecycle
 from hf2q.statemachines.gpu_owner import GPU_OWNER
@@ -46,111 +44,38 @@ log = logging.getLogger("hf2q.gpu")
 PEER_POLL_S = 0.5
 
 
-class EnginePoisoned(Exception):
-    """The engine faulted or hung; no GPU work will run again."""
+def make_sampler(params):
+    """The request's host sampler (a ``hf2q.engine.sampling`` chain, built in trio before any GPU work)."""
+    return Sampler(params)
 
 
-def sample(sampler, constraint, logits: np.ndarray, history: list[int]) -> Sampled:
-    """Pick the next token (runs in the GPU thread, right after the forward)."""
-    mask = None
-    if constraint is not None:  # hf2q.text's constraint objects: allowed_mask() (or allowed(history))
-        mask = constraint.allowed_mask() if hasattr(constraint, "allowed_mask") else constraint.allowed(history)
-    token, logprob, top = sampler.sample(np.asarray(logits, dtype=np.float32), history, mask)
-    if constraint is not None:
-        constraint.advance(int(token))
-    return Sampled(int(token), None if logprob is None else float(logprob),
-                   tuple((int(t), float(p)) for t, p in (top or ())))
+@attrs.define(eq=False)
+class RunningRequest:
+    """A request's token state, owned by the step loop from its first chunk to its terminal event.
 
-
-def guarded_sample(work, logits) -> Sampled | SampleError:
-    """``sample`` for one request; its failure is that request's alone (the engine is fine)."""
-    try:
-        return sample(work.sampler, work.constraint, logits, work.history)
-    except InputError as e:  # e.g. a logit_bias id outside the vocabulary, everything masked
-        return SampleError(400, "invalid_request", str(e))
-    except Exception as e:  # noqa: BLE001
-        return SampleError(500, "sampling_failed", f"sampling failed: {type(e).__name__}: {e}")
-
-
-def plain_greedy(sampler, constraint) -> bool:
-    """True when ``sampler`` would return the argmax of the raw logits: the engine's ``Sampler`` at
-    temperature 0 with no bias, penalty, constraint or logprobs. Such rows skip its float64 pass
-    over the vocabulary (~0.4 ms a row); their ``Sampled.logprob`` is None (nobody asked for it)."""
-    mod = sys.modules.get("hf2q.engine.sampler")  # no Sampler exists before that module is imported
-    if constraint is not None or mod is None or type(sampler) is not mod.Sampler:
-        return False
-    p = sampler.params
-    return (p.temperature == 0.0 and not p.logprobs and not p.logit_bias and p.repetition_penalty == 1.0
-            and not p.frequency_penalty and not p.presence_penalty)
-
-
-def sample_rows(works, logits) -> list[Sampled | SampleError]:
-    """One sampled token per row of ``logits`` for ``works`` (decode runs), in order."""
-    logits = np.asarray(logits)
-    out: list = [None] * len(works)
-    fast = [i for i, w in enumerate(works) if plain_greedy(w.sampler, w.constraint)]
-    if fast:
-        rows = logits if len(fast) == len(works) else logits[fast]  # no copy of a whole [N, vocab] batch
-        picked = np.argmax(rows, axis=1)
-        finite = np.isfinite(rows[np.arange(len(fast)), picked])
-        for i, tok, ok in zip(fast, picked.tolist(), finite.tolist()):
-            if ok:  # a non-finite best logit: the sampler reports it (an error of this request)
-                out[i] = Sampled(int(tok), None, ())
-    for i, w in enumerate(works):
-        if out[i] is None:
-            out[i] = guarded_sample(w, logits[i])
-    return out
-
-
-def run_step(runner, decode: list[DecodeRun], tokens: list[int], prefill: PrefillWork | None,
-             pipeline: DecodePipeline | None = None) -> dict[int, Any]:
-    """One decode-first mixed step, in the GPU thread: slot → Sampled | SampleError | None.
-
-    Every run of ``decode`` is fed its token of ``tokens`` in one batched ``runner.decode``
-    — or, when ``pipeline`` can serve the batch (MLX graph, device-sampled rows), through the
-    step it queued last time, queueing the next one before this one is read. A runner with
-    ``decode_with_prefill`` takes the decode and the prefill chunk as one call (the CPU host
-    step runs both as rows of one pass over the weights).
-    Errors raised by the runner propagate (they poison the engine).
+    ``emitted`` / ``resident`` are the counts ``DecodeLimits.after_token`` needs; ``history``
+    is what the sampler's penalties see; ``token`` is fed by the next step. Only the GPU
+    owner's trio task writes these, between steps, when the engine thread is not reading them.
     """
-    results: dict[int, Any] = {}
-    pipelined = pipeline is not None and bool(decode) and pipeline.usable(runner, decode)
-    if pipeline is not None and not pipelined:
-        pipeline.settle()
-    if prefill is not None and prefill.keep is not None:
-        prefill.seq.trim(prefill.keep)  # its own cache: no decode row of this step reads it
-    prefill_logits = None
-    if pipelined:
-        for r, res in zip(decode, pipeline.step(runner, decode, tokens)):
-            results[r.slot] = res
-    elif decode:
-        seqs = [r.seq for r in decode]
-        if prefill is not None and hasattr(runner, "decode_with_prefill"):
-            logits, prefill_logits = runner.decode_with_prefill(seqs, tokens, prefill.seq, prefill.tokens)
-        else:
-            logits = runner.decode(seqs, tokens)
-        for r, res in zip(decode, sample_rows(decode, logits)):
-            results[r.slot] = res
-    if prefill is not None:
-        if prefill_logits is None:
-            prefill_logits = runner.prefill(prefill.seq, prefill.tokens)
-        results[prefill.slot] = guarded_sample(prefill, prefill_logits) if prefill.final else None
-    return results
+
+    gen: Generation
+    seq: Any
+    sampler: Any
+    constraint: Any
+    history: list[int] = attrs.Factory(list)
+    resident: int = 0  # tokens in the slot's KV
+    emitted: int = 0
+    token: int | None = None
+
+    @property
+    def slot(self) -> int:
+        return self.gen.slot
 
 
-def _after_settling(pipeline: DecodePipeline, job: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    def settled_job(runner):
-        pipeline.settle()
-        return job(runner)
-    return settled_job
-
-
-def post(run: DecodeRun, outcome_) -> None:
-    """Hand a step's outcome to the run's slot; a slot that already ended has closed its side."""
-    try:
-        run.outbox.send_nowait(outcome_)
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
-        pass
+def _run_once(then: Callable[[], None] | None) -> None:
+    """Call ``then`` if given; returns None (so the caller's ``then`` is spent)."""
+    if then is not None:
+        then()
 
 
 class _Pending:
@@ -168,7 +93,7 @@ class _Pending:
 
 
 class GpuOwner:
-    def __init__(self, runner_factory: Callable[[], Any], supervisor, n_slots: int, stats: dict[str, int]):
+    def __init__(self, runner_factory: Callable[[], Any], supervisor, n_slots: int):
         self.fsm = Lifecycle(GPU_OWNER)
         self._factory = runner_factory
         self._supervisor = supervisor
@@ -176,7 +101,8 @@ class GpuOwner:
         self._pending: _Pending | None = None
         self._thread: EngineThread | None = None
         self.planner = StepPlanner(n_slots)
-        self.stats = stats
+        self.counters: collections.Counter[str] = collections.Counter()
+        self._notices: list = []  # (handle, event) whose hooks run once the next step is submitted
         self.inbox_send, self._inbox = trio.open_memory_channel(float("inf"))
         # touched only by jobs in the engine thread; HF2Q_NO_DECODE_PIPELINE=1 keeps blocking steps
         self.pipeline = None if os.environ.get("HF2Q_NO_DECODE_PIPELINE") else DecodePipeline()
@@ -217,19 +143,23 @@ class GpuOwner:
         self.dead_peer = getattr(box[0].value, "dead_peer", None)
         return box[0].value
 
-    async def transact(self, job: Callable[[Any], Any], what: str) -> Any:
+    async def transact(self, job: Callable[[Any], Any], what: str, then: Callable[[], None] | None = None) -> Any:
         """Run ``job(runner)`` in the engine thread as one guarded GPU transaction.
 
         Transactions run one at a time, in arrival order. If the caller is cancelled while its
         job runs (a running MLX step cannot be interrupted), the job stays on the books and the
-        next transaction first waits for it — still under its deadline.
+        next transaction first waits for it — still under its deadline. ``then()`` runs right
+        after the job reached the thread, or earlier when the job must wait for another one;
+        always before this task first yields.
         """
         try:  # a free lock is taken without a checkpoint, so the job reaches the thread before
             self._lock.acquire_nowait()  # any other trio task runs (the step loop relies on it)
         except trio.WouldBlock:
+            then = _run_once(then)  # whatever waits on ``then`` must not wait for another job
             await self._lock.acquire()
         try:
             if self._pending is not None:
+                then = _run_once(then)
                 await self._settle(self._pending)
             if self.fsm.state != "idle":
                 raise EnginePoisoned(self._supervisor.detail)
@@ -237,8 +167,10 @@ class GpuOwner:
             self.fsm.fire("transaction_submitted")
             self._pending = pending
             if self.pipeline is not None and what != "step":
-                job = _after_settling(self.pipeline, job)  # other jobs see caches holding only fed tokens
+                job = self.pipeline.settled(job)  # other jobs see caches holding only fed tokens
             self._thread.submit(job, pending.finished)
+            if then is not None:
+                then()
             return await self._settle(pending)
         finally:
             self._lock.release()
@@ -283,34 +215,35 @@ class GpuOwner:
     # ---- the step loop ---------------------------------------------------------------
 
     async def run_steps(self) -> None:
-        decoding: dict[int, DecodeRun] = {}  # running requests: in every step until they end
+        decoding: dict[int, RunningRequest] = {}  # running requests: in every step until they end
         prefill: dict[int, PrefillWork] = {}
-
-        def drop_run(slot: int) -> None:
-            run = decoding.pop(slot, None)
-            if run is not None:
-                post(run, SKIPPED)
+        starting: dict[int, RunningRequest] = {}  # prefilling requests, their sampler ready
 
         def take(msg) -> None:
-            if isinstance(msg, PrefillWork):
-                drop_run(msg.slot)  # never both on one slot: its Leave came first, this is a safeguard
-                prefill[msg.slot] = msg
-            elif isinstance(msg, Leave):
-                drop_run(msg.slot)
-            else:
+            if not isinstance(msg, PrefillWork):
                 raise TypeError(f"unexpected message {msg!r}")
+            if msg.keep is not None:  # a request's first chunk: its sampler is built before any GPU work
+                try:
+                    starting[msg.slot] = self._start(msg)
+                except Exception as e:  # noqa: BLE001 — bad parameters fail this request only
+                    msg.reply.set(error=SampleError(400, "invalid_request", f"invalid sampling parameters: {e}"))
+                    return
+            prefill[msg.slot] = msg
 
         while True:
+            # ---- schedule
             if not (decoding or prefill):
+                self._notify()
                 take(await self._inbox.receive())
             while True:  # whatever else is already posted joins this step
                 try:
                     take(self._inbox.receive_nowait())
                 except trio.WouldBlock:
                     break
-            for slot in [s for s, r in decoding.items() if r.is_gone()]:  # cancellation: at the boundary
-                drop_run(slot)
-            for slot in [s for s, w in prefill.items() if w.is_gone()]:  # left before the step: no GPU work
+            for slot in [s for s, r in decoding.items() if r.gen.handle.gone]:  # cancellation: at the boundary
+                self._end(decoding.pop(slot), "cancelled")
+            for slot in [s for s, w in prefill.items() if w.generation.handle.gone]:  # no GPU work for it
+                starting.pop(slot, None)
                 prefill.pop(slot).reply.set(skipped=True)
             if not (decoding or prefill):
                 continue
@@ -318,45 +251,81 @@ class GpuOwner:
             batch = [decoding[s] for s in step.decode]
             tokens = [r.token for r in batch]
             chunk = prefill.pop(step.prefill) if step.prefill is not None else None
+            first = starting.pop(chunk.slot) if chunk is not None and chunk.final else None
             if chunk is not None and chunk.on_picked is not None:
                 chunk.on_picked()
+            # ---- run
             results = await self.transact(
-                lambda runner, batch=batch, tokens=tokens, chunk=chunk: run_step(runner, batch, tokens, chunk,
-                                                                                 self.pipeline), "step")
-            self.stats["gpu_steps"] += 1
-            if batch:
-                self.stats["decode_batches"] += 1
-                self.stats["decode_batch_tokens"] += len(batch)
-            if chunk is not None:
-                self.stats["prefill_transactions"] += 1
-            # only book-keeping here, no checkpoint: the loop submits the next step before any slot
-            # or HTTP task runs; the slots read their outboxes while the engine computes
+                lambda runner, batch=batch, tokens=tokens, chunk=chunk, first=first: run_step(
+                    runner, batch, tokens, chunk, self.pipeline, first), "step", self._notify)
+            self._count(batch, chunk)
+            # ---- postprocess: book-keeping only, no checkpoint until the next step is submitted
             for run in batch:
-                r = results[run.slot]
                 run.resident += 1  # the fed token is in the KV now
-                post(run, r)
-                if not self._advance(run, r):
-                    decoding.pop(run.slot, None)
-                    post(run, ENDED)
+                run.gen.progress.resident_tokens = run.resident
+                if not self._postprocess(run, results[run.slot]):
+                    del decoding[run.slot]
             if chunk is not None:
-                r = results.get(chunk.slot)
-                if isinstance(r, SampleError):
-                    chunk.reply.set(error=r)
-                else:
-                    chunk.reply.set(r)
-                if chunk.final and chunk.run is not None and self._advance(chunk.run, r):
-                    decoding[chunk.slot] = chunk.run
+                self._prefilled(chunk)
+                if first is not None and self._postprocess(first, results.get(chunk.slot)):
+                    decoding[chunk.slot] = first
 
-    @staticmethod
-    def _advance(run: DecodeRun, result) -> bool:
-        """Make ``result``'s token the one ``run`` feeds next; False when the request ends with it
-        (the same ``DecodeLimits`` verdict the slot reaches) or sampling failed."""
+    def _start(self, work: PrefillWork) -> RunningRequest:
+        params = work.generation.handle.req.params
+        return RunningRequest(work.generation, work.seq, make_sampler(params), params.constraint,
+                              resident=work.generation.prompt_len)  # once its last chunk is in
+
+    def _count(self, batch: list, chunk) -> None:
+        self.counters["gpu_steps"] += 1
+        if batch:
+            self.counters["decode_batches"] += 1
+            self.counters["decode_batch_tokens"] += len(batch)
+        if chunk is not None:
+            self.counters["prefill_transactions"] += 1
+
+    def _prefilled(self, chunk: PrefillWork) -> None:
+        """The chunk is in the slot's KV: its progress, then the slot's reply."""
+        gen, now = chunk.generation, trio.current_time()
+        p = gen.progress
+        p.prefilled_tokens += len(chunk.tokens)
+        p.prefill_seconds += now - chunk.posted_at
+        p.resident_tokens = p.cached_tokens + p.prefilled_tokens
+        gen.handle.emit(PrefillProgress(p.resident_tokens, gen.prompt_len), self._notices)
+        chunk.reply.set()
+
+    def _postprocess(self, run: RunningRequest, result) -> bool:
+        """Apply ``result`` (the request's freshly sampled token) to its request; False once the
+        request ended with it. The stop rule runs here and nowhere else."""
+        gen = run.gen
         if not isinstance(result, Sampled):
-            return False
+            err = result if isinstance(result, SampleError) else SampleError(500, "sampling_failed", "no token")
+            return self._end(run, Failed(err.status, err.code, err.message))
         tok = result.token_id
-        if run.limits.after_token(tok, run.emitted, run.resident) is not None:
-            return False
+        verdict = gen.limits.after_token(tok, run.emitted, run.resident)
+        if verdict == "stop":  # end-of-generation / stop id: not sent
+            return self._end(run, "stop")
+        if not gen.handle.emit(Token(tok, result.logprob, result.top_logprobs), self._notices):
+            return self._end(run, "cancelled")
+        gen.progress.token_sent(trio.current_time())
         run.emitted += 1
+        if verdict == "length":  # max_tokens, or no room left in the context
+            return self._end(run, "length")
         run.history.append(tok)
         run.token = tok
         return True
+
+    def _notify(self) -> None:
+        """Run the event hooks of the events sent since the last step was submitted."""
+        notices, self._notices = self._notices, []
+        for handle, event in notices:
+            handle.notify(event)
+
+    def _end(self, run: RunningRequest, terminal) -> bool:
+        """Send the request's terminal event and hand the slot back what its KV now holds."""
+        gen = run.gen
+        if isinstance(terminal, str):
+            terminal = gen.progress.finished(terminal, trio.current_time())
+        gen.handle.finish(terminal, self._notices)  # no effect if it already ended (reader too slow)
+        gen.kv_tail = run.history[:max(run.resident - gen.prompt_len, 0)]
+        gen.ended.set()
+        return False

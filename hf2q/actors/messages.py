@@ -1,13 +1,14 @@
-"""Messages between the slot actors, prefill transactions and the GPU owner (attrs records).
+"""Messages between the actors (attrs records), and who sends them to whom.
 
-A slot posts one ``PrefillWork`` per prompt chunk and waits for its ``Reply``. Its last
-chunk carries the request's ``DecodeRun``: when the first sampled token lets the request
-go on, the GPU owner keeps the run in every following batched decode step by itself —
-feeding each sampled token back, deciding with the same pure ``DecodeLimits`` rule the slot
-uses whether there is a next step — and posts every step's outcome to the run's outbox,
-which the slot reads. The GPU thread therefore never idles while trio tasks stream tokens
-to clients. ``Leave`` tells the GPU owner that the slot's request ended (any run of it still
-held is dropped before the slot can post new work).
+- admission → slot: ``Assignment`` (a request and how much of its prompt the slot's KV
+  already holds), ``Evict`` (drop an idle cache);
+- slot → admission: ``Released`` (the request is over; what the slot's KV now holds);
+- slot → GPU owner: one ``PrefillWork`` per prompt chunk, answered on its ``Reply``. Every
+  chunk names the request's ``Generation``: from the last chunk's logits on, the GPU owner's
+  step loop owns the request's tokens — it samples, applies the stop rule, sends ``Token``
+  and the terminal event straight to the request's channel, and sets ``Generation.ended``;
+- slot → KV prefix actor: ``Restore`` (import persisted blocks) and ``Persist`` (export the
+  prompt's blocks to the writer), each answered on its ``Reply``.
 """
 
 from __future__ import annotations
@@ -17,76 +18,60 @@ from typing import Any
 import attrs
 import trio
 
+from hf2q.actors.handle import RequestHandle
+from hf2q.actors.progress import SlotProgress
+from hf2q.sched.decoding import DecodeLimits
+
 
 @attrs.define(eq=False)
 class Reply:
-    """Filled in by the GPU owner; ``ready`` is set when ``result`` or ``error`` is valid."""
+    """Filled in by the receiving actor; ``ready`` is set when the other fields are valid."""
 
     ready: trio.Event = attrs.Factory(trio.Event)
     result: Any = None
-    error: "SampleError | None" = None  # a failure of this request alone (its sampler); engine healthy
+    error: Any = None  # a failure of this request alone (e.g. its sampling parameters); engine healthy
     skipped: bool = False  # the work was dropped unexecuted (client gone before the step)
 
-    def set(self, result=None, *, error: "SampleError | None" = None, skipped: bool = False) -> None:
+    def set(self, result=None, *, error=None, skipped: bool = False) -> None:
         self.result, self.error, self.skipped = result, error, skipped
         self.ready.set()
 
 
 @attrs.frozen
-class SampleError:
-    """Sampling failed for one request: bad input (400) or a sampler bug (500)."""
-
-    status: int
-    code: str
-    message: str
+class Assignment:
+    handle: RequestHandle
+    cached_tokens: int  # of the prompt, already in the slot's KV
+    limits: DecodeLimits  # the request's token-level stop rule
 
 
 @attrs.frozen
-class Sampled:
-    token_id: int
-    logprob: float | None
-    top_logprobs: tuple[tuple[int, float], ...]
+class Evict:
+    """Drop the idle slot's cached KV (the budget needs the room)."""
 
 
 @attrs.frozen
-class RunSkipped:
-    """Outbox marker: the run was dropped before its next step (client gone); no GPU work was done."""
+class Released:
+    """The slot's request ended; its KV keeps ``tokens`` for the next prompt sharing them."""
 
-
-SKIPPED = RunSkipped()
-
-
-@attrs.frozen
-class RunEnded:
-    """Outbox marker after a run's last outcome (its stop rule ended it, or sampling failed). The
-    slot reaches the same verdict from that outcome and never reads this; reading it would be
-    a bug, which the slot then reports as an error instead of waiting forever."""
-
-
-ENDED = RunEnded()
+    slot: int
+    tokens: tuple[int, ...]
 
 
 @attrs.define(eq=False)
-class DecodeRun:
-    """One request's decoding, held by the GPU owner across steps (see the module docstring).
+class Generation:
+    """One request as the GPU owner sees it, from its first chunk to its terminal event.
 
-    ``emitted`` / ``resident`` are the counts ``DecodeLimits.after_token`` needs; the GPU
-    owner advances them, appends each fed token to ``history`` (the sampler's penalty
-    window) and sets ``token`` to the next token to feed. Only the GPU owner's trio task
-    touches these fields, and only between steps, when the engine thread is not reading them.
+    The GPU owner sets ``kv_tail`` (the generated tokens it fed into the slot's KV) and then
+    ``ended``, after it sent the terminal event; the slot waits for ``ended`` to release.
     """
 
     slot: int
-    seq: Any
-    history: list[int]  # generated ids so far (read by the sampler in the GPU thread)
-    sampler: Any
-    constraint: Any
-    is_gone: Any  # callable: the client left → drop at the next step boundary
-    limits: Any  # hf2q.sched.decoding.DecodeLimits
-    resident: int  # tokens in the slot's KV (the prompt, once prefilled)
-    outbox: trio.MemorySendChannel  # Sampled | SampleError per step, then SKIPPED or ENDED (unbounded)
-    emitted: int = 0
-    token: int | None = None  # fed to the model by the next step
+    handle: RequestHandle
+    limits: DecodeLimits
+    progress: SlotProgress
+    prompt_len: int
+    ended: trio.Event = attrs.Factory(trio.Event)
+    kv_tail: list[int] = attrs.Factory(list)
 
 
 @attrs.define(eq=False)
@@ -97,18 +82,28 @@ class PrefillWork:
     seq: Any
     keep: int | None  # trim before appending (first transaction of a request); None = append
     tokens: list[int]
-    final: bool  # the prompt's last transaction: sample the first token from its logits
-    history: list[int]
-    sampler: Any
-    constraint: Any
-    is_gone: Any
+    final: bool  # the prompt's last transaction: the request's first token comes from its logits
+    generation: Generation
     on_picked: Any = None  # called (in trio) when the GPU owner takes it into a step
-    run: DecodeRun | None = None  # on the final chunk: started by the GPU owner when decoding goes on
+    posted_at: float = 0.0  # trio time it was posted (its prefill seconds count from here)
     reply: Reply = attrs.Factory(Reply)
 
 
 @attrs.frozen
-class Leave:
-    """The slot's request ended: drop any decode run of it still held."""
+class Restore:
+    """Import persisted blocks of ``prompt`` into ``seq`` beyond the ``cached`` tokens it holds;
+    the reply's result is the prompt tokens now cached."""
 
-    slot: int
+    seq: Any
+    prompt: tuple[int, ...]
+    cached: int
+    reply: Reply = attrs.Factory(Reply)
+
+
+@attrs.frozen
+class Persist:
+    """``seq`` holds ``prompt``'s KV: export its full blocks not yet on disk (reply once exported)."""
+
+    seq: Any
+    prompt: tuple[int, ...]
+    reply: Reply = attrs.Factory(Reply)

@@ -10,7 +10,7 @@ back a ``Runtime`` whose methods are safe to call from any trio task::
             async for ev in events:             # Admitted, PrefillProgress*, Token*, then
                 ...                             # exactly one Finished or Failed
 
-Contract of the per-request channel (SPEC §4-§6):
+Contract of the per-request channel (the HTTP side: docs/API.md):
 
 - ``Admitted(slot, prompt_tokens, cached_tokens)`` once a slot is assigned (a queued
   request may wait for it), then ``PrefillProgress(done, total)`` after every prefill
@@ -32,102 +32,28 @@ Contract of the per-request channel (SPEC §4-§6):
 - After an engine fault or a GPU step that outlives ``gpu_deadline_s`` every active and
   queued request receives ``Failed(503, "engine_unhealthy", …)``; later submissions
   raise ``AdmissionRejected(503, "engine_unhealthy")``; ``readiness()`` is
-  ``(False, detail)`` for good (SPEC §6).
+  ``(False, detail)`` for good.
 """
 
 from __future__ import annotations
 
 import math
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
-import attrs
 import numpy as np
 import trio
 
-from hf2q.sched.requests import EmbeddingRequest, GenerationRequest
-
-RunnerFactory = Callable[[], Any]
-"""Builds the ``ModelRunner``; called once, inside the GPU-owner thread (MLX streams are per thread)."""
-
-EventHook = Callable[[str, Any], None]
-"""``hook(request_id, event)``: called (in trio, never blocking) for every event sent on a request's
-channel and for every ``AdmissionRejected`` (with the request id of the rejected request)."""
-
-
-@attrs.frozen
-class RuntimeConfig:
-    """Knobs of the serving runtime (``hf2q serve`` flags map 1:1)."""
-
-    slots: int = 4
-    #: per-slot context in tokens, never divided by ``slots``; None = the model's training context
-    ctx: int | None = None
-    #: shared physical KV budget in bytes; None = enough for every slot at full ``ctx``
-    kv_budget_bytes: int | None = None
-    #: requests allowed to wait for a slot; beyond this ``submit`` raises 429
-    queue_capacity: int = 32
-    #: tokens per prefill transaction (one bounded GPU step)
-    prefill_chunk: int = 2048
-    #: seconds one GPU transaction may run before the engine is declared hung; None = no deadline
-    gpu_deadline_s: float | None = 120.0
-    #: undelivered events a request channel may hold before its reader counts as too slow
-    token_buffer: int = 1024
-    #: called for every event (metrics); see ``EventHook``
-    on_event: EventHook | None = None
-
-
-class AdmissionRejected(Exception):
-    """``submit``/``embed`` refused the request; carries the HTTP answer (SPEC §4 errors).
-
-    ``status``/``code``: 400 ``context_length_exceeded`` | ``kv_budget_unsatisfiable``
-    (can never fit; ``retry_after`` is None), 429 ``queue_full`` | ``slot_budget_exceeded``,
-    503 ``not_ready`` | ``engine_unhealthy`` (``retry_after`` = 1 second).
-    """
-
-    def __init__(self, status: int, code: str, message: str, retry_after: int | None = None):
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-        self.retry_after = retry_after
-
-    def __repr__(self) -> str:
-        return f"AdmissionRejected({self.status}, {self.code!r}, {self.message!r})"
-
-
-@attrs.frozen
-class SlotSnapshot:
-    """What the operator view and /metrics may show about one slot (never prompt text)."""
-
-    slot: int
-    phase: str  # the slot machine's state: idle, admitted, prefilling, decoding, finishing, ...
-    request_id: str | None
-    cached_tokens: int  # tokens of the current prompt reused from the slot (or disk)
-    new_tokens: int  # prompt tokens that must be computed
-    prefilled_tokens: int  # of new_tokens, done so far
-    prefill_percent: float
-    prefill_eta_s: float | None
-    generated_tokens: int
-    decode_tokens_per_sec: float
-    resident_tokens: int  # tokens whose KV the slot holds (also when idle)
-
-
-@attrs.frozen
-class RuntimeSnapshot:
-    ready: bool
-    state: str  # supervisor machine state: starting, ready, draining, stopped, poisoned
-    detail: str
-    slots: tuple[SlotSnapshot, ...]
-    queue_depth: int
-    kv_bytes_resident: int
-    kv_budget_bytes: int
-    ctx: int
-    #: monotonically increasing counters for /metrics: requests, admitted, finished, failed,
-    #: cancelled, rejected_<code>, prompt_tokens, cached_tokens, completion_tokens,
-    #: gpu_steps, gpu_busy_s (seconds the engine thread spent in jobs, a float), decode_batches,
-    #: decode_batch_tokens, prefill_transactions, kv_blocks_saved, kv_blocks_restored
-    counters: dict[str, float]
-
+from hf2q.sched.contracts import (  # noqa: F401 — the runtime's public types, re-exported
+    AdmissionRejected,
+    EmbeddingRequest,
+    EventHook,
+    GenerationRequest,
+    RunnerFactory,
+    RuntimeConfig,
+    RuntimeSnapshot,
+    SlotSnapshot,
+)
 
 class Runtime:
     """Handle on a running actor system. Create it with ``open_runtime``."""

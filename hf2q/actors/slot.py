@@ -1,86 +1,52 @@
-"""A slot actor: runs one request at a time on its slot's KV sequence.
+"""A slot actor: one request at a time on its slot's KV sequence, from assignment to release.
 
 It owns the slot's ``transitions`` machine (``idle → admitted → prefilling → decoding →
-finishing → idle``, with ``cancelled``/``failed``), the request's event stream, and the
-token-level stop rules: end-of-sequence and ``stop_token_ids`` end with ``stop`` (the
-token is not sent), ``max_tokens`` or a full per-slot context with ``length``. Text-level
-stop strings belong to the API, which closes the channel. The client's presence is
-checked at every GPU step boundary; the slot is released exactly once per request.
+finishing → idle``, with ``cancelled``/``failed``), the prompt's chunking (one bounded
+prefill transaction per chunk, the client looked at between them) and the release. From
+the last chunk on, the request's tokens belong to the GPU owner's step loop, which ends
+the request (see ``hf2q.actors.messages``); the slot waits for that, persists the prompt's
+KV, and reports ``Released`` to admission — exactly once per request.
+
+What it is given is narrow (``SlotEnv``): the GPU owner's transaction call and inbox, the
+KV prefix actor, admission's inbox and the prefill chunk size. It never sees admission's
+ledger or budget: it tracks the tokens its own KV holds and reports them.
 """
 
 from __future__ import annotations
 
-import math
-from typing import TYPE_CHECKING
+from typing import Any, Awaitable, Callable
 
 import attrs
 import trio
 
-from hf2q.actors.gpu_owner import EnginePoisoned
-from hf2q.actors.handle import RequestHandle
-from hf2q.actors.messages import (
-    ENDED,
-    SKIPPED,
-    DecodeRun,
-    Leave,
-    PrefillWork,
-    SampleError,
-)
+from hf2q.actors.messages import Assignment, Evict, Generation, Persist, PrefillWork, Released, Restore
 from hf2q.actors.prefill import PrefillTransaction
-from hf2q.sched.decoding import DecodeLimits
+from hf2q.actors.progress import SlotProgress
+from hf2q.actors.supervisor import EnginePoisoned
+from hf2q.sched.contracts import Admitted, Failed, Finished
 from hf2q.sched.planner import prefill_chunks
-from hf2q.sched.requests import Admitted, Failed, Finished, PrefillProgress, Token
 from hf2q.statemachines.base import Lifecycle
 from hf2q.statemachines.slot import SLOT
 
-if TYPE_CHECKING:
-    from hf2q.actors.system import ActorSystem
-
 
 @attrs.frozen
-class Assignment:
-    handle: RequestHandle
-    cached_tokens: int  # of the prompt, already in the slot's KV (or restored into it)
-    restore: object = None  # persistent-KV blocks to import first (see ActorSystem)
-
-
-@attrs.frozen
-class Evict:
-    """Drop the idle slot's cached KV (the budget needs the room)."""
-
-
-@attrs.define
-class SlotProgress:
-    """Live numbers for the operator view (never prompt text)."""
-
-    request_id: str | None = None
-    cached_tokens: int = 0
-    new_tokens: int = 0
-    prefilled_tokens: int = 0
-    prefill_seconds: float = 0.0
-    generated_tokens: int = 0
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-
-    def prefill_rate(self) -> float:
-        return self.prefilled_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
-
-    def decode_rate(self) -> float:
-        if self.first_token_at is None or self.last_token_at is None or self.generated_tokens < 2:
-            return 0.0
-        span = self.last_token_at - self.first_token_at
-        return (self.generated_tokens - 1) / span if span > 0 else 0.0
+class SlotEnv:
+    transact: Callable[[Callable[[Any], Any], str], Awaitable[Any]]  # one GPU transaction
+    gpu_inbox: trio.MemorySendChannel  # PrefillWork
+    kv_prefix: Any  # the KV prefix actor (``enabled``, ``inbox_send``)
+    released: trio.MemorySendChannel  # admission's inbox
+    prefill_chunk: int
 
 
 class SlotActor:
-    def __init__(self, index: int, system: "ActorSystem"):
+    def __init__(self, index: int, env: SlotEnv, inbox: trio.MemoryReceiveChannel):
         self.index = index
         self.fsm = Lifecycle(SLOT)
-        self.system = system
+        self.env = env
         self.seq = None
-        self.inbox_send, self._inbox = trio.open_memory_channel(math.inf)
+        self.kv_tokens: list[int] = []  # what the slot's KV holds (the running request extends it)
+        self._inbox = inbox  # Assignment | Evict, from admission
         self.progress = SlotProgress()
-        self.handle: RequestHandle | None = None
         self._txn: PrefillTransaction | None = None
 
     @property
@@ -88,20 +54,26 @@ class SlotActor:
         """The current state of this actor's machine."""
         return self.fsm.state
 
+    @property
+    def resident_tokens(self) -> int:
+        """Tokens whose KV the slot holds now (the operator view)."""
+        return self.progress.resident_tokens if self.fsm.state != "idle" else len(self.kv_tokens)
+
     async def run(self) -> None:
         try:
             async for msg in self._inbox:
                 if isinstance(msg, Evict):
                     if self.seq is not None and self.fsm.state == "idle":
                         seq = self.seq
-                        await self.system.gpu.transact(lambda runner: seq.trim(0), "evict")
+                        await self.env.transact(lambda runner: seq.trim(0), "evict")
+                        self.kv_tokens = []
                 elif isinstance(msg, Assignment):
                     await self._serve(msg)
         except EnginePoisoned:
             return  # the supervisor already ended every request
 
     def engine_failed(self) -> None:
-        """The engine was poisoned: settle the machine (the request itself is failed by the system)."""
+        """The engine was poisoned: settle the machine (the request itself is failed by admission)."""
         if self._txn is not None:
             self._txn.engine_failed()
         if self.fsm.state in ("admitted", "prefilling", "decoding", "finishing"):
@@ -110,11 +82,15 @@ class SlotActor:
     # ---- one request ---------------------------------------------------------------------
 
     async def _serve(self, a: Assignment) -> None:
-        h = self.handle = a.handle
+        h = a.handle
+        prompt = tuple(h.req.prompt_tokens)
         self.fsm.fire("assigned")
-        self.progress = SlotProgress(h.request_id, a.cached_tokens, len(h.req.prompt_tokens) - a.cached_tokens)
-        terminal = await self._generate(h, a)  # EnginePoisoned propagates: the system fails h
-        h.finish(terminal)  # no effect if the handle already ended (reader too slow)
+        self.kv_tokens = list(prompt[:a.cached_tokens])  # admission routed on this common prefix
+        self.progress = SlotProgress(h.request_id, len(prompt), a.cached_tokens, len(prompt) - a.cached_tokens,
+                                     h.submitted_at, resident_tokens=a.cached_tokens)
+        terminal = await self._generate(a, prompt)  # EnginePoisoned propagates: admission fails h
+        if terminal is not None:
+            h.finish(terminal)  # no effect if the handle already ended (reader too slow)
         t = h.terminal
         if isinstance(t, Finished) and t.reason in ("stop", "length"):
             self.fsm.fire("stop_reached")
@@ -122,96 +98,46 @@ class SlotActor:
             self.fsm.fire("request_failed")
         else:
             self.fsm.fire("client_gone")
-        self.system.gpu.inbox_send.send_nowait(Leave(self.index))  # the next steps need not wait for us
         # persistent KV: the client has its answer; save the prompt's full blocks still missing on disk
-        prompt = h.req.prompt_tokens
-        held = self.system.ledger.resident_tokens(self.index)
-        await self.system.persist_prompt(self, prompt[:min(len(prompt), held)])
+        if self.env.kv_prefix.enabled:
+            persist = Persist(self.seq, prompt[:min(len(prompt), len(self.kv_tokens))])
+            self.env.kv_prefix.inbox_send.send_nowait(persist)
+            await persist.reply.ready.wait()
         self.fsm.fire("released")
-        self.handle = None
-        self.system.slot_released(self.index)
+        self.env.released.send_nowait(Released(self.index, tuple(self.kv_tokens)))
 
-    def _finished(self, h: RequestHandle, reason: str, cached: int) -> Finished:
-        p, now = self.progress, trio.current_time()
-        ttft = ((p.first_token_at if p.first_token_at is not None else now) - h.submitted_at) * 1000.0
-        return Finished(reason, len(h.req.prompt_tokens), p.generated_tokens, cached, ttft,
-                        p.prefill_rate(), p.decode_rate())
-
-    async def _generate(self, h: RequestHandle, a: Assignment) -> Finished | Failed:
-        sys_ = self.system
-        prompt = list(h.req.prompt_tokens)
-        params = h.req.params
+    async def _generate(self, a: Assignment, prompt: tuple[int, ...]) -> Finished | Failed | None:
+        """Prefill ``prompt`` chunk by chunk; None once the GPU owner ended the request itself."""
+        h, env, p = a.handle, self.env, self.progress
         cached = a.cached_tokens
         if self.seq is None:
-            self.seq = await sys_.gpu.transact(lambda runner: runner.new_sequence(), "new_sequence")
-        if a.restore is not None:
-            cached = await sys_.restore_prefix(self, a.restore, cached, prompt)
-            self.progress.cached_tokens, self.progress.new_tokens = cached, len(prompt) - cached
+            self.seq = await env.transact(lambda runner: runner.new_sequence(), "new_sequence")
+        if env.kv_prefix.enabled:
+            restore = Restore(self.seq, prompt, cached)
+            env.kv_prefix.inbox_send.send_nowait(restore)
+            await restore.reply.ready.wait()
+            if restore.reply.result > cached:
+                cached = restore.reply.result
+                self.kv_tokens = list(prompt[:cached])
+                p.cached_tokens, p.new_tokens, p.resident_tokens = cached, len(prompt) - cached, cached
         h.emit(Admitted(self.index, len(prompt), cached))
-        try:
-            sampler = sys_.make_sampler(params)
-        except Exception as e:  # noqa: BLE001 — bad parameters fail this request only
-            return Failed(400, "invalid_request", f"invalid sampling parameters: {e}")
-        constraint = params.constraint
-        gone = lambda: h.gone  # noqa: E731
-        limits = DecodeLimits(sys_.eos_token_ids, params.stop_token_ids, params.max_tokens, sys_.ctx)
-        # the request's decoding: the GPU owner starts it from the first token and keeps it in
-        # every step; each step's outcome arrives on ``outcomes`` (see hf2q.actors.messages)
-        outbox, outcomes = trio.open_memory_channel(math.inf)
-        run = DecodeRun(self.index, self.seq, [], sampler, constraint, gone, limits, len(prompt), outbox)
-        with outcomes:  # closed when the request ends: a late outcome for it is dropped
-            self.fsm.fire("prefill_started")
-            sampled = None
-            chunks = prefill_chunks(cached, len(prompt), sys_.prefill_chunk)
-            for i, (start, end) in enumerate(chunks):
-                if h.gone:
-                    return self._finished(h, "cancelled", cached)
-                final = end == len(prompt)
-                work = PrefillWork(self.index, self.seq, cached if i == 0 else None, prompt[start:end], final,
-                                   run.history, sampler, constraint, gone, run=run if final else None)
-                self._txn = PrefillTransaction(work)
-                t0 = trio.current_time()
-                await self._txn.run(sys_.gpu.inbox_send)
-                self._txn = None
-                if work.reply.skipped:
-                    return self._finished(h, "cancelled", cached)
-                sys_.ledger.extend(self.index, work.tokens)
-                self.progress.prefilled_tokens += end - start
-                self.progress.prefill_seconds += trio.current_time() - t0
-                if work.reply.error:
-                    err = work.reply.error
-                    return Failed(err.status, err.code, err.message)
-                if work.final:
-                    sampled = work.reply.result
-                    self.fsm.fire("prefilled")
-                else:
-                    self.fsm.fire("chunk_prefilled")
-                h.emit(PrefillProgress(end, len(prompt)))
-            while True:
-                tok = sampled.token_id
-                verdict = limits.after_token(tok, self.progress.generated_tokens,
-                                             sys_.ledger.resident_tokens(self.index))
-                if verdict == "stop":  # end-of-generation / stop id: not sent
-                    return self._finished(h, "stop", cached)
-                now = trio.current_time()
-                if self.progress.first_token_at is None:
-                    self.progress.first_token_at = now
-                self.progress.last_token_at = now
-                if not h.emit(Token(tok, sampled.logprob, sampled.top_logprobs)):
-                    return self._finished(h, "cancelled", cached)
-                self.progress.generated_tokens += 1
-                if verdict == "length":  # max_tokens, or no room left in the context
-                    return self._finished(h, "length", cached)
-                if h.gone:
-                    return self._finished(h, "cancelled", cached)
-                # the GPU owner reached the same verdict and already feeds ``tok`` to the next step
-                outcome = await outcomes.receive()
-                if outcome is SKIPPED:
-                    return self._finished(h, "cancelled", cached)
-                if outcome is ENDED:  # the GPU owner's verdict differed from ours: a bug, never a hang
-                    return Failed(500, "internal_error", "the decode run ended before the request did")
-                sys_.ledger.extend(self.index, [tok])
-                if isinstance(outcome, SampleError):
-                    return Failed(outcome.status, outcome.code, outcome.message)
-                self.fsm.fire("token_decoded")
-                sampled = outcome
+        gen = Generation(self.index, h, a.limits, p, len(prompt))
+        self.fsm.fire("prefill_started")
+        for i, (start, end) in enumerate(prefill_chunks(cached, len(prompt), env.prefill_chunk)):
+            if h.gone:
+                return p.finished("cancelled", trio.current_time())
+            work = PrefillWork(self.index, self.seq, cached if i == 0 else None, list(prompt[start:end]),
+                               end == len(prompt), gen)
+            self._txn = PrefillTransaction(work)
+            await self._txn.run(env.gpu_inbox)  # the GPU owner reports its PrefillProgress
+            self._txn = None
+            if work.reply.skipped:
+                return p.finished("cancelled", trio.current_time())
+            if work.reply.error is not None:
+                err = work.reply.error
+                return Failed(err.status, err.code, err.message)
+            self.kv_tokens.extend(work.tokens)
+            self.fsm.fire("prefilled" if work.final else "chunk_prefilled")
+        await gen.ended.wait()  # the GPU owner's step loop decodes it and sends its terminal event
+        self.kv_tokens.extend(gen.kv_tail)
+        return None

@@ -1,7 +1,7 @@
-"""The engine supervisor: readiness, the GPU deadline, and one-way poisoning (SPEC §6).
+"""The engine supervisor: readiness, the GPU deadline, and one-way poisoning.
 
 Its ``transitions`` machine is the single source of ``readiness()`` (and so ``/readyz``);
-reading it never touches the engine thread (STYLE.md #10). ``poison(detail)`` is
+reading it never touches the engine thread. ``poison(detail)`` is
 idempotent and one way: the first call moves the machine to ``poisoned`` and runs the
 ``on_poisoned`` callback, which fails every active and queued request exactly once and
 stops all GPU work; later calls only keep the first detail.
@@ -14,10 +14,15 @@ from typing import Callable
 
 import trio
 
+from hf2q.sched.contracts import AdmissionRejected
 from hf2q.statemachines.base import Lifecycle
 from hf2q.statemachines.supervisor import SUPERVISOR
 
 log = logging.getLogger("hf2q.supervisor")
+
+
+class EnginePoisoned(Exception):
+    """The engine faulted or hung; no GPU work will run again."""
 
 
 class Supervisor:
@@ -43,6 +48,14 @@ class Supervisor:
 
     def readiness(self) -> tuple[bool, str]:
         return (self.ready, "ready" if self.ready else self.detail)
+
+    def refusal(self) -> AdmissionRejected | None:
+        """The 503 ``AdmissionRejected`` every new request gets now, or None while the engine serves."""
+        if self.poisoned:
+            return AdmissionRejected(503, "engine_unhealthy", self.detail, 1)
+        if not self.ready:
+            return AdmissionRejected(503, "not_ready", self.detail, 1)
+        return None
 
     def loaded(self) -> None:
         if self.fsm.state == "starting":

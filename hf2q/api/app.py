@@ -38,7 +38,7 @@ from hf2q.api.chatflow import ChatFlow
 from hf2q.api.chatmodel import ChatModel
 from hf2q.api.errors import ApiError, error_body
 from hf2q.api.validation import parse_chat_request, parse_embeddings_request
-from hf2q.sched.requests import EmbeddingRequest, GenerationRequest
+from hf2q.sched.contracts import AdmissionRejected, EmbeddingRequest, GenerationRequest
 
 log = logging.getLogger("hf2q.api")
 
@@ -71,8 +71,8 @@ class ServerContext:
         return ids
 
 
-def _reject_from_runtime(e) -> ApiError:
-    return ApiError(e.status, e.message, code=e.code, retry_after=getattr(e, "retry_after", None))
+def _reject_from_runtime(e: AdmissionRejected) -> ApiError:
+    return ApiError(e.status, e.message, code=e.code, retry_after=e.retry_after)
 
 
 def create_app(ctx: ServerContext) -> QuartTrio:
@@ -220,10 +220,8 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         rid = g.request_id
         try:
             events = await ctx.runtime.submit(GenerationRequest(rid, prepared.prompt_tokens, prepared.params))
-        except Exception as e:  # AdmissionRejected, by duck type (no actors import needed)
-            if hasattr(e, "status") and hasattr(e, "code"):
-                raise _reject_from_runtime(e) from None
-            raise
+        except AdmissionRejected as e:
+            raise _reject_from_runtime(e) from None
         flow = ChatFlow(events, prepared.new_decoder(), ctx.model_id, len(prepared.prompt_tokens),
                         want_logprobs=creq.logprobs, include_usage=creq.include_usage,
                         keepalive_s=ctx.keepalive_s, token_text=ctx.chat_model.decode_tokens)
@@ -287,10 +285,8 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         inputs = tuple(tuple(x) if isinstance(x, tuple) else tuple(ctx.embed_model.encode(x)) for x in ereq.inputs)
         try:
             vecs = await ctx.embed_runtime.embed(EmbeddingRequest(g.request_id, inputs))
-        except Exception as e:
-            if hasattr(e, "status") and hasattr(e, "code"):
-                raise _reject_from_runtime(e) from None
-            raise
+        except AdmissionRejected as e:
+            raise _reject_from_runtime(e) from None
         vecs = np.asarray(vecs, dtype=np.float32)
         if ereq.dimensions is not None and ereq.dimensions < vecs.shape[1]:
             vecs = vecs[:, : ereq.dimensions]

@@ -36,7 +36,7 @@ from hf2q.api.shapes import (
     now,
     usage,
 )
-from hf2q.sched.requests import Admitted, Failed, Finished, PrefillProgress, Token
+from hf2q.sched.contracts import Admitted, Failed, Finished, PrefillProgress, Token
 
 log = logging.getLogger("hf2q.api")
 

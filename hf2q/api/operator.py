@@ -16,7 +16,7 @@ from typing import Any
 
 import trio
 
-from hf2q.sched.requests import Admitted, Failed, Finished
+from hf2q.sched.contracts import AdmissionRejected, Admitted, Failed, Finished
 
 log = logging.getLogger("hf2q.operator")
 
@@ -44,7 +44,7 @@ class EventLogger:
                                         "decode_tps": round(event.decode_tokens_per_sec, 1)})
         elif isinstance(event, Failed):
             log.warning("failed", extra={"request_id": request_id, "status": event.status, "code": event.code})
-        elif hasattr(event, "code") and hasattr(event, "status"):  # AdmissionRejected
+        elif isinstance(event, AdmissionRejected):
             log.info("rejected", extra={"request_id": request_id, "status": event.status, "code": event.code})
 
 

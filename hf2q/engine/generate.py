@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hf2q.engine.sampling import device_capable
 from hf2q.errors import InputError
 
 log = logging.getLogger("hf2q.generate")
@@ -95,7 +96,6 @@ def generate_once(runner, prompt: list[int], params, on_token=None) -> dict:
     t1 = time.perf_counter()
     generated: list[int] = []
     budget = min(params.max_tokens, runner.n_ctx - len(prompt))
-    from hf2q.engine.device_sampler import device_capable  # MLX: imported once the runner readied the process
 
     pipelined = device_capable(params) and getattr(runner, "pipelines_decode", False)
     decode = _decode_pipelined if pipelined else _decode_host
@@ -109,7 +109,7 @@ def generate_once(runner, prompt: list[int], params, on_token=None) -> dict:
 
 
 def _decode_host(runner, seq, logits, params, budget, generated, on_token) -> str:
-    from hf2q.engine.sampler import Sampler
+    from hf2q.engine.sampling import Sampler
 
     sampler = Sampler(params)
     while True:
@@ -134,7 +134,7 @@ def _decode_pipelined(runner, seq, logits, params, budget, generated, on_token) 
     """Step *k+2* is queued before token *k+1* is read; a stop read late trims the extra position."""
     import mlx.core as mx
 
-    from hf2q.engine.device_sampler import DeviceSampler, sample_rows
+    from hf2q.engine.sampling.device import DeviceSampler, sample_rows
 
     samplers = [DeviceSampler(params)]
     token = int(np.array(sample_rows(mx.array(np.asarray(logits, dtype=np.float32)[None]), samplers)[0])[0])

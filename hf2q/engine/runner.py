@@ -11,7 +11,7 @@ one thread, because MLX streams are per thread):
 * ``decode(seqs, tokens)`` → float32 ``[N, vocab]``: every sequence advances one token
   in a single batched forward, whatever their lengths.
 * ``decode_async(seqs, tokens, samplers)`` → :class:`PendingTokens`: the same step with the
-  next tokens sampled on the device (``hf2q.engine.device_sampler``) and evaluated
+  next tokens sampled on the device (``hf2q.engine.sampling.device``) and evaluated
   asynchronously; ``tokens`` may be the previous step's ``PendingTokens``, so step *n+1* is
   built and queued while step *n* still runs (the host reads *n* with ``result()``).
 * ``embed(batch)`` → L2-normalised ``[N, dim]`` (embedding models only).
@@ -236,7 +236,7 @@ class MlxModelRunner:
         sequences. The caches advance at once; if the caller stops early (a stop token read
         from the previous step), it trims the extra position with ``seq.trim``.
         """
-        from hf2q.engine.device_sampler import sample_rows
+        from hf2q.engine.sampling.device import sample_rows
 
         if len(seqs) != len(samplers):
             raise ValueError("decode_async needs one sampler per sequence")
@@ -292,7 +292,7 @@ def warm_up(runner) -> None:
     if runner.is_embedding_model:
         runner.embed([[1, 2, 3]])
     else:
-        from hf2q.engine.device_sampler import DeviceSampler
+        from hf2q.engine.sampling.device import DeviceSampler
         from hf2q.sched.requests import SamplingParams
 
         seq, other = runner.new_sequence(), runner.new_sequence()

@@ -1,6 +1,6 @@
 """KV budget accounting and the admission decision (pure).
 
-One physical KV budget is shared by every slot (SPEC §5). A running request reserves
+One physical KV budget is shared by every slot. A running request reserves
 KV for its whole life — ``min(prompt + max_tokens, ctx)`` tokens — so it can never run
 out mid-stream. Idle slots keep their cached KV, but that cache is evictable: admission
 drops the least recently used idle caches when the newcomer would not fit otherwise.

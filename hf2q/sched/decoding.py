@@ -1,12 +1,9 @@
 """When a decoding request ends: the token-level stop rules, as one pure function.
 
-Two actors need the same answer. The slot actor applies it to every sampled token to end
-its request (``stop`` / ``length``); the GPU owner applies it right after each step to
-decide, without waiting for the slot, whether that slot's decode joins the next batched
-step. Because both call ``DecodeLimits.after_token`` with the same counts, they can never
-disagree about a request that is still wanted — only a client that leaves (or a stop
-string the API finds) ends a request earlier, and that is observed at the next step
-boundary.
+The GPU owner's step loop applies it once to every sampled token, right after the step:
+``stop`` / ``length`` end the request there, otherwise the token is sent and fed to the
+next batched step. Only a client that leaves (or a stop string the API finds) ends a
+request earlier, and that is observed at the next step boundary.
 """
 
 from __future__ import annotations

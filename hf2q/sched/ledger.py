@@ -1,7 +1,7 @@
 """Which token ids each slot's KV holds, and which slot a new prompt should go to.
 
 A slot keeps its ledger (and its KV) after a request ends, so the next request whose
-prompt starts with the same tokens skips that much prefill (SPEC §5). Routing is pure
+prompt starts with the same tokens skips that much prefill. Routing is pure
 bookkeeping: longest exact prefix among idle slots, else an empty slot, else the least
 recently used one. No trio, no MLX.
 """

@@ -1,6 +1,6 @@
 """The step planner: what the next GPU step does (pure).
 
-Every GPU step is one *decode-first mixed step* (SPEC §5): one batched decode for every
+Every GPU step is one *decode-first mixed step*: one batched decode for every
 slot that is decoding, and/or one bounded prefill transaction. Decoding slots therefore
 never wait for a long prompt — a 100k-token prefill is cut into ``prefill_chunk``-sized
 transactions and every decoding slot advances between them. When several prompts are

@@ -3,7 +3,7 @@
 A machine is a ``MachineSpec``: an Enum of states, an initial state, and a table of
 ``(trigger, sources, dest)`` rows. ``spec.attach(model)`` binds a sync
 ``transitions.Machine`` to an attrs model (``slots=False``, not frozen) — the sync machine
-is a pure table that trio tasks drive; ``AsyncMachine`` is asyncio-only (STYLE.md #8).
+is a pure table that trio tasks drive; ``AsyncMachine`` is asyncio-only.
 Triggers are past-tense events. Any trigger not valid in the current state raises
 ``IllegalTransition``: an illegal transition is a bug, never silently ignored.
 """

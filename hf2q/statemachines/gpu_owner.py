@@ -3,7 +3,7 @@
 ``stopped → loading`` when the thread starts and calls the runner factory; ``idle ⇄ busy``
 around every GPU transaction (one decode-first mixed step, an embedding batch, a KV
 export/import); ``faulted`` on an exception or a deadline expiry — terminal, no further
-GPU work is ever submitted (SPEC §6); ``stopped`` again on shutdown.
+GPU work is ever submitted; ``stopped`` again on shutdown.
 """
 
 from __future__ import annotations

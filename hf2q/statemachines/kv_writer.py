@@ -1,4 +1,4 @@
-"""Lifecycle of the KV-persist writer actor (SPEC §8): ``idle → writing → syncing → idle``.
+"""Lifecycle of the KV-persist writer actor: ``idle → writing → syncing → idle``.
 
 ``writing`` is the temp-file write of one block, ``syncing`` its fsync → rename →
 directory fsync. An I/O error in either moves to ``failed``; the actor logs and counts it,

@@ -17,6 +17,7 @@ MODULES = (
     "hf2q.statemachines.slot",
     "hf2q.statemachines.prefill",
     "hf2q.statemachines.gpu_owner",
+    "hf2q.statemachines.kv_prefix",
 )
 OPTIONAL_MODULES = ("hf2q.statemachines.kv_writer",)
 

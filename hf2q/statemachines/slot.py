@@ -4,9 +4,10 @@
 ends in ``cancelled``; an engine fault (or shutdown) or a failure of this request
 alone (e.g. its sampler) ends in ``failed``, both released back
 to ``idle`` once the slot's bookkeeping is settled — exactly once per request.
-``prefilling`` and ``decoding`` loop on themselves once per GPU step (a prefill
-transaction committed, a token decoded); a prompt's last prefill transaction samples
-the first token, so the slot never needs to go back from ``decoding`` to ``prefilling``.
+``prefilling`` loops on itself once per prefill transaction committed; a prompt's last
+transaction yields the first token, and from there the GPU owner's step loop decodes the
+request (no transition per token), so the slot never goes back from ``decoding`` to
+``prefilling``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ SLOT = MachineSpec.declare(
         ("prefill_started", S.admitted, S.prefilling),
         ("chunk_prefilled", S.prefilling, S.prefilling),
         ("prefilled", S.prefilling, S.decoding),
-        ("token_decoded", S.decoding, S.decoding),
         ("stop_reached", (S.prefilling, S.decoding), S.finishing),
         ("client_gone", (S.admitted, S.prefilling, S.decoding), S.cancelled),
         ("engine_failed", ACTIVE, S.failed),

@@ -1,8 +1,8 @@
-"""Lifecycle of the engine supervisor, the source of ``/readyz`` (STYLE.md #10).
+"""Lifecycle of the engine supervisor, the source of ``/readyz``.
 
 ``starting → ready`` once the model loaded; a fault or a GPU deadline expiry moves
 ``starting`` or ``ready`` (or ``draining``) to ``poisoned`` one way: there is no edge out
-of ``poisoned`` — recovery is a process restart (SPEC §6). ``ready → draining → stopped``
+of ``poisoned`` — recovery is a process restart. ``ready → draining → stopped``
 is the graceful shutdown.
 """
 

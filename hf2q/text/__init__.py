@@ -12,5 +12,5 @@
 * :mod:`~hf2q.text.constrained` — llguidance token masks for ``response_format`` and forced
   ``tool_choice``.
 
-Sampling and stop strings live in :mod:`hf2q.engine.sampler`.
+Sampling lives in :mod:`hf2q.engine.sampling`; stop strings are :mod:`hf2q.text.stop_strings`.
 """

@@ -13,15 +13,15 @@ which drops the speculation and trims the one extra position it wrote into each 
 every cache again holds exactly the tokens its slot fed.
 
 Used only when the runner decodes through the MLX graph (``pipelines_decode``) and every
-row's sampling runs on the device (``device_sampler.device_capable``); otherwise the owner
+row's sampling runs on the device (``hf2q.engine.sampling.device_capable``); otherwise the owner
 keeps its synchronous host-sampled step.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from hf2q.actors.messages import Sampled
+from hf2q.engine.sampling.rows import Sampled
 
 
 class DecodePipeline:
@@ -36,9 +36,16 @@ class DecodePipeline:
     def usable(runner, runs: Sequence[Any]) -> bool:
         if not getattr(runner, "pipelines_decode", False):
             return False
-        from hf2q.engine.device_sampler import device_capable
+        from hf2q.engine.sampling import device_capable
 
         return all(r.constraint is None and device_capable(r.sampler.params) for r in runs)
+
+    def settled(self, job: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``job`` run after :meth:`settle`: a job other than a step sees caches holding only fed tokens."""
+        def settled_job(runner):
+            self.settle()
+            return job(runner)
+        return settled_job
 
     def settle(self) -> None:
         """Drop the queued step (if any): its caches lose the position it wrote."""
@@ -51,7 +58,7 @@ class DecodePipeline:
 
     def step(self, runner, runs: Sequence[Any], tokens: Sequence[int]) -> list[Sampled]:
         """Decode ``runs`` fed ``tokens``; returns one ``Sampled`` per run, queues the step after."""
-        from hf2q.engine.device_sampler import DeviceSampler
+        from hf2q.engine.sampling.device import DeviceSampler
 
         seqs = [r.seq for r in runs]
         self.stats["steps"] += 1

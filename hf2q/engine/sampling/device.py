@@ -1,4 +1,5 @@
-"""Token sampling inside the MLX graph, so decode steps can be pipelined.
+"""The device back-end of the sampling chain: token sampling inside the MLX graph, so decode
+steps can be pipelined.
 
 When the next token is picked on the host, every decode step ends in a device→host sync
 and the next step's graph cannot be built until the logits arrive: on a GPU the Python
@@ -7,12 +8,12 @@ overlapping it. Sampling on the device lets the runner feed step *n*'s token arr
 straight into step *n+1* and evaluate asynchronously (``MlxModelRunner.decode_async``);
 the host reads step *n*'s token while step *n+1* runs.
 
-The chain is the numpy :class:`~hf2q.engine.sampler.Sampler`'s for the settings it
+The chain is the host back-end's (:class:`~hf2q.engine.sampling.host.Sampler`) for the settings it
 covers — temperature (0 → argmax), top-k, top-p (over the top-k survivors), min-p — and
 the chosen token's logprob is the log-softmax of the raw logits, as there. Draws use the
 Gumbel-max trick with one seeded MLX key per request (same seed → same tokens).
 Penalties, ``logit_bias``, constraints and ``top_logprobs`` need the host; requests that
-use them keep the synchronous path (:func:`device_capable`).
+use them keep the synchronous path (``hf2q.engine.sampling.device_capable``).
 """
 
 from __future__ import annotations
@@ -24,13 +25,6 @@ import numpy as np
 
 #: the top-p comparison tolerance of the numpy sampler (keeps both chains on the same side of ties)
 TOP_P_EPS = 1e-12
-
-
-def device_capable(params) -> bool:
-    """True when ``params`` (a ``SamplingParams``) need nothing the device chain lacks."""
-    return (params.repetition_penalty == 1.0 and not params.frequency_penalty and not params.presence_penalty
-            and not params.logit_bias and getattr(params, "constraint", None) is None
-            and not (params.logprobs and params.top_logprobs))
 
 
 class DeviceSampler:

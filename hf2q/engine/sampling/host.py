@@ -1,7 +1,6 @@
-"""Token sampling and stop-string matching, in plain numpy (no MLX, no threads).
+"""The host back-end of the sampling chain: one row of logits → one token, in plain numpy.
 
-``Sampler`` turns one row of logits into one token, following llama.cpp's default chain
-so that identical settings behave alike in both servers:
+It follows llama.cpp's default chain so that identical settings behave alike in both servers:
 
 1. ``logit_bias`` is added, then the constraint ``mask`` removes forbidden tokens;
 2. penalties over ``history`` (the caller chooses the window — the API passes the tokens

@@ -1,0 +1,50 @@
+"""One decode-first mixed GPU step, composed in the engine thread: decode rows, a prefill chunk, sampling.
+
+The GPU owner (``hf2q.actors.gpu_owner``) plans each step and hands it here as one job; what
+this module returns is per-slot ``Sampled`` / ``SampleError`` (or None for a prefill chunk
+that is not a prompt's last).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hf2q.engine.decode_pipeline import DecodePipeline
+from hf2q.engine.sampling.rows import guarded_sample, sample_rows
+
+
+def run_step(runner, decode: list, tokens: list[int], prefill,
+             pipeline: DecodePipeline | None = None, first=None) -> dict[int, Any]:
+    """One decode-first mixed step, in the GPU thread: slot → Sampled | SampleError | None.
+
+    Every run of ``decode`` is fed its token of ``tokens`` in one batched ``runner.decode``
+    — or, when ``pipeline`` can serve the batch (MLX graph, device-sampled rows), through the
+    step it queued last time, queueing the next one before this one is read. A runner with
+    ``decode_with_prefill`` takes the decode and the prefill chunk as one call (the CPU host
+    step runs both as rows of one pass over the weights).
+    ``first`` is the request whose first token ``prefill``'s logits give (its last chunk).
+    Errors raised by the runner propagate (they poison the engine).
+    """
+    results: dict[int, Any] = {}
+    pipelined = pipeline is not None and bool(decode) and pipeline.usable(runner, decode)
+    if pipeline is not None and not pipelined:
+        pipeline.settle()
+    if prefill is not None and prefill.keep is not None:
+        prefill.seq.trim(prefill.keep)  # its own cache: no decode row of this step reads it
+    prefill_logits = None
+    if pipelined:
+        for r, res in zip(decode, pipeline.step(runner, decode, tokens)):
+            results[r.slot] = res
+    elif decode:
+        seqs = [r.seq for r in decode]
+        if prefill is not None and hasattr(runner, "decode_with_prefill"):
+            logits, prefill_logits = runner.decode_with_prefill(seqs, tokens, prefill.seq, prefill.tokens)
+        else:
+            logits = runner.decode(seqs, tokens)
+        for r, res in zip(decode, sample_rows(decode, logits)):
+            results[r.slot] = res
+    if prefill is not None:
+        if prefill_logits is None:
+            prefill_logits = runner.prefill(prefill.seq, prefill.tokens)
+        results[prefill.slot] = guarded_sample(first, prefill_logits) if first is not None else None
+    return results
