@@ -19,6 +19,7 @@ from hf2q.text.reasoning import prompt_opens_reasoning, split_complete
 from hf2q.text.toolcalls import (
     ContentDelta,
     ToolCallArgsDelta,
+    ToolCallEnd,
     ToolCallIncomplete,
     ToolCallStart,
     collect,
@@ -167,8 +168,11 @@ def test_truncated_call_reports_incomplete():
     p = make_parser("qwen")
     events = p.feed('Sure.\n<tool_call>\n{"name": "search", "argu')
     events += p.finish()
-    assert [type(e) for e in events] == [ContentDelta, ToolCallIncomplete]
+    # the name went out as soon as it was read; the call never completes
+    assert [type(e) for e in events] == [ContentDelta, ToolCallStart, ToolCallIncomplete]
     assert events[0].text == "Sure." and p.truncated
+    assert events[1].name == "search" and events[2].index == events[1].index
+    assert collect(events) == ("Sure.", [])
 
 
 def test_content_held_only_while_it_may_be_a_marker():
@@ -213,5 +217,5 @@ def test_generic_format_on_smollm2_chatml():
     # the instructed format parses with the generic parser
     p = make_parser("generic")
     ev = p.feed('<tool_call>{"name": "get_weather", "arguments": {"city": "Basel"}}</tool_call>') + p.finish()
-    assert [type(e) for e in ev] == [ToolCallStart, ToolCallArgsDelta]
+    assert [type(e) for e in ev] == [ToolCallStart, ToolCallArgsDelta, ToolCallEnd]
     assert json.loads(ev[1].text) == {"city": "Basel"}
