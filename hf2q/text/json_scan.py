@@ -70,24 +70,13 @@ class JsonScanner:
             if self._key is not None and ch != '"':
                 self._key.append(ch)
             return True
-        if st == "escape":
-            if ch not in _ESCAPES:
+        if st in ("escape", "hex"):  # after a backslash; the four digits of a \u escape
+            if ch not in (_ESCAPES if st == "escape" else _HEX):
                 return False
             if self._key is not None:
                 self._key.append(ch)
-            if ch == "u":
-                self._state, self._hex = "hex", 4
-            else:
-                self._state = "string"
-            return True
-        if st == "hex":
-            if ch not in _HEX:
-                return False
-            if self._key is not None:
-                self._key.append(ch)
-            self._hex -= 1
-            if not self._hex:
-                self._state = "string"
+            self._hex = (4 if ch == "u" else 0) if st == "escape" else self._hex - 1
+            self._state = "hex" if self._hex else "string"
             return True
         if st == "literal":
             if ch != self._literal[0]:
