@@ -241,9 +241,18 @@ async def test_ten_tools_forced_calls_finish_and_validate(server_url):
             results[key] = f"X{out['usage']['completion_tokens'] if out.get('usage') else ''}"
             failures.append(f"{key} stream={stream}: {e} {out['choices'][0]}")
 
-    async with httpx.AsyncClient(base_url=server_url, timeout=600) as c, trio.open_nursery() as n:
-        for case, choice, temp, seed, stream in rows():
-            n.start_soon(one, c, case, choice, temp, seed, stream)
+    async with httpx.AsyncClient(base_url=server_url, timeout=600) as c:
+        async with trio.open_nursery() as n:
+            for case, choice, temp, seed, stream in rows():
+                n.start_soon(one, c, case, choice, temp, seed, stream)
+        metrics = (await c.get("/metrics")).text
+    from prometheus_client.parser import text_string_to_metric_families
+
+    ended = {s.labels["why"]: s.value for f in text_string_to_metric_families(metrics)
+             if f.name == "hf2q_cancellations" for s in f.samples if s.name.endswith("_total")}
+    print("\nreplies ended early, by why:", ended)
+    # no request here has a stop string: replies the calls ended are labelled for what ended them
+    assert "stop_string" not in ended and ended.get("tool_call_limit", 0) > 0, ended
     print("\n" + table(results))
     print("\nstreamed rows, argument frames per call:")
     for key, n in sorted(pieces.items(), key=str):
