@@ -4,8 +4,10 @@ Ten tools of different shapes, each forced with ``tool_choice: "required"`` and 
 at temperature 0 and at 0.8 with three seeds: every reply must carry a call that parses and
 whose arguments validate against the tool's own schema (``jsonschema``, independent of the
 grammar that produced them), with ``finish_reason: "tool_calls"`` inside ``max_tokens: 256``.
-Part of the rows are streamed, and there each call's deltas must arrive in a frame of their
-own before the final one (sent as the call is generated, not saved for the end). A reply that
+Part of the rows are streamed, and there each call's deltas must arrive in frames of their
+own before the final one, its arguments in at least two (one frame per argument piece, and the
+parser passes on at most one piece per call per token: so the first piece left before the
+call's last token did, sent as the call is generated, not saved for the end). A reply that
 ``max_tokens`` cuts inside a forced call must say ``length`` and carry no broken call.
 
 The first nine tools ask for one call (``parallel_tool_calls: false``); the tenth allows
@@ -109,21 +111,23 @@ def body_for(case, choice: str, temp: float, seed: int | None) -> dict:
 async def streamed(c: httpx.AsyncClient, body: dict) -> dict:
     """A streamed reply folded into the unary shape, plus when each frame of it arrived."""
     calls: dict[int, dict] = {}
-    frames = []  # (arrival time, tool-call indexes in this frame, finish_reason)
+    frames = []  # (arrival time, tool-call indexes in this frame, finish_reason, indexes with arguments)
     content, finish, usage = [], None, None
     async for ch in sse_chunks(c, {**body, "stream_options": {"include_usage": True}}):
         usage = ch.get("usage") or usage
         for choice in ch["choices"]:
             delta = choice["delta"]
             content.append(delta.get("content") or "")
-            idx = []
+            idx, with_args = [], []
             for d in delta.get("tool_calls") or ():
                 idx.append(d["index"])
+                if d.get("function", {}).get("arguments"):
+                    with_args.append(d["index"])
                 call = calls.setdefault(d["index"], {"id": d.get("id"), "type": "function",
                                                      "function": {"name": "", "arguments": ""}})
                 call["function"]["name"] += d.get("function", {}).get("name", "")
                 call["function"]["arguments"] += d.get("function", {}).get("arguments", "")
-            frames.append((time.perf_counter(), idx, choice["finish_reason"]))
+            frames.append((time.perf_counter(), idx, choice["finish_reason"], with_args))
             finish = choice["finish_reason"] or finish
     message = {"content": "".join(content) or None}
     if calls:
@@ -132,15 +136,22 @@ async def streamed(c: httpx.AsyncClient, body: dict) -> dict:
 
 
 def check_frames(frames: list) -> None:
-    """Each call's deltas came before the final frame and before any later call's (as generated)."""
-    final_at = next(k for k, (_, _, reason) in enumerate(frames) if reason)
+    """Each call's deltas came before the final frame and before any later call's, its arguments
+    in pieces (as generated)."""
+    final_at = next(k for k, (_, _, reason, _) in enumerate(frames) if reason)
     first_frame_of: dict[int, int] = {}
-    for k, (_, idx, _) in enumerate(frames):
+    args_frames: dict[int, list[int]] = {}
+    for k, (_, idx, _, with_args) in enumerate(frames):
         for i in idx:
             first_frame_of.setdefault(i, k)
+        for i in with_args:
+            args_frames.setdefault(i, []).append(k)
     assert first_frame_of and all(k < final_at for k in first_frame_of.values()), frames
     order = [first_frame_of[i] for i in sorted(first_frame_of)]
     assert order == sorted(order) and len(set(order)) == len(order), frames  # one frame per call, in order
+    for i, first in first_frame_of.items():
+        got = args_frames.get(i, [])
+        assert len(got) >= 2 and got[0] > first, (i, frames)  # the start first, then pieces
 
 
 def check_reply(case, choice: str, out: dict) -> int:
@@ -202,6 +213,7 @@ def server_url():
 async def test_ten_tools_forced_calls_finish_and_validate(server_url):
     results: dict = {}
     greedy_calls: dict = {}
+    pieces: dict = {}  # streamed row → argument frames per call
     failures: list[str] = []
     limit = trio.Semaphore(CONCURRENT)
 
@@ -215,6 +227,9 @@ async def test_ten_tools_forced_calls_finish_and_validate(server_url):
                 assert r.status_code == 200, r.text
                 out = r.json()
         key = (case[0], choice, temp, seed)
+        if stream:
+            calls = out["choices"][0]["message"].get("tool_calls") or ()
+            pieces[key] = [sum(i in f[3] for f in out["frames"]) for i in range(len(calls))]
         if temp == 0:
             greedy_calls[case[0], choice] = [(x["function"]["name"], x["function"]["arguments"])
                                              for x in out["choices"][0]["message"].get("tool_calls") or ()]
@@ -226,10 +241,24 @@ async def test_ten_tools_forced_calls_finish_and_validate(server_url):
             results[key] = f"X{out['usage']['completion_tokens'] if out.get('usage') else ''}"
             failures.append(f"{key} stream={stream}: {e} {out['choices'][0]}")
 
-    async with httpx.AsyncClient(base_url=server_url, timeout=600) as c, trio.open_nursery() as n:
-        for case, choice, temp, seed, stream in rows():
-            n.start_soon(one, c, case, choice, temp, seed, stream)
+    async with httpx.AsyncClient(base_url=server_url, timeout=600) as c:
+        async with trio.open_nursery() as n:
+            for case, choice, temp, seed, stream in rows():
+                n.start_soon(one, c, case, choice, temp, seed, stream)
+        metrics = (await c.get("/metrics")).text
+    from prometheus_client.parser import text_string_to_metric_families
+
+    ended = {s.labels["why"]: s.value for f in text_string_to_metric_families(metrics)
+             if f.name == "hf2q_cancellations" for s in f.samples if s.name.endswith("_total")}
+    print("\nreplies ended early, by why:", ended)
+    # no request here has a stop string: replies the calls ended are labelled for what ended them
+    assert "stop_string" not in ended and ended.get("tool_call_limit", 0) > 0, ended
     print("\n" + table(results))
+    print("\nstreamed rows, argument frames per call:")
+    for key, n in sorted(pieces.items(), key=str):
+        print(f"  {key[0]:<20} {key[1]:<9} T={key[2]} seed={key[3]}: {n}")
+    free_text = [n for key, n in pieces.items() if key[0] == "free text"]
+    assert free_text and all(n and min(n) >= 2 for n in free_text), pieces
     print("\ncalls at T=0:")
     for (name, choice), calls in greedy_calls.items():
         print(f"  {name:<20} {choice:<9} " + "; ".join(f"{n}({a})" for n, a in calls))
@@ -237,14 +266,19 @@ async def test_ten_tools_forced_calls_finish_and_validate(server_url):
 
 
 async def test_max_tokens_cutting_a_forced_call_says_length_and_drops_it(server_url):
-    case = CASES[5]  # the nested object: its call takes more than 12 tokens
+    case = CASES[5]  # the nested object: its call takes far more than 20 tokens, its name ~13
     async with httpx.AsyncClient(base_url=server_url, timeout=600) as c:
-        body = {**body_for(case, "named", 0.0, None), "max_tokens": 12}
+        body = {**body_for(case, "named", 0.0, None), "max_tokens": 20}
         unary = (await c.post("/v1/chat/completions", json=body)).json()
         stream = await streamed(c, body)
     for out in (unary, stream):
         ch = out["choices"][0]
         assert ch["finish_reason"] == "length", ch
-        assert "tool_calls" not in ch["message"], ch  # never a broken call
         assert not (ch["message"]["content"] or "").strip(), ch  # nor the call's text given back as content
-        assert out["usage"]["completion_tokens"] == 12
+        assert out["usage"]["completion_tokens"] == 20
+    assert "tool_calls" not in unary["choices"][0]["message"], unary  # never a broken call
+    # the stream showed the call as it was written, and its end says it was cut
+    (shown,) = stream["choices"][0]["message"].get("tool_calls") or [None]
+    assert shown["function"]["name"] == case[2], shown
+    with pytest.raises(ValueError):
+        json.loads(shown["function"]["arguments"])

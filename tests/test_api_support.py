@@ -40,6 +40,7 @@ TOOL_ARGUMENTS = {"city": "Paris \"Ünïcødé\" ✓ \\n {}", "days": 3}
 class LetterDecoder:
     def __init__(self):
         self.stop_hit = False
+        self.stop_cause = None
 
     def feed(self, token_id: int):
         return [ContentDelta(chr(97 + token_id % 26))]
@@ -56,6 +57,7 @@ class ScriptedToolDecoder:
         self.args = json.dumps(TOOL_ARGUMENTS, ensure_ascii=False)
         self.pos = -1
         self.stop_hit = False
+        self.stop_cause = None
 
     def feed(self, token_id: int):
         if self.pos < 0:
@@ -66,7 +68,7 @@ class ScriptedToolDecoder:
         out = [ToolCallArgs(0, piece)]
         if self.pos >= len(self.args):
             out.append(ToolCallEnd(0))
-            self.stop_hit = True
+            self.stop_hit, self.stop_cause = True, "tool_call_limit"
         return out
 
     def finish(self):

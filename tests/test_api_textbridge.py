@@ -237,3 +237,79 @@ def test_the_forced_call_grammar_is_sized_by_the_request():
     with pytest.raises(InputError):  # max_tokens 40 leaves each string the shortest bound
         for t in model.tokenizer.encode(_generic_call("p" * (MIN_STRING + 1)), add_special=False):
             constraint.advance(t)
+
+
+def _deltas_by_token(model, body: dict, completion: str):
+    """[(text fed so far, deltas of that token)] until the decoder ends the reply, then the decoder."""
+    decoder = model.prepare(parse_chat_request(body), 4096).new_decoder()
+    tok, fed, out = model.tokenizer, [], []
+    for t in tok.encode(completion, add_special=False, parse_special=False):
+        fed.append(t)
+        out.append((tok.decode(fed), decoder.feed(t)))
+        if decoder.stop_hit:
+            break
+    out.append((tok.decode(fed), decoder.finish()))
+    return out, decoder
+
+
+def _call(name: str, args: str) -> str:
+    return '<tool_call>{"name": "' + name + '", "arguments": ' + args + "}</tool_call>"
+
+
+def test_calls_stream_and_a_second_call_is_held_only_while_it_may_be_a_repeat():
+    from hf2q.api.shapes import ToolCallArgs, ToolCallEnd, ToolCallStart
+
+    _, model = smollm2()
+    tools = TOOLS + [{"type": "function", "function": {"name": "read_file", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}}}}}]
+    body = {"messages": [{"role": "user", "content": "write it"}], "tools": tools}
+    long_text = "first line of the file\\n" * 6
+    first = _call("write_file", '{"path": "a.py", "text": "' + long_text + '"}')
+    same_start = _call("write_file", '{"path": "a.py", "text": "' + long_text + 'and more"}')
+    other_name = _call("read_file", '{"path": "a.py"}')
+    repeat = _call("write_file", '{"path":"a.py","text":"' + long_text + '"}')  # first, written compactly
+    steps, decoder = _deltas_by_token(model, body, "\n".join([first, same_start, other_name, repeat, other_name]))
+
+    def seen(kind, index):
+        """(text fed when the first such delta of that call came, how many tokens brought one)."""
+        at = [fed for fed, ds in steps if any(isinstance(d, kind) and d.index == index for d in ds)]
+        return (at[0] if at else None), len(at)
+
+    # 1st call: streams from its name on, in many pieces, all before its closing marker
+    start_fed, _ = seen(ToolCallStart, 0)
+    args_fed, n_args = seen(ToolCallArgs, 0)
+    assert start_fed.rstrip('",: ').endswith("write_file")
+    assert n_args >= 10 and args_fed.count("</tool_call>") == 0
+    # 2nd call: same name and the same arguments as far as the 1st's text goes: held back
+    # until "and more" shows it differs, then out before its close
+    start_fed, _ = seen(ToolCallStart, 1)
+    held_until = first + "\n" + same_start[:same_start.index("and more")]
+    assert len(held_until) < len(start_fed) <= len(held_until) + len("and more")
+    assert seen(ToolCallArgs, 1)[1] >= 2
+    # 3rd call, another name: out as soon as its name is
+    start_fed, _ = seen(ToolCallStart, 2)
+    assert start_fed.rstrip('",: ').endswith("read_file") and start_fed.count("</tool_call>") == 2
+    # the compact repeat of the 1st: never shown; it ends the reply
+    assert seen(ToolCallStart, 3) == (None, 0)
+    assert decoder.stop_hit and decoder.stop_cause == "tool_call_repeat"
+    assert steps[-1][0].endswith(repeat)  # it ended as the repeat closed
+    ends = [d.index for _, ds in steps for d in ds if isinstance(d, ToolCallEnd)]
+    assert ends == [0, 1, 2]
+    # what streamed is what the message holds
+    asm = MessageAssembler()
+    for _, ds in steps:
+        for d in ds:
+            asm.add(d)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in asm.complete_calls] == [
+        ("write_file", {"path": "a.py", "text": long_text.replace("\\n", "\n")}),
+        ("write_file", {"path": "a.py", "text": long_text.replace("\\n", "\n") + "and more"}),
+        ("read_file", {"path": "a.py"})]
+
+
+def test_parallel_tool_calls_false_ends_as_tool_call_limit():
+    _, model = smollm2()
+    body = {"messages": [{"role": "user", "content": "write it"}], "tools": TOOLS, "parallel_tool_calls": False}
+    _, decoder = _deltas_by_token(model, body, _generic_call("a.py") + _generic_call("b.py"))
+    assert decoder.stop_hit and decoder.stop_cause == "tool_call_limit"
+    _, decoder = _deltas_by_token(model, {**body, "stop": ["zz"]}, "a zz b")
+    assert decoder.stop_hit and decoder.stop_cause == "stop_string"

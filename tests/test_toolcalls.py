@@ -14,12 +14,15 @@ import random
 
 import pytest
 
+from hf2q.text.call_formats import DSML
 from hf2q.text.chat_template import CHATML, ChatTemplate
 from hf2q.text.reasoning import prompt_opens_reasoning, split_complete
 from hf2q.text.toolcalls import (
     ContentDelta,
     ToolCallArgsDelta,
+    ToolCallEnd,
     ToolCallIncomplete,
+    ToolCallMalformed,
     ToolCallStart,
     collect,
     detect_syntax,
@@ -167,8 +170,11 @@ def test_truncated_call_reports_incomplete():
     p = make_parser("qwen")
     events = p.feed('Sure.\n<tool_call>\n{"name": "search", "argu')
     events += p.finish()
-    assert [type(e) for e in events] == [ContentDelta, ToolCallIncomplete]
+    # the name went out as soon as it was read; the call never completes
+    assert [type(e) for e in events] == [ContentDelta, ToolCallStart, ToolCallIncomplete]
     assert events[0].text == "Sure." and p.truncated
+    assert events[1].name == "search" and events[2].index == events[1].index
+    assert collect(events) == ("Sure.", [])
 
 
 def test_content_held_only_while_it_may_be_a_marker():
@@ -213,5 +219,126 @@ def test_generic_format_on_smollm2_chatml():
     # the instructed format parses with the generic parser
     p = make_parser("generic")
     ev = p.feed('<tool_call>{"name": "get_weather", "arguments": {"city": "Basel"}}</tool_call>') + p.finish()
-    assert [type(e) for e in ev] == [ToolCallStart, ToolCallArgsDelta]
+    assert [type(e) for e in ev] == [ToolCallStart, ToolCallArgsDelta, ToolCallEnd]
     assert json.loads(ev[1].text) == {"city": "Basel"}
+
+
+# ---------------------------------------------------------------------------- streamed deltas
+
+def _close_positions(syntax, text, n_calls):
+    """Where each call's block closes in ``text``: (closing marker's start, its end)."""
+    if syntax == "llama3":
+        return [(text.rindex("}"), len(text))] * n_calls  # the envelope's own closing brace
+    marker = make_parser(syntax).end
+    blocks, at = [], 0
+    while (k := text.find(marker, at)) >= 0:
+        blocks.append((k, k + len(marker)))
+        at = k + len(marker)
+    return blocks if len(blocks) == n_calls else [blocks[-1]] * n_calls  # DeepSeek: one block, all calls
+
+
+def _stream_with_offsets(parser, text, rng):
+    """Feed random chunks; returns [(chunk's start, chunk's end, event)]."""
+    out, i = [], 0
+    while i < len(text):
+        j = min(len(text), i + rng.randint(1, 7))
+        out += [(i, j, e) for e in parser.feed(text[i:j])]
+        i = j
+    return out + [(len(text), len(text) + 1, e) for e in parser.finish()]
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_arguments_stream_while_the_call_is_written(name):
+    syntax, _, _, max_calls = FAMILIES[name]
+    calls = CALLS[:max_calls]
+    text = _generated_text(_template(name), name, calls, "" if syntax == "llama3" else "Let me check that.")
+    closes = _close_positions(syntax, text, len(calls))
+    rng = random.Random("stream " + name)
+    for _ in range(12):
+        fed = _stream_with_offsets(make_parser(syntax, TOOLS), text, rng)
+        events = [e for _, _, e in fed]
+        assert not any(isinstance(e, ToolCallMalformed) for e in events)
+        _, got = collect(events)
+        for i, ((fn, args), close) in enumerate(zip(calls, closes, strict=True)):
+            final = got[i]["function"]["arguments"]
+            assert json.loads(final) == args
+            if syntax in ("qwen_xml", "deepseek", "gemma4"):  # markup: built as json.dumps writes it
+                assert final == json.dumps(args, ensure_ascii=False)
+            else:  # JSON: the model's own text, character for character
+                assert final in text
+            deltas = [(a, b, e.text) for a, b, e in fed if isinstance(e, ToolCallArgsDelta) and e.index == i]
+            start_at = next(b for _, b, e in fed if isinstance(e, ToolCallStart) and e.index == i)
+            end_at = next(b for _, b, e in fed if isinstance(e, ToolCallEnd) and e.index == i)
+            # every piece went out before the closing marker began (nothing waits for it, and
+            # the concatenation is exactly the arguments: nothing of the marker leaked); the
+            # call completes only once all of the marker is fed
+            assert all(a < close[0] for a, _, _ in deltas)
+            assert end_at >= close[1] and start_at <= deltas[0][1]
+            # and they come piece by piece, inside a string value too
+            assert len(deltas) >= 3
+            if fn == "get_weather":
+                mid = text.index("'q'")  # 15 characters after the llama inside the city
+                assert any("🦙" in "".join(t for _, b2, t in deltas if b2 <= b) for _, b, _ in deltas if b <= mid)
+
+
+@pytest.mark.parametrize("body", [
+    '{"arguments": {"q": "x"}, "name": "search"}',  # arguments before the name
+    '[{"name": "search", "arguments": {"q": "x"}}, {"name": "get_weather", "arguments": {"city": "Bern"}}]',
+    '{"name": "search", "arguments": "{\\"q\\": \\"x\\"}"}',  # arguments as a string of JSON
+    '{"name": "search"}',  # no arguments
+    '{"name": "search", "parameters": {"q": [1, 2.5e3, -0, true, null, {}]}}',
+    '{"name": "search", "arguments": {"q": NaN}}',  # Python's reader takes it, strict JSON does not
+    '{"name": "search", "arguments": {"q": "x",}}',  # broken after the start went out
+    '{"name": "search", "arguments": {"q": "x"}} trailing',
+    '{"name": 3, "arguments": {}}',
+    ' {"name" : "search" , "arguments" : { "q" : "x" } } ',
+])
+def test_odd_json_blocks_end_as_the_whole_block_reader_says(body):
+    from hf2q.text.call_formats import BadCall, json_call
+
+    try:
+        expected = [(n, a) for n, a in json_call(body.strip())]
+    except BadCall:
+        expected = None
+    text = "Hi <tool_call>" + body + "</tool_call>"
+    rng = random.Random(body)
+    for _ in range(5):
+        events = _stream(make_parser("qwen"), text, rng)
+        content, got = collect(events)
+        if expected is None:
+            assert got == [] and content == text
+        else:
+            assert content == "Hi"
+            assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == expected
+        assert sum(isinstance(e, ToolCallEnd) for e in events) == len(got)  # one end per call
+
+
+def test_a_call_cut_inside_its_arguments_went_out_in_part_and_never_completes():
+    p = make_parser("generic")
+    events = p.feed('<tool_call>{"name": "write_file", "arguments": {"path": "a.py", "text": "line one\\nline')
+    events += p.finish()
+    kinds = [type(e) for e in events]
+    assert kinds[0] is ToolCallStart and kinds[-1] is ToolCallIncomplete and ToolCallEnd not in kinds
+    assert "".join(e.text for e in events if isinstance(e, ToolCallArgsDelta)) == \
+        '{"path": "a.py", "text": "line one\\nline'
+    assert collect(events) == ("", []) and p.truncated
+
+
+@pytest.mark.parametrize("syntax, text", [
+    ("qwen_xml", "<tool_call>\n<function=get_weather>\n<parameter=city>\nBern</parameter>\n"
+                 "<parameter=days>\n[1, 2]\n</parameter>\n</function>\n</tool_call>"),
+    ("gemma4", '<|tool_call>call:get_weather{city:<|"|>Bern<|"|>,opts:{a:[1,<|"|>x<|"|>,true],b:none},days:2}'
+               "<tool_call|>"),
+    ("deepseek", "<" + DSML + "tool_calls>\n<" + DSML + 'invoke name="get_weather">\n<' + DSML
+                 + 'parameter name="opts" string="false">{"a": [1]}</' + DSML + "parameter>\n</" + DSML
+                 + "invoke>\n</" + DSML + "tool_calls>"),
+])
+def test_markup_values_of_other_types_stream_as_json(syntax, text):
+    whole = parse_complete(syntax, text, TOOLS)
+    for seed in range(5):
+        events = _stream(make_parser(syntax, TOOLS), text, random.Random(seed))
+        assert not any(isinstance(e, ToolCallMalformed) for e in events)
+        content, calls = collect(events)
+        assert (content, [(c["function"]["name"], c["function"]["arguments"]) for c in calls]) == \
+            (whole[0], [(c["function"]["name"], c["function"]["arguments"]) for c in whole[1]])
+        assert sum(isinstance(e, ToolCallArgsDelta) for e in events) >= 3

@@ -60,7 +60,7 @@ class FlowResult:
     completion_tokens: int = 0
     ttft_s: float | None = None
     decode_tps: float = 0.0
-    cancelled: str | None = None  # "client" | "stop_string" | None
+    cancelled: str | None = None  # "client" | the decoder's stop_cause | None
     error_code: str | None = None
 
 
@@ -110,7 +110,7 @@ class ChatFlow:
                 self.asm.add(d)
             if self.decoder.stop_hit:
                 self._runtime_reason = "stop"
-                self.result.cancelled = "stop_string"
+                self.result.cancelled = self.decoder.stop_cause or "stop_string"
                 tail = self.decoder.finish()
                 for d in tail:
                     self.asm.add(d)

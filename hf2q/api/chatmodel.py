@@ -30,6 +30,10 @@ class OutputDecoder(Protocol):
     def stop_hit(self) -> bool:
         """A stop string (or the end of a forced tool call) was reached: the API ends the request."""
 
+    @property
+    def stop_cause(self) -> str | None:
+        """Why ``stop_hit``: ``stop_string``, ``tool_call_repeat`` or ``tool_call_limit`` (the metrics label)."""
+
 
 @attrs.frozen
 class PreparedChat:

@@ -103,7 +103,7 @@ class ServerMetrics:
         self.cached_tokens = Counter("hf2q_cached_prompt_tokens", "prompt tokens reused from a slot or disk",
                                      registry=r)
         self.completion_tokens = Counter("hf2q_completion_tokens", "generated tokens", registry=r)
-        self.cancellations = Counter("hf2q_cancellations", "requests ended by the client or a stop string",
+        self.cancellations = Counter("hf2q_cancellations", "requests ended early: by the client, a stop string or the reply's tool calls",
                                      ["why"], registry=r)
         self.ttft = Histogram("hf2q_time_to_first_token_seconds", "arrival → first token", registry=r,
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))

@@ -224,13 +224,49 @@ class GGUFEmbeddingModel:
 
 # ---- the per-request output pipeline ------------------------------------------------------------
 
+def _squeezed(json_text: str) -> str:
+    """JSON text without the whitespace between tokens; of a prefix, a prefix of the whole's."""
+    out, in_string, escaped = [], False, False
+    for ch in json_text:
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
+        elif ch == '"':
+            in_string = True
+        elif ch in " \t\n\r":
+            continue
+        out.append(ch)
+    return "".join(out)
+
+
+def _canonical(arguments: str) -> str:
+    try:
+        return json.dumps(json.loads(arguments), sort_keys=True, ensure_ascii=False)
+    except ValueError:
+        return arguments
+
+
+class _Call:
+    """A call the parser has started: held back until it may go out, then passed through."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.arguments: list[str] = []
+        self.index: int | None = None  # ours, once it went out
+
+
 class ChatOutputDecoder:
     """Generated ids → ``OutputDelta`` records (see the module docstring for the order).
 
-    The reply's calls end the reply (``stop_hit``, as a stop string does) when a call repeats
-    one already made (a small model, once it has made a call, tends to make it again: that is
-    not a parallel call, and the repeat is dropped), and after the first call when
-    ``parallel_calls`` is off (``parallel_tool_calls: false`` allows exactly one).
+    Tool calls stream as the parser reads them: the start as soon as the name is known, then
+    each piece of the arguments. The reply's calls end the reply (``stop_hit``) when a call
+    repeats one already made (a small model, once it has made a call, tends to make it again:
+    that is not a parallel call, and the repeat is dropped), and after the first call when
+    ``parallel_calls`` is off (``parallel_tool_calls: false`` allows exactly one). A repeat is
+    known only once the call is complete, so a call is held back while its name and arguments
+    so far could still be the start of one already made (compared without the whitespace
+    between JSON tokens), and goes out as soon as they differ from every earlier call.
+    ``stop_cause`` says what ended the reply: ``stop_string``, ``tool_call_repeat`` or
+    ``tool_call_limit``.
     """
 
     def __init__(self, tokenizer, stops: Sequence[str], *, tool_parser=None, reasoning=None,
@@ -242,11 +278,13 @@ class ChatOutputDecoder:
         self._tools = tool_parser
         self._reasoning = reasoning
         self._parallel = parallel_calls
-        self._index: dict[int, int] = {}  # parser's call index → ours
-        self._names: dict[int, str] = {}  # parser's call index → name, until its arguments come
-        self._made: set[tuple[str, str]] = set()  # (name, canonical arguments) of the calls emitted
+        self._open: dict[int, _Call] = {}  # parser's call index → the call
+        self._n_out = 0  # calls that went out
+        self._made: set[tuple[str, str]] = set()  # (name, canonical arguments) of the complete calls
+        self._made_text: list[tuple[str, str]] = []  # (name, squeezed arguments) of the same
         self._calls_ended = False
         self.stop_hit = False
+        self.stop_cause: str | None = None
         self.truncated_call = False
 
     def feed(self, token_id: int) -> list[OutputDelta]:
@@ -263,7 +301,7 @@ class ChatOutputDecoder:
         if self._stops is not None and not self.stop_hit:
             text, hit = self._stops.push(text)
             if hit:
-                self.stop_hit = True
+                self.stop_hit, self.stop_cause = True, "stop_string"
                 final = True
             elif final:
                 text += self._stops.flush()
@@ -295,34 +333,59 @@ class ChatOutputDecoder:
                 if ev.text:
                     out.append(ContentDelta(ev.text))
             elif kind == "ToolCallStart":
-                self._names[ev.index] = ev.name
+                self._open[ev.index] = call = _Call(ev.name)
+                self._release(call, out)
             elif kind == "ToolCallArgsDelta":
-                # the parser emits a call's arguments once the call is closed: it is complete now
-                name = self._names.pop(ev.index)
-                if not self._admit_call(name, ev.text):
+                call = self._open[ev.index]
+                call.arguments.append(ev.text)
+                if call.index is not None:
+                    out.append(ToolCallArgs(call.index, ev.text))
+                else:
+                    self._release(call, out)
+            elif kind == "ToolCallEnd":
+                if not self._complete(self._open.pop(ev.index), out):
                     break
-                idx = len(self._index)
-                self._index[ev.index] = idx
-                out += [ToolCallStart(idx, new_tool_call_id(), name), ToolCallArgs(idx, ev.text), ToolCallEnd(idx)]
-                if not self._parallel:
-                    self._end_calls()
-                    break
-            elif kind == "ToolCallIncomplete":
-                self.truncated_call = True  # never emitted; the runtime's "length" becomes the finish reason
+            elif kind in ("ToolCallMalformed", "ToolCallIncomplete"):
+                self._open.pop(ev.index, None)  # never completes: gone from the final message
+                if kind == "ToolCallIncomplete":
+                    self.truncated_call = True  # the runtime's "length" becomes the finish reason
         return out
 
-    def _admit_call(self, name: str, arguments: str) -> bool:
-        """False (and the reply ends) for a call that repeats one this reply already made."""
-        try:
-            canonical = json.dumps(json.loads(arguments), sort_keys=True, ensure_ascii=False)
-        except ValueError:
-            canonical = arguments
-        if (name, canonical) in self._made:
-            self._end_calls()
+    def _may_repeat(self, call: _Call) -> bool:
+        so_far = _squeezed("".join(call.arguments))
+        return any(name == call.name and made.startswith(so_far) for name, made in self._made_text)
+
+    def _release(self, call: _Call, out: list[OutputDelta]) -> None:
+        """Let a held call go out once it can no longer be a repeat."""
+        if call.index is not None or self._may_repeat(call):
+            return
+        call.index = self._n_out
+        self._n_out += 1
+        out.append(ToolCallStart(call.index, new_tool_call_id(), call.name))
+        if call.arguments:
+            out.append(ToolCallArgs(call.index, "".join(call.arguments)))
+
+    def _complete(self, call: _Call, out: list[OutputDelta]) -> bool:
+        """The call is whole: False (and the reply ends) when it repeats one already made."""
+        arguments = "".join(call.arguments)
+        canonical = _canonical(arguments)
+        if (call.name, canonical) in self._made:
+            # held back while it matched, so nothing of it went out (unless its text differed,
+            # keys reordered: then what went out never completes, and is not in the message)
+            self._end_calls("tool_call_repeat")
             return False
-        self._made.add((name, canonical))
+        if call.index is None:  # held to the end, and different after all
+            call.index = self._n_out
+            self._n_out += 1
+            out += [ToolCallStart(call.index, new_tool_call_id(), call.name), ToolCallArgs(call.index, arguments)]
+        out.append(ToolCallEnd(call.index))
+        self._made.add((call.name, canonical))
+        self._made_text.append((call.name, _squeezed(arguments)))
+        if not self._parallel:
+            self._end_calls("tool_call_limit")
+            return False
         return True
 
-    def _end_calls(self) -> None:
+    def _end_calls(self, cause: str) -> None:
         self._calls_ended = True
-        self.stop_hit = True
+        self.stop_hit, self.stop_cause = True, cause

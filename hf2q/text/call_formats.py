@@ -50,10 +50,15 @@ def json_call(body: str) -> list[tuple[str, Any]]:
     return calls
 
 
-def _coerce(value: str, declared: Any) -> Any:
-    """A textual parameter value typed by the tool's schema (strings stay verbatim)."""
+def verbatim(declared: Any) -> bool:
+    """Whether a parameter of this declared JSON-schema type is written as bare text and kept so."""
     types = declared if isinstance(declared, list) else [declared]
-    if "string" in types or declared is None:
+    return "string" in types or declared is None
+
+
+def typed_value(value: str, declared: Any) -> Any:
+    """A textual parameter value typed by the tool's schema (strings stay verbatim)."""
+    if verbatim(declared):
         return value
     try:
         return json.loads(value)
@@ -75,7 +80,7 @@ def qwen_xml_call(body: str, types: dict[str, dict[str, Any]]) -> list[tuple[str
             value = pm.group(2)
             value = value.removeprefix("\n")
             value = value.removesuffix("\n")
-            args[pm.group(1).strip()] = _coerce(value, declared.get(pm.group(1).strip()))
+            args[pm.group(1).strip()] = typed_value(value, declared.get(pm.group(1).strip()))
         calls.append((name, args))
     if not calls:
         raise BadCall("no <function=…> element")
@@ -138,16 +143,8 @@ class _GemmaArgs:
             self.i += 1
             return items
         m = re.compile(r"[^,}\]]*").match(s, self.i)
-        token = m.group(0).strip()
         self.i = m.end()
-        if token in ("true", "false"):
-            return token == "true"
-        if token in ("null", "none", "None"):
-            return None
-        try:
-            return json.loads(token)
-        except ValueError:
-            return token
+        return gemma_bare_value(m.group(0))
 
     def mapping(self) -> dict:
         s = self.s
@@ -174,6 +171,19 @@ class _GemmaArgs:
                 self.i += 1
         self.i += 1
         return out
+
+
+def gemma_bare_value(token: str) -> Any:
+    """An unquoted Gemma 4 value: a literal, a JSON number, or else the text itself."""
+    token = token.strip()
+    if token in ("true", "false"):
+        return token == "true"
+    if token in ("null", "none", "None"):
+        return None
+    try:
+        return json.loads(token)
+    except ValueError:
+        return token
 
 
 def gemma4_call(body: str) -> list[tuple[str, Any]]:

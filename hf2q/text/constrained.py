@@ -296,7 +296,7 @@ def _param_sequence(fn: Mapping, rule_of: dict[str, str], sep: str = "") -> str:
 
 
 def _is_string(schema: Mapping) -> bool:
-    """Written verbatim (as the parsers read it back: :func:`hf2q.text.call_formats._coerce`)."""
+    """Written verbatim (as the parsers read it back: :func:`hf2q.text.call_formats.typed_value`)."""
     t = schema.get("type")
     return t == "string" or (isinstance(t, list) and "string" in t) or (
         t is None and "enum" not in schema and "const" not in schema)

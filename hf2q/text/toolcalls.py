@@ -15,13 +15,20 @@ Each family writes calls differently (the format its chat template teaches):
   ``qwen`` form, which small models imitate well.
 
 A parser is fed decoded text and returns events: :class:`ContentDelta` for plain text
-(text that might begin a call marker is held back), then per call a
-:class:`ToolCallStart` (fresh ``call_…`` id, name) and one :class:`ToolCallArgsDelta` with
-the arguments as a JSON string. Arguments are parsed and re-serialised with
-``ensure_ascii=False``, so every character of every value survives byte for byte and the
-client always gets valid JSON. A call the stream ends inside is never emitted: ``finish``
-returns :class:`ToolCallIncomplete` and sets ``truncated`` so the API can answer
-``finish_reason: "length"``. A closed call that cannot be parsed is given back as content.
+(text that might begin a call marker is held back), and per call a :class:`ToolCallStart`
+(fresh ``call_…`` id, name) as soon as the name is read, :class:`ToolCallArgsDelta` pieces
+of the arguments' JSON text while the model writes them (their concatenation is the final
+arguments; :mod:`hf2q.text.call_streams` reads each syntax piece by piece), and a
+:class:`ToolCallEnd` when the call's block closes. JSON arguments pass through as the model
+wrote them; markup values are built into JSON with ``ensure_ascii=False``, so every
+character of every value survives byte for byte and the client always gets valid JSON.
+
+At the close the block is read again whole (:mod:`hf2q.text.call_formats`), and that reading
+decides: streamed calls it disagrees with are withdrawn (:class:`ToolCallMalformed`) and its
+own calls go out whole, or, when it finds no call, the block's text is given back as
+content. A call the stream ends inside never completes: ``finish`` returns
+:class:`ToolCallIncomplete` and sets ``truncated`` so the API can answer
+``finish_reason: "length"``. :func:`collect` keeps complete calls only.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from hf2q.text.call_formats import (
     qwen_xml_call,
     schema_types,
 )
+from hf2q.text.call_streams import gemma4_stream, json_stream, tag_stream
 from hf2q.text.generic_tools import (
     generic_tool_instructions,
     messages_for_generic_template,
@@ -53,7 +61,9 @@ __all__ = [
     "SYNTAXES",
     "ContentDelta",
     "ToolCallArgsDelta",
+    "ToolCallEnd",
     "ToolCallIncomplete",
+    "ToolCallMalformed",
     "ToolCallParser",
     "ToolCallStart",
     "collect",
@@ -93,8 +103,24 @@ class ToolCallArgsDelta:
 
 
 @attrs.frozen
+class ToolCallEnd:
+    """The call at ``index`` is complete: its block closed and it reads as a call."""
+
+    index: int
+
+
+@attrs.frozen
 class ToolCallIncomplete:
-    """The stream ended inside a call; nothing of it was emitted."""
+    """The stream ended inside the call at ``index`` (its start and part of its arguments
+    may have gone out); it never completes."""
+
+    index: int
+
+
+@attrs.frozen
+class ToolCallMalformed:
+    """The call at ``index``, started, turned out not to be a well-formed call; it never
+    completes, and what follows (content, or the block's calls read whole) replaces it."""
 
     index: int
 
@@ -117,6 +143,26 @@ def detect_syntax(template_source: str | None) -> str:
 
 # ---------------------------------------------------------------------------- streaming
 
+@attrs.define
+class _Streamed:
+    """A call of the open block whose start went out: its index, name and arguments so far."""
+
+    index: int
+    name: str
+    arguments: list[str] = attrs.field(factory=list)
+
+    def agrees_with(self, name: str, args) -> bool:
+        try:
+            streamed = json.loads("".join(self.arguments))
+        except ValueError:
+            return False
+        return name == self.name and _canonical(streamed) == _canonical(args)
+
+
+def _canonical(value) -> str:
+    return json.dumps(value, sort_keys=True, ensure_ascii=False)
+
+
 class ToolCallParser:
     """Streaming parser for one completion (see module docstring)."""
 
@@ -138,24 +184,72 @@ class ToolCallParser:
         self._opening = MarkerMatcher([self.start] if self.start else [])
         self._closing = MarkerMatcher([self.end] if self.end else [])
         self._body: list[str] = []  # the open call's text so far
+        self._stream = None  # the open block's call-stream reader
+        self._streamed: list[_Streamed] = []  # the open block's calls whose start went out
         self._inside = False
         self._held_ws = ""
         self._ws_before_call = ""
-        self._n_calls = 0
+        self._n_calls = 0  # indexes given out
+        self._n_done = 0  # calls complete
         self._undecided = syntax == "llama3"  # llama3: a reply that opens with "{" may be a call
         self._whole = False
         self.truncated = False
 
     @property
     def calls(self) -> int:
-        return self._n_calls
+        return self._n_done
+
+    def _new_stream(self):
+        if self.syntax in ("qwen", "generic", "llama3"):
+            return json_stream(several=self.syntax == "llama3")
+        if self.syntax == "gemma4":
+            return gemma4_stream()
+        return tag_stream(self.syntax, self._types)
+
+    def _stream_body(self, text: str, events) -> None:
+        """Pass what the block's reader learnt from ``text`` on as start / arguments events."""
+        if not text:
+            return
+        self._body.append(text)
+        for kind, k, value in self._stream.feed(text):
+            if kind == "start":
+                call = _Streamed(self._n_calls, value)
+                self._n_calls += 1
+                self._streamed.append(call)
+                events.append(ToolCallStart(call.index, new_call_id(), value))
+            else:
+                call = self._streamed[k]
+                call.arguments.append(value)
+                events.append(ToolCallArgsDelta(call.index, value))
+
+    def _close_block(self, calls, events) -> bool:
+        """The block is whole: keep the streamed calls if the whole-block reader agrees.
+
+        ``calls`` is that reader's answer (None: not a call). Otherwise the streamed calls are
+        withdrawn (:class:`ToolCallMalformed`) and the reader's calls, if any, go out whole, so
+        the final result is the whole-block reader's. False: no call, the text is content.
+        """
+        streamed, self._streamed, self._stream = self._streamed, [], None
+        if calls is not None and len(calls) == len(streamed) and all(
+                s.agrees_with(name, args) for s, (name, args) in zip(streamed, calls, strict=True)):
+            for s in streamed:
+                events.append(ToolCallEnd(s.index))
+            self._n_done += len(streamed)
+            return True
+        events.extend(ToolCallMalformed(s.index) for s in streamed)
+        if calls is None:
+            return False
+        self._emit_calls(calls, events)
+        return True
 
     def _emit_calls(self, calls, events) -> None:
         for name, args in calls:
             idx = self._n_calls
             self._n_calls += 1
+            self._n_done += 1
             events.append(ToolCallStart(idx, new_call_id(), name))
             events.append(ToolCallArgsDelta(idx, json.dumps(args, ensure_ascii=False)))
+            events.append(ToolCallEnd(idx))
 
     def _parse_body(self, body: str):
         if self.syntax in ("qwen", "generic", "llama3"):
@@ -188,17 +282,20 @@ class ToolCallParser:
                     break
                 self._ws_before_call, self._held_ws = self._held_ws, ""
                 self._inside = True
+                self._stream = self._new_stream()
             else:
                 inside, end, self._buf = self._closing.scan(self._buf)
-                self._body.append(inside)
+                self._stream_body(inside, events)
                 if end is None:
                     break
                 body = "".join(self._body)
                 self._body = []
                 self._inside = False
                 try:
-                    self._emit_calls(self._parse_body(body), events)
+                    calls = self._parse_body(body)
                 except BadCall:
+                    calls = None
+                if not self._close_block(calls, events):
                     self._content(self._ws_before_call + self.start + body + self.end, events)
         return events
 
@@ -214,37 +311,50 @@ class ToolCallParser:
             elif stripped.startswith("{"):
                 self._whole = True
                 self._buf = stripped
-        if not self._whole and self._buf:
+            if self._whole:
+                self._stream = self._new_stream()
+        if self._whole:
+            buf, self._buf = self._buf, ""
+            self._stream_body(buf, events)
+        elif self._buf:
             events.append(ContentDelta(self._buf))
             self._buf = ""
+
+    def _finish_llama3(self, events) -> None:
+        buf, self._buf = "".join(self._body) + self._buf, ""
+        self._body = []
+        if not self._whole:
+            if buf:
+                events.append(ContentDelta(buf))
+            return
+        try:
+            # one call, or several separated by ";" / newlines
+            parts = [p for p in re.split(r"\s*;\s*|\n+", buf.strip()) if p.strip()]
+            calls = [c for p in parts for c in json_call(p)]
+        except BadCall:
+            calls = None
+        if calls is None and re.match(r'\s*\{\s*"name"\s*:', buf):
+            self._report_truncated(events)
+        elif not self._close_block(calls, events):
+            events.append(ContentDelta(buf))
+
+    def _report_truncated(self, events) -> None:
+        self.truncated = True
+        started, self._streamed, self._stream = self._streamed, [], None
+        events.extend(ToolCallIncomplete(s.index) for s in started or [_Streamed(self._n_calls, "")])
 
     def finish(self) -> list:
         """End of stream: flush held text; report a call the stream ended inside."""
         events: list = []
         if self.syntax == "llama3":
-            buf, self._buf = self._buf, ""
-            if self._whole:
-                try:
-                    # one call, or several separated by ";" / newlines
-                    parts = [p for p in re.split(r"\s*;\s*|\n+", buf.strip()) if p.strip()]
-                    calls = [c for p in parts for c in json_call(p)]
-                    self._emit_calls(calls, events)
-                except BadCall:
-                    if re.match(r'\s*\{\s*"name"\s*:', buf):
-                        self.truncated = True
-                        events.append(ToolCallIncomplete(self._n_calls))
-                    else:
-                        events.append(ContentDelta(buf))
-            elif buf:
-                events.append(ContentDelta(buf))
+            self._finish_llama3(events)
             return events
         if self._inside:
-            self.truncated = True
-            events.append(ToolCallIncomplete(self._n_calls))
+            self._report_truncated(events)
             self._buf = ""
             return events
         rest, self._buf = self._buf + self._opening.scan("", final=True).text, ""
-        if self._n_calls and not (self._held_ws + rest).strip():
+        if self._n_done and not (self._held_ws + rest).strip():
             self._held_ws = ""
             return events
         self._content(rest, events, final=True)
@@ -264,8 +374,8 @@ def parse_complete(syntax: str, text: str, tools: Sequence[Mapping] | None = Non
 
 
 def collect(events) -> tuple[str, list[dict]]:
-    """Fold events into OpenAI message parts: content text and the ``tool_calls`` list."""
-    content, calls = [], {}
+    """Fold events into OpenAI message parts: content text and the ``tool_calls`` list (complete calls only)."""
+    content, calls, complete = [], {}, set()
     for e in events:
         if isinstance(e, ContentDelta):
             content.append(e.text)
@@ -273,6 +383,8 @@ def collect(events) -> tuple[str, list[dict]]:
             calls[e.index] = {"id": e.id, "type": "function", "function": {"name": e.name, "arguments": ""}}
         elif isinstance(e, ToolCallArgsDelta):
             calls[e.index]["function"]["arguments"] += e.text
-    return "".join(content), [calls[i] for i in sorted(calls)]
+        elif isinstance(e, ToolCallEnd):
+            complete.add(e.index)
+    return "".join(content), [calls[i] for i in sorted(complete)]
 
 
