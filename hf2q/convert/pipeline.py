@@ -64,16 +64,18 @@ class ConversionPlan:
         return sum(t.nbytes for t in self.layouts)
 
 
-def build_plan(src: Path, quant: QuantName, has_imatrix: bool = False) -> ConversionPlan:
-    """Everything decided before a byte of tensor data is read: names, types, layout, metadata."""
+def build_plan(src: Path, quant: QuantName, has_imatrix: bool = False, mtp: str = "keep") -> ConversionPlan:
+    """Everything decided before a byte of tensor data is read: names, types, layout, metadata.
+
+    ``mtp``: ``keep`` the multi-token-prediction head, ``drop`` it, or write ``only`` it."""
     src = Path(src)
     cfg = load_config(src)
-    family = family_for(cfg, src)
+    family = family_for(cfg, src, mtp=mtp)
     ck = SafetensorsCheckpoint(src)
     tensors = family.plan(ck)
     if not tensors:
         raise InputError(f"{src}: the checkpoint has no tensors")
-    facts = ModelFacts(family.arch_name, family.n_layer, family.n_head, family.n_head_kv, family.n_expert)
+    facts = ModelFacts(family.arch_name, family.block_count, family.n_head, family.n_head_kv, family.n_expert)
     types = plan_types(quant, facts, [TensorFacts(t.name, t.ne, t.f32_only) for t in tensors], has_imatrix)
     try:
         layouts = layout([(t.name, t.ne, q) for t, q in zip(tensors, types)])
@@ -256,7 +258,7 @@ def _write_error(e: OSError, plan: ConversionPlan) -> ConversionError:
 def convert_gguf(src: Path, output: Path, quant: QuantName, threads: int | None = None,
                  integrity: bool = True, report_path: Path | None = None,
                  has_imatrix: bool = False, imatrix: ImatrixFile | None = None,
-                 imatrix_arg: str | None = None) -> dict:
+                 imatrix_arg: str | None = None, mtp: str = "keep") -> dict:
     """Convert and return the report dict (also written to ``report_path``).
 
     ``imatrix`` (read once by the caller) weights every quantized tensor it has an entry for, as
@@ -266,7 +268,7 @@ def convert_gguf(src: Path, output: Path, quant: QuantName, threads: int | None 
     timings = {"plan_s": 0.0, "hash_s": 0.0, "read_s": 0.0, "quantize_s": 0.0, "write_s": 0.0,
                "error_s": 0.0, "total_s": 0.0}
     t_start = time.perf_counter()
-    plan = build_plan(src, quant, has_imatrix)
+    plan = build_plan(src, quant, has_imatrix, mtp)
     timings["plan_s"] = time.perf_counter() - t_start
     output = Path(output)
     try:
@@ -341,9 +343,9 @@ def _check_output_dir(output: Path) -> None:
         raise ConversionError(f"cannot write {output}: it is a directory")
 
 
-def dry_run(src: Path, quant: QuantName, has_imatrix: bool = False) -> list[str]:
+def dry_run(src: Path, quant: QuantName, has_imatrix: bool = False, mtp: str = "keep") -> list[str]:
     """The tensor → type → bytes plan as printable lines (no file is written)."""
-    plan = build_plan(src, quant, has_imatrix)
+    plan = build_plan(src, quant, has_imatrix, mtp)
     try:
         width = max(len(t.name) for t in plan.tensors)
         lines = [f"{'tensor':<{width}}  {'shape':<20} {'type':<5} {'bytes':>12}"]
