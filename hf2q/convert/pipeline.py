@@ -29,7 +29,7 @@ from hf2q.convert import report as report_mod
 from hf2q.convert.gguf_writer import GGUFStream, TensorLayout, layout
 from hf2q.convert.imatrix_plan import add_metadata, tensor_weights
 from hf2q.convert.imatrix_plan import describe as describe_imatrix
-from hf2q.convert.policy import ModelFacts, TensorFacts, plan_types
+from hf2q.convert.policy import ModelFacts, TensorFacts, ggml_n_dims, plan_types
 from hf2q.convert.quant_names import QuantName
 from hf2q.errors import ConversionError, InputError
 from hf2q.formats.gguf_keys import Keys
@@ -78,12 +78,19 @@ def build_plan(src: Path, quant: QuantName, has_imatrix: bool = False, mtp: str 
     facts = ModelFacts(family.arch_name, family.block_count, family.n_head, family.n_head_kv, family.n_expert)
     types = plan_types(quant, facts, [TensorFacts(t.name, t.ne, t.f32_only) for t in tensors], has_imatrix)
     try:
-        layouts = layout([(t.name, t.ne, q) for t, q in zip(tensors, types)])
+        layouts = layout([(t.name, stored_ne(t.ne, quant), q) for t, q in zip(tensors, types)])
     except ValueError as e:
         raise InputError(str(e)) from None
     md = build_metadata(family, src, cfg, quant)
     release_tokenizer_cache()
     return ConversionPlan(src, family, ck, quant, tensors, types, layouts, md)
+
+
+def stored_ne(ne: list[int], quant: QuantName) -> list[int]:
+    """The dimensions a tensor is written with: llama.cpp's float export keeps the checkpoint's
+    axes, while ``llama-quantize`` rewrites every tensor with ``ggml_n_dims`` axes (trailing size-1
+    axes dropped: Qwen 3.5's ``[1, d]`` shared-expert gate becomes 1-D)."""
+    return ne if quant.is_float else ne[:ggml_n_dims(ne)]
 
 
 def build_metadata(family, src: Path, cfg: dict, quant: QuantName) -> Metadata:
