@@ -208,6 +208,10 @@ class Family:
     def n_expert(self) -> int:
         return int(optional(self.cfg, "num_local_experts", "num_experts", "n_routed_experts") or 0)
 
+    def layer_summary(self) -> dict[str, int] | None:
+        """Per-family facts for ``--dry-run`` and the report beyond tensors (hybrid layer mix, state size)."""
+        return None
+
     # ---- tensors
     def skip(self, hf_name: str) -> bool:
         """HF tensors llama.cpp's converter drops."""

@@ -143,6 +143,21 @@ class Qwen35(Family):
     def block_count(self) -> int:
         return self.n_layer + self.n_mtp
 
+    def layer_summary(self) -> dict[str, int]:
+        """The layer mix and the recurrent state a serving slot holds (F32, as llama.cpp keeps it):
+        per linear layer a (kernel − 1)-token conv window over the q/k/v channels and one
+        key × value matrix per value head."""
+        c = self.cfg
+        interval = int(c.get("full_attention_interval", 4))
+        types = c.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                         for i in range(self.n_layer)]
+        n_linear = sum(t == "linear_attention" for t in types)
+        conv = (int(require(c, "linear_conv_kernel_dim")) - 1) * (
+            2 * self.n_k_heads * self.head_k_dim + self.n_v_heads * self.head_v_dim)
+        ssm = self.n_v_heads * self.head_k_dim * self.head_v_dim
+        return {"linear_attention_layers": n_linear, "full_attention_layers": self.n_layer - n_linear,
+                "mtp_blocks": self.n_mtp, "recurrent_state_bytes_per_slot": 4 * n_linear * (conv + ssm)}
+
     # ---- tensors
     def skip(self, hf_name: str) -> bool:
         return super().skip(hf_name) or "visual." in hf_name or hf_name.startswith(("mtp.", "model.mtp.")) and self.mtp == "drop"

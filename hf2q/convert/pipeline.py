@@ -364,6 +364,9 @@ def dry_run(src: Path, quant: QuantName, has_imatrix: bool = False, mtp: str = "
         total = plan.total_bytes
         lines.append(f"total: {len(plan.tensors)} tensors, {total} bytes ({total / 2**20:.2f} MiB, "
                      f"{8 * total / max(1, n_elem):.2f} bits/weight) — {plan.family.arch_name} {quant.name}")
+        if summary := plan.family.layer_summary():
+            lines.append(f"{plan.family.arch_name}: " + ", ".join(f"{k.replace('_', ' ')} {v}"
+                                                                  for k, v in summary.items()))
         return lines
     finally:
         plan.checkpoint.close()
