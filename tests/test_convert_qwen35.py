@@ -11,12 +11,24 @@ model metadata must be identical; then stock ``llama-completion`` loads our file
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 
-from tests.test_llamacpp_parity import _convert, _generate, compare_gguf, llamacpp_reference
+from tests.test_llamacpp_parity import _convert, compare_gguf, llamacpp_reference
 
 QUANTS = ("f16", "bf16", "q8_0", "q4_k_m", "q6_k", "q2_k")
+
+
+def _generate(model, prompt: str, n: int) -> bytes:
+    """Greedy ``llama-completion`` output as bytes (a random model's tokens need not be whole UTF-8)."""
+    from tests.tools import llama_cpp
+
+    r = subprocess.run([str(llama_cpp.tool("llama-completion")), "-m", str(model), "-p", prompt, "-n", str(n),
+                        "-t", "2", "--temp", "0", "-no-cnv"], env=llama_cpp.env(), capture_output=True,
+                       timeout=300, check=False, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr[-2000:].decode(errors="replace")
+    return r.stdout
 
 
 def _convert_with(src, quant, out, *args):
@@ -62,9 +74,10 @@ def test_stock_llamacpp_generates_from_our_gguf(family, quant, tiny_checkpoint, 
     src = tiny_checkpoint(family)
     out = tmp_path / "m.gguf"
     _convert(src, quant, out)
-    text = _generate(llama_cpp_bin, out, "The capital of France is", n=12)
-    assert text.startswith("The capital of France is") and len(text) > len("The capital of France is")
-    assert text == _generate(llama_cpp_bin, llamacpp_reference(src, quant), "The capital of France is", n=12)
+    prompt = "The capital of France is"
+    text = _generate(out, prompt, n=12)
+    assert text.startswith(prompt.encode()) and len(text) > len(prompt)
+    assert text == _generate(llamacpp_reference(src, quant), prompt, n=12)
 
 
 def test_dry_run_shows_the_hybrid_layout(cli, tiny_checkpoint):
