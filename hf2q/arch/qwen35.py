@@ -160,7 +160,8 @@ class Qwen35(Family):
 
     # ---- tensors
     def skip(self, hf_name: str) -> bool:
-        return super().skip(hf_name) or "visual." in hf_name or hf_name.startswith(("mtp.", "model.mtp.")) and self.mtp == "drop"
+        dropped_mtp = self.mtp == "drop" and hf_name.startswith(("mtp.", "model.mtp."))
+        return super().skip(hf_name) or "visual." in hf_name or dropped_mtp
 
     def plan(self, ck):
         self.n_mtp = self._count_mtp(ck)
@@ -202,11 +203,6 @@ class Qwen35(Family):
         if hf_name.startswith("blk."):  # already a llama.cpp name (an MTP head tensor)
             return hf_name
         return super().map_name(hf_name)
-
-    def collect(self, ck):
-        for hf_name, name in self.renamed(ck):
-            gguf_name = self.map_name(name)
-            yield hf_name, gguf_name, self.source_tensor(ck, hf_name, gguf_name)
 
     def source_tensor(self, ck, hf_name, gguf_name):
         shape = tuple(ck.entry(hf_name).shape)
