@@ -27,8 +27,7 @@ from tests.models.tokenizer_files import copy_tokenizer, vocab_size
 # bumped when a family's files change (v2: weights scaled so logits are not flat;
 # llama v4: SmolLM2 tokenizer with its digit splitting)
 VERSIONS = {"llama": "v4", "qwen3": "v3", "qwen3_moe": "v3", "gemma3": "v3", "bert": "v3",
-            "llama_rope_llama3": "v1", "llama_rope_linear": "v1", "llama_rope_yarn": "v1", "gemma3_rope_linear": "v1",
-            "qwen35": "v1", "qwen35_mtp": "v1", "qwen35_moe": "v1"}
+            "llama_rope_llama3": "v1", "llama_rope_linear": "v1", "llama_rope_yarn": "v1", "gemma3_rope_linear": "v1"}
 FAMILIES = ("llama", "qwen3", "qwen3_moe", "gemma3", "bert")
 SEED = 0
 
@@ -128,7 +127,7 @@ _SPECS: dict[str, dict] = {
 # 16 query heads / 4 KV of 256 with a quarter rotary (interleaved mrope sections), norms stored as w for
 # (1 + w). Here 4 layers, 2 key / 4 value heads (so the value-head reorder bites), hidden 64 ≠ ff 256 ≠ 2·ff,
 # 64-wide heads (256-wide attention / DeltaNet outputs, so K-quants are used, not only their fallbacks).
-# Not in FAMILIES: the engine does not run this family yet.
+# These are the converter's parity models, named apart from the engine's tiny qwen35 (its forward tests).
 _QWEN35 = {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
            "num_key_value_heads": 2, "head_dim": 64, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 64,
            "linear_value_head_dim": 64, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
@@ -137,20 +136,21 @@ _QWEN35 = {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 4, 
            "bos_token_id": 151643, "eos_token_id": 151645,
            "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
                                "mrope_section": [3, 3, 2], "mrope_interleaved": True}}
-_SPECS["qwen35"] = {"tokenizer": "qwen3", "config": "Qwen3_5TextConfig", "kind": "causal", "kwargs": _QWEN35,
-                    "legacy": {}, "scales": (5.0, 3.0)}
+_SPECS["qwen35_parity"] = {"tokenizer": "qwen3", "config": "Qwen3_5TextConfig", "kind": "causal",
+                           "kwargs": _QWEN35, "legacy": {}, "scales": (5.0, 3.0)}
 # the same with a hand-made multi-token-prediction head (transformers does not model it; real checkpoints
 # ship it as mtp.*: one full-attention block plus its fc / pre-fc norms / final norm)
-_SPECS["qwen35_mtp"] = {**_SPECS["qwen35"], "legacy": {"mtp_num_hidden_layers": 1}, "mtp": True}
+_SPECS["qwen35_parity_mtp"] = {**_SPECS["qwen35_parity"], "legacy": {"mtp_num_hidden_layers": 1}, "mtp": True}
 # Qwen3.5-35B-A3B: 256 experts top-8 plus a gated shared expert, untied. Here 4 experts top-2, expert
 # ff 96 ≠ shared ff 48 ≠ hidden 64, with an MTP head whose block is MoE too.
-_SPECS["qwen35_moe"] = {
+_SPECS["qwen35moe_parity_mtp"] = {
     "tokenizer": "qwen3", "config": "Qwen3_5MoeTextConfig", "kind": "causal",
     "kwargs": {**{k: v for k, v in _QWEN35.items() if k != "intermediate_size"}, "tie_word_embeddings": False,
                "moe_intermediate_size": 96, "shared_expert_intermediate_size": 48, "num_experts": 4,
                "num_experts_per_tok": 2},
     "legacy": {"mtp_num_hidden_layers": 1}, "scales": (5.0, 3.0), "mtp": True,
 }
+VERSIONS.update({"qwen35_parity": "v1", "qwen35_parity_mtp": "v1", "qwen35moe_parity_mtp": "v1"})
 
 # Gemma 3 4B/12B/27B: linear rope scaling (factor 8) on the global layers only; sliding layers keep plain rope
 _SPECS["gemma3_rope_linear"] = {
