@@ -58,6 +58,10 @@ def _add_convert(sub) -> None:
     p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
     p.add_argument("--dry-run", action="store_true", help="print the tensor → type → bytes plan and exit")
     p.add_argument("--imatrix", help="importance matrix (llama.cpp .imatrix / .gguf)")
+    m = p.add_mutually_exclusive_group()
+    m.add_argument("--no-mtp", action="store_true", help="leave out the multi-token-prediction head (Qwen 3.5)")
+    m.add_argument("--mtp", action="store_true",
+                   help="write only the multi-token-prediction head, as a speculative draft model (Qwen 3.5)")
     p.add_argument("--threads", type=_positive_int, default=None, help="worker threads (default: all cores)")
     p.add_argument("--json-report", help="write the conversion report here (default: OUTPUT.report.json)")
     p.add_argument("--no-integrity", action="store_true", help="skip sha256 hashing of inputs")

@@ -53,11 +53,12 @@ def _source_key(src: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def llamacpp_reference(src: Path, quant: str) -> Path:
-    """llama.cpp's GGUF of ``src`` for ``quant`` (built once, cached)."""
+def llamacpp_reference(src: Path, quant: str, convert_args: tuple[str, ...] = ()) -> Path:
+    """llama.cpp's GGUF of ``src`` for ``quant`` (built once, cached); ``convert_args`` go to its
+    converter (``--no-mtp``, ``--mtp``)."""
     from tests.tools import llama_cpp
 
-    key = f"{src.name}-{_source_key(src)}"
+    key = f"{src.name}-{_source_key(src)}" + "".join(a.replace("-", "_") for a in convert_args)
     out = _ref_dir() / f"{key}-{quant}.gguf"
     if out.exists():
         return out
@@ -66,11 +67,11 @@ def llamacpp_reference(src: Path, quant: str) -> Path:
     if quant in FLOAT_NAMES:
         tmp = out.with_suffix(".tmp.gguf")
         r = subprocess.run([sys.executable, str(llama_cpp.convert_script()), str(src), "--outtype", quant,
-                            "--outfile", str(tmp)], env=env, capture_output=True, text=True, check=False)
+                            "--outfile", str(tmp), *convert_args], env=env, capture_output=True, text=True, check=False)
         assert r.returncode == 0, f"llama.cpp convert failed: {r.stderr[-2000:]}"
         tmp.rename(out)
         return out
-    f16 = llamacpp_reference(src, "f16")
+    f16 = llamacpp_reference(src, "f16", convert_args)
     tmp = out.with_suffix(".tmp.gguf")
     r = subprocess.run([str(llama_cpp.tool("llama-quantize")), str(f16), str(tmp), quant, "2"],
                        env=env, capture_output=True, text=True, check=False)

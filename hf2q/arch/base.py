@@ -32,8 +32,11 @@ V = gguf.GGUFValueType
 # llama.cpp's converter keeps these tensor kinds in F32 whatever the output type
 _ALWAYS_F32 = frozenset({
     gguf.MODEL_TENSOR.FFN_GATE_INP, gguf.MODEL_TENSOR.FFN_GATE_INP_SHEXP, gguf.MODEL_TENSOR.POS_EMBD,
-    gguf.MODEL_TENSOR.TOKEN_TYPES,
+    gguf.MODEL_TENSOR.TOKEN_TYPES, gguf.MODEL_TENSOR.SSM_CONV1D,
 })
+
+#: what to do with a multi-token-prediction head: keep it, drop it (``--no-mtp``), or write only it (``--mtp``)
+MTP_CHOICES = ("keep", "drop", "only")
 
 
 # --------------------------------------------------------------------------- sources of rows
@@ -170,16 +173,29 @@ class Family:
     gguf_arch: ClassVar[gguf.MODEL_ARCH]
     tokenizer_kind: ClassVar[str] = "bpe"  # "bpe" | "spm" | "wordpiece" | "auto"
 
-    def __init__(self, cfg: dict[str, Any], src: Path):
+    #: whether the family has a multi-token-prediction head that ``--no-mtp`` / ``--mtp`` select
+    has_mtp: ClassVar[bool] = False
+
+    def __init__(self, cfg: dict[str, Any], src: Path, mtp: str = "keep"):
         self.cfg, self.src = cfg, Path(src)
         self.n_layer = int(require(cfg, "num_hidden_layers", "n_layers", "n_layer", "num_layers"))
         self.tensor_map = gguf.get_tensor_name_map(self.gguf_arch, self.n_layer)
+        if mtp not in MTP_CHOICES:
+            raise InputError(f"unknown MTP choice {mtp!r}; expected one of {', '.join(MTP_CHOICES)}")
+        if mtp != "keep" and not self.has_mtp:
+            raise InputError(f"--no-mtp / --mtp: {self.arch_name} has no multi-token-prediction head")
+        self.mtp = mtp
 
     @property
     def arch_name(self) -> str:
         return gguf.MODEL_ARCH_NAMES[self.gguf_arch]
 
     # ---- hyper-parameters used by the type policy
+    @property
+    def block_count(self) -> int:
+        """Blocks in the GGUF (``{arch}.block_count``): the decoder layers plus any MTP blocks after them."""
+        return self.n_layer
+
     @property
     def n_head(self) -> int:
         return int(optional(self.cfg, "num_attention_heads", "n_head", "n_heads") or 1)
@@ -191,6 +207,10 @@ class Family:
     @property
     def n_expert(self) -> int:
         return int(optional(self.cfg, "num_local_experts", "num_experts", "n_routed_experts") or 0)
+
+    def layer_summary(self) -> dict[str, int] | None:
+        """Per-family facts for ``--dry-run`` and the report beyond tensors (hybrid layer mix, state size)."""
+        return None
 
     # ---- tensors
     def skip(self, hf_name: str) -> bool:
@@ -237,18 +257,22 @@ class Family:
             raise InputError(f"two checkpoint tensors map to the same GGUF tensor(s): {', '.join(sorted(dup)[:3])}")
         return sorted(out, key=lambda t: quantize_order_key(t.name))
 
-    def collect(self, ck: SafetensorsCheckpoint) -> Iterable[tuple[str, str, RowSource]]:
+    def renamed(self, ck: SafetensorsCheckpoint) -> Iterable[tuple[str, str]]:
+        """``(checkpoint name, name to map)`` of every kept tensor; a family renames here (MTP blocks)."""
         for hf_name in ck.names():
-            if self.skip(hf_name):
-                continue
-            gguf_name = self.map_name(hf_name)
+            if not self.skip(hf_name):
+                yield hf_name, hf_name
+
+    def collect(self, ck: SafetensorsCheckpoint) -> Iterable[tuple[str, str, RowSource]]:
+        for hf_name, name in self.renamed(ck):
+            gguf_name = self.map_name(name)
             yield hf_name, gguf_name, self.source_tensor(ck, hf_name, gguf_name)
 
     # ---- metadata
     def hparams(self, md: Metadata) -> None:
         """Common keys, written the way llama.cpp's ``TextModel.set_gguf_parameters`` does."""
         a, c = self.arch_name, self.cfg
-        md.u32(Keys.LLM.BLOCK_COUNT.format(arch=a), self.n_layer)
+        md.u32(Keys.LLM.BLOCK_COUNT.format(arch=a), self.block_count)
         if (v := optional(c, "max_position_embeddings", "n_ctx", "n_positions", "max_length")) is not None:
             md.u32(Keys.LLM.CONTEXT_LENGTH.format(arch=a), v)
         if (v := optional(c, "hidden_size", "n_embd", "dim")) is not None:

@@ -11,10 +11,11 @@ from hf2q.arch.gemma3 import Gemma3
 from hf2q.arch.llama import Llama
 from hf2q.arch.qwen3 import Qwen3
 from hf2q.arch.qwen3_moe import Qwen3Moe
+from hf2q.arch.qwen35 import Qwen35, Qwen35Moe
 from hf2q.errors import InputError
 from hf2q.sources.hf_config import architecture_name
 
-FAMILIES: tuple[type[Family], ...] = (Llama, Qwen3, Qwen3Moe, Gemma3, Bert)
+FAMILIES: tuple[type[Family], ...] = (Llama, Qwen3, Qwen3Moe, Qwen35, Qwen35Moe, Gemma3, Bert)
 
 
 def supported_architectures() -> list[str]:
@@ -28,5 +29,5 @@ def family_class(hf_arch: str) -> type[Family]:
     raise InputError(f"unsupported architecture {hf_arch!r}; supported: {', '.join(supported_architectures())}")
 
 
-def family_for(cfg: dict[str, Any], src: Path) -> Family:
-    return family_class(architecture_name(cfg))(cfg, src)
+def family_for(cfg: dict[str, Any], src: Path, mtp: str = "keep") -> Family:
+    return family_class(architecture_name(cfg))(cfg, src, mtp=mtp)

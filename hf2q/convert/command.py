@@ -47,14 +47,15 @@ def run(args: argparse.Namespace) -> int:
     elif q.needs_imatrix:
         raise InputError(f"{q.name} needs an importance matrix (--imatrix FILE); try q2_k or q3_k_s")
 
+    mtp = "drop" if getattr(args, "no_mtp", False) else "only" if getattr(args, "mtp", False) else "keep"
     if args.dry_run:
-        for line in dry_run(src, q, has_imatrix=imatrix is not None):
+        for line in dry_run(src, q, has_imatrix=imatrix is not None, mtp=mtp):
             print(line)
         return 0
     output = Path(args.output) if args.output else default_output(src, q.name)
     rep = convert_gguf(src, output, q, threads=args.threads, integrity=not args.no_integrity,
                        report_path=Path(args.json_report) if args.json_report else None,
-                       imatrix=imatrix, imatrix_arg=args.imatrix)
+                       imatrix=imatrix, imatrix_arg=args.imatrix, mtp=mtp)
     t = rep["timings_s"]
     print(f"wrote {output} ({rep['output_bytes'] / 2**20:.1f} MiB, {rep['tensor_count']} tensors, "
           f"{rep['bits_per_weight']:.2f} bpw) in {t['total_s']:.1f}s")

@@ -29,7 +29,7 @@ from hf2q.convert import report as report_mod
 from hf2q.convert.gguf_writer import GGUFStream, TensorLayout, layout
 from hf2q.convert.imatrix_plan import add_metadata, tensor_weights
 from hf2q.convert.imatrix_plan import describe as describe_imatrix
-from hf2q.convert.policy import ModelFacts, TensorFacts, plan_types
+from hf2q.convert.policy import ModelFacts, TensorFacts, ggml_n_dims, plan_types
 from hf2q.convert.quant_names import QuantName
 from hf2q.errors import ConversionError, InputError
 from hf2q.formats.gguf_keys import Keys
@@ -64,24 +64,33 @@ class ConversionPlan:
         return sum(t.nbytes for t in self.layouts)
 
 
-def build_plan(src: Path, quant: QuantName, has_imatrix: bool = False) -> ConversionPlan:
-    """Everything decided before a byte of tensor data is read: names, types, layout, metadata."""
+def build_plan(src: Path, quant: QuantName, has_imatrix: bool = False, mtp: str = "keep") -> ConversionPlan:
+    """Everything decided before a byte of tensor data is read: names, types, layout, metadata.
+
+    ``mtp``: ``keep`` the multi-token-prediction head, ``drop`` it, or write ``only`` it."""
     src = Path(src)
     cfg = load_config(src)
-    family = family_for(cfg, src)
+    family = family_for(cfg, src, mtp=mtp)
     ck = SafetensorsCheckpoint(src)
     tensors = family.plan(ck)
     if not tensors:
         raise InputError(f"{src}: the checkpoint has no tensors")
-    facts = ModelFacts(family.arch_name, family.n_layer, family.n_head, family.n_head_kv, family.n_expert)
+    facts = ModelFacts(family.arch_name, family.block_count, family.n_head, family.n_head_kv, family.n_expert)
     types = plan_types(quant, facts, [TensorFacts(t.name, t.ne, t.f32_only) for t in tensors], has_imatrix)
     try:
-        layouts = layout([(t.name, t.ne, q) for t, q in zip(tensors, types)])
+        layouts = layout([(t.name, stored_ne(t.ne, quant), q) for t, q in zip(tensors, types)])
     except ValueError as e:
         raise InputError(str(e)) from None
     md = build_metadata(family, src, cfg, quant)
     release_tokenizer_cache()
     return ConversionPlan(src, family, ck, quant, tensors, types, layouts, md)
+
+
+def stored_ne(ne: list[int], quant: QuantName) -> list[int]:
+    """The dimensions a tensor is written with: llama.cpp's float export keeps the checkpoint's
+    axes, while ``llama-quantize`` rewrites every tensor with ``ggml_n_dims`` axes (trailing size-1
+    axes dropped: Qwen 3.5's ``[1, d]`` shared-expert gate becomes 1-D)."""
+    return ne if quant.is_float else ne[:ggml_n_dims(ne)]
 
 
 def build_metadata(family, src: Path, cfg: dict, quant: QuantName) -> Metadata:
@@ -256,7 +265,7 @@ def _write_error(e: OSError, plan: ConversionPlan) -> ConversionError:
 def convert_gguf(src: Path, output: Path, quant: QuantName, threads: int | None = None,
                  integrity: bool = True, report_path: Path | None = None,
                  has_imatrix: bool = False, imatrix: ImatrixFile | None = None,
-                 imatrix_arg: str | None = None) -> dict:
+                 imatrix_arg: str | None = None, mtp: str = "keep") -> dict:
     """Convert and return the report dict (also written to ``report_path``).
 
     ``imatrix`` (read once by the caller) weights every quantized tensor it has an entry for, as
@@ -266,7 +275,7 @@ def convert_gguf(src: Path, output: Path, quant: QuantName, threads: int | None 
     timings = {"plan_s": 0.0, "hash_s": 0.0, "read_s": 0.0, "quantize_s": 0.0, "write_s": 0.0,
                "error_s": 0.0, "total_s": 0.0}
     t_start = time.perf_counter()
-    plan = build_plan(src, quant, has_imatrix)
+    plan = build_plan(src, quant, has_imatrix, mtp)
     timings["plan_s"] = time.perf_counter() - t_start
     output = Path(output)
     try:
@@ -341,9 +350,9 @@ def _check_output_dir(output: Path) -> None:
         raise ConversionError(f"cannot write {output}: it is a directory")
 
 
-def dry_run(src: Path, quant: QuantName, has_imatrix: bool = False) -> list[str]:
+def dry_run(src: Path, quant: QuantName, has_imatrix: bool = False, mtp: str = "keep") -> list[str]:
     """The tensor → type → bytes plan as printable lines (no file is written)."""
-    plan = build_plan(src, quant, has_imatrix)
+    plan = build_plan(src, quant, has_imatrix, mtp)
     try:
         width = max(len(t.name) for t in plan.tensors)
         lines = [f"{'tensor':<{width}}  {'shape':<20} {'type':<5} {'bytes':>12}"]
@@ -355,6 +364,9 @@ def dry_run(src: Path, quant: QuantName, has_imatrix: bool = False) -> list[str]
         total = plan.total_bytes
         lines.append(f"total: {len(plan.tensors)} tensors, {total} bytes ({total / 2**20:.2f} MiB, "
                      f"{8 * total / max(1, n_elem):.2f} bits/weight) — {plan.family.arch_name} {quant.name}")
+        if summary := plan.family.layer_summary():
+            lines.append(f"{plan.family.arch_name}: " + ", ".join(f"{k.replace('_', ' ')} {v}"
+                                                                  for k, v in summary.items()))
         return lines
     finally:
         plan.checkpoint.close()

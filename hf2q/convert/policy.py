@@ -33,7 +33,7 @@ class ModelFacts:
     """The hyper-parameters llama.cpp's policy looks at."""
 
     arch: str
-    n_layer: int
+    n_layer: int  # blocks in the GGUF, MTP blocks included (llama.cpp's n_layer_all)
     n_head: int
     n_head_kv: int
     n_expert: int = 0
@@ -68,10 +68,18 @@ def _category(name: str) -> str:
     return "other"
 
 
+def ggml_n_dims(ne: Sequence[int]) -> int:
+    """ggml's ``ggml_n_dims``: trailing size-1 axes do not count (a ``[d, 1]`` gate is 1-D)."""
+    n = len(ne)
+    while n > 1 and int(ne[n - 1]) == 1:
+        n -= 1
+    return n
+
+
 def allows_quantization(t: TensorFacts) -> bool:
     """llama.cpp's ``tensor_allows_quantization`` for the families we convert."""
     n = t.name
-    if len(t.ne) < 2 or not n.endswith("weight") or "_norm.weight" in n:
+    if ggml_n_dims(t.ne) < 2 or not n.endswith("weight") or "_norm.weight" in n:
         return False
     if "ffn_gate_inp.weight" in n or n in ("position_embd.weight", "token_types.weight"):
         return False

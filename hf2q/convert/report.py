@@ -38,6 +38,7 @@ def build(plan, output: Path, hashes: dict[str, str], tensors: list[dict], timin
         "quant": plan.quant.name,
         "file_type": int(plan.quant.ftype),
         "architecture": plan.family.arch_name,
+        "layers": plan.family.layer_summary(),
         "threads": threads,
         "inputs_sha256": hashes,
         "integrity_checked": bool(hashes),

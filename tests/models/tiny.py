@@ -123,6 +123,35 @@ _SPECS: dict[str, dict] = {
     },
 }
 
+# Qwen3.5-9B: 3 Gated DeltaNet layers : 1 gated-attention layer, 16 key / 32 value linear heads of 128,
+# 16 query heads / 4 KV of 256 with a quarter rotary (interleaved mrope sections), norms stored as w for
+# (1 + w). Here 4 layers, 2 key / 4 value heads (so the value-head reorder bites), hidden 64 ≠ ff 256 ≠ 2·ff,
+# 64-wide heads (256-wide attention / DeltaNet outputs, so K-quants are used, not only their fallbacks).
+# These are the converter's parity models, named apart from the engine's tiny qwen35 (its forward tests).
+_QWEN35 = {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 64, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 64,
+           "linear_value_head_dim": 64, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+           "layer_types": ["linear_attention"] * 3 + ["full_attention"], "full_attention_interval": 4,
+           "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+           "bos_token_id": 151643, "eos_token_id": 151645,
+           "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                               "mrope_section": [3, 3, 2], "mrope_interleaved": True}}
+_SPECS["qwen35_parity"] = {"tokenizer": "qwen3", "config": "Qwen3_5TextConfig", "kind": "causal",
+                           "kwargs": _QWEN35, "legacy": {}, "scales": (5.0, 3.0)}
+# the same with a hand-made multi-token-prediction head (transformers does not model it; real checkpoints
+# ship it as mtp.*: one full-attention block plus its fc / pre-fc norms / final norm)
+_SPECS["qwen35_parity_mtp"] = {**_SPECS["qwen35_parity"], "legacy": {"mtp_num_hidden_layers": 1}, "mtp": True}
+# Qwen3.5-35B-A3B: 256 experts top-8 plus a gated shared expert, untied. Here 4 experts top-2, expert
+# ff 96 ≠ shared ff 48 ≠ hidden 64, with an MTP head whose block is MoE too.
+_SPECS["qwen35moe_parity_mtp"] = {
+    "tokenizer": "qwen3", "config": "Qwen3_5MoeTextConfig", "kind": "causal",
+    "kwargs": {**{k: v for k, v in _QWEN35.items() if k != "intermediate_size"}, "tie_word_embeddings": False,
+               "moe_intermediate_size": 96, "shared_expert_intermediate_size": 48, "num_experts": 4,
+               "num_experts_per_tok": 2},
+    "legacy": {"mtp_num_hidden_layers": 1}, "scales": (5.0, 3.0), "mtp": True,
+}
+VERSIONS.update({"qwen35_parity": "v1", "qwen35_parity_mtp": "v1", "qwen35moe_parity_mtp": "v1"})
+
 # Gemma 3 4B/12B/27B: linear rope scaling (factor 8) on the global layers only; sliding layers keep plain rope
 _SPECS["gemma3_rope_linear"] = {
     **_SPECS["gemma3"],
@@ -187,10 +216,32 @@ def _build(family: str, out: Path) -> None:
     cfg["torch_dtype"] = "float32"
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     copy_tokenizer(s["tokenizer"], out)
+    if s.get("mtp"):
+        _add_mtp_head(out, cfg, SEED + 2)
     if family == "bert":
         _write_sentence_transformers_files(out, config.hidden_size)
     if not (out / "model.safetensors").exists():
         raise RuntimeError(f"transformers did not write model.safetensors for {family}")
+
+
+def _add_mtp_head(out: Path, cfg: dict, seed: int) -> None:
+    """Append a random ``mtp.*`` head shaped like the last full-attention block (Qwen 3.5's layout)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = out / "model.safetensors"
+    tensors = load_file(path)
+    full = max(i for i, t in enumerate(cfg["layer_types"]) if t == "full_attention")
+    d = cfg["hidden_size"]
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {f"mtp.layers.0.{k.split(f'layers.{full}.', 1)[1]}": v.shape
+              for k, v in tensors.items() if f"layers.{full}." in k}
+    shapes.update({"mtp.fc.weight": (d, 2 * d), "mtp.pre_fc_norm_embedding.weight": (d,),
+                   "mtp.pre_fc_norm_hidden.weight": (d,), "mtp.norm.weight": (d,)})
+    for name, shape in sorted(shapes.items()):
+        noise = torch.randn(tuple(shape), generator=gen, dtype=torch.float32)
+        tensors[name] = (0.1 * noise if len(shape) == 1 else noise / max(1.0, shape[-1] ** 0.5)).contiguous()
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def _write_sentence_transformers_files(out: Path, hidden: int) -> None:
