@@ -137,7 +137,8 @@ class MlxModelRunner:
         if self.is_embedding_model:
             raise InputError(f"{self.gguf.path.name} is an embedding model; it cannot generate")
         n_layers, kv_heads, head_dim = self.model.kv_shape
-        return SequenceCache(n_layers, kv_heads, head_dim, self.dtype)
+        recurrent = self.model.new_recurrent_state() if hasattr(self.model, "new_recurrent_state") else None
+        return SequenceCache(n_layers, kv_heads, head_dim, self.dtype, recurrent=recurrent)
 
     def _check_room(self, seq: SequenceCache, n_new: int) -> None:
         if seq.length + n_new > self.n_ctx:

@@ -70,6 +70,13 @@ class Attention:
         c = self.cfg
         B, L, _ = x.shape
         q = self.q(x).reshape(B, L, c.n_heads, c.head_dim)
+        return self.o(self.attend(q, x, fb))
+
+    def attend(self, q: mx.array, x: mx.array, fb: ForwardBatch) -> mx.array:
+        """Queries ``q [B, L, heads, head_dim]`` (before norm and RoPE) over the cache plus this
+        chunk's keys and values of ``x``; the heads' outputs ``[B, L, heads·head_dim]``."""
+        c = self.cfg
+        B, L, _ = x.shape
         k = self.k(x).reshape(B, L, c.n_kv_heads, c.head_dim)
         v = self.v(x).reshape(B, L, c.n_kv_heads, c.head_dim)
         if c.qk_norm:
@@ -90,7 +97,7 @@ class Attention:
             out = cpu_ops.attention(q, keys, values, self.scale, fb.mask_np(self.window))
         else:
             out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=fb.mask(self.window))
-        return self.o(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
 
 
 def _norm(g: GGUFFile, name: str, dtype) -> mx.array:
