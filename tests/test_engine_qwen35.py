@@ -208,3 +208,32 @@ def test_fused_delta_rule_matches_reference(hk, hv, t):
     y_ref, s_ref = gated_delta_reference(q, k, v, gamma, beta, state)
     np.testing.assert_allclose(np.array(y), np.array(y_ref), atol=1e-5, rtol=0)
     np.testing.assert_allclose(np.array(s), np.array(s_ref), atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_pipelined_decode_rolls_back_one_step(runner):
+    """The device-sampled decode pipeline queues a step ahead and trims it when the request stops:
+    the recurrent state returns to its checkpoint, and greedy generation equals the blocking loop."""
+    from hf2q.engine.generate import generate_once
+    from hf2q.engine.sampling.device import DeviceSampler
+    from hf2q.sched.contracts import SamplingParams
+
+    assert runner.pipelines_decode
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    prompt = random_tokens(15, seed=2)
+    seq = runner.new_sequence()
+    first = int(np.argmax(runner.prefill(seq, prompt)))
+    pending = runner.decode_async([seq], [first], [DeviceSampler(params)])
+    ahead = runner.decode_async([seq], pending, [DeviceSampler(params)])
+    second = int(pending.result()[0][0])
+    seq.trim(seq.length - 1)  # drop the queued step
+    assert int(np.argmax(runner.decode([seq], [second])[0])) == int(ahead.result()[0][0])
+
+    got: list[int] = []
+    generate_once(runner, prompt, params, on_token=got.append)
+    want, s = [], runner.new_sequence()
+    logits = runner.prefill(s, prompt)
+    for _ in range(params.max_tokens):
+        want.append(int(np.argmax(logits)))
+        logits = runner.decode([s], [want[-1]])[0]
+    assert got == want[:len(got)] and len(got) == params.max_tokens
