@@ -237,3 +237,56 @@ def test_pipelined_decode_rolls_back_one_step(runner):
         want.append(int(np.argmax(logits)))
         logits = runner.decode([s], [want[-1]])[0]
     assert got == want[:len(got)] and len(got) == params.max_tokens
+
+
+def _greedy(runner, prompt, n) -> list[int]:
+    seq, out = runner.new_sequence(), []
+    logits = runner.prefill(seq, list(prompt))
+    for _ in range(n):
+        out.append(int(np.argmax(logits)))
+        logits = runner.decode([seq], [out[-1]])[0]
+    return out
+
+
+@pytest.mark.slow
+def test_runtime_serves_qwen35_slots(qwen35):
+    """The serving runtime over the real engine: two slots decoding in one batch, 8-token prefill
+    transactions, a turn that extends a slot's history (reused whole) and one that diverges from it
+    (recomputed, not trimmed) all give the direct engine's greedy tokens."""
+    import trio
+
+    from hf2q.actors.runtime import RuntimeConfig, open_runtime
+    from hf2q.sched.requests import Finished, GenerationRequest, SamplingParams, Token
+
+    n_new = 6
+    prompts = [random_tokens(21, seed=11), random_tokens(13, seed=12)]
+
+    async def run_all(rt, batch, tag):
+        results = {}
+        async with trio.open_nursery() as nursery:
+            for i, p in enumerate(batch):
+                async def one(i=i, p=p):
+                    ch = await rt.submit(GenerationRequest(f"{tag}{i}", tuple(p), SamplingParams(max_tokens=n_new)))
+                    async with ch:
+                        results[i] = [e async for e in ch]
+                nursery.start_soon(one)
+        return [results[i] for i in range(len(batch))]
+
+    async def main():
+        async with open_runtime(lambda: MlxModelRunner.load(qwen35[0], ctx=256),
+                                RuntimeConfig(slots=2, ctx=256, prefill_chunk=8, gpu_deadline_s=300)) as rt:
+            assert await rt.wait_ready(), rt.readiness()
+            first = await run_all(rt, prompts, "a")
+            out0 = [e.token_id for e in first[0] if isinstance(e, Token)]
+            extended = list(prompts[0]) + out0 + random_tokens(5, seed=13)
+            diverged = list(prompts[1][:7]) + random_tokens(6, seed=14)
+            second = await run_all(rt, [extended, diverged], "b")
+            return first, second, [extended, diverged]
+
+    first, second, turn2 = trio.run(main)
+    r = MlxModelRunner.load(qwen35[0], ctx=256)
+    for evs, p in zip(first + second, prompts + turn2):
+        assert isinstance(evs[-1], Finished)
+        assert [e.token_id for e in evs if isinstance(e, Token)] == _greedy(r, p, n_new)
+    assert second[0][0].cached_tokens >= len(prompts[0]) + n_new - 1  # the whole first turn reused
+    assert second[1][0].cached_tokens == 0  # diverged inside the slot's history: recomputed
