@@ -24,7 +24,7 @@ from hf2q.engine.runner import MlxModelRunner
 from tests.engine_support import random_tokens
 
 TOL_F32 = 1e-3
-TOL_Q8_MAX, TOL_Q8_MEAN = 3.0, 0.1  # q8_0 against transformers' float32 forward
+TOL_Q8_MAX, TOL_Q8_MEAN = 3.0, 0.3  # q8_0 against transformers: measured max 1.23, mean 0.10 (value heads grouped instead of tiled: mean 1.7)
 CHUNK = 32
 PROMPT = 80  # > two chunks
 DECODE = 10
