@@ -21,7 +21,7 @@ import pytest
 from hf2q.engine.kv_cache import PrefixNotReusable
 from hf2q.engine.models.qwen35 import gated_delta_reference
 from hf2q.engine.runner import MlxModelRunner
-from tests.engine_support import random_tokens
+from tests.engine_support import prefill_each, random_tokens
 
 TOL_F32 = 1e-3
 TOL_Q8_MAX, TOL_Q8_MEAN = 3.0, 0.3  # q8_0 against transformers: measured max 1.23, mean 0.10 (value heads grouped instead of tiled: mean 1.7)
@@ -141,11 +141,8 @@ def test_chunked_prefill_equals_one_shot(runner, qwen35):
 @pytest.mark.slow
 def test_batched_decode_equals_single_decodes(runner):
     prompts = [random_tokens(n, seed=n) for n in (5, 37, 12)]
-    batch = [runner.new_sequence() for _ in prompts]
-    alone = [runner.new_sequence() for _ in prompts]
-    tok = [int(np.argmax(runner.prefill(s, p))) for s, p in zip(batch, prompts)]
-    for s, p in zip(alone, prompts):
-        runner.prefill(s, p)
+    batch, tok = prefill_each(runner, prompts)
+    alone, _ = prefill_each(runner, prompts)
     for _ in range(6):
         got = runner.decode(batch, tok)
         want = np.stack([runner.decode([s], [t])[0] for s, t in zip(alone, tok)])
@@ -210,6 +207,15 @@ def test_fused_delta_rule_matches_reference(hk, hv, t):
     np.testing.assert_allclose(np.array(s), np.array(s_ref), atol=1e-5, rtol=0)
 
 
+def _greedy(runner, prompt, n) -> list[int]:
+    seq, out = runner.new_sequence(), []
+    logits = runner.prefill(seq, list(prompt))
+    for _ in range(n):
+        out.append(int(np.argmax(logits)))
+        logits = runner.decode([seq], [out[-1]])[0]
+    return out
+
+
 @pytest.mark.slow
 def test_pipelined_decode_rolls_back_one_step(runner):
     """The device-sampled decode pipeline queues a step ahead and trims it when the request stops:
@@ -231,21 +237,7 @@ def test_pipelined_decode_rolls_back_one_step(runner):
 
     got: list[int] = []
     generate_once(runner, prompt, params, on_token=got.append)
-    want, s = [], runner.new_sequence()
-    logits = runner.prefill(s, prompt)
-    for _ in range(params.max_tokens):
-        want.append(int(np.argmax(logits)))
-        logits = runner.decode([s], [want[-1]])[0]
-    assert got == want[:len(got)] and len(got) == params.max_tokens
-
-
-def _greedy(runner, prompt, n) -> list[int]:
-    seq, out = runner.new_sequence(), []
-    logits = runner.prefill(seq, list(prompt))
-    for _ in range(n):
-        out.append(int(np.argmax(logits)))
-        logits = runner.decode([seq], [out[-1]])[0]
-    return out
+    assert got == _greedy(runner, prompt, params.max_tokens)
 
 
 @pytest.mark.slow
@@ -256,34 +248,25 @@ def test_runtime_serves_qwen35_slots(qwen35):
     import trio
 
     from hf2q.actors.runtime import RuntimeConfig, open_runtime
-    from hf2q.sched.requests import Finished, GenerationRequest, SamplingParams, Token
+    from hf2q.sched.requests import Finished, Token
+    from tests.test_runtime_real import _run_all as run_all
 
     n_new = 6
     prompts = [random_tokens(21, seed=11), random_tokens(13, seed=12)]
-
-    async def run_all(rt, batch, tag):
-        results = {}
-        async with trio.open_nursery() as nursery:
-            for i, p in enumerate(batch):
-                async def one(i=i, p=p):
-                    ch = await rt.submit(GenerationRequest(f"{tag}{i}", tuple(p), SamplingParams(max_tokens=n_new)))
-                    async with ch:
-                        results[i] = [e async for e in ch]
-                nursery.start_soon(one)
-        return [results[i] for i in range(len(batch))]
 
     async def main():
         async with open_runtime(lambda: MlxModelRunner.load(qwen35[0], ctx=256),
                                 RuntimeConfig(slots=2, ctx=256, prefill_chunk=8, gpu_deadline_s=300)) as rt:
             assert await rt.wait_ready(), rt.readiness()
-            first = await run_all(rt, prompts, "a")
+            first = await run_all(rt, prompts, n_new, "a")
             out0 = [e.token_id for e in first[0] if isinstance(e, Token)]
             extended = list(prompts[0]) + out0 + random_tokens(5, seed=13)
             diverged = list(prompts[1][:7]) + random_tokens(6, seed=14)
-            second = await run_all(rt, [extended, diverged], "b")
+            second = await run_all(rt, [extended, diverged], n_new, "b")
             return first, second, [extended, diverged]
 
     first, second, turn2 = trio.run(main)
+    first, second = ([d[i] for i in sorted(d)] for d in (first, second))
     r = MlxModelRunner.load(qwen35[0], ctx=256)
     for evs, p in zip(first + second, prompts + turn2):
         assert isinstance(evs[-1], Finished)

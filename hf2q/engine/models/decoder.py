@@ -148,12 +148,7 @@ class DecoderModel:
         return self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim
 
     def weights_nbytes(self) -> int:
-        seen, total = set(), 0
-        for obj in [self.embed, self.lm_head] + [lin for layer in self.layers for lin in _linears(layer)]:
-            if id(obj) not in seen:
-                seen.add(id(obj))
-                total += obj.nbytes
-        return total
+        return distinct_nbytes([self.embed, self.lm_head] + [lin for layer in self.layers for lin in _linears(layer)])
 
     def __call__(self, tokens: mx.array, fb: ForwardBatch, last_only: bool = True) -> mx.array:
         """``tokens [B, T]`` → float32 logits ``[B, vocab]`` of the last position (or all)."""
@@ -168,6 +163,16 @@ class DecoderModel:
         if self.cfg.final_softcap:
             logits = mx.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
         return logits[:, -1, :] if last_only else logits
+
+
+def distinct_nbytes(linears) -> int:
+    """Bytes of the weights of ``linears``, each object counted once (a tied output is the embedding)."""
+    seen, total = set(), 0
+    for obj in linears:
+        if id(obj) not in seen:
+            seen.add(id(obj))
+            total += obj.nbytes
+    return total
 
 
 def _linears(layer: DecoderLayer):

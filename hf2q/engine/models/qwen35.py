@@ -31,7 +31,7 @@ import mlx.core as mx
 
 from hf2q.engine.kv_cache import ForwardBatch, RecurrentState
 from hf2q.engine.layers import Linear, float_array, rms_norm, silu
-from hf2q.engine.models.decoder import Attention, DecoderConfig, _norm
+from hf2q.engine.models.decoder import Attention, DecoderConfig, _norm, distinct_nbytes
 from hf2q.engine.models.llama import common_config, gated_mlp
 from hf2q.errors import InputError
 from hf2q.formats.gguf_file import GGUFFile
@@ -155,6 +155,11 @@ class Qwen35Block:
         self.post_norm = _norm(g, p + "post_attention_norm.weight", dtype)
         self.ffn = gated_mlp(g, i, dtype)
 
+    def linears(self):
+        m, f = self.mixer, self.ffn
+        mixer = m.linears() if isinstance(m, GatedDeltaNet) else (m.q, m.k, m.v, m.o)
+        return (*mixer, f.gate, f.up, f.down)
+
     def __call__(self, x: mx.array, fb: ForwardBatch) -> mx.array:
         x = x + self.mixer(rms_norm(x, self.attn_norm, self.eps), fb)
         return x + self.ffn(rms_norm(x, self.post_norm, self.eps))
@@ -204,18 +209,7 @@ class Qwen35Model:
                               (d.v_heads, d.v_dim, d.k_dim), self.dtype)
 
     def weights_nbytes(self) -> int:
-        seen, total = set(), 0
-        for block in self.layers:
-            m = block.mixer
-            lins = m.linears() if isinstance(m, GatedDeltaNet) else (m.q, m.k, m.v, m.o)
-            for lin in (*lins, *_ffn_linears(block)):
-                seen.add(id(lin))
-                total += lin.nbytes
-        for lin in (self.embed, self.lm_head):
-            if id(lin) not in seen:
-                seen.add(id(lin))
-                total += lin.nbytes
-        return total
+        return distinct_nbytes([self.embed, self.lm_head] + [lin for block in self.layers for lin in block.linears()])
 
     def __call__(self, tokens: mx.array, fb: ForwardBatch, last_only: bool = True) -> mx.array:
         """``tokens [B, T]`` → float32 logits ``[B, vocab]`` of the last position (or all)."""
@@ -226,11 +220,6 @@ class Qwen35Model:
             x = x[:, -1:, :]
         logits = self.lm_head(rms_norm(x, self.norm, self.cfg.norm_eps)).astype(mx.float32)
         return logits[:, -1, :] if last_only else logits
-
-
-def _ffn_linears(block: Qwen35Block):
-    f = block.ffn
-    return (f.gate, f.up, f.down)
 
 
 def build(g: GGUFFile, dtype) -> Qwen35Model:
