@@ -273,3 +273,19 @@ def test_runtime_serves_qwen35_slots(qwen35):
         assert [e.token_id for e in evs if isinstance(e, Token)] == _greedy(r, p, n_new)
     assert second[0][0].cached_tokens >= len(prompts[0]) + n_new - 1  # the whole first turn reused
     assert second[1][0].cached_tokens == 0  # diverged inside the slot's history: recomputed
+
+
+@pytest.mark.slow
+def test_half_precision_graph_runs_on_cpu(runner, qwen35):
+    """The GPU's compute dtype (float16) through the same graph, here on the CPU: the recurrent state
+    stays float32, the conv window takes the compute dtype, and logits stay near the float32 graph
+    (measured 0.07 on this model, which amplifies rounding)."""
+    from hf2q.engine.models import build_model
+
+    half = MlxModelRunner(runner.gguf, build_model(runner.gguf, mx.float16), mx.float16, None)
+    tokens = qwen35[2][:40]
+    seq, want = half.new_sequence(), runner.new_sequence()
+    got = [half.prefill(seq, tokens[:32])] + [half.decode([seq], [t])[0] for t in tokens[32:]]
+    ref = [runner.prefill(want, tokens[:32])] + [runner.decode([want], [t])[0] for t in tokens[32:]]
+    assert seq.recurrent.ssm[0].dtype == mx.float32 and seq.recurrent.conv[0].dtype == mx.float16
+    np.testing.assert_allclose(np.stack(got), np.stack(ref), atol=0.3, rtol=0)
