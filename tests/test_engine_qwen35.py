@@ -2,8 +2,8 @@
 
 The GGUFs come from llama.cpp's own ``convert_hf_to_gguf.py`` (the sdist's, ``--no-mtp``) run on
 a tiny random ``Qwen3_5ForCausalLM`` (4 blocks, linear/full alternating, 2 key / 4 value heads in
-the DeltaNet, so the converter's value-head reorder is in play), and q8_0 from its
-``llama-quantize``. Logits of chunked prefills and decode steps must match transformers' forward
+the DeltaNet, so the converter's value-head reorder is in play) and its MoE sibling, and q8_0 from
+its ``llama-quantize``. Logits of chunked prefills and decode steps must match transformers' forward
 pass; batching, chunking and the recurrent state's checkpoint must not change them.
 """
 
@@ -43,10 +43,7 @@ def _llama_cpp_convert(src: Path, out: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def qwen35(tiny_checkpoint, tmp_path_factory):
-    """(f32 GGUF path, q8_0 GGUF path or None, HF folder, transformers logits of the test prompt)."""
-    import torch
-    import transformers
-
+    """(f32 GGUF path, q8_0 GGUF path or None, the test prompt, transformers logits of it)."""
     from tests.tools import llama_cpp
 
     src = tiny_checkpoint("qwen35")
@@ -58,11 +55,17 @@ def qwen35(tiny_checkpoint, tmp_path_factory):
         r = subprocess.run([str(llama_cpp.tool("llama-quantize")), str(f32), str(q8), "q8_0", "2"],
                            env=llama_cpp.env(), capture_output=True, text=True, check=False)
         assert r.returncode == 0, r.stderr[-2000:]
-    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     tokens = random_tokens(PROMPT + DECODE, seed=5)
+    return f32, q8, tokens, _reference(src, tokens)
+
+
+def _reference(src: Path, tokens: list[int]) -> np.ndarray:
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     with torch.no_grad():
-        ref = model(torch.tensor([tokens])).logits[0].numpy()
-    return f32, q8, tokens, ref
+        return model(torch.tensor([tokens])).logits[0].numpy()
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +111,16 @@ def _dequantized_runner(path: Path) -> MlxModelRunner:
         data = gguf.quants.dequantize(np.asarray(t.data), t.qtype).reshape(t.shape).astype(np.float32)
         g.tensors[name] = GGUFTensor(name, gguf.GGMLQuantizationType.F32, t.shape, data, data.nbytes)
     return MlxModelRunner(g, build_model(g, mx.float32), mx.float32, None)
+
+
+@pytest.mark.slow
+def test_moe_f32_logits_match_transformers(tiny_checkpoint, tmp_path):
+    """qwen35moe: the same blocks with softmax top-2-of-4 experts (renormalised) and a gated shared expert."""
+    src = tiny_checkpoint("qwen35_moe")
+    moe = MlxModelRunner.load(_llama_cpp_convert(src, tmp_path / "moe.gguf"))
+    assert moe.arch == "qwen35moe"
+    tokens = random_tokens(PROMPT + DECODE, seed=5)
+    assert _max_error(moe, (None, None, tokens, _reference(src, tokens))) < TOL_F32
 
 
 @pytest.mark.slow

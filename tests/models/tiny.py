@@ -28,8 +28,8 @@ from tests.models.tokenizer_files import copy_tokenizer, vocab_size
 # llama v4: SmolLM2 tokenizer with its digit splitting)
 VERSIONS = {"llama": "v4", "qwen3": "v3", "qwen3_moe": "v3", "gemma3": "v3", "bert": "v3",
             "llama_rope_llama3": "v1", "llama_rope_linear": "v1", "llama_rope_yarn": "v1", "gemma3_rope_linear": "v1",
-            "qwen35": "v1"}
-FAMILIES = ("llama", "qwen3", "qwen3_moe", "gemma3", "bert", "qwen35")
+            "qwen35": "v1", "qwen35_moe": "v2"}  # qwen35_moe v1: taken in the shared cache
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "gemma3", "bert", "qwen35", "qwen35_moe")
 SEED = 0
 
 # the tiny llama's shape without its rope settings (shared by the rope-scaling variants)
@@ -127,6 +127,22 @@ _SPECS: dict[str, dict] = {
                     "linear_num_value_heads": 4, "full_attention_interval": 2, "max_position_embeddings": 4096,
                     "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "bos_token_id": 151643,
                     "eos_token_id": 151645,
+                    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                                        "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1],
+                                        "mrope_interleaved": True}},
+        "legacy": {"full_attention_interval": 2}, "scales": (5.0, 3.0),
+    },
+    # Qwen3.5-35B-A3B: the qwen35 blocks with a softmax top-8-of-256 MoE (renormalised) plus a shared
+    # expert gated by σ(shared_expert_gate·x) (here top-2 of 4, shared ff 48 ≠ expert ff 32).
+    "qwen35_moe": {
+        "tokenizer": "qwen3", "config": "Qwen3_5MoeTextConfig", "kind": "causal",
+        "kwargs": {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+                    "num_key_value_heads": 2, "head_dim": 32, "linear_conv_kernel_dim": 4,
+                    "linear_key_head_dim": 32, "linear_value_head_dim": 32, "linear_num_key_heads": 2,
+                    "linear_num_value_heads": 4, "full_attention_interval": 2, "num_experts": 4,
+                    "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+                    "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+                    "bos_token_id": 151643, "eos_token_id": 151645,
                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
                                         "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1],
                                         "mrope_interleaved": True}},

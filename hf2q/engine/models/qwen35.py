@@ -148,17 +148,16 @@ class GatedAttention(Attention):
 
 
 class Qwen35Block:
-    def __init__(self, mixer, g: GGUFFile, i: int, eps: float, dtype):
+    def __init__(self, mixer, ffn, g: GGUFFile, i: int, eps: float, dtype):
         p = f"blk.{i}."
-        self.mixer, self.eps = mixer, eps
+        self.mixer, self.ffn, self.eps = mixer, ffn, eps
         self.attn_norm = _norm(g, p + "attn_norm.weight", dtype)
         self.post_norm = _norm(g, p + "post_attention_norm.weight", dtype)
-        self.ffn = gated_mlp(g, i, dtype)
 
     def linears(self):
         m, f = self.mixer, self.ffn
         mixer = m.linears() if isinstance(m, GatedDeltaNet) else (m.q, m.k, m.v, m.o)
-        return (*mixer, f.gate, f.up, f.down)
+        return (*mixer, *(f.linears() if hasattr(f, "linears") else (f.gate, f.up, f.down)))
 
     def __call__(self, x: mx.array, fb: ForwardBatch) -> mx.array:
         x = x + self.mixer(rms_norm(x, self.attn_norm, self.eps), fb)
@@ -171,7 +170,9 @@ class Qwen35Model:
 
     is_embedding_model = False
 
-    def __init__(self, g: GGUFFile, dtype):
+    def __init__(self, g: GGUFFile, dtype, make_ffn=None):
+        """``make_ffn(i)``: block ``i``'s feed-forward (default the dense SwiGLU)."""
+        make_ffn = make_ffn or (lambda i: gated_mlp(g, i, dtype))
         hp = g.hparams
         cfg = common_config(g, traditional=False)
         cfg.qk_norm = True
@@ -194,7 +195,7 @@ class Qwen35Model:
             else:
                 mixer = GatedAttention(cfg, g, i, n_attn, dtype)
                 n_attn += 1
-            self.layers.append(Qwen35Block(mixer, g, i, cfg.norm_eps, dtype))
+            self.layers.append(Qwen35Block(mixer, make_ffn(i), g, i, cfg.norm_eps, dtype))
         self.n_recurrent, self.n_attention = n_rec, n_attn
         self.norm = _norm(g, "output_norm.weight", dtype)
         self.lm_head = Linear(g.tensors["output.weight"], dtype) if "output.weight" in g.tensors else self.embed
