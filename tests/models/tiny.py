@@ -132,22 +132,6 @@ _SPECS: dict[str, dict] = {
                                         "mrope_interleaved": True}},
         "legacy": {"full_attention_interval": 2}, "scales": (5.0, 3.0),
     },
-    # Qwen3.5-35B-A3B: the qwen35 blocks with a softmax top-8-of-256 MoE (renormalised) plus a shared
-    # expert gated by σ(shared_expert_gate·x) (here top-2 of 4, shared ff 48 ≠ expert ff 32).
-    "qwen35_moe": {
-        "tokenizer": "qwen3", "config": "Qwen3_5MoeTextConfig", "kind": "causal",
-        "kwargs": {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
-                    "num_key_value_heads": 2, "head_dim": 32, "linear_conv_kernel_dim": 4,
-                    "linear_key_head_dim": 32, "linear_value_head_dim": 32, "linear_num_key_heads": 2,
-                    "linear_num_value_heads": 4, "full_attention_interval": 2, "num_experts": 4,
-                    "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
-                    "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-                    "bos_token_id": 151643, "eos_token_id": 151645,
-                    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
-                                        "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1],
-                                        "mrope_interleaved": True}},
-        "legacy": {"full_attention_interval": 2}, "scales": (5.0, 3.0),
-    },
     # all-MiniLM-L6-v2: BertModel, hidden 384, 12 heads, mean pooling (sentence-transformers files).
     "bert": {
         "tokenizer": "bert", "config": "BertConfig", "kind": "base",
@@ -164,6 +148,16 @@ _SPECS["gemma3_rope_linear"] = {
         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
     "legacy": {**_SPECS["gemma3"]["legacy"], "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+}
+
+
+# Qwen3.5-35B-A3B: the qwen35 blocks with a softmax top-8-of-256 MoE (renormalised) plus a shared
+# expert gated by σ(shared_expert_gate·x); here top-2 of 4, shared ff 48 ≠ expert ff 32
+_SPECS["qwen35_moe"] = {
+    **_SPECS["qwen35"], "config": "Qwen3_5MoeTextConfig",
+    "kwargs": {**{k: v for k, v in _SPECS["qwen35"]["kwargs"].items() if k != "intermediate_size"},
+               "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+               "shared_expert_intermediate_size": 48},
 }
 
 
