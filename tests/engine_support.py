@@ -58,5 +58,11 @@ def load_runner(gguf: Path, hf_dir: Path | None = None):
     return MlxModelRunner(g, build_model(g, dtype), dtype, None)
 
 
+def prefill_each(runner, prompts) -> tuple[list, list[int]]:
+    """A new sequence prefilled with each prompt, and each prompt's greedy next token."""
+    seqs = [runner.new_sequence() for _ in prompts]
+    return seqs, [int(np.argmax(runner.prefill(s, list(p)))) for s, p in zip(seqs, prompts)]
+
+
 def random_tokens(n: int, low: int = 5, high: int = 1000, seed: int = 0) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(low, high, n)]

@@ -70,6 +70,35 @@ def test_pipeline_steps_equal_blocking_steps_and_settle_restores_the_caches(grap
     np.testing.assert_allclose(r.decode(seqs, tok_ref), r.decode(ref, tok_ref), atol=1e-4)
 
 
+class _Chunk:
+    """The fields of a PrefillWork ``run_step`` reads."""
+
+    def __init__(self, seq, keep, tokens):
+        self.seq, self.keep, self.tokens, self.slot = seq, keep, tokens, 0
+
+
+def test_a_prefill_on_a_cache_the_queued_step_holds_keeps_its_prefix(graph_runner):
+    """A slot's next request reuses its whole history while another row keeps decoding: the step
+    queued on the old batch is settled before the prefill trims, so no reused position is lost."""
+    from hf2q.engine.step import run_step
+
+    r = graph_runner()
+    greedy = SamplingParams(temperature=0.0)
+    a, b = r.new_sequence(), r.new_sequence()
+    ta, tb = int(np.argmax(r.prefill(a, random_tokens(9, seed=1)))), int(np.argmax(r.prefill(b, random_tokens(5))))
+    ra, rb = _Run(a, greedy), _Run(b, greedy)
+    ra.slot, rb.slot = 0, 1
+    pipe = DecodePipeline()
+    got = pipe.step(r, [ra, rb], [ta, tb])  # both fed; a step queued ahead on both
+    fed = a.length - 1
+    new = random_tokens(3, seed=3)
+    run_step(r, [rb], [got[1].token_id], _Chunk(a, fed, new), pipe)
+    assert a.length == fed + len(new)
+    ref = r.new_sequence()
+    r.prefill(ref, random_tokens(9, seed=1) + [ta])
+    np.testing.assert_allclose(r.prefill(a, [7]), r.prefill(ref, new + [7]), atol=1e-4, rtol=0)
+
+
 async def _serve(build, prompts, max_tokens) -> tuple[dict[str, list[int]], dict]:
     out: dict[str, list[int]] = {}
     holder = []

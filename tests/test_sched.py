@@ -17,6 +17,19 @@ def test_common_and_reusable_prefix():
     assert reusable_prefix([1, 2, 3], [1, 2, 3, 4, 5]) == 3
 
 
+def test_whole_history_reuse_for_caches_that_cannot_trim():
+    """Hybrid recurrent models: a slot's cache is reused whole (the prompt extends it) or not at all."""
+    assert reusable_prefix([1, 2, 3], [1, 2, 3, 4], whole_history_only=True) == 3
+    assert reusable_prefix([1, 2, 3, 9], [1, 2, 3, 4], whole_history_only=True) == 0
+    assert reusable_prefix([1, 2, 3], [1, 2, 3], whole_history_only=True) == 0  # the last token is recomputed
+    led = SlotLedger(2, whole_history_only=True)
+    led.acquire(0, 0)
+    led.extend(0, [1, 2, 3, 4])
+    led.release(0)
+    assert led.route([1, 2, 3, 4, 5]).cached_tokens == 4
+    assert led.route([1, 2, 3, 7]).cached_tokens == 0
+
+
 def test_route_prefers_longest_prefix_then_empty_then_lru():
     led = SlotLedger(3)
     for slot, toks in ((0, [1, 2, 3, 4]), (1, [1, 2, 9, 9])):

@@ -76,6 +76,7 @@ class Admission:
     def configure(self, facts: ModelFacts) -> None:
         """The model is loaded: the per-slot context and the KV budget are known."""
         self.facts = facts
+        self.ledger.whole_history_only = not facts.trims_prefix
         self.budget = KvBudget(facts.kv_bytes_per_token, facts.budget_bytes(self.config), facts.ctx)
 
     # ---- the front door -------------------------------------------------------------------

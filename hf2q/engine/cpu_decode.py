@@ -168,6 +168,8 @@ class HostDecoder:
             return False
         if getattr(model, "dtype", None) != mx.float32 or not hasattr(model, "layers"):
             return False
+        if hasattr(model, "new_recurrent_state"):  # hybrid recurrent layers: the MLX graph only
+            return False
         from hf2q.kernels.cpu_decode_ops import library
 
         if library() is None:

@@ -47,6 +47,10 @@ class DecodePipeline:
             return job(runner)
         return settled_job
 
+    def holds(self, seq) -> bool:
+        """Whether the queued step wrote a speculative position into ``seq``."""
+        return self._ahead is not None and any(s is seq for s in self._seqs)
+
     def settle(self) -> None:
         """Drop the queued step (if any): its caches lose the position it wrote."""
         if self._ahead is None:

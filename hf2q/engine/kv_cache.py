@@ -11,11 +11,21 @@ tokens (prefill) or N sequences advancing by one token each (batched decode). It
 the new K/V into each cache and hands attention the keys/values to attend over plus a
 boolean mask: causal within the chunk, padding beyond each sequence's own length in a
 batch, and the sliding window for local-attention layers.
+
+Hybrid models (qwen35) also give each sequence a :class:`RecurrentState`: for every
+linear-attention layer the last ``K − 1`` conv inputs and the delta-rule matrix, which
+summarise the whole history and cannot be cut back token by token. It is a separate part
+of the cache, beside the K/V of the full-attention layers. It keeps one checkpoint, the
+state before the last forward (one prefill transaction or one decode step), so the cache
+can return to that boundary (the decode pipeline's one-position rollback); ``trim`` to
+any other earlier position raises :class:`PrefixNotReusable`, and K/V export/import is
+refused, rather than leaving K/V and recurrent state out of step.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Sequence
 
 import mlx.core as mx
@@ -32,8 +42,63 @@ def room_for(n_tokens: int) -> int:
 _VERSIONS = itertools.count(1)  # unique across all caches, so (cache, version) never repeats
 
 
+class PrefixNotReusable(ValueError):
+    """A prefix operation a recurrent state cannot honour (trim to an earlier position, KV export/import)."""
+
+
+class RecurrentState:
+    """Per-sequence state of the recurrent layers: conv windows ``[K − 1, channels]`` (compute dtype)
+    and delta-rule matrices ``[value heads, value dim, key dim]`` (float32), one per recurrent layer.
+
+    ``None`` stands for the zero state of a fresh sequence. MLX arrays are never written in place,
+    so the checkpoint is a second list of references, not a copy.
+    """
+
+    def __init__(self, n_layers: int, conv_shape: tuple[int, int], ssm_shape: tuple[int, int, int], dtype):
+        self.n_layers = n_layers
+        self.conv_shape, self.ssm_shape, self.dtype = tuple(conv_shape), tuple(ssm_shape), dtype
+        self.conv: list[mx.array | None] = [None] * n_layers
+        self.ssm: list[mx.array | None] = [None] * n_layers
+        #: (length, conv, ssm) before the last forward, or None
+        self._checkpoint: tuple[int, list, list] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        per_layer = math.prod(self.conv_shape) * self.dtype.size + math.prod(self.ssm_shape) * 4
+        return self.n_layers * per_layer
+
+    def checkpoint(self, length: int) -> None:
+        """Remember the state at ``length`` tokens (called before each forward)."""
+        self._checkpoint = (length, list(self.conv), list(self.ssm))
+
+    def checkpoint_length(self) -> int | None:
+        return None if self._checkpoint is None else self._checkpoint[0]
+
+    def restore(self) -> None:
+        _, self.conv, self.ssm = self._checkpoint
+        self._checkpoint = None
+
+    def reset(self) -> None:
+        self.conv, self.ssm = [None] * self.n_layers, [None] * self.n_layers
+        self._checkpoint = None
+
+    def batched(self, caches: Sequence["SequenceCache"], layer: int) -> tuple[mx.array, mx.array]:
+        """Layer ``layer``'s states of ``caches`` stacked: conv ``[B, K − 1, C]``, ssm ``[B, Hv, Dv, Dk]``."""
+        conv = [c.recurrent.conv[layer] for c in caches]
+        ssm = [c.recurrent.ssm[layer] for c in caches]
+        if len(caches) == 1:
+            return (conv[0][None] if conv[0] is not None else mx.zeros((1, *self.conv_shape), dtype=self.dtype),
+                    ssm[0][None] if ssm[0] is not None else mx.zeros((1, *self.ssm_shape), dtype=mx.float32))
+        return (mx.stack([a if a is not None else mx.zeros(self.conv_shape, dtype=self.dtype) for a in conv]),
+                mx.stack([a if a is not None else mx.zeros(self.ssm_shape, dtype=mx.float32) for a in ssm]))
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in self.conv + self.ssm if a is not None]
+
+
 class SequenceCache:
-    def __init__(self, n_layers: int, kv_heads: int, head_dim: int, dtype, v_head_dim: int | None = None):
+    def __init__(self, n_layers: int, kv_heads: int, head_dim: int, dtype, v_head_dim: int | None = None,
+                 recurrent: RecurrentState | None = None):
         self.n_layers = n_layers
         self.kv_heads = kv_heads
         self.head_dim = head_dim
@@ -48,6 +113,8 @@ class SequenceCache:
         self.version = next(_VERSIONS)
         #: the :class:`StackedDecode` holding this sequence's K/V, while one does
         self._stack: StackedDecode | None = None
+        #: the recurrent layers' state (hybrid models), None for pure attention models
+        self.recurrent = recurrent
 
     @property
     def length(self) -> int:
@@ -79,7 +146,9 @@ class SequenceCache:
 
     @property
     def nbytes(self) -> int:
-        return self.capacity * self.bytes_per_token
+        """K/V allocated, plus the recurrent state once it exists (its checkpoint shares its arrays)."""
+        rec = self.recurrent.nbytes if self.recurrent is not None and self._length else 0
+        return self.capacity * self.bytes_per_token + rec
 
     def reserve(self, n_tokens: int) -> None:
         """Make room for at least ``n_tokens`` positions (keeps the contents)."""
@@ -99,6 +168,8 @@ class SequenceCache:
     def trim(self, n_tokens: int) -> None:
         if n_tokens < 0 or n_tokens > self._length:
             raise ValueError(f"cannot trim a cache of {self._length} tokens to {n_tokens}")
+        if self.recurrent is not None:
+            self._trim_recurrent(n_tokens)
         self._length = n_tokens
         if self._stack is not None:  # a row of a stacked batch keeps its (padded) room; positions
             return  # past the length are never attended, and the next write overwrites them
@@ -110,10 +181,29 @@ class SequenceCache:
             self.capacity = keep
             self.version = next(_VERSIONS)
 
+    def _trim_recurrent(self, n_tokens: int) -> None:
+        """Bring the recurrent state to ``n_tokens``: unchanged at the current length, zero at 0, the
+        checkpoint at the last forward's start; any other position cannot be reconstructed."""
+        rec = self.recurrent
+        if n_tokens == self._length:
+            return
+        if n_tokens == 0:
+            rec.reset()
+        elif n_tokens == rec.checkpoint_length():
+            rec.restore()
+        else:
+            at = rec.checkpoint_length()
+            raise PrefixNotReusable(
+                f"cannot trim a hybrid-recurrent cache of {self._length} tokens to {n_tokens}: its recurrent state "
+                f"exists only at {self._length}" + (f" and {at}" if at is not None else "") + " tokens (or 0)")
+
     def advance(self, n: int) -> None:
         self._length += n
 
     def export(self, start: int, end: int) -> dict[str, np.ndarray]:
+        if self.recurrent is not None:
+            raise PrefixNotReusable("KV export of a hybrid-recurrent sequence is not supported: its recurrent state "
+                                    "is not part of the exported K/V")
         out = {}
         for i in range(self.n_layers):
             out[f"k.{i}"] = np.array(self.keys[i][:, start:end, :].astype(mx.float32))
@@ -121,6 +211,9 @@ class SequenceCache:
         return out
 
     def import_(self, arrays: dict[str, np.ndarray], n_tokens: int) -> None:
+        if self.recurrent is not None:
+            raise PrefixNotReusable("KV import into a hybrid-recurrent sequence is not supported: K/V alone cannot "
+                                    "rebuild its recurrent state")
         start = self._length
         self.reserve(start + n_tokens)
         for i in range(self.n_layers):
@@ -276,6 +369,16 @@ class ForwardBatch:
                 c.version = next(_VERSIONS)  # update()'s slice assignments give every buffer a new array
         self._masks: dict[int | None, mx.array | str | None] = {}
         self._np_masks: dict[int | None, np.ndarray | None] = {}
+        self._staged: dict[int, tuple[mx.array, mx.array]] = {}
+
+    def recurrent_state(self, layer: int) -> tuple[mx.array, mx.array]:
+        """Recurrent layer ``layer``'s state of every sequence: conv ``[B, K − 1, C]``, ssm ``[B, Hv, Dv, Dk]``."""
+        return self.caches[0].recurrent.batched(self.caches, layer)
+
+    def set_recurrent_state(self, layer: int, conv: mx.array, ssm: mx.array) -> None:
+        """The states after this forward (rows in batch order), committed to the caches by :meth:`finish`
+        only, so a forward that fails half-way leaves every sequence at its last commit."""
+        self._staged[layer] = (conv, ssm)
 
     @property
     def offset(self) -> int | mx.array:
@@ -333,14 +436,22 @@ class ForwardBatch:
         return mx.stack(ks), mx.stack(vs)
 
     def finish(self) -> None:
-        for c in self.caches:
+        for b, c in enumerate(self.caches):
+            if self._staged:
+                c.recurrent.checkpoint(c.length)
+                for layer, (conv, ssm) in self._staged.items():
+                    c.recurrent.conv[layer], c.recurrent.ssm[layer] = conv[b], ssm[b]
             c.advance(self.n_new)
 
     def eval_state(self) -> list[mx.array]:
         if self.stack is not None:
-            return self.stack.arrays()
+            return self.stack.arrays() + self._recurrent_arrays()
         out: list[mx.array] = []
         for c in self.caches:
             out.extend(k for k in c.keys if k is not None)
             out.extend(v for v in c.values if v is not None)
-        return out
+        return out + self._recurrent_arrays()
+
+    def _recurrent_arrays(self) -> list[mx.array]:
+        staged = [a for pair in self._staged.values() for a in pair]
+        return staged + [a for c in self.caches if c.recurrent is not None for a in c.recurrent.arrays()]

@@ -99,7 +99,8 @@ def check_model(path, size: int, *, ctx: int | None, slots: int, kv_budget: int 
     """``check_fits`` for a GGUF (path or opened) with the server's settings, on ``device``
     (default: the one MLX will use, found without importing MLX — ``device_probe``).
 
-    The KV budget defaults to the scheduler's (``slots × ctx`` tokens), the limit to
+    The KV budget defaults to the scheduler's (``slots × ctx`` tokens, plus twice each slot's
+    recurrent state on hybrid models), the limit to
     ``DEFAULT_FRACTION`` of the device's memory.
     """
     from hf2q.formats.gguf_file import open_gguf
@@ -109,7 +110,8 @@ def check_model(path, size: int, *, ctx: int | None, slots: int, kv_budget: int 
     elem = device.activation_bytes()
     if kv_budget is None:
         hp = g.hparams
-        kv_budget = slots * (ctx or hp.n_ctx_train) * hp.kv_bytes_per_token(elem)
+        # hybrid models: each slot's recurrent state and the checkpoint it keeps (docs/ENGINE.md)
+        kv_budget = slots * ((ctx or hp.n_ctx_train) * hp.kv_bytes_per_token(elem) + 2 * hp.recurrent_state_bytes())
     if limit is None:
         limit = int(device.memory * DEFAULT_FRACTION)
     return check_fits(g, size, kv_budget, limit, float_bytes=elem, scale_bytes=device.scale_bytes())

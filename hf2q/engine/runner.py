@@ -126,6 +126,12 @@ class MlxModelRunner:
         return f"mlx-{backend}-{dev}-{str(self.dtype).rsplit('.', 1)[-1]}"
 
     @property
+    def trims_prefix(self) -> bool:
+        """Whether a sequence can be trimmed to any earlier position (prefix reuse); a hybrid model's
+        recurrent state exists only at the sequence's end and its last checkpoint."""
+        return not hasattr(self.model, "new_recurrent_state")
+
+    @property
     def pipelines_decode(self) -> bool:
         """True when ``decode_async`` overlaps work (the MLX graph path); the CPU host decode step is
         synchronous, so pipelining it would only add the device sampler's cost."""
@@ -137,7 +143,8 @@ class MlxModelRunner:
         if self.is_embedding_model:
             raise InputError(f"{self.gguf.path.name} is an embedding model; it cannot generate")
         n_layers, kv_heads, head_dim = self.model.kv_shape
-        return SequenceCache(n_layers, kv_heads, head_dim, self.dtype)
+        recurrent = self.model.new_recurrent_state() if hasattr(self.model, "new_recurrent_state") else None
+        return SequenceCache(n_layers, kv_heads, head_dim, self.dtype, recurrent=recurrent)
 
     def _check_room(self, seq: SequenceCache, n_new: int) -> None:
         if seq.length + n_new > self.n_ctx:

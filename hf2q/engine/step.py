@@ -27,7 +27,9 @@ def run_step(runner, decode: list, tokens: list[int], prefill,
     """
     results: dict[int, Any] = {}
     pipelined = pipeline is not None and bool(decode) and pipeline.usable(runner, decode)
-    if pipeline is not None and not pipelined:
+    # the prefill's cache must hold only fed tokens before its trim: settled later, the queued step's
+    # rollback would cut the reused prefix by one position (or, on a recurrent state, be refused)
+    if pipeline is not None and (not pipelined or (prefill is not None and pipeline.holds(prefill.seq))):
         pipeline.settle()
     if prefill is not None and prefill.keep is not None:
         prefill.seq.trim(prefill.keep)  # its own cache: no decode row of this step reads it

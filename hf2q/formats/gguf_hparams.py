@@ -19,9 +19,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from hf2q.errors import InputError
-from hf2q.formats.gguf_keys import Keys, arch_key
+from hf2q.formats.gguf_keys import ExtraKeys, Keys, arch_key
 
-_A, _L, _R = Keys.Attention, Keys.LLM, Keys.Rope
+_A, _L, _R, _S = Keys.Attention, Keys.LLM, Keys.Rope, Keys.SSM
 
 #: encoder-only architectures: no causal KV cache
 ENCODER_ARCHS = frozenset({"bert"})
@@ -50,7 +50,12 @@ DEFAULTS: dict[str, Any] = {
     _A.SLIDING_WINDOW_PATTERN: 6,  # Gemma 3: five local layers per global one
     _L.EXPERT_WEIGHTS_NORM: True,  # Qwen3-MoE renormalises its top-k (llama.cpp hard-codes it there)
     _L.POOLING_TYPE: 1,  # mean
+    _L.FULL_ATTENTION_INTERVAL: 4,  # qwen35 / qwen3next: every 4th layer full attention
+    _L.NEXTN_PREDICT_LAYERS: 0,
 }
+
+#: hybrid architectures whose linear-attention layers keep a recurrent state instead of KV
+RECURRENT_ARCHS = frozenset({"qwen35", "qwen35moe", "qwen3next"})
 
 
 class GGUFHparams:
@@ -223,6 +228,75 @@ class GGUFHparams:
     def pooling_type(self) -> int:
         return int(self.value(_L.POOLING_TYPE))
 
+    # ---- hybrid recurrent (Gated DeltaNet) layers --------------------------------------
+
+    @property
+    def nextn_predict_layers(self) -> int:
+        """Multi-token-prediction blocks stored after the main ones (counted in ``block_count``)."""
+        return int(self.value(_L.NEXTN_PREDICT_LAYERS) or 0)
+
+    @property
+    def n_main_layers(self) -> int:
+        """The blocks the main forward pass runs (``block_count`` less the MTP blocks)."""
+        return self.n_layers - self.nextn_predict_layers
+
+    @property
+    def recurrent_layers(self) -> list[bool]:
+        """Per main block: True for a recurrent layer. The stored flags, else llama.cpp's rule for
+        these families: every ``full_attention_interval``-th layer is full attention. All False
+        for architectures without recurrent layers."""
+        n = self.n_main_layers
+        if self.arch not in RECURRENT_ARCHS:
+            return [False] * n
+        flags = self.stored(ExtraKeys.RECURRENT_LAYERS)
+        if flags is not None:
+            flags = [bool(x) for x in flags]
+            if len(flags) < n:
+                raise InputError(f"{self.source}: {self.key(ExtraKeys.RECURRENT_LAYERS)} has {len(flags)} entries "
+                                 f"for {n} layers")
+            return flags[:n]
+        interval = int(self.value(_L.FULL_ATTENTION_INTERVAL))
+        if interval <= 0:
+            raise InputError(f"{self.source}: {self.key(_L.FULL_ATTENTION_INTERVAL)} must be positive")
+        return [(i + 1) % interval != 0 for i in range(n)]
+
+    @property
+    def ssm_conv_kernel(self) -> int:
+        return int(self.require(_S.CONV_KERNEL))
+
+    @property
+    def ssm_state_size(self) -> int:
+        """Key head size of a linear-attention layer (llama.cpp's ``ssm_d_state``)."""
+        return int(self.require(_S.STATE_SIZE))
+
+    @property
+    def ssm_group_count(self) -> int:
+        """Key heads of a linear-attention layer."""
+        return int(self.require(_S.GROUP_COUNT))
+
+    @property
+    def ssm_time_step_rank(self) -> int:
+        """Value heads of a linear-attention layer."""
+        return int(self.require(_S.TIME_STEP_RANK))
+
+    @property
+    def ssm_inner_size(self) -> int:
+        """Value heads × value head size."""
+        return int(self.require(_S.INNER_SIZE))
+
+    def recurrent_state_bytes(self) -> int:
+        """Bytes of recurrent state one sequence holds over all linear-attention layers: the conv
+        window ``(conv_kernel − 1) × conv channels`` and the float32 delta-rule matrix
+        ``value heads × value head size × key head size`` (0 without recurrent layers)."""
+        n = sum(self.recurrent_layers)
+        if not n:
+            return 0
+        k_dim = self.ssm_state_size * self.ssm_group_count
+        v_heads, inner = self.ssm_time_step_rank, self.ssm_inner_size
+        conv = (self.ssm_conv_kernel - 1) * (2 * k_dim + inner)
+        ssm = inner * self.ssm_state_size
+        return n * (conv + ssm) * 4
+
     @property
     def is_encoder(self) -> bool:
         return self.arch in ENCODER_ARCHS
@@ -231,7 +305,8 @@ class GGUFHparams:
 
     def kv_bytes_per_token(self, elem_bytes: int) -> int:
         """KV cache bytes one token takes over all layers, K and V: the sum over layers of
-        ``kv_heads × (key_length + value_length) × elem_bytes`` (0 for encoders)."""
+        ``kv_heads × (key_length + value_length) × elem_bytes`` (0 for encoders). Recurrent
+        layers hold no KV (their state is per sequence, :meth:`recurrent_state_bytes`)."""
         if self.is_encoder:
             return 0
         n_layers, kv = self.n_layers, self.n_kv_heads
@@ -239,6 +314,9 @@ class GGUFHparams:
         if len(per_layer) != n_layers:
             raise InputError(f"{self.source}: {self.key(_A.HEAD_COUNT_KV)} has {len(per_layer)} entries "
                              f"for {n_layers} layers")
+        if self.arch in RECURRENT_ARCHS:
+            recurrent = self.recurrent_layers
+            per_layer = [h for i, h in enumerate(per_layer[:len(recurrent)]) if not recurrent[i]]
         return sum(per_layer) * (self.key_length + self.value_length) * elem_bytes
 
 

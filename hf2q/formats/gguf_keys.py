@@ -22,6 +22,9 @@ class ExtraKeys:
     #: hf2q's WordPiece normaliser flags, written by ``sources.tokenizer_meta`` for BERT vocabularies
     NORMALIZER_LOWERCASE = "tokenizer.ggml.normalizer.lowercase"
     NORMALIZER_STRIP_ACCENTS = "tokenizer.ggml.normalizer.strip_accents"
+    #: hybrid recurrent models (qwen35, qwen3next): one flag per block, True for a recurrent
+    #: (linear-attention) layer (llama.cpp's ``LLM_KV_ATTENTION_RECURRENT_LAYERS``)
+    RECURRENT_LAYERS = "{arch}.attention.recurrent_layers"
     #: ``[rank, size]`` on the per-rank view of a tensor-parallel shard (never written to a file)
     TENSOR_PARALLEL = "hf2q.tensor_parallel"
     #: the parser's own entries (not file keys): the container version and counts

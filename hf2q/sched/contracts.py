@@ -79,6 +79,9 @@ class ModelFacts:
     eos_token_ids: frozenset[int]
     is_embedding_model: bool
     ctx: int  # the effective per-slot context
+    #: False when a cache cannot be trimmed to an earlier position (hybrid recurrent models):
+    #: prefix reuse then keeps a slot's whole history or nothing
+    trims_prefix: bool = True
 
     @classmethod
     def of(cls, runner, config: RuntimeConfig) -> "ModelFacts":
@@ -87,7 +90,8 @@ class ModelFacts:
         if hard:
             ctx = min(ctx, int(hard))
         return cls(int(runner.vocab_size), int(runner.n_ctx_train), int(runner.kv_bytes_per_token),
-                   frozenset(int(t) for t in runner.eos_token_ids), bool(runner.is_embedding_model), ctx)
+                   frozenset(int(t) for t in runner.eos_token_ids), bool(runner.is_embedding_model), ctx,
+                   bool(getattr(runner, "trims_prefix", True)))
 
     def budget_bytes(self, config: RuntimeConfig) -> int:
         """The shared KV budget: the configured one, else every slot at full context."""

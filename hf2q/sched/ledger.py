@@ -22,10 +22,14 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-def reusable_prefix(held: Sequence[int], prompt: Sequence[int]) -> int:
+def reusable_prefix(held: Sequence[int], prompt: Sequence[int], *, whole_history_only: bool = False) -> int:
     """Prompt tokens whose KV can be kept: the common prefix, leaving at least one token to
-    compute (the last prompt token must go through the model to produce logits)."""
-    return min(common_prefix(held, prompt), max(len(prompt) - 1, 0))
+    compute (the last prompt token must go through the model to produce logits).
+
+    ``whole_history_only``: the cache cannot be cut back (a hybrid model's recurrent state exists
+    only at its end), so a prompt reuses all of ``held`` or nothing."""
+    n = min(common_prefix(held, prompt), max(len(prompt) - 1, 0))
+    return 0 if whole_history_only and n != len(held) else n
 
 
 @attrs.define
@@ -44,11 +48,13 @@ class Route:
 class SlotLedger:
     """Per-slot token ledgers, busy flags and an LRU clock."""
 
-    def __init__(self, n_slots: int):
+    def __init__(self, n_slots: int, *, whole_history_only: bool = False):
         if n_slots <= 0:
             raise ValueError("need at least one slot")
         self.entries = [SlotEntry() for _ in range(n_slots)]
         self._clock = 0
+        #: the model's caches cannot be trimmed to an earlier position (see :func:`reusable_prefix`)
+        self.whole_history_only = whole_history_only
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -75,7 +81,7 @@ class SlotLedger:
         for i, e in enumerate(self.entries):
             if e.busy or i in exclude:
                 continue
-            cached = reusable_prefix(e.tokens, prompt)
+            cached = reusable_prefix(e.tokens, prompt, whole_history_only=self.whole_history_only)
             key = (cached, cached == 0 and not e.tokens, -e.last_used, -i)
             if best is None or key > best[0]:
                 best = (key, i, cached)

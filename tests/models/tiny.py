@@ -27,8 +27,9 @@ from tests.models.tokenizer_files import copy_tokenizer, vocab_size
 # bumped when a family's files change (v2: weights scaled so logits are not flat;
 # llama v4: SmolLM2 tokenizer with its digit splitting)
 VERSIONS = {"llama": "v4", "qwen3": "v3", "qwen3_moe": "v3", "gemma3": "v3", "bert": "v3",
-            "llama_rope_llama3": "v1", "llama_rope_linear": "v1", "llama_rope_yarn": "v1", "gemma3_rope_linear": "v1"}
-FAMILIES = ("llama", "qwen3", "qwen3_moe", "gemma3", "bert")
+            "llama_rope_llama3": "v1", "llama_rope_linear": "v1", "llama_rope_yarn": "v1", "gemma3_rope_linear": "v1",
+            "qwen35": "v1", "qwen35_moe": "v2"}  # qwen35_moe v1: taken in the shared cache
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "gemma3", "bert", "qwen35", "qwen35_moe")
 SEED = 0
 
 # the tiny llama's shape without its rope settings (shared by the rope-scaling variants)
@@ -114,6 +115,23 @@ _SPECS: dict[str, dict] = {
                                                            "original_max_position_embeddings": 64}},
         "scales": (5.0, 3.0),
     },
+    # Qwen3.5-9B: Gated DeltaNet linear-attention layers with one gated full-attention layer every
+    # full_attention_interval (4 there, 2 here so both kinds follow each other), 16 key / 32 value heads
+    # of 128 in the DeltaNet (here 2 / 4 of 32: key heads ≠ value heads), 16 query / 4 KV heads of 256
+    # with a 0.25 partial rotary (here 4 / 2 of 32 → 8 rotary dims), untied. d ≠ 2·ff ≠ ff.
+    "qwen35": {
+        "tokenizer": "qwen3", "config": "Qwen3_5TextConfig", "kind": "causal",
+        "kwargs": {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4,
+                    "num_key_value_heads": 2, "head_dim": 32, "linear_conv_kernel_dim": 4,
+                    "linear_key_head_dim": 32, "linear_value_head_dim": 32, "linear_num_key_heads": 2,
+                    "linear_num_value_heads": 4, "full_attention_interval": 2, "max_position_embeddings": 4096,
+                    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "bos_token_id": 151643,
+                    "eos_token_id": 151645,
+                    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                                        "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1],
+                                        "mrope_interleaved": True}},
+        "legacy": {"full_attention_interval": 2}, "scales": (5.0, 3.0),
+    },
     # all-MiniLM-L6-v2: BertModel, hidden 384, 12 heads, mean pooling (sentence-transformers files).
     "bert": {
         "tokenizer": "bert", "config": "BertConfig", "kind": "base",
@@ -159,6 +177,16 @@ _SPECS["gemma3_rope_linear"] = {
         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
     "legacy": {**_SPECS["gemma3"]["legacy"], "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+}
+
+
+# Qwen3.5-35B-A3B: the qwen35 blocks with a softmax top-8-of-256 MoE (renormalised) plus a shared
+# expert gated by σ(shared_expert_gate·x); here top-2 of 4, shared ff 48 ≠ expert ff 32
+_SPECS["qwen35_moe"] = {
+    **_SPECS["qwen35"], "config": "Qwen3_5MoeTextConfig",
+    "kwargs": {**{k: v for k, v in _SPECS["qwen35"]["kwargs"].items() if k != "intermediate_size"},
+               "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+               "shared_expert_intermediate_size": 48},
 }
 
 

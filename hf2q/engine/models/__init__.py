@@ -11,6 +11,8 @@ FAMILIES = {
     "llama": "hf2q.engine.models.llama",
     "qwen3": "hf2q.engine.models.qwen3",
     "qwen3moe": "hf2q.engine.models.qwen3_moe",
+    "qwen35": "hf2q.engine.models.qwen35",
+    "qwen35moe": "hf2q.engine.models.qwen35_moe",
     "gemma3": "hf2q.engine.models.gemma3",
     "bert": "hf2q.engine.models.bert",
 }

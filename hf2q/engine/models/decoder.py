@@ -70,6 +70,13 @@ class Attention:
         c = self.cfg
         B, L, _ = x.shape
         q = self.q(x).reshape(B, L, c.n_heads, c.head_dim)
+        return self.o(self.attend(q, x, fb))
+
+    def attend(self, q: mx.array, x: mx.array, fb: ForwardBatch) -> mx.array:
+        """Queries ``q [B, L, heads, head_dim]`` (before norm and RoPE) over the cache plus this
+        chunk's keys and values of ``x``; the heads' outputs ``[B, L, heads·head_dim]``."""
+        c = self.cfg
+        B, L, _ = x.shape
         k = self.k(x).reshape(B, L, c.n_kv_heads, c.head_dim)
         v = self.v(x).reshape(B, L, c.n_kv_heads, c.head_dim)
         if c.qk_norm:
@@ -90,7 +97,7 @@ class Attention:
             out = cpu_ops.attention(q, keys, values, self.scale, fb.mask_np(self.window))
         else:
             out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=fb.mask(self.window))
-        return self.o(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
 
 
 def _norm(g: GGUFFile, name: str, dtype) -> mx.array:
@@ -141,12 +148,7 @@ class DecoderModel:
         return self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim
 
     def weights_nbytes(self) -> int:
-        seen, total = set(), 0
-        for obj in [self.embed, self.lm_head] + [lin for layer in self.layers for lin in _linears(layer)]:
-            if id(obj) not in seen:
-                seen.add(id(obj))
-                total += obj.nbytes
-        return total
+        return distinct_nbytes([self.embed, self.lm_head] + [lin for layer in self.layers for lin in _linears(layer)])
 
     def __call__(self, tokens: mx.array, fb: ForwardBatch, last_only: bool = True) -> mx.array:
         """``tokens [B, T]`` → float32 logits ``[B, vocab]`` of the last position (or all)."""
@@ -161,6 +163,16 @@ class DecoderModel:
         if self.cfg.final_softcap:
             logits = mx.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
         return logits[:, -1, :] if last_only else logits
+
+
+def distinct_nbytes(linears) -> int:
+    """Bytes of the weights of ``linears``, each object counted once (a tied output is the embedding)."""
+    seen, total = set(), 0
+    for obj in linears:
+        if id(obj) not in seen:
+            seen.add(id(obj))
+            total += obj.nbytes
+    return total
 
 
 def _linears(layer: DecoderLayer):
