@@ -54,9 +54,8 @@ log = logging.getLogger("hf2q.api")
 _REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 #: routes a load balancer's probe must reach without credentials (as llama-server's)
 PROBES = frozenset({"/health", "/readyz"})
-#: a refused request's unread body up to this size is read and dropped (keeping the connection);
-#: a larger one closes the connection instead
-DRAIN_LIMIT = 1 << 20
+#: how long a refused request's unread body may take to arrive (and be dropped) after the refusal
+DRAIN_TIMEOUT_S = 60.0
 
 
 @attrs.define
@@ -183,21 +182,26 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             resp.headers["Vary"] = "Origin"
         rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
         m.requests.labels(rule, str(resp.status_code)).inc()
-        await _settle_unread_body(resp)
-        return resp
+        return await _drain_unread_body(resp)
 
-    async def _settle_unread_body(resp: Response) -> None:
-        """A response sent while the client still sends its body leaves that body in front of the
-        next request on the connection: read and drop a small one, close the connection on a large one."""
+    async def _drain_unread_body(resp: Response) -> Response:
+        """A refusal sent while the client still sends its body: answer at once, then keep
+        receiving (and dropping: the body buffer stops at the size limit) until the body ends.
+        Ending the exchange earlier leaves the rest of the body queued in front of the next
+        request on a keep-alive connection, which then is never answered."""
         body = request.body
-        if body._complete.is_set() and body._must_raise is None:
-            return
-        length = request.content_length
-        if body._must_raise is None and length is not None and length <= DRAIN_LIMIT:
-            with trio.move_on_after(5):
-                await body
-                return
-        resp.headers["Connection"] = "close"
+        if body._complete.is_set():
+            return resp
+        data = await resp.get_data()
+
+        async def answer_then_drain():
+            yield data
+            with trio.move_on_after(DRAIN_TIMEOUT_S):
+                await body._complete.wait()
+        out = Response(answer_then_drain(), status=resp.status_code, headers=resp.headers)
+        out.headers["Content-Length"] = str(len(data))
+        out.timeout = None
+        return out
 
     @app.errorhandler(ApiError)
     async def _api_error(e: ApiError):

@@ -29,7 +29,6 @@ MAX_TOP_K = 1 << 20
 #: template variables the server itself passes; a request may not replace them
 RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
 _JSON_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"\s*(:?)|[\[\]{},]')
 
 
@@ -103,7 +102,7 @@ def check_json_shape(body: Any) -> None:
     while stack:
         value, path, depth = stack.pop()
         if isinstance(value, str):
-            if _SURROGATE.search(value):
+            if _not_unicode(value):
                 raise invalid(path or "body", "contains a lone UTF-16 surrogate; text must be valid Unicode")
             continue
         if not isinstance(value, (dict, list)):
@@ -113,11 +112,22 @@ def check_json_shape(body: Any) -> None:
         if isinstance(value, dict):
             for k, v in value.items():
                 child = f"{path}.{k}" if path else k
-                if _SURROGATE.search(k):
+                if _not_unicode(k):
                     raise invalid(path or "body", "has a key holding a lone UTF-16 surrogate")
                 stack.append((v, child, depth + 1))
         else:
             stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value))
+
+
+def _not_unicode(text: str) -> bool:
+    """A lone surrogate (JSON allows ``"\\ud800"``; nothing downstream can encode it)."""
+    if text.isascii():
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _too_deep(path: str) -> ApiError:
