@@ -261,6 +261,11 @@ def parse_tool_call_arguments(messages: Sequence[Mapping]) -> list[dict]:
     return out
 
 
+def _text_size(messages: list[dict]) -> int:
+    """Characters of the messages' own text (what a template may legitimately repeat)."""
+    return sum(len(v) for m in messages for v in m.values() if isinstance(v, str))
+
+
 def _collect(chunks, budget: _Budget) -> str:
     """Join the rendered chunks, stopping the render when it runs out of time or output room."""
     out, size = [], 0
@@ -337,7 +342,7 @@ class ChatTemplate:
         variables = {k: v for k, v in self.special_tokens.items() if v is not None}
         variables.update(plain(kwargs))
         tool_list = plain(list(tools)) if tools is not None else None
-        budget = _Budget(self.time_budget_s, MAX_OUTPUT_CHARS + 2 * len(json.dumps([chat, tool_list, variables])))
+        budget = _Budget(self.time_budget_s, MAX_OUTPUT_CHARS + 2 * _text_size(chat))
         token = _budget.set(budget)
         try:
             return _collect(self._template.generate(
