@@ -30,24 +30,21 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512M, 8G)") from None
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
-    return v
+def _int_at_least(lo: int, refusal: str):
+    """An argparse type: an integer ``>= lo``, else one line saying ``refusal``."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"{refusal}: {text!r}")
+        return v
+    return parse
 
 
-def _nonnegative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative: {text!r}")
-    return v
+_positive_int = _int_at_least(1, "must be positive")
+_nonnegative_int = _int_at_least(0, "must not be negative")
 
 
 def _positive_seconds(text: str) -> float:
