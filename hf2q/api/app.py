@@ -14,8 +14,8 @@ Cross-cutting rules, applied once in ``before_request`` / ``after_request``:
   any other browser origin is refused (403), and a POST body must be ``application/json``
   (415) — together they stop a web page from driving the server through "simple" requests;
 - a body whose ``Content-Length`` is over the limit is refused before a byte of it is read;
-  a request refused before its body was read has the body drained (small) or its
-  connection closed (large), so the next request on a keep-alive connection is answered;
+  a request refused before its body was read is answered at once and its body then drained,
+  so the next request on a keep-alive connection is answered;
 - parsing, template rendering and tokenization run in worker threads, never on the event
   loop, so a huge body or a slow template cannot stall ``/health``;
 - ``MAX_CONTENT_LENGTH`` is raised deliberately (agent tool results are large) and
