@@ -131,6 +131,44 @@ async def test_a_refused_body_never_desyncs_the_connection(status):
             assert statuses == [status, 200] and not closed, (size, statuses)
 
 
+def _chunked_upload_then_get(url: str, total: int) -> list[int]:
+    host, port = url.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)), timeout=10)
+    chunk = b"x" * 65536
+
+    def send():
+        try:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer k\r\n"
+                      b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for _ in range(total // len(chunk)):
+                s.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            s.sendall(b"0\r\n\r\n" + GET_MODELS)
+        except OSError:
+            pass
+    sender = threading.Thread(target=send)
+    sender.start()
+    buf = b""
+    try:
+        while len(re.findall(rb"HTTP/1.1 \d+", buf)) < 2:
+            data = s.recv(1 << 16)
+            if not data:
+                break
+            buf += data
+    except socket.timeout:
+        pass
+    finally:
+        sender.join(10)
+        s.close()
+    return [int(x) for x in re.findall(rb"HTTP/1.1 (\d+)", buf)]
+
+
+async def test_a_chunked_body_over_the_limit_never_desyncs_the_connection():
+    """No Content-Length: the limit is found while reading, and the rest must still be drained."""
+    async with open_test_server(api_key="k", max_request_bytes=256 << 10) as srv:
+        statuses = await trio.to_thread.run_sync(_chunked_upload_then_get, srv.url, 4 << 20)
+    assert statuses == [413, 200], statuses
+
+
 # ---- head-of-line blocking ----------------------------------------------------------------------
 
 def assert_probes_answered_promptly(lat: list[float]) -> None:

@@ -40,6 +40,7 @@ import numpy as np
 import trio
 from quart import Response, g, request
 from quart_trio import QuartTrio
+from quart_trio.wrappers.request import TrioBody, TrioRequest
 from werkzeug.exceptions import HTTPException
 
 from hf2q.api import metrics as metrics_mod
@@ -84,12 +85,41 @@ class ServerContext:
         return ids
 
 
+class _Body(TrioBody):
+    """Quart's request body plus ``ended``: set when the client's body has really ended.
+
+    Quart marks a body complete also when it outgrows the size limit (then drops the rest as
+    it arrives); a refusal must wait for the real end before the exchange may finish."""
+
+    def __init__(self, expected_content_length, max_content_length):
+        super().__init__(expected_content_length, max_content_length)
+        self.ended = trio.Event()
+        self._appending = False
+
+    def append(self, data: bytes) -> None:
+        self._appending = True
+        try:
+            super().append(data)
+        finally:
+            self._appending = False
+
+    def set_complete(self) -> None:
+        super().set_complete()
+        if not self._appending:  # not the size limit's early "complete"
+            self.ended.set()
+
+
+class _Request(TrioRequest):
+    body_class = _Body
+
+
 def _reject_from_runtime(e: AdmissionRejected) -> ApiError:
     return ApiError(e.status, e.message, code=e.code, retry_after=e.retry_after)
 
 
 def create_app(ctx: ServerContext) -> QuartTrio:
     app = QuartTrio("hf2q")
+    app.request_class = _Request
     app.config["MAX_CONTENT_LENGTH"] = ctx.max_request_bytes
     app.config["RESPONSE_TIMEOUT"] = None  # SSE streams run as long as generation does
     app.config["BODY_TIMEOUT"] = 600
@@ -190,14 +220,14 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         Ending the exchange earlier leaves the rest of the body queued in front of the next
         request on a keep-alive connection, which then is never answered."""
         body = request.body
-        if body._complete.is_set():
+        if body.ended.is_set():
             return resp
         data = await resp.get_data()
 
         async def answer_then_drain():
             yield data
             with trio.move_on_after(DRAIN_TIMEOUT_S):
-                await body._complete.wait()
+                await body.ended.wait()
         out = Response(answer_then_drain(), status=resp.status_code, headers=resp.headers)
         out.headers["Content-Length"] = str(len(data))
         out.timeout = None
