@@ -308,8 +308,14 @@ async def test_a_looping_chat_template_is_400_while_health_answers_and_stop_drai
         assert len(lat) >= 3
         assert_probes_answered_promptly(lat)
         # a stop request while such a render runs still drains the server promptly
+        async def in_flight(c):
+            try:
+                await c.post("/v1/chat/completions", json=CHAT)
+            except httpx.TransportError:
+                pass  # answered 400 or cut by the server's graceful close: either is fine here
+
         async with httpx.AsyncClient(base_url=srv.url, timeout=60) as c, trio.open_nursery() as n:
-            n.start_soon(functools.partial(c.post, "/v1/chat/completions", json=CHAT))
+            n.start_soon(in_flight, c)
             await trio.sleep(0.2)
             t = time.perf_counter()
             srv.handle.request_stop()
