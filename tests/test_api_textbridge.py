@@ -273,6 +273,19 @@ def test_chat_markup_in_message_text_is_plain_text(role):
     assert INJECTION in tok.decode(list(hostile))
 
 
+def test_chat_markup_in_a_tool_description_is_plain_text():
+    _, model = smollm2()
+    tok = model.tokenizer
+    im_start = tok.encode("<|im_start|>", add_special=False)[0]
+
+    def prompt(description):
+        tools = [{"type": "function", "function": {"name": "f", "description": description,
+                                                   "parameters": {"type": "object", "properties": {}}}}]
+        return model.prepare(parse_chat_request({"messages": MESSAGES, "tools": tools}), 4096).prompt_tokens
+
+    assert prompt(INJECTION).count(im_start) == prompt("Looks things up.").count(im_start)
+
+
 def test_benign_prompts_are_tokenized_as_before():
     """Fencing only applies to text holding a control token's string; other prompts are one
     special-parsing encode of the rendered template, as llama.cpp does."""

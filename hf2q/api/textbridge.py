@@ -13,7 +13,7 @@ Message text is text: a control token's string inside a message (``<|im_end|>`` 
 content) is tokenized as plain text, never as the control token, while the template's own
 markup keeps its special tokens. Contents that hold such a string are fenced with a per-request
 random marker before rendering, and the rendered prompt is tokenized span by span
-(``_fence_contents`` / ``_spans``; docs/API.md, "Prompt text").
+(``_fence_contents``, ``_Fence.spans``; docs/API.md, "Prompt text"); so are tool definitions.
 
 Every call into ``hf2q.text`` goes through the few adapter functions at the top of this
 module, so an API change there is a one-place change here. No MLX is imported.
@@ -179,32 +179,46 @@ class GGUFChatModel:
         return cls(_load_tokenizer(path), _load_template(path), model_id)
 
     @property
-    def _control_text(self) -> re.Pattern | None:
-        """Matches any control token's string (what special-token parsing would turn into one)."""
-        if not hasattr(self, "_control_re"):
+    def _control_texts(self) -> tuple[str, ...]:
+        """Every control token's string (what special-token parsing would turn into that token)."""
+        if not hasattr(self, "_controls"):
             tok = self.tokenizer
-            texts = sorted({tok.token_text(i) for i in getattr(tok, "special_ids", ())} - {""}, key=len, reverse=True)
-            self._control_re = re.compile("|".join(map(re.escape, texts))) if texts else None
-        return self._control_re
+            self._controls = tuple(sorted({tok.token_text(i) for i in getattr(tok, "special_ids", ())} - {""}))
+        return self._controls
 
     def _fence_contents(self, req: ChatRequest) -> tuple[ChatRequest, _Fence | None]:
-        """``req`` with every message text that holds a control token's string fenced."""
-        pattern = self._control_text
-        if pattern is None:
-            return req, None
+        """``req`` with every message text (and tool-definition string) that holds a control
+        token's string fenced; ``(req, None)`` when none does."""
+        controls = self._control_texts
+
+        def holds_control(text) -> bool:  # substring search: fast on megabytes, unlike a regex alternation
+            return isinstance(text, str) and any(c in text for c in controls)
         fence, changed = _Fence(), False
+
+        def fenced(value):
+            """Tool definitions: every string holding a control token's string, at any depth."""
+            nonlocal changed
+            if holds_control(value):
+                changed = True
+                return fence.wrap(value)
+            if isinstance(value, dict):
+                return {k: fenced(v) for k, v in value.items()}
+            if isinstance(value, list):
+                return [fenced(v) for v in value]
+            return value
         messages = []
         for m in req.messages:
-            hits = [k for k in _TEXT_FIELDS if isinstance(m.get(k), str) and pattern.search(m[k])]
+            hits = [k for k in _TEXT_FIELDS if holds_control(m.get(k))]
             if hits:
                 m = {**m, **{k: fence.wrap(m[k]) for k in hits}}
                 changed = True
             messages.append(m)
+        tools = tuple(fenced(t) for t in req.tools)
         if not changed:
             return req, None
         import attrs
 
-        return attrs.evolve(req, messages=tuple(messages)), fence
+        return attrs.evolve(req, messages=tuple(messages), tools=tools), fence
 
     def _encode_prompt(self, spans: list[tuple[str, bool]], text: str) -> tuple[int, ...]:
         """Prompt ids: markup with special-token parsing, message text without; BOS as the
