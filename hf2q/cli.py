@@ -26,17 +26,41 @@ def parse_size(text: str) -> int:
         if s and s[-1] in mult:
             return int(float(s[:-1]) * mult[s[-1]])
         return int(s)
-    except ValueError:
+    except (ValueError, OverflowError):
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512M, 8G)") from None
 
 
-def _positive_int(text: str) -> int:
+def _int_at_least(lo: int, refusal: str):
+    """An argparse type: an integer ``>= lo``, else one line saying ``refusal``."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"{refusal}: {text!r}")
+        return v
+    return parse
+
+
+_positive_int = _int_at_least(1, "must be positive")
+_nonnegative_int = _int_at_least(0, "must not be negative")
+
+
+def _positive_seconds(text: str) -> float:
     try:
-        v = int(text)
+        v = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds: {text!r}")
+    return v
+
+
+def _positive_size(text: str) -> int:
+    v = parse_size(text)
     if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+        raise argparse.ArgumentTypeError(f"must be a positive size: {text!r}")
     return v
 
 
@@ -118,8 +142,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--slots", type=_positive_int, default=4)
     p.add_argument("--ctx", type=_positive_int, default=None, help="per-slot context (default: from GGUF)")
-    p.add_argument("--kv-cache-budget", type=parse_size, default=None, help="shared KV budget, e.g. 8G")
-    p.add_argument("--queue-capacity", type=int, default=32)
+    p.add_argument("--kv-cache-budget", type=_positive_size, default=None, help="shared KV budget, e.g. 8G")
+    p.add_argument("--queue-capacity", type=_nonnegative_int, default=32,
+                   help="requests that may wait for a slot (0: none wait)")
     p.add_argument("--api-key", default=os.environ.get("HF2Q_API_KEY"), help="Bearer key (or HF2Q_API_KEY)")
     p.add_argument("--cors-origin", action="append", default=[], help="allowed CORS origin (repeatable)")
     p.add_argument("--embedding-model", help="GGUF of an embedding model (e.g. MiniLM) for /v1/embeddings")
@@ -127,8 +152,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--kv-persist-budget", type=parse_size, default=None, help="disk budget, e.g. 20G")
     p.add_argument("--operator-ui", choices=["auto", "dashboard", "plain"], default="auto")
     p.add_argument("--prefill-chunk", type=_positive_int, default=2048, help="tokens per prefill transaction")
-    p.add_argument("--gpu-deadline", type=float, default=120.0, help="seconds before a GPU step is declared hung")
-    p.add_argument("--max-request-bytes", type=parse_size, default=64 << 20)
+    p.add_argument("--gpu-deadline", type=_positive_seconds, default=120.0,
+                   help="seconds before a GPU step is declared hung")
+    p.add_argument("--max-request-bytes", type=_positive_size, default=64 << 20)
     p.add_argument("--tensor-parallel", type=_positive_int, default=1, help="ranks (mx.distributed)")
     p.add_argument("--memory-limit", type=parse_size, default=None,
                    help="memory one rank may use for weights + KV, e.g. 40G (default: 90%% of the device)")

@@ -128,7 +128,7 @@ async def test_request_size_limit_is_413_in_envelope():
 
 
 async def test_auth_on_every_route_constant_time_bearer():
-    routes = [("GET", "/health"), ("GET", "/readyz"), ("GET", "/metrics"), ("GET", "/v1/models"),
+    routes = [("GET", "/metrics"), ("GET", "/v1/models"),
               ("GET", "/v1/models/scripted"), ("POST", "/v1/chat/completions"), ("POST", "/v1/embeddings"),
               ("POST", "/shutdown"), ("GET", "/nope")]
     async with open_test_server(api_key="s3cret") as srv, httpx.AsyncClient(base_url=srv.url) as c:
@@ -139,6 +139,10 @@ async def test_auth_on_every_route_constant_time_bearer():
                 assert r.status_code == 401, (method, path, headers)
                 assert r.json()["error"]["code"] == "invalid_api_key"
                 assert "x-request-id" in r.headers
+        # the probes answer without credentials (a load balancer's health check has none)
+        for probe in ("/health", "/readyz"):
+            for headers in ({}, {"authorization": "Bearer wrong"}):
+                assert (await c.get(probe, headers=headers)).status_code == 200, (probe, headers)
         ok = {"authorization": "Bearer s3cret"}
         assert (await c.get("/health", headers=ok)).status_code == 200
         assert (await c.get("/metrics", headers=ok)).status_code == 200
@@ -166,11 +170,16 @@ async def test_cors_only_for_listed_origins():
         r = await c.post("/v1/chat/completions", json=CHAT, headers={"origin": "http://app.example"})
         assert r.headers["access-control-allow-origin"] == "http://app.example"
         assert "x-request-id" in r.headers["access-control-expose-headers"]
+        # a foreign origin's POST is refused outright, not merely left without CORS headers
         r = await c.post("/v1/chat/completions", json=CHAT, headers={"origin": "http://evil.example"})
-        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+        assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
+        assert r.json()["error"]["code"] == "origin_not_allowed"
         pre = await c.options("/v1/chat/completions", headers={"origin": "http://evil.example",
                                                                  "access-control-request-method": "POST"})
         assert pre.status_code == 403 and "access-control-allow-origin" not in pre.headers
+        assert pre.json()["error"]["code"] == "origin_not_allowed"  # refusals carry the error envelope
+        pre = await c.options("/v1/chat/completions")
+        assert pre.status_code == 405 and pre.json()["error"]["code"] == "method_not_allowed"
 
 
 async def test_streaming_frames_roles_usage_and_done():

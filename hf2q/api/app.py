@@ -7,9 +7,17 @@ runtime's supervisor state (docs/API.md, "Lifecycle").
 
 Cross-cutting rules, applied once in ``before_request`` / ``after_request``:
 - every response carries ``x-request-id`` (the client's, if sane, else a fresh one);
-- with an API key set, every route needs ``Authorization: Bearer <key>`` (constant-time
-  compare; CORS pre-flights excepted because browsers never send credentials on them);
-- CORS headers only for origins listed with ``--cors-origin`` (``*`` allows any);
+- with an API key set, every route but the probes (``/health``, ``/readyz``) needs
+  ``Authorization: Bearer <key>`` (constant-time compare; CORS pre-flights excepted because
+  browsers never send credentials on them);
+- CORS headers only for origins listed with ``--cors-origin`` (``*`` allows any); a POST from
+  any other browser origin is refused (403), and a POST body must be ``application/json``
+  (415) — together they stop a web page from driving the server through "simple" requests;
+- a body whose ``Content-Length`` is over the limit is refused before a byte of it is read;
+  a request refused before its body was read is answered at once and its body then drained,
+  so the next request on a keep-alive connection is answered;
+- parsing, template rendering and tokenization run in worker threads, never on the event
+  loop, so a huge body or a slow template cannot stall ``/health``;
 - ``MAX_CONTENT_LENGTH`` is raised deliberately (agent tool results are large) and
   ``RESPONSE_TIMEOUT`` is disabled so SSE streams are never cut after 60 s.
 """
@@ -29,20 +37,26 @@ from typing import Any
 
 import attrs
 import numpy as np
+import trio
 from quart import Response, g, request
 from quart_trio import QuartTrio
+from quart_trio.wrappers.request import TrioBody, TrioRequest
 from werkzeug.exceptions import HTTPException
 
 from hf2q.api import metrics as metrics_mod
 from hf2q.api.chatflow import ChatFlow
 from hf2q.api.chatmodel import ChatModel
 from hf2q.api.errors import ApiError, error_body
-from hf2q.api.validation import parse_chat_request, parse_embeddings_request
+from hf2q.api.validation import decode_body, parse_chat_request, parse_embeddings_request
 from hf2q.sched.contracts import AdmissionRejected, EmbeddingRequest, GenerationRequest
 
 log = logging.getLogger("hf2q.api")
 
 _REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+#: routes a load balancer's probe must reach without credentials (as llama-server's)
+PROBES = frozenset({"/health", "/readyz"})
+#: how long a refused request's unread body may take to arrive (and be dropped) after the refusal
+DRAIN_TIMEOUT_S = 60.0
 
 
 @attrs.define
@@ -71,12 +85,41 @@ class ServerContext:
         return ids
 
 
+class _Body(TrioBody):
+    """Quart's request body plus ``ended``: set when the client's body has really ended.
+
+    Quart marks a body complete also when it outgrows the size limit (then drops the rest as
+    it arrives); a refusal must wait for the real end before the exchange may finish."""
+
+    def __init__(self, expected_content_length, max_content_length):
+        super().__init__(expected_content_length, max_content_length)
+        self.ended = trio.Event()
+        self._appending = False
+
+    def append(self, data: bytes) -> None:
+        self._appending = True
+        try:
+            super().append(data)
+        finally:
+            self._appending = False
+
+    def set_complete(self) -> None:
+        super().set_complete()
+        if not self._appending:  # not the size limit's early "complete"
+            self.ended.set()
+
+
+class _Request(TrioRequest):
+    body_class = _Body
+
+
 def _reject_from_runtime(e: AdmissionRejected) -> ApiError:
     return ApiError(e.status, e.message, code=e.code, retry_after=e.retry_after)
 
 
 def create_app(ctx: ServerContext) -> QuartTrio:
     app = QuartTrio("hf2q")
+    app.request_class = _Request
     app.config["MAX_CONTENT_LENGTH"] = ctx.max_request_bytes
     app.config["RESPONSE_TIMEOUT"] = None  # SSE streams run as long as generation does
     app.config["BODY_TIMEOUT"] = 600
@@ -95,6 +138,12 @@ def create_app(ctx: ServerContext) -> QuartTrio:
     m = ctx.metrics
     app.extensions["hf2q"] = ctx
     key = ctx.api_key.encode() if ctx.api_key else None
+    # request work that must not run on the event loop; a few at a time so that a flood of huge
+    # bodies queues here instead of starving the probes of CPU
+    workers = trio.CapacityLimiter(4)
+
+    async def off_loop(fn, *args):
+        return await trio.to_thread.run_sync(fn, *args, limiter=workers, abandon_on_cancel=True)
 
     # ---- cross-cutting -------------------------------------------------------------------
 
@@ -105,19 +154,44 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         g.t0 = time.perf_counter()
         if request.method == "OPTIONS":
             return _preflight()
-        if key is not None:
+        if key is not None and request.path not in PROBES:
             got = request.headers.get("authorization", "")
             scheme, _, token = got.partition(" ")
             ok = hmac.compare_digest(token.strip().encode(), key) if scheme.lower() == "bearer" else False
             if not ok:
                 raise ApiError(401, "missing or invalid API key (Authorization: Bearer <key>)",
                                code="invalid_api_key")
+        if request.method == "POST":
+            _check_post()
         return None
+
+    def _check_post() -> None:
+        """What a state-changing request must satisfy before its body is read."""
+        origin = request.headers.get("origin")
+        if origin and not _origin_allowed(origin) and not _same_origin(origin):
+            raise ApiError(403, f"requests from origin {origin!r} are not allowed (start the server with "
+                                f"--cors-origin {origin} to allow them)", code="origin_not_allowed")
+        length = request.content_length
+        if length is not None and length > ctx.max_request_bytes:
+            raise ApiError(413, f"request body of {length} bytes is larger than the limit of "
+                                f"{ctx.max_request_bytes} bytes", code="request_too_large")
+        has_body = (length or 0) > 0 or "chunked" in request.headers.get("transfer-encoding", "").lower()
+        if has_body and request.mimetype != "application/json":
+            got = request.headers.get("content-type") or "none"
+            raise ApiError(415, f"request body must be JSON (Content-Type: application/json), got {got}",
+                           code="unsupported_media_type")
+
+    def _same_origin(origin: str) -> bool:
+        return origin in (f"http://{request.host}", f"https://{request.host}")
 
     def _preflight():
         origin = request.headers.get("origin")
-        if not origin or not _origin_allowed(origin):
-            return Response("", status=403 if origin else 405)
+        if not origin:
+            return _json(error_body(405, "OPTIONS is only answered as a CORS pre-flight (send an Origin)",
+                                    code="method_not_allowed"), 405)
+        if not _origin_allowed(origin):
+            return _json(error_body(403, f"origin {origin!r} is not allowed (--cors-origin)",
+                                    code="origin_not_allowed"), 403)
         resp = Response("", status=204)
         resp.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
         resp.headers["Access-Control-Allow-Headers"] = request.headers.get(
@@ -138,7 +212,26 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             resp.headers["Vary"] = "Origin"
         rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
         m.requests.labels(rule, str(resp.status_code)).inc()
-        return resp
+        return await _drain_unread_body(resp)
+
+    async def _drain_unread_body(resp: Response) -> Response:
+        """A refusal sent while the client still sends its body: answer at once, then keep
+        receiving (and dropping: the body buffer stops at the size limit) until the body ends.
+        Ending the exchange earlier leaves the rest of the body queued in front of the next
+        request on a keep-alive connection, which then is never answered."""
+        body = request.body
+        if body.ended.is_set():
+            return resp
+        data = await resp.get_data()
+
+        async def answer_then_drain():
+            yield data
+            with trio.move_on_after(DRAIN_TIMEOUT_S):
+                await body.ended.wait()
+        out = Response(answer_then_drain(), status=resp.status_code, headers=resp.headers)
+        out.headers["Content-Length"] = str(len(data))
+        out.timeout = None
+        return out
 
     @app.errorhandler(ApiError)
     async def _api_error(e: ApiError):
@@ -148,7 +241,8 @@ def create_app(ctx: ServerContext) -> QuartTrio:
 
     @app.errorhandler(HTTPException)
     async def _http_error(e: HTTPException):
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.code or 500)
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large",
+                415: "unsupported_media_type"}.get(e.code or 500)
         msg = {404: f"no route {request.method} {request.path}",
                405: f"method {request.method} not allowed on {request.path}",
                413: f"request body larger than {ctx.max_request_bytes} bytes"}.get(e.code or 500, e.description)
@@ -216,7 +310,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
                            param="messages")
         _refuse_if_draining()
         info = ctx.runtime.runner_info
-        prepared = ctx.chat_model.prepare(creq, info.get("ctx"))
+        prepared = await off_loop(ctx.chat_model.prepare, creq, info.get("ctx"))  # render + tokenize
         rid = g.request_id
         try:
             events = await ctx.runtime.submit(GenerationRequest(rid, prepared.prompt_tokens, prepared.params))
@@ -282,11 +376,18 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             raise ApiError(404, f"model {ereq.model!r} not found; embeddings use {ctx.embed_model.model_id!r}",
                            code="model_not_found", param="model")
         _refuse_if_draining()
-        inputs = tuple(tuple(x) if isinstance(x, tuple) else tuple(ctx.embed_model.encode(x)) for x in ereq.inputs)
+
+        def tokenize():
+            return tuple(tuple(x) if isinstance(x, tuple) else tuple(ctx.embed_model.encode(x))
+                         for x in ereq.inputs)
+        inputs = await off_loop(tokenize)
         try:
             vecs = await ctx.embed_runtime.embed(EmbeddingRequest(g.request_id, inputs))
         except AdmissionRejected as e:
-            raise _reject_from_runtime(e) from None
+            err = _reject_from_runtime(e)
+            if e.status == 400:
+                err.param = "input"
+            raise err from None
         vecs = np.asarray(vecs, dtype=np.float32)
         if ereq.dimensions is not None and ereq.dimensions < vecs.shape[1]:
             vecs = vecs[:, : ereq.dimensions]
@@ -313,12 +414,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
 
     async def _read_json() -> Any:
         raw = await request.get_data(cache=False)
-        if not raw:
-            raise ApiError(400, "request body is empty; expected a JSON object", code="invalid_json")
-        try:
-            return json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+        return await off_loop(decode_body, raw)
 
     return app
 

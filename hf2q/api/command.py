@@ -22,7 +22,7 @@ from pathlib import Path
 
 import trio
 
-from hf2q.errors import ConversionError, InputError
+from hf2q.errors import ConversionError, InputError, UsageError
 from hf2q.logs import log_format
 
 log = logging.getLogger("hf2q.serve")
@@ -41,6 +41,40 @@ def check_gguf(path: Path, flag: str = "--model") -> Path:
     if magic != b"GGUF":
         raise InputError(f"{flag}: {path} is not a GGUF file")
     return path
+
+
+def check_model_kind(header, path: Path, flag: str) -> None:
+    """``--model`` must be a generating model and ``--embedding-model`` an encoder (exit 3 at
+    start): the wrong kind would load and then fail every request of its route."""
+    encoder = header.hparams.is_encoder
+    if flag == "--model" and encoder:
+        raise InputError(f"--model: {path.name} is an embedding model ({header.arch}); serve it with "
+                         f"--embedding-model next to a chat model")
+    if flag == "--embedding-model" and not encoder:
+        raise InputError(f"--embedding-model: {path.name} is a {header.arch or 'unknown'} text-generation "
+                         f"model, not an embedding model; serve it with --model")
+
+
+def check_kv_budget(header, args) -> None:
+    """A ``--kv-cache-budget`` below what a one-token prompt and a one-token answer need would
+    refuse every request; say so at start (exit 2)."""
+    if args.kv_cache_budget is None:
+        return
+    from hf2q.engine.device_probe import probe
+
+    per_token = header.hparams.kv_bytes_per_token(probe().activation_bytes())
+    if args.kv_cache_budget < 2 * per_token:
+        raise UsageError(f"--kv-cache-budget {args.kv_cache_budget} bytes is too small: one token of KV takes "
+                         f"{per_token} bytes for this model, and a request needs at least 2 tokens "
+                         f"(use e.g. {_size_hint(per_token * (args.ctx or header.hparams.n_ctx_train))} "
+                         f"for one slot's full context)")
+
+
+def _size_hint(n: int) -> str:
+    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
+        if n >= 1 << shift:
+            return f"{-(-n // (1 << shift))}{unit}"
+    return str(n)
 
 
 def check_memory(model, args) -> None:
@@ -123,6 +157,10 @@ def preflight(args) -> tuple[Path, Path | None]:
     from hf2q.formats.gguf_file import open_gguf
 
     header = open_gguf(model_path)  # parsed once for the start-up checks
+    check_model_kind(header, model_path, "--model")
+    if embed_path is not None:
+        check_model_kind(open_gguf(embed_path), embed_path, "--embedding-model")
+    check_kv_budget(header, args)
     if args.tensor_parallel > 1:
         from hf2q.engine.tp_launch import plan_split
 

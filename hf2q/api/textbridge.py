@@ -9,6 +9,12 @@ that turns generated ids into API deltas, in this order:
     ids → incremental detokenizer → stop strings (held back until they cannot match)
         → reasoning splitter (``<think>`` … → reasoning_content) → tool-call parser → deltas
 
+Message text is text: a control token's string inside a message (``<|im_end|>`` in user
+content) is tokenized as plain text, never as the control token, while the template's own
+markup keeps its special tokens. Contents that hold such a string are fenced with a per-request
+random marker before rendering, and the rendered prompt is tokenized span by span
+(``_fence_contents``, ``_Fence.spans``; docs/API.md, "Prompt text"); so are tool definitions.
+
 Every call into ``hf2q.text`` goes through the few adapter functions at the top of this
 module, so an API change there is a one-place change here. No MLX is imported.
 """
@@ -16,6 +22,8 @@ module, so an API change there is a one-place change here. No MLX is imported.
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -110,6 +118,44 @@ def _constraint(tokenizer, req: ChatRequest, syntax, max_tokens: int):
 
 _UNKNOWN = object()
 
+#: message fields whose text the template copies into the prompt
+_TEXT_FIELDS = ("content", "reasoning_content")
+
+
+class _Fence:
+    """A random pair of markers around message text, so the rendered prompt can be cut back
+    into template markup and message text (private-use characters plus a nonce: no request
+    can contain them by accident or guess them on purpose)."""
+
+    def __init__(self):
+        nonce = secrets.token_hex(8)
+        self.open, self.close = f"\ue000{nonce}\ue001", f"\ue002{nonce}\ue003"
+
+    def wrap(self, text: str) -> str:
+        return f"{self.open}{text}{self.close}"
+
+    def spans(self, rendered: str) -> list[tuple[str, bool]]:
+        """``(text, is_message_text)`` pieces in order. A marker the template cut away (it
+        sliced the text) leaves its partner unmatched; the unmatched one is dropped and that
+        text is treated as markup, as it would have been without fencing."""
+        out: list[tuple[str, bool]] = []
+        pos, opened = 0, None
+        for m in re.finditer(re.escape(self.open) + "|" + re.escape(self.close), rendered):
+            if m.group(0) == self.open:
+                if opened is not None:
+                    out.append((rendered[opened:m.start()], False))  # an open never closed
+                else:
+                    out.append((rendered[pos:m.start()], False))
+                opened = m.end()
+            elif opened is not None:
+                out.append((rendered[opened:m.start()], True))
+                opened = None
+            else:
+                out.append((rendered[pos:m.start()], False))  # a close never opened
+            pos = m.end()
+        out.append((rendered[opened if opened is not None else pos:], False))
+        return [(t, fenced) for t, fenced in out if t]
+
 
 # ---- the ChatModel --------------------------------------------------------------------------------
 
@@ -131,6 +177,65 @@ class GGUFChatModel:
     @classmethod
     def from_gguf(cls, path: Path, model_id: str) -> GGUFChatModel:
         return cls(_load_tokenizer(path), _load_template(path), model_id)
+
+    @property
+    def _control_texts(self) -> tuple[str, ...]:
+        """Every control token's string (what special-token parsing would turn into that token)."""
+        if not hasattr(self, "_controls"):
+            tok = self.tokenizer
+            self._controls = tuple(sorted({tok.token_text(i) for i in getattr(tok, "special_ids", ())} - {""}))
+        return self._controls
+
+    def _fence_contents(self, req: ChatRequest) -> tuple[ChatRequest, _Fence | None]:
+        """``req`` with every message text (and tool-definition string) that holds a control
+        token's string fenced; ``(req, None)`` when none does."""
+        controls = self._control_texts
+
+        def holds_control(text) -> bool:  # substring search: fast on megabytes, unlike a regex alternation
+            return isinstance(text, str) and any(c in text for c in controls)
+        fence, changed = _Fence(), False
+
+        def fenced(value):
+            """Tool definitions: every string holding a control token's string, at any depth."""
+            nonlocal changed
+            if holds_control(value):
+                changed = True
+                return fence.wrap(value)
+            if isinstance(value, dict):
+                return {k: fenced(v) for k, v in value.items()}
+            if isinstance(value, list):
+                return [fenced(v) for v in value]
+            return value
+        messages = []
+        for m in req.messages:
+            hits = [k for k in _TEXT_FIELDS if holds_control(m.get(k))]
+            if hits:
+                m = {**m, **{k: fence.wrap(m[k]) for k in hits}}
+                changed = True
+            messages.append(m)
+        tools = tuple(fenced(t) for t in req.tools)
+        if not changed:
+            return req, None
+        import attrs
+
+        return attrs.evolve(req, messages=tuple(messages), tools=tools), fence
+
+    def _encode_prompt(self, spans: list[tuple[str, bool]], text: str) -> tuple[int, ...]:
+        """Prompt ids: markup with special-token parsing, message text without; BOS as the
+        model asks unless the template wrote it."""
+        tok = self.tokenizer
+        bos_text = tok.token_text(tok.bos_id) if tok.bos_id is not None else None
+        add_special = tok.add_bos and not (bos_text and text.startswith(bos_text))
+        if len(spans) == 1 and not spans[0][1]:
+            return tuple(tok.encode(text, add_special=add_special, parse_special=True))
+        ids: list[int] = []
+        for piece, is_message_text in spans:
+            ids += tok.encode(piece, add_special=False, parse_special=not is_message_text)
+        if add_special:
+            edges = tok.encode("", add_special=True)  # [BOS] and/or [EOS], as the model asks
+            head = edges[:1] if tok.add_bos and tok.bos_id is not None else []
+            ids = head + ids + edges[len(head):]
+        return tuple(ids)
 
     # -- rendering --
 
@@ -165,28 +270,34 @@ class GGUFChatModel:
         try:
             return self.template.render(messages, tools=tools, add_generation_prompt=True, **kwargs)
         except InputError as e:
-            raise ApiError(400, f"chat template: {e}", code="invalid_value", param="messages") from None
+            msg = str(e) if str(e).startswith("chat template") else f"chat template: {e}"
+            raise ApiError(400, msg, code="invalid_value", param="messages") from None
 
     def prepare(self, req: ChatRequest, max_context: int | None):
         from hf2q.api.chatmodel import PreparedChat
 
-        text = self.render(req)
+        fenced, fence = self._fence_contents(req)
+        rendered = self.render(fenced)
+        spans = fence.spans(rendered) if fence is not None else [(rendered, False)]
+        text = "".join(piece for piece, _ in spans)
         tok = self.tokenizer
-        bos_text = tok.token_text(tok.bos_id) if tok.bos_id is not None else None
-        add_special = tok.add_bos and not (bos_text and text.startswith(bos_text))
-        ids = tuple(tok.encode(text, add_special=add_special, parse_special=True))
+        ids = self._encode_prompt(spans, text)
         if max_context is not None and len(ids) >= max_context:
             raise ApiError(400, f"the prompt has {len(ids)} tokens; this server's context is {max_context} per "
                                 f"conversation", code="context_length_exceeded", param="messages")
         room = (max_context - len(ids)) if max_context else 4096
         max_tokens = min(req.max_tokens, room) if req.max_tokens else room
-        bias = tuple((t, b) for t, b in req.logit_bias if 0 <= t < tok.vocab_size)
+        bad = next((t for t, _ in req.logit_bias if not 0 <= t < tok.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"logit_bias: token id {bad} is outside the vocabulary (0..{tok.vocab_size - 1})",
+                           code="invalid_value", param="logit_bias")
+        bias = req.logit_bias
         max_tokens = max(1, max_tokens)
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
             top_p=DEFAULT_TOP_P if req.top_p is None else req.top_p,
-            top_k=DEFAULT_TOP_K if req.top_k is None else max(0, req.top_k),
+            top_k=DEFAULT_TOP_K if req.top_k is None else min(max(0, req.top_k), tok.vocab_size),
             min_p=DEFAULT_MIN_P if req.min_p is None else req.min_p,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty, seed=req.seed,

@@ -9,7 +9,9 @@ numbers here even though Python's ``bool`` is an ``int``.
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from typing import Any
 
 import attrs
@@ -18,6 +20,16 @@ from hf2q.api.errors import ApiError, invalid
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+#: deeper JSON than any real request needs; deeper input would exhaust the recursion of the
+#: JSON decoder, the template sandbox or the schema compiler
+MAX_JSON_DEPTH = 64
+#: the most a sampler could use (no vocabulary is this large); more is a client bug
+MAX_TOP_K = 1 << 20
+#: template variables the server itself passes; a request may not replace them
+RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")
+
+_JSON_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"\s*(:?)|[\[\]{},]')
 
 
 @attrs.frozen
@@ -65,6 +77,98 @@ class EmbeddingsRequest:
     inputs: tuple[str | tuple[int, ...], ...]
     encoding_format: str = "float"
     dimensions: int | None = None
+
+
+# ---- the body as a whole ----------------------------------------------------------------
+
+def decode_body(raw: bytes) -> Any:
+    """The parsed JSON body, or a 400: malformed, nested deeper than ``MAX_JSON_DEPTH``
+    (the message names where), or holding text that is not Unicode (a lone surrogate)."""
+    if not raw:
+        raise ApiError(400, "request body is empty; expected a JSON object", code="invalid_json")
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise _too_deep(_deep_path(raw)) from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+    check_json_shape(body)
+    return body
+
+
+def check_json_shape(body: Any) -> None:
+    """Walk the parsed body once, without recursion: depth and text validity, naming the field."""
+    stack: list[tuple[Any, str, int]] = [(body, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            if _not_unicode(value):
+                raise invalid(path or "body", "contains a lone UTF-16 surrogate; text must be valid Unicode")
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            raise _too_deep(path)
+        if isinstance(value, dict):
+            for k, v in value.items():
+                child = f"{path}.{k}" if path else k
+                if _not_unicode(k):
+                    raise invalid(path or "body", "has a key holding a lone UTF-16 surrogate")
+                stack.append((v, child, depth + 1))
+        else:
+            stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value))
+
+
+def _not_unicode(text: str) -> bool:
+    """A lone surrogate (JSON allows ``"\\ud800"``; nothing downstream can encode it)."""
+    if text.isascii():
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _too_deep(path: str) -> ApiError:
+    where = _shorten(path)
+    if not where:
+        return ApiError(400, f"request body is nested more than {MAX_JSON_DEPTH} levels deep", code="invalid_json")
+    return invalid(where, f"is nested more than {MAX_JSON_DEPTH} levels deep")
+
+
+def _shorten(path: str) -> str:
+    """The first three steps of a path (``a.b[0]``): enough to find the field, never kilobytes."""
+    steps = re.findall(r"\[\d+\]|[^.\[]+", path)
+    short = "".join(p if p.startswith("[") else "." + p for p in steps[:3]).removeprefix(".")
+    return "body" + short if short.startswith("[") else short
+
+
+def _deep_path(raw: bytes) -> str:
+    """Where ``raw`` first nests past the limit, found by a flat scan (the decoder recursed too deep)."""
+    stack: list[list] = []  # [kind, key-or-index]
+    pending_key: str | None = None
+    for m in _JSON_TOKEN.finditer(raw):
+        tok = m.group(0)
+        if tok[:1] == b'"':
+            if m.group(1):
+                pending_key = tok[1:tok.rindex(b'"')].decode("utf-8", "replace")
+            continue
+        if tok in (b"[", b"{"):
+            if len(stack) >= MAX_JSON_DEPTH:
+                break
+            if stack and stack[-1][0] == "{":
+                stack[-1][1] = pending_key
+            stack.append([tok.decode(), 0 if tok == b"[" else None])
+        elif tok in (b"]", b"}"):
+            if stack:
+                stack.pop()
+        elif tok == b"," and stack and stack[-1][0] == "[":
+            stack[-1][1] += 1
+    parts = []
+    for kind, key in stack[:-1]:
+        parts.append(f"[{key}]" if kind == "[" else f".{key}")
+    return "".join(parts).lstrip(".")
 
 
 # ---- primitive checks -------------------------------------------------------------------
@@ -327,6 +431,8 @@ def _logit_bias(v: Any) -> tuple[tuple[int, float], ...]:
             tok = int(k)
         except (TypeError, ValueError):
             raise invalid("logit_bias", f"key {k!r} is not a token id") from None
+        if tok < 0:
+            raise invalid("logit_bias", f"token id {tok} is negative")
         if not _is_number(b) or not -100 <= b <= 100:
             raise invalid("logit_bias", f"bias for {k} must be a number in [-100, 100]")
         out.append((tok, float(b)))
@@ -357,6 +463,11 @@ def parse_chat_request(body: Any) -> ChatRequest:
     if reasoning_effort is not None and reasoning_effort not in ("none", "minimal", "low", "medium", "high"):
         raise invalid("reasoning_effort", f"expected none, minimal, low, medium or high, got {reasoning_effort!r}")
     kwargs = _object(body, "chat_template_kwargs") or {}
+    for name in RESERVED_TEMPLATE_VARIABLES:
+        if name in kwargs:
+            raise invalid(f"chat_template_kwargs.{name}", f"{name!r} is set by the server from the request "
+                                                          f"itself and cannot be overridden")
+    seed = _integer(body, "seed", lo=-1, hi=(1 << 64) - 1)
     return ChatRequest(
         model=model,
         messages=messages,
@@ -365,12 +476,12 @@ def parse_chat_request(body: Any) -> ChatRequest:
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 0, 2),
         top_p=_number(body, "top_p", 0, 1, lo_open=True),
-        top_k=_integer(body, "top_k", lo=-1),
+        top_k=_integer(body, "top_k", lo=-1, hi=MAX_TOP_K),
         min_p=_number(body, "min_p", 0, 1),
         repetition_penalty=_number(body, "repetition_penalty", 0, lo_open=True),
         frequency_penalty=_number(body, "frequency_penalty", -2, 2) or 0.0,
         presence_penalty=_number(body, "presence_penalty", -2, 2) or 0.0,
-        seed=_integer(body, "seed"),
+        seed=None if seed == -1 else seed,  # -1: a fresh random seed, as in llama.cpp
         stop=_stop(body.get("stop")),
         logprobs=logprobs,
         top_logprobs=top_logprobs,

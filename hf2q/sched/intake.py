@@ -31,7 +31,12 @@ def check_embedding(req: EmbeddingRequest, facts: ModelFacts) -> None:
         raise AdmissionRejected(400, "invalid_request", "this model does not produce embeddings")
     if not req.inputs or any(len(x) == 0 for x in req.inputs):
         raise AdmissionRejected(400, "invalid_request", "embedding inputs must be non-empty")
-    longest, limit = max(len(x) for x in req.inputs), facts.n_ctx_train
+    for i, x in enumerate(req.inputs):  # an id the model lacks would fault the engine, not just this request
+        bad = next((t for t in x if not 0 <= t < facts.vocab_size), None)
+        if bad is not None:
+            raise AdmissionRejected(400, "invalid_request",
+                                    f"input[{i}]: token id {bad} is outside the vocabulary (0..{facts.vocab_size - 1})")
+    longest, limit = max(len(x) for x in req.inputs), min(facts.n_ctx_train, facts.ctx)
     if longest > limit:
         raise AdmissionRejected(400, "context_length_exceeded",
                                 f"input has {longest} tokens; the model accepts {limit}")

@@ -15,6 +15,11 @@ into the equivalent HF pipeline so the hot path never loops in Python:
 Special tokens follow llama.cpp: control/unknown tokens are matched in the text only
 when ``parse_special`` is set, user-defined tokens always are.
 
+A long text is encoded in pieces cut where the word-splitting rule always cuts (before a
+space that starts a word), for byte-level BPE vocabularies whose added tokens hold no space:
+the ids are the same, and no single call holds the interpreter lock for long (freeing one
+call's result for a whole book takes a noticeable pause, which a server thread cannot afford).
+
 Decoding is ours: each id maps to the exact bytes it stands for (GPT-2 byte alphabet
 undone, ``<0xXX>`` pieces as raw bytes, U+2581 back to a space), so ``decode`` and the
 streaming :class:`IncrementalDetokenizer` agree byte for byte.
@@ -23,6 +28,7 @@ streaming :class:`IncrementalDetokenizer` agree byte for byte.
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -179,6 +185,8 @@ class GGUFTokenizer:
         self._lock = threading.Lock()
         self._piece_bytes = self._build_piece_bytes()
         self.special_ids = frozenset(int(i) for i in np.flatnonzero((self._types == CONTROL) | (self._types == UNKNOWN)))
+        self._piecewise = self.model_kind == "gpt2" and not any(
+            " " in t for i, t in enumerate(texts) if self._types[i] in (CONTROL, UNKNOWN, USER_DEFINED))
 
     # ---- construction ----------------------------------------------------------------
 
@@ -291,9 +299,11 @@ class GGUFTokenizer:
             raise InputError("tokenizer input must be a string")
         ids: list[int] = []
         if text:
+            pieces = _word_aligned_pieces(text) if self._piecewise and len(text) > PIECE_CHARS else (text,)
             with self._lock:
                 self._hf.encode_special_tokens = not parse_special
-                ids = self._hf.encode(text, add_special_tokens=False).ids
+                for piece in pieces:
+                    ids += self._hf.encode(piece, add_special_tokens=False).ids
         if add_special:
             if self.add_bos and self.bos_id is not None:
                 ids.insert(0, self.bos_id)
@@ -360,6 +370,24 @@ def _utf8_incomplete_tail(buf: bytes | bytearray) -> int:
             return 0
         return back if back < need else 0
     return 0
+
+
+PIECE_CHARS = 1 << 13
+#: a space that starts a word after a non-space: every byte-level BPE splitting rule cuts there
+_WORD_START = re.compile(r"(?<=\S) (?=[^\W\d_])")
+
+
+def _word_aligned_pieces(text: str) -> list[str]:
+    """``text`` cut into pieces of about ``PIECE_CHARS`` at word starts (one piece if there are none)."""
+    pieces, start = [], 0
+    while len(text) - start > PIECE_CHARS:
+        m = _WORD_START.search(text, start + PIECE_CHARS)
+        if m is None:
+            break
+        pieces.append(text[start:m.start()])
+        start = m.start()
+    pieces.append(text[start:])
+    return pieces
 
 
 class IncrementalDetokenizer:

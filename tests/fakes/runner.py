@@ -180,6 +180,9 @@ class FakeModelRunner:
         self._enter("embed", len(batch))
         time.sleep(self.step_latency_s)
         out = np.zeros((len(batch), self.embedding_dim), dtype=np.float32)
+        for toks in batch:  # as the real runner, an id outside the vocabulary is an engine fault
+            if any(not 0 <= t < self.vocab_size for t in toks):
+                raise IndexError("token id outside the embedding table")
         for i, toks in enumerate(batch):
             for j, t in enumerate(toks):
                 out[i, (t + j) % self.embedding_dim] += 1.0 + (t % 5)
