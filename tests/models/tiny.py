@@ -27,7 +27,8 @@ from tests.models.tokenizer_files import copy_tokenizer, vocab_size
 # bumped when a family's files change (v2: weights scaled so logits are not flat;
 # llama v4: SmolLM2 tokenizer with its digit splitting)
 VERSIONS = {"llama": "v4", "qwen3": "v3", "qwen3_moe": "v3", "gemma3": "v3", "bert": "v3",
-            "llama_rope_llama3": "v1", "llama_rope_linear": "v1", "llama_rope_yarn": "v1", "gemma3_rope_linear": "v1"}
+            "llama_rope_llama3": "v1", "llama_rope_linear": "v1", "llama_rope_yarn": "v1", "gemma3_rope_linear": "v1",
+            "gemma4": "v1", "gemma4_e2b": "v1", "gemma4_moe": "v1"}
 FAMILIES = ("llama", "qwen3", "qwen3_moe", "gemma3", "bert")
 SEED = 0
 
@@ -130,6 +131,39 @@ _SPECS["gemma3_rope_linear"] = {
         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
     "legacy": {**_SPECS["gemma3"]["legacy"], "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+}
+
+
+# Gemma 4 (not in FAMILIES yet: no engine). 31B-style dense: sliding layers with 2 KV heads × 32 and
+# full layers with global_head_dim 64, one KV head whose K doubles as V (attention_k_eq_v), proportional
+# rope (a quarter of the global head rotated) and both rope bases; plain w norms (no 1 + w), a layer
+# scalar per layer, final soft-cap 30.
+_GEMMA4_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+                 "head_dim": 32, "global_head_dim": 64, "sliding_window": 16, "max_position_embeddings": 4096,
+                 "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1,
+                 "pad_token_id": 0, "final_logit_softcapping": 30.0, "hidden_size_per_layer_input": 0,
+                 "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                     "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                        "rope_theta": 1000000.0}}}
+_SPECS["gemma4"] = {
+    "tokenizer": "gemma4", "config": "Gemma4TextConfig", "kind": "causal",
+    "kwargs": {**_GEMMA4_SHAPE, "num_hidden_layers": 3, "attention_k_eq_v": True, "num_global_key_value_heads": 1,
+               "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]},
+    "legacy": {}, "scales": (3.0, 3.0),
+}
+# E2B/E4B-style: per-layer embeddings (8 per layer here, 256 in E2B), the last two layers reuse the KV of
+# the last earlier layer of their type (num_kv_shared_layers) and have a double-wide MLP; no k_eq_v.
+_SPECS["gemma4_e2b"] = {
+    **_SPECS["gemma4"],
+    "kwargs": {**_GEMMA4_SHAPE, "num_hidden_layers": 4, "num_key_value_heads": 1, "hidden_size_per_layer_input": 8,
+               "num_kv_shared_layers": 2, "use_double_wide_mlp": True,
+               "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]},
+}
+# 26B-A4B-style: every layer has the dense MLP beside 4 routed experts (top 2) with their own norms.
+_SPECS["gemma4_moe"] = {
+    **_SPECS["gemma4"],
+    "kwargs": {**_SPECS["gemma4"]["kwargs"], "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+               "moe_intermediate_size": 32},
 }
 
 
