@@ -91,6 +91,14 @@ class Gemma4(Gemma3):
         return None if v is None else int(v)
 
     @property
+    def n_head_kv(self) -> int:
+        """Layer 0's KV heads: llama-quantize's GQA ratio is that of the first layer."""
+        full = self.n_head_kv_full
+        if self.layer_types[0] == "full_attention" and full is not None:
+            return full
+        return super().n_head_kv
+
+    @property
     def n_kv_shared(self) -> int:
         if "num_kv_shared_layers" not in self.cfg:
             raise InputError("config.json: Gemma 4 needs num_kv_shared_layers")
