@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from hf2q.formats.gguf_keys import Keys
 from tests.test_llamacpp_parity import _convert, compare_gguf, llamacpp_reference, read_gguf
 from tests.test_tokenizer import read_vectors
 
@@ -30,10 +31,9 @@ SHAPES = ("gemma4", "gemma4_e2b", "gemma4_moe")
 PARITY = [("gemma4", q) for q in ("f16", "bf16", "q8_0", "q4_k_m", "q5_k_m", "q6_k")] + \
     [("gemma4_e2b", q) for q in ("f16", "q6_k")] + [("gemma4_moe", q) for q in ("f16", "q4_k_m")]
 
-_VOCAB_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
-               "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
-               "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id", "tokenizer.ggml.mask_token_id",
-               "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_space_prefix")
+_VOCAB_KEYS = (Keys.Tokenizer.MODEL, Keys.Tokenizer.LIST, Keys.Tokenizer.SCORES, Keys.Tokenizer.TOKEN_TYPE,
+               Keys.Tokenizer.MERGES, Keys.Tokenizer.BOS_ID, Keys.Tokenizer.EOS_ID, Keys.Tokenizer.UNK_ID,
+               Keys.Tokenizer.PAD_ID, Keys.Tokenizer.MASK_ID, Keys.Tokenizer.ADD_BOS, Keys.Tokenizer.ADD_PREFIX)
 
 
 def _sdist_vocab() -> Path:
@@ -65,9 +65,8 @@ def test_vocabulary_equals_llamacpps_gemma4_vocab(dense_f16):
     theirs, _ = read_gguf(_sdist_vocab())
     for key in _VOCAB_KEYS:
         assert ours.get(key) == theirs.get(key), key
-    assert "tokenizer.ggml.pre" not in ours  # llama.cpp selects the gemma4 pre-tokenizer by the model name
-    types = ours["tokenizer.ggml.token_type"]
-    tokens = ours["tokenizer.ggml.tokens"]
+    assert Keys.Tokenizer.PRE not in ours  # llama.cpp selects the gemma4 pre-tokenizer by the model name
+    types, tokens = ours[Keys.Tokenizer.TOKEN_TYPE], ours[Keys.Tokenizer.LIST]
     assert types[tokens.index("<|tool_call>")] == 4 and types[tokens.index("<|turn>")] == 3  # user-defined / control
 
 
@@ -146,3 +145,17 @@ def test_bad_gemma4_config_is_one_line_error(tiny_checkpoint, tmp_path, cli):
     r = cli("convert", src, "--quant", "q8_0", "--dry-run")
     assert r.code == 3 and "proportional" in r.err
     shutil.rmtree(src)
+
+
+@pytest.mark.slow
+@pytest.mark.llamacpp
+def test_multimodal_checkpoint_converts_its_text_part(llama_cpp_bin, tmp_path):
+    """``Gemma4ForConditionalGeneration``: the language model as llama.cpp's text conversion writes it."""
+    from tests.models.tiny import multimodal_gemma4
+
+    src = multimodal_gemma4()
+    ours = tmp_path / "mm.gguf"
+    _convert(src, "q8_0", ours)
+    assert compare_gguf(ours, llamacpp_reference(src, "q8_0")) == []
+    _, tensors = read_gguf(ours)
+    assert not any("vision" in n or "embd_vision" in n for n in tensors)

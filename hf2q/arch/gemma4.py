@@ -36,7 +36,8 @@ from hf2q.sources.hf_config import optional
 # divisor llama.cpp's converter gives the pairs proportional rope leaves unrotated
 _FROZEN_PAIR = 1e30
 # multimodal checkpoints: the towers and their projections belong to the mmproj file, not this one
-_NOT_TEXT = ("vision_tower.", "audio_tower.", "embed_vision.", "embed_audio.", "multi_modal_projector.")
+# (the name fragments llama.cpp's text converter skips)
+_NOT_TEXT = ("vision_", "audio_", "vision.", "audio.", "projector.")
 
 
 class Gemma4(Gemma3):
@@ -114,8 +115,7 @@ class Gemma4(Gemma3):
 
     # ---- tensors
     def skip(self, hf_name: str) -> bool:
-        name = hf_name.replace("model.", "", 1) if hf_name.startswith("model.") else hf_name
-        return super().skip(hf_name) or name.startswith(_NOT_TEXT)
+        return super().skip(hf_name) or any(part in hf_name for part in _NOT_TEXT)
 
     def map_name(self, hf_name: str) -> str:
         bid = _block_id(hf_name)

@@ -239,3 +239,39 @@ def _write_sentence_transformers_files(out: Path, hidden: int) -> None:
     pooling["word_embedding_dimension"] = hidden
     (out / "1_Pooling").mkdir()
     (out / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2) + "\n")
+
+
+def multimodal_gemma4() -> Path:
+    """The dense tiny Gemma 4 in the layout of a multimodal Hub checkpoint (``Gemma4ForConditionalGeneration``).
+
+    The text weights move under ``model.language_model.``, the config under ``text_config``, and a
+    vision tower and its embedding projection appear beside them (a few random matrices: only
+    their names matter, a text conversion must leave them out).
+    """
+    return build_once("tiny-gemma4_multimodal-v1", _build_multimodal_gemma4)
+
+
+def _build_multimodal_gemma4(out: Path) -> None:
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    src = checkpoint("gemma4")
+    tensors = {k.replace("model.", "model.language_model.", 1): v
+               for k, v in load_file(str(src / "model.safetensors")).items()}
+    rng = np.random.default_rng(SEED)
+    for name, shape in (("model.vision_tower.encoder.layers.0.self_attn.q_proj.linear.weight", (32, 32)),
+                        ("model.vision_tower.patch_embedder.input_proj.weight", (32, 48)),
+                        ("model.embed_vision.embedding_projection.weight", (64, 32))):
+        tensors[name] = rng.standard_normal(shape).astype(np.float32)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    text = json.loads((src / "config.json").read_text())
+    text.pop("architectures", None)
+    cfg = {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "text_config": text,
+           "vision_config": {"model_type": "gemma4_vision", "hidden_size": 32}, "tie_word_embeddings": True,
+           "torch_dtype": "float32"}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    for f in src.iterdir():
+        if f.name not in ("model.safetensors", "config.json"):
+            shutil.copy2(f, out / f.name)
