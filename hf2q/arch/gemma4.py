@@ -101,9 +101,10 @@ class Gemma4(Gemma3):
 
     @property
     def n_kv_shared(self) -> int:
-        if "num_kv_shared_layers" not in self.cfg:
-            raise InputError("config.json: Gemma 4 needs num_kv_shared_layers")
-        return int(self.cfg["num_kv_shared_layers"] or 0)
+        n = int(self.cfg.get("num_kv_shared_layers") or 0)
+        if not 0 <= n < self.n_layer:
+            raise InputError(f"config.json: num_kv_shared_layers {n} must be below num_hidden_layers {self.n_layer}")
+        return n
 
     def full_rope(self) -> dict[str, Any]:
         rope = self.rope_parameters()
