@@ -126,6 +126,11 @@ def test_dry_run_and_info_know_the_family(tiny_checkpoint, dense_f16, cli):
     r = cli("info", "--json", dense_f16)
     info = json.loads(r.out)
     assert info["tokenizer"] == "gemma4" and info["serve_support"] == "rejected"
+    report = json.loads(dense_f16.with_name(dense_f16.name + ".report.json").read_text())
+    assert report["architecture"] == "gemma4"
+    rows = {t["name"]: t for t in report["tensors"]}
+    assert rows["rope_freqs.weight"]["sources"] == [] and rows["rope_freqs.weight"]["cosine"] == 1.0
+    assert rows["blk.0.layer_output_scale.weight"]["sources"] == ["model.layers.0.layer_scalar"]
 
 
 def test_bad_gemma4_config_is_one_line_error(tiny_checkpoint, tmp_path, cli):

@@ -26,7 +26,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from hf2q.arch.base import Direct, Metadata
+from hf2q.arch.base import Metadata
 from hf2q.arch.gemma3 import Gemma3
 from hf2q.arch.llama import ROPE_FREQS, Generated
 from hf2q.errors import InputError
@@ -44,6 +44,7 @@ class Gemma4(Gemma3):
     hf_architectures = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration")
     gguf_arch = gguf.MODEL_ARCH.GEMMA4
     tokenizer_kind = "gemma4"
+    norm_offset = 0.0
 
     def __init__(self, cfg: dict[str, Any], src):
         super().__init__(cfg, src)
@@ -127,14 +128,6 @@ class Gemma4(Gemma3):
         if hf_name.endswith(("layer_scalar", ".experts.gate_up_proj", ".experts.down_proj")):
             hf_name += ".weight"
         return super().map_name(hf_name)
-
-    def source_tensor(self, ck, hf_name, gguf_name):
-        shape = ck.entry(hf_name).shape
-        if "embed_tokens.weight" in hf_name:
-            n = self.real_vocab_size()
-            if n is not None and n < shape[0]:
-                shape = (n, *shape[1:])
-        return Direct(hf_name, shape)
 
     def collect(self, ck):
         yield from super().collect(ck)
