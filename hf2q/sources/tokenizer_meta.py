@@ -25,6 +25,7 @@ import functools
 import hashlib
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -208,6 +209,7 @@ def spm_vocab(src: Path, cfg: dict[str, Any]) -> tuple[list[bytes], list[float],
 # Gemma 4 markers llama.cpp keeps printable (user-defined) so that its chat parser reads them
 GEMMA4_VISIBLE = frozenset({"<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
                             "<tool_response|>", '<|"|>'})
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 # the named special tokens of a transformers tokenizer, with GemmaTokenizer's defaults
 _NAMED_SPECIALS = {"bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>", "sep_token": None,
                    "pad_token": "<pad>", "cls_token": None, "mask_token": "<mask>"}
@@ -229,12 +231,14 @@ def transformers_special_tokens(src: Path) -> list[str]:
     channel, tool and media markers that way), then ``extra_special_tokens`` /
     ``additional_special_tokens``.
     """
-    tc: dict = {}
-    for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the config wins, as in transformers
-        if (src / name).is_file():
-            data = _load_json(src / name)
-            if isinstance(data, dict):
-                tc.update(data)
+    def read(name: str) -> dict:
+        data = _load_json(src / name) if (src / name).is_file() else {}
+        return data if isinstance(data, dict) else {}
+
+    tc = dict(read("tokenizer_config.json"))
+    # transformers reads the legacy special_tokens_map.json (whose entries win) only without added_tokens_decoder
+    if "added_tokens_decoder" not in tc:
+        tc.update(read("special_tokens_map.json"))
     out = []
     for key, default in _NAMED_SPECIALS.items():
         text = _token_content(tc[key]) if key in tc else default
@@ -252,8 +256,6 @@ def transformers_special_tokens(src: Path) -> list[str]:
 
 def gemma4_vocab(src: Path) -> tuple[list[str], list[float], list[int]]:
     """Tokens, scores and types of a Gemma 4 ``tokenizer.json``, as llama.cpp's converter lays them out."""
-    import re
-
     tj = _load_json(src / "tokenizer.json")
     model = tj.get("model") or {}
     vocab = model.get("vocab")
@@ -267,12 +269,11 @@ def gemma4_vocab(src: Path) -> tuple[list[str], list[float], list[int]]:
     special_ids = {vocab[t] for t in specials if t in vocab}
     if any(t not in vocab for t in specials) and "<unk>" in vocab:
         special_ids.add(vocab["<unk>"])  # an unknown special text resolves to the unknown token
-    byte = re.compile(r"<0x[0-9A-Fa-f]{2}>")
     tokens, types = [], []
     for i in range(n_base):
         t = reverse[i]
         tokens.append(t)
-        if byte.fullmatch(t):
+        if _BYTE_PIECE.fullmatch(t):
             types.append(int(TT.BYTE))
         else:
             types.append(int(TT.CONTROL if i in special_ids else TT.NORMAL))
