@@ -119,6 +119,8 @@ def test_dry_run_and_info_know_the_family(tiny_checkpoint, dense_f16, cli):
     assert "gemma4 q4_k_m" in r.out
     r = cli("convert", tiny_checkpoint("gemma4_e2b"), "--quant", "q8_0", "--dry-run")
     assert "per_layer_token_embd.weight" in r.out and "blk.3.attn_k.weight" not in r.out  # KV-shared layer
+    r = cli("convert", tiny_checkpoint("gemma4"), "--quant", "q8_0", "--dry-run")
+    assert "blk.2.attn_k.weight" in r.out and "blk.2.attn_v.weight" not in r.out  # K doubles as V (k_eq_v)
     r = cli("info", dense_f16)
     assert r.code == 3
     assert "Family:         gemma4" in r.out
@@ -166,3 +168,22 @@ def test_multimodal_checkpoint_converts_its_text_part(llama_cpp_bin, tmp_path):
     assert compare_gguf(ours, llamacpp_reference(src, "q8_0")) == []
     _, tensors = read_gguf(ours)
     assert not any("vision" in n or "embd_vision" in n for n in tensors)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_tiny_checkpoints_are_what_they_claim(shape, tiny_checkpoint):
+    """transformers runs each tiny Gemma 4 and it has the tensors that make its shape what it is."""
+    import torch
+    import transformers
+    from safetensors import safe_open
+
+    src = tiny_checkpoint(shape)
+    with safe_open(str(src / "model.safetensors"), "np") as f:
+        names = set(f.keys())
+    assert "model.layers.2.self_attn.v_proj.weight" not in names  # a global layer: K-as-V, or KV-shared
+    assert ("model.embed_tokens_per_layer.weight" in names) == (shape == "gemma4_e2b")
+    assert ("model.layers.0.experts.gate_up_proj" in names) == (shape == "gemma4_moe")
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([[2, 818, 5279, 529, 7001, 563]])).logits
+    assert torch.isfinite(logits).all() and float(logits[0, -1].std()) > 0.5
