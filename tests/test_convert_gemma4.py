@@ -187,3 +187,32 @@ def test_tiny_checkpoints_are_what_they_claim(shape, tiny_checkpoint):
     with torch.no_grad():
         logits = model(torch.tensor([[2, 818, 5279, 529, 7001, 563]])).logits
     assert torch.isfinite(logits).all() and float(logits[0, -1].std()) > 0.5
+
+
+def test_padded_embedding_is_cut_to_the_tokenizer_and_norms_stay_as_stored(tiny_checkpoint, tmp_path):
+    """llama.cpp's rule: ``token_embd`` keeps len(vocab) + len(added_tokens) rows; Gemma 4 norms get no ``+ 1``."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from hf2q.arch.registry import family_for
+    from hf2q.sources.hf_config import load_config
+    from hf2q.sources.safetensors_reader import SafetensorsCheckpoint
+
+    cfg = json.loads((tiny_checkpoint("gemma4") / "config.json").read_text())
+    del cfg["per_layer_config"]  # the spelling of configs written before transformers 5.2
+    cfg.update(vocab_size=12, num_hidden_layers=1, layer_types=["full_attention"], global_head_dim=64)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    vocab = {f"<0x{i:02X}>": i for i in range(8)}
+    (tmp_path / "tokenizer.json").write_text(json.dumps({
+        "model": {"type": "BPE", "vocab": vocab, "merges": [], "byte_fallback": True},
+        "added_tokens": [{"id": 8, "content": "<extra>", "special": True}]}))
+    norm = np.linspace(0.5, 1.5, 4, dtype=np.float32)
+    save_file({"model.embed_tokens.weight": np.ones((12, 4), np.float32), "model.norm.weight": norm},
+              str(tmp_path / "model.safetensors"))
+    ck = SafetensorsCheckpoint(tmp_path)
+    plan = {t.name: t for t in family_for(load_config(tmp_path), tmp_path).plan(ck)}
+    assert plan["token_embd.weight"].shape == (9, 4)
+    np.testing.assert_array_equal(plan["output_norm.weight"].source.rows(ck, 0, 1)[0], norm)
+    # global head 64, a quarter rotated: 8 of its 32 pairs turn, the rest are frozen by a huge divisor
+    np.testing.assert_array_equal(plan["rope_freqs.weight"].source.rows(ck, 0, 1)[0],
+                                  np.array([1.0] * 8 + [1e30] * 24, np.float32))
