@@ -47,7 +47,7 @@ def inspect(path, ctx: int | None = None, slots: int = 4, kv_budget: int | None 
     arch = g.arch
     reasons: list[str] = []
     if arch not in FAMILIES:
-        reasons.append(f"unsupported architecture {arch or '(none)'!r}")
+        reasons.append(_unserved(arch))
     bad_types = sorted({t.qtype.name for t in g.tensors.values() if t.qtype not in SUPPORTED_TYPES})
     if bad_types:
         reasons.append(f"unsupported tensor type(s) {', '.join(bad_types)}")
@@ -98,6 +98,17 @@ def inspect(path, ctx: int | None = None, slots: int = 4, kv_budget: int | None 
         "serve_support": "rejected" if reasons else "ready",
         "reject_reason": "; ".join(reasons) if reasons else None,
     }
+
+
+def _unserved(arch: str | None) -> str:
+    """Why an architecture the engine lacks is rejected: convertible-but-not-servable says so plainly."""
+    import gguf
+
+    from hf2q.arch.registry import FAMILIES as CONVERT_FAMILIES
+
+    if arch and arch in {gguf.MODEL_ARCH_NAMES[f.gguf_arch] for f in CONVERT_FAMILIES}:
+        return f"architecture {arch!r}: hf2q converts it but cannot serve it yet (no {arch} engine)"
+    return f"unsupported architecture {arch or '(none)'!r}"
 
 
 def _tokenizer_line(info: dict) -> str:

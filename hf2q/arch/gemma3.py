@@ -19,6 +19,8 @@ class Gemma3(Family):
     hf_architectures = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
     gguf_arch = gguf.MODEL_ARCH.GEMMA3
     tokenizer_kind = "auto"
+    #: added to every ``*norm.weight`` (Gemma 3's RMSNorm multiplies by ``1 + w``; Gemma 4 stores the multiplier)
+    norm_offset: float = 1.0
 
     def skip(self, hf_name: str) -> bool:
         return super().skip(hf_name) or hf_name.startswith(("vision_tower.", "multi_modal_projector.")) \
@@ -44,7 +46,7 @@ class Gemma3(Family):
             n = self.real_vocab_size()
             if n is not None and n < shape[0]:
                 shape = (n, *shape[1:])
-        add = 1.0 if hf_name.endswith("norm.weight") else 0.0
+        add = self.norm_offset if hf_name.endswith("norm.weight") else 0.0
         return Direct(hf_name, shape, add=add)
 
     def hparams(self, md: Metadata) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from gguf import Keys
 
-__all__ = ["ExtraKeys", "Keys", "arch_key"]
+__all__ = ["ExtraKeys", "ExtraTensors", "Keys", "arch_key"]
 
 
 class ExtraKeys:
@@ -31,6 +31,19 @@ class ExtraKeys:
     GGUF_VERSION = "GGUF.version"
     GGUF_TENSOR_COUNT = "GGUF.tensor_count"
     GGUF_KV_COUNT = "GGUF.kv_count"
+
+
+class ExtraTensors:
+    """Tensor names llama.cpp writes that the PyPI ``gguf`` package's ``TENSOR_NAMES`` does not spell out.
+
+    Gemma 4's MoE scales ride on the router and expert tensors under a ``.scale`` suffix instead of
+    ``.weight`` (llama.cpp's converter forms them from ``FFN_GATE_INP`` / ``FFN_DOWN_EXP`` + ``.scale``).
+    """
+
+    #: per-channel scale of the router's input (Gemma 4 ``router.scale``)
+    FFN_GATE_INP_SCALE = "blk.{bid}.ffn_gate_inp.scale"
+    #: per-expert multiplier of each expert's output (Gemma 4 ``router.per_expert_scale``)
+    FFN_DOWN_EXPS_SCALE = "blk.{bid}.ffn_down_exps.scale"
 
 
 def arch_key(template: str, arch: str) -> str:

@@ -10,6 +10,10 @@ Three vocabulary kinds, each laid out the way llama.cpp's tokenizer reads it:
 * **SPM** (``llama``): pieces, scores and types from ``tokenizer.model`` (sentencepiece).
 * **WordPiece** (``bert``): BERT vocab rewritten into llama.cpp's "phantom space" form
   (``▁word`` for word starts, ``##piece`` → ``piece``).
+* **Gemma 4** (``gemma4``): the BPE over ▁-pieces of ``tokenizer.json`` with merges and byte
+  fallback; every score is -1000 (llama.cpp's placeholder), the tokens transformers counts as
+  special are control tokens, and the tool/channel markers a chat parser must see are
+  user-defined (``GEMMA4_VISIBLE``).
 
 Special ids, add_bos/add_eos, merges and the chat template are read in the same order and with
 the same precedence as llama.cpp's converter (``SpecialTokens``), so they match its output.
@@ -21,6 +25,7 @@ import functools
 import hashlib
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -201,6 +206,88 @@ def spm_vocab(src: Path, cfg: dict[str, Any]) -> tuple[list[bytes], list[float],
     return tokens, scores, types
 
 
+# Gemma 4 markers llama.cpp keeps printable (user-defined) so that its chat parser reads them
+GEMMA4_VISIBLE = frozenset({"<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
+                            "<tool_response|>", '<|"|>'})
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+# the named special tokens of a transformers tokenizer, with GemmaTokenizer's defaults
+_NAMED_SPECIALS = {"bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>", "sep_token": None,
+                   "pad_token": "<pad>", "cls_token": None, "mask_token": "<mask>"}
+
+
+def _token_content(value) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def transformers_special_tokens(src: Path) -> list[str]:
+    """The texts transformers lists in ``all_special_tokens`` for a Gemma-style tokenizer folder.
+
+    Named tokens (bos/eos/unk/sep/pad/cls/mask, GemmaTokenizer's defaults where the config is
+    silent), every other ``*_token`` entry of tokenizer_config.json (Gemma 4 names its turn,
+    channel, tool and media markers that way), then ``extra_special_tokens`` /
+    ``additional_special_tokens``.
+    """
+    def read(name: str) -> dict:
+        data = _load_json(src / name) if (src / name).is_file() else {}
+        return data if isinstance(data, dict) else {}
+
+    tc = dict(read("tokenizer_config.json"))
+    # transformers reads the legacy special_tokens_map.json (whose entries win) only without added_tokens_decoder
+    if "added_tokens_decoder" not in tc:
+        tc.update(read("special_tokens_map.json"))
+    out = []
+    for key, default in _NAMED_SPECIALS.items():
+        text = _token_content(tc[key]) if key in tc else default
+        if text is not None:
+            out.append(text)
+    for key, value in tc.items():
+        if key.endswith("_token") and key not in _NAMED_SPECIALS and (text := _token_content(value)) is not None:
+            out.append(text)
+    extra = tc.get("extra_special_tokens") or tc.get("additional_special_tokens") or []
+    for value in (extra.values() if isinstance(extra, dict) else extra):
+        if (text := _token_content(value)) is not None:
+            out.append(text)
+    return list(dict.fromkeys(out))
+
+
+def gemma4_vocab(src: Path) -> tuple[list[str], list[float], list[int]]:
+    """Tokens, scores and types of a Gemma 4 ``tokenizer.json``, as llama.cpp's converter lays them out."""
+    tj = _load_json(src / "tokenizer.json")
+    model = tj.get("model") or {}
+    vocab = model.get("vocab")
+    if model.get("type") != "BPE" or not isinstance(vocab, dict) or not model.get("byte_fallback"):
+        raise InputError(f"{src / 'tokenizer.json'}: Gemma 4 needs a BPE model with byte_fallback")
+    reverse = {i: t for t, i in vocab.items()}
+    n_base = max(reverse) + 1 if reverse else 0
+    if len(reverse) != n_base:
+        raise InputError(f"{src / 'tokenizer.json'}: vocabulary ids are not contiguous")
+    specials = transformers_special_tokens(src)
+    special_ids = {vocab[t] for t in specials if t in vocab}
+    if any(t not in vocab for t in specials) and "<unk>" in vocab:
+        special_ids.add(vocab["<unk>"])  # an unknown special text resolves to the unknown token
+    tokens, types = [], []
+    for i in range(n_base):
+        t = reverse[i]
+        tokens.append(t)
+        if _BYTE_PIECE.fullmatch(t):
+            types.append(int(TT.BYTE))
+        else:
+            types.append(int(TT.CONTROL if i in special_ids else TT.NORMAL))
+    beyond = sorted((a["id"], a["content"]) for a in tj.get("added_tokens", [])
+                    if isinstance(a, dict) and isinstance(a.get("id"), int) and a["id"] >= n_base)
+    for i, text in beyond:
+        if i != len(tokens):
+            raise InputError(f"{src / 'tokenizer.json'}: added token {text!r} has id {i}, expected {len(tokens)}")
+        tokens.append(text)
+        types.append(int(TT.CONTROL if text in specials else TT.USER_DEFINED))
+    types = [int(TT.USER_DEFINED) if t in GEMMA4_VISIBLE else k for t, k in zip(tokens, types)]
+    return tokens, [-1000.0] * len(tokens), types
+
+
 def _phantom(tok: str, kind: int) -> str:
     if kind == TT.CONTROL:
         return tok
@@ -225,6 +312,13 @@ def add_tokenizer(md, src: Path, cfg: dict[str, Any], kind: str, pre_fallback: s
         md.string(Keys.Tokenizer.MODEL, "gpt2")
         md.string(Keys.Tokenizer.PRE, pre_tokenizer_name(src, pre_fallback))
         md.array(Keys.Tokenizer.LIST, tokens, V.STRING)
+        md.array(Keys.Tokenizer.TOKEN_TYPE, types, V.INT32)
+        merges = True
+    elif kind == "gemma4":
+        tokens, scores, types = gemma4_vocab(src)
+        md.string(Keys.Tokenizer.MODEL, "gemma4")
+        md.array(Keys.Tokenizer.LIST, tokens, V.STRING)
+        md.array(Keys.Tokenizer.SCORES, scores, V.FLOAT32)
         md.array(Keys.Tokenizer.TOKEN_TYPE, types, V.INT32)
         merges = True
     elif kind == "wordpiece":

@@ -28,7 +28,8 @@ from tests.models.tokenizer_files import copy_tokenizer, vocab_size
 # llama v4: SmolLM2 tokenizer with its digit splitting)
 VERSIONS = {"llama": "v4", "qwen3": "v3", "qwen3_moe": "v3", "gemma3": "v3", "bert": "v3",
             "llama_rope_llama3": "v1", "llama_rope_linear": "v1", "llama_rope_yarn": "v1", "gemma3_rope_linear": "v1",
-            "qwen35": "v1", "qwen35_moe": "v2"}  # qwen35_moe v1: taken in the shared cache
+            "qwen35": "v1", "qwen35_moe": "v2",  # qwen35_moe v1: taken in the shared cache
+            "gemma4": "v1", "gemma4_e2b": "v1", "gemma4_moe": "v1"}
 FAMILIES = ("llama", "qwen3", "qwen3_moe", "gemma3", "bert", "qwen35", "qwen35_moe")
 SEED = 0
 
@@ -187,6 +188,36 @@ _SPECS["qwen35_moe"] = {
     "kwargs": {**{k: v for k, v in _SPECS["qwen35"]["kwargs"].items() if k != "intermediate_size"},
                "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                "shared_expert_intermediate_size": 48},
+# Gemma 4 (not in FAMILIES yet: no engine). 31B-style dense: sliding layers with 2 KV heads × 32 and
+# full layers with global_head_dim 64, one KV head whose K doubles as V (attention_k_eq_v), proportional
+# rope (a quarter of the global head rotated) and both rope bases; plain w norms (no 1 + w), a layer
+# scalar per layer, final soft-cap 30.
+_GEMMA4_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+                 "head_dim": 32, "global_head_dim": 64, "sliding_window": 16, "max_position_embeddings": 4096,
+                 "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1,
+                 "pad_token_id": 0, "final_logit_softcapping": 30.0, "hidden_size_per_layer_input": 0,
+                 "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                     "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                        "rope_theta": 1000000.0}}}
+_SPECS["gemma4"] = {
+    "tokenizer": "gemma4", "config": "Gemma4TextConfig", "kind": "causal",
+    "kwargs": {**_GEMMA4_SHAPE, "num_hidden_layers": 3, "attention_k_eq_v": True, "num_global_key_value_heads": 1,
+               "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]},
+    "legacy": {}, "scales": (3.0, 3.0),
+}
+# E2B/E4B-style: per-layer embeddings (8 per layer here, 256 in E2B), the last two layers reuse the KV of
+# the last earlier layer of their type (num_kv_shared_layers) and have a double-wide MLP; no k_eq_v.
+_SPECS["gemma4_e2b"] = {
+    **_SPECS["gemma4"],
+    "kwargs": {**_GEMMA4_SHAPE, "num_hidden_layers": 4, "num_key_value_heads": 1, "hidden_size_per_layer_input": 8,
+               "num_kv_shared_layers": 2, "use_double_wide_mlp": True,
+               "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]},
+}
+# 26B-A4B-style: every layer has the dense MLP beside 4 routed experts (top 2) with their own norms.
+_SPECS["gemma4_moe"] = {
+    **_SPECS["gemma4"],
+    "kwargs": {**_SPECS["gemma4"]["kwargs"], "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+               "moe_intermediate_size": 32},
 }
 
 
@@ -284,3 +315,39 @@ def _write_sentence_transformers_files(out: Path, hidden: int) -> None:
     pooling["word_embedding_dimension"] = hidden
     (out / "1_Pooling").mkdir()
     (out / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2) + "\n")
+
+
+def multimodal_gemma4() -> Path:
+    """The dense tiny Gemma 4 in the layout of a multimodal Hub checkpoint (``Gemma4ForConditionalGeneration``).
+
+    The text weights move under ``model.language_model.``, the config under ``text_config``, and a
+    vision tower and its embedding projection appear beside them (a few random matrices: only
+    their names matter, a text conversion must leave them out).
+    """
+    return build_once("tiny-gemma4_multimodal-v1", _build_multimodal_gemma4)
+
+
+def _build_multimodal_gemma4(out: Path) -> None:
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    src = checkpoint("gemma4")
+    tensors = {k.replace("model.", "model.language_model.", 1): v
+               for k, v in load_file(str(src / "model.safetensors")).items()}
+    rng = np.random.default_rng(SEED)
+    for name, shape in (("model.vision_tower.encoder.layers.0.self_attn.q_proj.linear.weight", (32, 32)),
+                        ("model.vision_tower.patch_embedder.input_proj.weight", (32, 48)),
+                        ("model.embed_vision.embedding_projection.weight", (64, 32))):
+        tensors[name] = rng.standard_normal(shape).astype(np.float32)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    text = json.loads((src / "config.json").read_text())
+    text.pop("architectures", None)
+    cfg = {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "text_config": text,
+           "vision_config": {"model_type": "gemma4_vision", "hidden_size": 32}, "tie_word_embeddings": True,
+           "torch_dtype": "float32"}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    for f in src.iterdir():
+        if f.name not in ("model.safetensors", "config.json"):
+            shutil.copy2(f, out / f.name)

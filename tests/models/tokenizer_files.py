@@ -14,6 +14,10 @@ all tested on real vocabularies:
   names (``<|im_start|>``, ``<tool_call>``, ``<think>`` …); the remaining slots stay padding
   (as in the real checkpoint, whose embedding has 151,936 rows). Chat template:
   ``models/templates/Qwen-Qwen3-0.6B.jinja``.
+* ``gemma4``   — Gemma 4's BPE over ▁-pieces (262,144 tokens, byte fallback, 514,906 merges)
+  rebuilt with ``tokenizers`` from the llama.cpp sdist's ``models/ggml-vocab-gemma-4.gguf``, with
+  the real checkpoints' ``tokenizer_config.json`` layout: its 19 tool/channel/turn/media tokens
+  named by ``*_token`` keys (transformers counts those as special) and the 31B-it chat template.
 * ``bert``     — all-MiniLM-L6-v2's WordPiece files, copied.
 
 Each folder is built once into the hf2q cache (``test-models/tokenizers/<name>-<version>``).
@@ -29,7 +33,7 @@ from tests.models.cache import build_once
 
 # bumped per tokenizer when its files change (smollm2 v3: digits split one by one, as its real
 # tokenizer.json does, and a tokenizer class that keeps that pre-tokenizer under transformers 5)
-VERSIONS = {"smollm2": "v3", "gemma3": "v1", "qwen3": "v1", "bert": "v1"}
+VERSIONS = {"smollm2": "v3", "gemma3": "v1", "qwen3": "v1", "bert": "v1", "gemma4": "v1"}
 
 # Qwen2/Qwen3 pre-tokenizer split (the same expression as Qwen's tokenizer.json).
 QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -61,7 +65,8 @@ def llama_cpp_models_dir() -> Path:
 
 def tokenizer_dir(name: str) -> Path:
     """Folder with the real tokenizer files of ``name`` (smollm2, gemma3, qwen3, bert)."""
-    builders = {"smollm2": _build_smollm2, "gemma3": _build_gemma3, "qwen3": _build_qwen3, "bert": _build_bert}
+    builders = {"smollm2": _build_smollm2, "gemma3": _build_gemma3, "qwen3": _build_qwen3, "bert": _build_bert,
+                "gemma4": _build_gemma4}
     if name not in builders:
         raise ValueError(f"unknown tokenizer {name!r}; known: {sorted(builders)}")
     return build_once(f"tokenizers/{name}-{VERSIONS[name]}", builders[name])
@@ -69,7 +74,7 @@ def tokenizer_dir(name: str) -> Path:
 
 def vocab_size(name: str) -> int:
     """Rows the model's embedding must have for this tokenizer (as in the real checkpoints)."""
-    return {"smollm2": 49152, "gemma3": 262144, "qwen3": QWEN3_CONFIG_VOCAB, "bert": 30522}[name]
+    return {"smollm2": 49152, "gemma3": 262144, "qwen3": QWEN3_CONFIG_VOCAB, "bert": 30522, "gemma4": 262144}[name]
 
 
 def copy_tokenizer(name: str, dest: Path) -> None:
@@ -191,6 +196,47 @@ def _build_qwen3(out: Path) -> None:
     (out / "special_tokens_map.json").write_text(json.dumps(
         {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
          "additional_special_tokens": config["additional_special_tokens"]}, indent=2) + "\n")
+
+
+# Gemma 4's named tokens beyond bos/eos/unk/pad/mask, as its tokenizer_config.json lists them
+GEMMA4_NAMED_TOKENS = {
+    "image_token": "<|image|>", "video_token": "<|video|>", "audio_token": "<|audio|>",
+    "boi_token": "<|image>", "eoi_token": "<image|>", "boa_token": "<|audio>", "eoa_token": "<audio|>",
+    "sot_token": "<|turn>", "eot_token": "<turn|>", "soc_token": "<|channel>", "eoc_token": "<channel|>",
+    "think_token": "<|think|>", "escape_token": '<|"|>', "str_token": "<|tool_response>",
+    "etr_token": "<tool_response|>", "stc_token": "<|tool_call>", "etc_token": "<tool_call|>",
+    "std_token": "<|tool>", "etd_token": "<tool|>",
+}
+
+
+def _build_gemma4(out: Path) -> None:
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+
+    from hf2q.formats.gguf_parse import read_metadata
+
+    meta = read_metadata(llama_cpp_models_dir() / "ggml-vocab-gemma-4.gguf")
+    tokens = [str(t) for t in meta["tokenizer.ggml.tokens"]]
+    types = [int(t) for t in meta["tokenizer.ggml.token_type"]]
+    merges = [tuple(str(m).split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, unk_token="<unk>",
+                     fuse_unk=True, byte_fallback=True)
+    tk = Tokenizer(bpe)
+    tk.normalizer = normalizers.Replace(" ", "\u2581")
+    tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    # the control and tool tokens are added tokens of the real file (in-vocabulary ids)
+    named = set(GEMMA4_NAMED_TOKENS.values())
+    added = [AddedToken(t, special=True, normalized=False) for i, t in enumerate(tokens)
+             if types[i] in (3, 4) or t in named]
+    tk.add_special_tokens(added)
+    tk.save(str(out / "tokenizer.json"))
+    template = (llama_cpp_models_dir() / "templates" / "google-gemma-4-31B-it.jinja").read_text()
+    (out / "chat_template.jinja").write_text(template)
+    config = {
+        "tokenizer_class": "GemmaTokenizer", "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>",
+        "pad_token": "<pad>", "mask_token": "<mask>", **GEMMA4_NAMED_TOKENS, "padding_side": "left",
+        "model_max_length": 1000000000000000019884624838656, "clean_up_tokenization_spaces": False,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 def _build_bert(out: Path) -> None:
