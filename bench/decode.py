@@ -100,7 +100,7 @@ def bench_runner(r, prefill: list[int], tg: int, reps: int, chunk: int) -> dict:
 def _pipelined_greedy(r, tg: int) -> float:
     """Seconds for ``tg`` greedy decode steps through ``decode_async`` (as ``hf2q generate`` runs them)."""
     from hf2q.engine.sampling.device import DeviceSampler
-    from hf2q.sched.requests import SamplingParams
+    from hf2q.sched.contracts import SamplingParams
 
     s = r.new_sequence()
     tok = int(np.argmax(r.prefill(s, _tokens(16, r.vocab_size))))

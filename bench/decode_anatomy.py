@@ -12,7 +12,7 @@ import numpy as np
 from hf2q.engine.runner import MlxModelRunner
 from hf2q.engine.sampling.device import DeviceSampler
 from hf2q.engine.kv_cache import ForwardBatch
-from hf2q.sched.requests import SamplingParams
+from hf2q.sched.contracts import SamplingParams
 
 def main(path):
     res = {}

@@ -18,7 +18,7 @@ import numpy as np  # noqa: E402
 
 from hf2q.engine.sampling.device import DeviceSampler  # noqa: E402
 from hf2q.engine.runner import MlxModelRunner, warm_up  # noqa: E402
-from hf2q.sched.requests import SamplingParams  # noqa: E402
+from hf2q.sched.contracts import SamplingParams  # noqa: E402
 
 
 def qmm_rates() -> dict:

@@ -13,9 +13,10 @@ import trio
 import numpy as np
 
 def main(path, modes=("pipelined", "blocking"), clients_list=(1, 4), max_tokens=128):
-    from hf2q.actors.runtime import RuntimeConfig, open_runtime
+    from hf2q.sched.contracts import RuntimeConfig
+    from hf2q.actors.runtime import open_runtime
     from hf2q.engine.runner import MlxModelRunner
-    from hf2q.sched.requests import GenerationRequest, SamplingParams, Token
+    from hf2q.sched.contracts import GenerationRequest, SamplingParams, Token
     res = {}
     for mode in modes:
         os.environ.pop("HF2Q_NO_DECODE_PIPELINE", None)

@@ -75,8 +75,9 @@ def summarise(clients: int, tokens: int, wall: float, batches: list[int], spans:
 # ---- level 1: the actor system alone -------------------------------------------------------------
 
 async def runtime_level(clients: int, n_tokens: int, latency_s: float) -> dict:
-    from hf2q.actors.runtime import RuntimeConfig, open_runtime
-    from hf2q.sched.requests import GenerationRequest, SamplingParams, Token
+    from hf2q.sched.contracts import RuntimeConfig
+    from hf2q.actors.runtime import open_runtime
+    from hf2q.sched.contracts import GenerationRequest, SamplingParams, Token
 
     fake = fake_runner(latency_s)
     params = SamplingParams(max_tokens=n_tokens, temperature=0.0)
@@ -111,7 +112,8 @@ async def runtime_level(clients: int, n_tokens: int, latency_s: float) -> dict:
 
 async def _serve_fake(port_file: str, latency_s: float) -> None:
     """Child process: the real app + GGUF text side over the fake engine; stats on /metrics."""
-    from hf2q.actors.runtime import RuntimeConfig, open_runtime
+    from hf2q.sched.contracts import RuntimeConfig
+    from hf2q.actors.runtime import open_runtime
     from hf2q.api.app import ServerContext
     from hf2q.api.server import serve
     from hf2q.api.textbridge import GGUFChatModel

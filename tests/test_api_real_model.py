@@ -60,7 +60,8 @@ def conversation(i: int) -> list[dict]:
 
 @asynccontextmanager
 async def real_server(slots: int = 4):
-    from hf2q.actors.runtime import RuntimeConfig, open_runtime
+    from hf2q.sched.contracts import RuntimeConfig
+    from hf2q.actors.runtime import open_runtime
     from hf2q.api.app import ServerContext
     from hf2q.api.command import runner_factory
     from hf2q.api.server import serve

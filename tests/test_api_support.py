@@ -17,7 +17,9 @@ from contextlib import AsyncExitStack, asynccontextmanager
 import attrs
 import trio
 
-from hf2q.actors.runtime import RuntimeConfig, open_runtime
+from hf2q.sched.contracts import RuntimeConfig
+
+from hf2q.actors.runtime import open_runtime
 from hf2q.api.app import ServerContext
 from hf2q.api.chatmodel import PreparedChat
 from hf2q.api.server import serve
@@ -29,7 +31,7 @@ from hf2q.api.shapes import (
     new_tool_call_id,
 )
 from hf2q.api.validation import ChatRequest
-from hf2q.sched.requests import SamplingParams
+from hf2q.sched.contracts import SamplingParams
 from tests.fakes import FakeModelRunner, expected_next_token
 
 VOCAB = 256  # prompt ids are UTF-8 bytes

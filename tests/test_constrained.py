@@ -16,7 +16,7 @@ import pytest
 
 from hf2q.engine.sampling import Sampler
 from hf2q.errors import InputError
-from hf2q.sched.requests import SamplingParams
+from hf2q.sched.contracts import SamplingParams
 from hf2q.text import constrained
 from hf2q.text.tokenizer import GGUFTokenizer
 from hf2q.text.toolcalls import parse_complete

@@ -15,8 +15,9 @@ import pytest
 import trio
 
 from hf2q.engine.decode_pipeline import DecodePipeline
-from hf2q.actors.runtime import RuntimeConfig, open_runtime
-from hf2q.sched.requests import Finished, GenerationRequest, SamplingParams, Token
+from hf2q.sched.contracts import RuntimeConfig
+from hf2q.actors.runtime import open_runtime
+from hf2q.sched.contracts import Finished, GenerationRequest, SamplingParams, Token
 from tests.engine_support import convert_f32, load_runner, random_tokens
 
 

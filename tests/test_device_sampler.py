@@ -14,7 +14,7 @@ import pytest
 
 from hf2q.engine.sampling import Sampler, device_capable
 from hf2q.engine.sampling.device import DeviceSampler, sample_rows
-from hf2q.sched.requests import SamplingParams
+from hf2q.sched.contracts import SamplingParams
 from tests.engine_support import convert_f32, load_runner, random_tokens
 
 SETTINGS = [

@@ -260,8 +260,10 @@ def test_runtime_serves_qwen35_slots(qwen35):
     (recomputed, not trimmed) all give the direct engine's greedy tokens."""
     import trio
 
-    from hf2q.actors.runtime import RuntimeConfig, open_runtime
-    from hf2q.sched.requests import Finished, Token
+    from hf2q.sched.contracts import RuntimeConfig
+
+    from hf2q.actors.runtime import open_runtime
+    from hf2q.sched.contracts import Finished, Token
     from tests.test_runtime_real import _run_all as run_all
 
     n_new = 6

@@ -10,13 +10,15 @@ import argparse
 
 import pytest
 
-from hf2q.actors.runtime import RuntimeConfig, open_runtime
+from hf2q.sched.contracts import RuntimeConfig
+
+from hf2q.actors.runtime import open_runtime
 from hf2q.api.command import kv_store_opener
 from hf2q.errors import InputError
 from hf2q.kvstore import BLOCK_TOKENS, BlockStore
 from hf2q.kvstore.blockfile import FORMAT_VERSION
 from hf2q.kvstore.fingerprint import model_fingerprint
-from hf2q.sched.requests import GenerationRequest, SamplingParams
+from hf2q.sched.contracts import GenerationRequest, SamplingParams
 from tests.fakes import FakeModelRunner
 from tests.test_runtime import collect, greedy, terminal, tokens_of
 

@@ -11,8 +11,10 @@ import pytest
 import trio
 import trio.testing
 
-from hf2q.actors.runtime import AdmissionRejected, RuntimeConfig, open_runtime
-from hf2q.sched.requests import (Admitted, EmbeddingRequest, Failed, Finished, GenerationRequest,
+from hf2q.sched.contracts import AdmissionRejected, RuntimeConfig
+
+from hf2q.actors.runtime import open_runtime
+from hf2q.sched.contracts import (Admitted, EmbeddingRequest, Failed, Finished, GenerationRequest,
                                  PrefillProgress, SamplingParams, Token)
 from tests.fakes import FakeModelRunner, expected_next_token
 

@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 
-from hf2q.actors.runtime import RuntimeConfig, open_runtime
+from hf2q.sched.contracts import RuntimeConfig
+
+
+from hf2q.actors.runtime import open_runtime
 from hf2q.kvstore import BLOCK_TOKENS, BlockStore, block_hashes
-from hf2q.sched.requests import GenerationRequest, SamplingParams
+from hf2q.sched.contracts import GenerationRequest, SamplingParams
 from tests.fakes import FakeModelRunner
 from tests.test_runtime import collect, greedy, terminal, tokens_of
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import attrs
 
 from hf2q.actors.admission import Admission
-from hf2q.actors.runtime import RuntimeConfig, open_runtime
+from hf2q.sched.contracts import RuntimeConfig
+from hf2q.actors.runtime import open_runtime
 from hf2q.actors.slot import SlotEnv
 from hf2q.actors.system import ActorSystem
 from hf2q.kvstore import BLOCK_TOKENS, BlockStore

@@ -17,10 +17,11 @@ import trio
 
 from hf2q.engine.sampling import plain_greedy
 from hf2q.engine.sampling.rows import Sampled, SampleError, guarded_sample, sample_rows
-from hf2q.actors.runtime import RuntimeConfig, open_runtime
+from hf2q.sched.contracts import RuntimeConfig
+from hf2q.actors.runtime import open_runtime
 from hf2q.engine.sampling import Sampler
 from hf2q.sched.decoding import DecodeLimits
-from hf2q.sched.requests import GenerationRequest, SamplingParams, Token
+from hf2q.sched.contracts import GenerationRequest, SamplingParams, Token
 from tests.fakes import FakeModelRunner
 from tests.test_runtime import collect, greedy, terminal, tokens_of
 

@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 import trio
 
-from hf2q.actors.runtime import AdmissionRejected, RuntimeConfig, open_runtime
-from hf2q.sched.requests import Failed, Finished, GenerationRequest, SamplingParams, Token
+from hf2q.sched.contracts import AdmissionRejected, RuntimeConfig
+
+from hf2q.actors.runtime import open_runtime
+from hf2q.sched.contracts import Failed, Finished, GenerationRequest, SamplingParams, Token
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ import torch
 
 from hf2q.engine.sampling import Sampler
 from hf2q.errors import InputError
-from hf2q.sched.requests import SamplingParams
+from hf2q.sched.contracts import SamplingParams
 from hf2q.text.stop_strings import StopStringMatcher
 
 

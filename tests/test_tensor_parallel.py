@@ -321,8 +321,8 @@ async def serve_prompts(rt, prompts: list[list[int]], max_tokens: int = 8) -> li
     """Run ``prompts`` concurrently through the actor runtime at T=0, then the first again (slot reuse)."""
     import trio
 
-    from hf2q.actors.runtime import AdmissionRejected
-    from hf2q.sched.requests import Failed, GenerationRequest, SamplingParams, Token
+    from hf2q.sched.contracts import AdmissionRejected
+    from hf2q.sched.contracts import Failed, GenerationRequest, SamplingParams, Token
 
     async def one(i: int, prompt: list[int], out: list) -> None:
         try:
@@ -348,7 +348,7 @@ async def serve_prompts(rt, prompts: list[list[int]], max_tokens: int = 8) -> li
 
 
 def runtime_config():
-    from hf2q.actors.runtime import RuntimeConfig
+    from hf2q.sched.contracts import RuntimeConfig
 
     return RuntimeConfig(slots=2, ctx=CTX, prefill_chunk=4, gpu_deadline_s=60)
 

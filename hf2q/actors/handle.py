@@ -13,7 +13,7 @@ from typing import Callable
 
 import trio
 
-from hf2q.sched.requests import Failed, Finished, GenerationRequest
+from hf2q.sched.contracts import Failed, Finished, GenerationRequest
 
 
 class RequestHandle:

@@ -44,15 +44,13 @@ from typing import Any, AsyncIterator
 import numpy as np
 import trio
 
-from hf2q.sched.contracts import (  # noqa: F401 — the runtime's public types, re-exported
-    AdmissionRejected,
+from hf2q.sched.contracts import (
     EmbeddingRequest,
     EventHook,
     GenerationRequest,
     RunnerFactory,
     RuntimeConfig,
     RuntimeSnapshot,
-    SlotSnapshot,
 )
 
 class Runtime:

@@ -16,7 +16,7 @@ import attrs
 
 from hf2q.api.shapes import OutputDelta
 from hf2q.api.validation import ChatRequest
-from hf2q.sched.requests import SamplingParams
+from hf2q.sched.contracts import SamplingParams
 
 
 class OutputDecoder(Protocol):

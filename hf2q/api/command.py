@@ -188,7 +188,8 @@ def run(args) -> int:
 
 async def _serve(args, model_path: Path, chat_model, embed_path, embed_model, kv_opener) -> str | None:
     """Run until stopped; returns a failure message (model failed to load) or None."""
-    from hf2q.actors.runtime import RuntimeConfig, open_runtime
+    from hf2q.sched.contracts import RuntimeConfig
+    from hf2q.actors.runtime import open_runtime
     from hf2q.api.app import ServerContext
     from hf2q.api.operator import (
         EventLogger,

@@ -40,7 +40,7 @@ from hf2q.api.shapes import (
 )
 from hf2q.api.validation import ChatRequest
 from hf2q.errors import InputError
-from hf2q.sched.requests import SamplingParams
+from hf2q.sched.contracts import SamplingParams
 
 # llama.cpp's server defaults: a request that names no sampling knob still samples sensibly
 DEFAULT_TEMPERATURE = 0.8

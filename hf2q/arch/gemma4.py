@@ -46,8 +46,8 @@ class Gemma4(Gemma3):
     tokenizer_kind = "gemma4"
     norm_offset = 0.0
 
-    def __init__(self, cfg: dict[str, Any], src):
-        super().__init__(cfg, src)
+    def __init__(self, cfg: dict[str, Any], src, mtp: str = "keep"):
+        super().__init__(cfg, src, mtp=mtp)
         types = cfg.get("layer_types")
         if not isinstance(types, list) or len(types) != self.n_layer:
             raise InputError(f"config.json: Gemma 4 needs layer_types with one entry per layer ({self.n_layer})")

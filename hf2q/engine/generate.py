@@ -74,7 +74,7 @@ def _tok_text(tokenizer, tid) -> str | None:
 
 
 def _params(args):
-    from hf2q.sched.requests import SamplingParams
+    from hf2q.sched.contracts import SamplingParams
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,

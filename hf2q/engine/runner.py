@@ -300,7 +300,7 @@ def warm_up(runner) -> None:
         runner.embed([[1, 2, 3]])
     else:
         from hf2q.engine.sampling.device import DeviceSampler
-        from hf2q.sched.requests import SamplingParams
+        from hf2q.sched.contracts import SamplingParams
 
         seq, other = runner.new_sequence(), runner.new_sequence()
         n = max(3, min(WARM_UP_PROMPT, runner.n_ctx - 8))  # room for the decode steps below

@@ -188,6 +188,7 @@ _SPECS["qwen35_moe"] = {
     "kwargs": {**{k: v for k, v in _SPECS["qwen35"]["kwargs"].items() if k != "intermediate_size"},
                "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                "shared_expert_intermediate_size": 48},
+}
 # Gemma 4 (not in FAMILIES yet: no engine). 31B-style dense: sliding layers with 2 KV heads × 32 and
 # full layers with global_head_dim 64, one KV head whose K doubles as V (attention_k_eq_v), proportional
 # rope (a quarter of the global head rotated) and both rope bases; plain w norms (no 1 + w), a layer
