@@ -4,7 +4,7 @@
    mixes with ``bench/synth_gguf.py`` and times hf2q's ``MlxModelRunner`` (pp512, pp2048 in
    2048-token transactions, tg128) with ``bench/decode.py``'s ``bench_hf2q``.
 2. Prints those next to the peer figures measured on the same GPU model
-   (../shared/device/README.md: llama.cpp CUDA and mlx-lm 0.32.2), with ratios.
+   (llama.cpp CUDA and mlx-lm 0.32.2, measured earlier on one H200), with ratios.
 3. Correctness: for each small GGUF given with ``--check``, last-token logits on the GPU vs
    the CPU backend (subprocess with ``HF2Q_DEVICE=cpu``), max-abs and greedy agreement.
 
@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# tokens/s measured on one H200 with the random-weight Qwen3-8B shape (shared/device/README.md)
+# tokens/s measured on one H200 with the random-weight Qwen3-8B shape by llama.cpp CUDA (flash attention) and mlx-lm 0.32.2
 PEERS = {
     "q4_k_m": {"llama.cpp": {"pp512": 9489, "pp2048": 9870, "tg128": 264.5},
                "mlx-lm 4-bit g64": {"pp2048": 6640, "tg128": 95.6}},
