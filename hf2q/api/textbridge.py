@@ -21,12 +21,15 @@ module, so an API change there is a one-place change here. No MLX is imported.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import secrets
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import attrs
 
 from hf2q.api.errors import ApiError
 from hf2q.api.shapes import (
@@ -178,13 +181,11 @@ class GGUFChatModel:
     def from_gguf(cls, path: Path, model_id: str) -> GGUFChatModel:
         return cls(_load_tokenizer(path), _load_template(path), model_id)
 
-    @property
+    @functools.cached_property
     def _control_texts(self) -> tuple[str, ...]:
         """Every control token's string (what special-token parsing would turn into that token)."""
-        if not hasattr(self, "_controls"):
-            tok = self.tokenizer
-            self._controls = tuple(sorted({tok.token_text(i) for i in getattr(tok, "special_ids", ())} - {""}))
-        return self._controls
+        tok = self.tokenizer
+        return tuple(sorted({tok.token_text(i) for i in getattr(tok, "special_ids", ())} - {""}))
 
     def _fence_contents(self, req: ChatRequest) -> tuple[ChatRequest, _Fence | None]:
         """``req`` with every message text (and tool-definition string) that holds a control
@@ -216,8 +217,6 @@ class GGUFChatModel:
         tools = tuple(fenced(t) for t in req.tools)
         if not changed:
             return req, None
-        import attrs
-
         return attrs.evolve(req, messages=tuple(messages), tools=tools), fence
 
     def _encode_prompt(self, spans: list[tuple[str, bool]], text: str) -> tuple[int, ...]:
@@ -287,11 +286,10 @@ class GGUFChatModel:
                                 f"conversation", code="context_length_exceeded", param="messages")
         room = (max_context - len(ids)) if max_context else 4096
         max_tokens = min(req.max_tokens, room) if req.max_tokens else room
-        bad = next((t for t, _ in req.logit_bias if not 0 <= t < tok.vocab_size), None)
+        bad = next((t for t, _ in req.logit_bias if t >= tok.vocab_size), None)  # negatives: validation
         if bad is not None:
             raise ApiError(400, f"logit_bias: token id {bad} is outside the vocabulary (0..{tok.vocab_size - 1})",
                            code="invalid_value", param="logit_bias")
-        bias = req.logit_bias
         max_tokens = max(1, max_tokens)
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -301,7 +299,7 @@ class GGUFChatModel:
             min_p=DEFAULT_MIN_P if req.min_p is None else req.min_p,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty, seed=req.seed,
-            logit_bias=bias, logprobs=req.logprobs, top_logprobs=req.top_logprobs,
+            logit_bias=req.logit_bias, logprobs=req.logprobs, top_logprobs=req.top_logprobs,
             stop_token_ids=frozenset(tok.eos_ids),
             constraint=_constraint(tok, req, self.tool_syntax if req.tools_active else None, max_tokens))
         thinking = bool(req.chat_template_kwargs.get("enable_thinking", True)) and req.reasoning_effort != "none"
