@@ -48,6 +48,7 @@ from hf2q.kernels.cpu_pool import usable_cpus
 
 _STATE: dict[str, str] = {"blas": "not attempted"}
 _LIB: ctypes.CDLL | None = None
+_SGEMM_ADDRESS: int | None = None  # address of its cblas_sgemm, read once when it loads
 _OPENBLAS_PINNED = False  # the user set OPENBLAS_NUM_THREADS=1: keep it, slice rows over our pool
 
 
@@ -83,7 +84,7 @@ def _patched_gfortran(src: Path, cache: Path) -> Path:
 
 def preload() -> str:
     """Load OpenBLAS globally (idempotent). Returns a one-line status."""
-    global _LIB
+    global _LIB, _SGEMM_ADDRESS
     if _STATE["blas"] != "not attempted":
         return _STATE["blas"]
     if os.environ.get("HF2Q_NO_FAST_BLAS"):
@@ -113,7 +114,7 @@ def preload() -> str:
                 ctypes.CDLL(str(quadmath), mode=ctypes.RTLD_GLOBAL)
             ctypes.CDLL(str(_patched_gfortran(gfortran, cache_root() / "blas")), mode=ctypes.RTLD_GLOBAL)
             lib = ctypes.CDLL(str(openblas), mode=ctypes.RTLD_GLOBAL)
-        _LIB = lib
+        _LIB, _SGEMM_ADDRESS = lib, ctypes.cast(lib.cblas_sgemm, ctypes.c_void_p).value
         _STATE["blas"] = f"openblas ({openblas})"
     except OSError as e:
         _STATE["blas"] = f"reference BLAS (fast BLAS unavailable: {e})"
@@ -127,9 +128,7 @@ def status() -> str:
 def sgemm_address() -> int | None:
     """Address of the loaded OpenBLAS ``cblas_sgemm`` (for C kernels that tile their own products),
     or None when only MLX's reference BLAS is there."""
-    if _LIB is None:
-        return None
-    return ctypes.cast(_LIB.cblas_sgemm, ctypes.c_void_p).value
+    return _SGEMM_ADDRESS
 
 
 def single_threaded_here() -> None:
