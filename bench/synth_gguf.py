@@ -23,12 +23,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gguf  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
+from hf2q.formats.gguf_keys import ExtraKeys  # noqa: E402
 from hf2q.ggml import codec  # noqa: E402
 
 SHAPES = {
     "qwen3-8b": dict(hidden=4096, layers=36, ffn=12288, heads=32, kv_heads=8, head_dim=128, vocab=151936),
     "qwen3-0.6b": dict(hidden=1024, layers=28, ffn=3072, heads=16, kv_heads=8, head_dim=128, vocab=151936),
     "qwen3-tiny": dict(hidden=256, layers=2, ffn=512, heads=4, kv_heads=2, head_dim=64, vocab=151936),
+    # hybrid Gated DeltaNet + gated attention (Qwen3.5-9B; vocabulary of the Qwen2 tokenizer llama.cpp ships
+    # as ggml-vocab-qwen35, 151,936 rows instead of the release's 248,320): a full-attention block every `interval`
+    "qwen35-9b": dict(arch="qwen35", hidden=4096, layers=32, ffn=12288, heads=16, kv_heads=4, head_dim=256,
+                      vocab=151936, interval=4, lin_k_heads=16, lin_v_heads=32, lin_dim=128, conv=4, rope_dims=64),
+    "qwen35-tiny": dict(arch="qwen35", hidden=256, layers=4, ffn=512, heads=4, kv_heads=2, head_dim=64,
+                        vocab=151936, interval=2, lin_k_heads=2, lin_v_heads=4, lin_dim=64, conv=4, rope_dims=16),
 }
 
 # per-role types for the mixes we time (llama.cpp's q4_k_m gives attn_v / ffn_down Q6_K in about half
@@ -62,7 +69,8 @@ def main() -> int:
     mix = MIXES[a.mix]
     rng = np.random.default_rng(0)
     t0 = time.time()
-    w = gguf.GGUFWriter(a.output, "qwen3")
+    arch = s.get("arch", "qwen3")
+    w = gguf.GGUFWriter(a.output, arch)
     w.add_name(f"random {a.shape} {a.mix}")
     w.add_block_count(s["layers"])
     w.add_context_length(40960)
@@ -74,6 +82,19 @@ def main() -> int:
     w.add_value_length(s["head_dim"])
     w.add_rope_freq_base(1_000_000.0)
     w.add_layer_norm_rms_eps(1e-6)
+    if arch == "qwen35":
+        recurrent = [(i + 1) % s["interval"] != 0 for i in range(s["layers"])]
+        w.add_ssm_conv_kernel(s["conv"])
+        w.add_ssm_state_size(s["lin_dim"])
+        w.add_ssm_group_count(s["lin_k_heads"])
+        w.add_ssm_time_step_rank(s["lin_v_heads"])
+        w.add_ssm_inner_size(s["lin_v_heads"] * s["lin_dim"])
+        w.add_array(ExtraKeys.RECURRENT_LAYERS.format(arch=arch), recurrent)
+        w.add_uint32(gguf.Keys.LLM.FULL_ATTENTION_INTERVAL.format(arch=arch), s["interval"])
+        w.add_rope_dimension_count(s["rope_dims"])
+        pairs = s["rope_dims"] // 2
+        third = -(-pairs // 3)
+        w.add_rope_dimension_sections([third, third, pairs - 2 * third, 0])
     w.add_file_type(15 if a.mix == "q4_k_m" else 7 if a.mix == "q8_0" else 2)
     if a.vocab_gguf:
         r = gguf.GGUFReader(a.vocab_gguf)
@@ -100,10 +121,37 @@ def main() -> int:
         w.add_tensor(name, np.ones(n, dtype=np.float32))
 
     h, hd = s["hidden"], s["head_dim"]
+
+    def add_qwen35_block(p: str, recurrent: bool):
+        norm(p + "post_attention_norm.weight", h)
+        if recurrent:
+            kd, vd = s["lin_k_heads"] * s["lin_dim"], s["lin_v_heads"] * s["lin_dim"]
+            add(p + "attn_qkv.weight", 2 * kd + vd, h, "attn_qkv")
+            add(p + "attn_gate.weight", vd, h, "attn_gate")
+            add(p + "ssm_alpha.weight", s["lin_v_heads"], h, "ssm_alpha")
+            add(p + "ssm_beta.weight", s["lin_v_heads"], h, "ssm_beta")
+            add(p + "ssm_out.weight", h, vd, "ssm_out")
+            w.add_tensor(p + "ssm_conv1d.weight", (rng.standard_normal((2 * kd + vd, s["conv"])) * 0.2).astype(np.float32))
+            w.add_tensor(p + "ssm_dt.bias", np.zeros(s["lin_v_heads"], dtype=np.float32))
+            w.add_tensor(p + "ssm_a", -np.exp(rng.uniform(-1, 1, s["lin_v_heads"])).astype(np.float32))
+            norm(p + "ssm_norm.weight", s["lin_dim"])
+        else:
+            add(p + "attn_q.weight", 2 * s["heads"] * hd, h, "attn_q")
+            add(p + "attn_k.weight", s["kv_heads"] * hd, h, "attn_k")
+            add(p + "attn_v.weight", s["kv_heads"] * hd, h, "attn_v")
+            add(p + "attn_output.weight", h, s["heads"] * hd, "attn_output")
+            norm(p + "attn_q_norm.weight", hd)
+            norm(p + "attn_k_norm.weight", hd)
+        add(p + "ffn_gate.weight", s["ffn"], h, "ffn_gate")
+        add(p + "ffn_up.weight", s["ffn"], h, "ffn_up")
+        add(p + "ffn_down.weight", h, s["ffn"], "ffn_down")
     add("token_embd.weight", s["vocab"], h, "token_embd")
     for i in range(s["layers"]):
         p = f"blk.{i}."
         norm(p + "attn_norm.weight", h)
+        if arch == "qwen35":
+            add_qwen35_block(p, (i + 1) % s["interval"] != 0)
+            continue
         add(p + "attn_q.weight", s["heads"] * hd, h, "attn_q")
         add(p + "attn_k.weight", s["kv_heads"] * hd, h, "attn_k")
         add(p + "attn_v.weight", s["kv_heads"] * hd, h, "attn_v")

@@ -19,9 +19,10 @@ llama.cpp's converter reorders the value heads of a linear layer from grouped-by
 tiled (value head ``j·key_heads + g`` reads key head ``g``) whenever key heads ≠ value heads;
 the key/query heads are therefore tiled (not repeated in place) to meet the value heads.
 
-The recurrence runs in ``mx.fast.gated_delta_update`` (any chunk length, one call per layer);
-:func:`gated_delta_reference` is the same rule step by step in plain MLX, the reference the
-kernel is tested against. Only the main blocks run; MTP (``nextn``) blocks are ignored.
+The recurrence runs in ``mx.fast.gated_delta_update`` (any chunk length, one call per layer), or
+on a CUDA device in :mod:`hf2q.kernels.cuda_gated_delta` (MLX's CUDA version works token by
+token); :func:`gated_delta_reference` is the same rule step by step in plain MLX, and
+:mod:`hf2q.kernels.gated_delta_ref` the numpy reference all of them are tested against. Only the main blocks run; MTP (``nextn``) blocks are ignored.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from hf2q.engine.layers import Linear, float_array, rms_norm, silu
 from hf2q.engine.models.decoder import Attention, DecoderConfig, _norm, distinct_nbytes
 from hf2q.engine.models.llama import common_config, gated_mlp
 from hf2q.errors import InputError
+from hf2q.kernels import cuda_gated_delta
 from hf2q.formats.gguf_file import GGUFFile
 
 
@@ -95,36 +97,52 @@ class GatedDeltaNet:
     def linears(self):
         return (self.qkv, self.z, self.beta, self.alpha, self.out)
 
-    def _conv(self, x: mx.array, conv_state: mx.array) -> tuple[mx.array, mx.array]:
-        """Causal depthwise conv of ``x [B, L, C]`` continuing ``conv_state [B, K − 1, C]``; SiLU applied."""
-        K, L = self.shape.conv_kernel, x.shape[1]
-        window = mx.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, K − 1 + L, C]
-        y = window[:, 0:L, :] * self.conv_w[0]
-        for j in range(1, K):
-            y = y + window[:, j:j + L, :] * self.conv_w[j]
-        return silu(y), window[:, L:, :]
-
     def __call__(self, x: mx.array, fb: ForwardBatch) -> mx.array:
         s = self.shape
         B, L, _ = x.shape
         conv_state, ssm_state = fb.recurrent_state(self.index)
-        mixed, conv_state = self._conv(self.qkv(x), conv_state)
-        kd = s.k_heads * s.k_dim
-        q = mixed[..., :kd].reshape(B, L, s.k_heads, s.k_dim)
-        k = mixed[..., kd:2 * kd].reshape(B, L, s.k_heads, s.k_dim)
-        v = mixed[..., 2 * kd:].reshape(B, L, s.v_heads, s.v_dim)
-        q = _l2_normalize(q, self.eps) * (s.k_dim ** -0.5)
-        k = _l2_normalize(k, self.eps)
-        if s.v_heads != s.k_heads:  # tiled value heads: head j·k_heads + g reads key head g
-            reps = (1, 1, s.v_heads // s.k_heads, 1)
-            q, k = mx.tile(q, reps), mx.tile(k, reps)
-        beta = mx.sigmoid(self.beta(x).astype(mx.float32))
-        gamma = mx.exp(_softplus(self.alpha(x).astype(mx.float32) + self.dt_bias) * self.a)
-        y, ssm_state = mx.fast.gated_delta_update(q, k, v.astype(mx.float32), gamma, beta, ssm_state)
+        on_cuda = cuda_gated_delta.available() and cuda_gated_delta.takes(s.k_dim, s.k_heads, s.v_heads)
+        prepare = _prepare_compiled if on_cuda else _prepare  # fused elementwise work where launches cost most
+        q, k, v, gamma, beta, conv_state = prepare(self.qkv(x), conv_state, self.conv_w, self.beta(x), self.alpha(x),
+                                                   self.dt_bias, self.a, s.k_heads, s.k_dim, s.v_heads, s.v_dim,
+                                                   self.eps)
+        if on_cuda:
+            y, ssm_state = cuda_gated_delta.gated_delta(q, k, v, gamma, beta, ssm_state)
+        else:
+            if s.v_heads != s.k_heads:  # tiled value heads: head j·k_heads + g reads key head g
+                reps = (1, 1, s.v_heads // s.k_heads, 1)
+                q, k = mx.tile(q, reps), mx.tile(k, reps)
+            y, ssm_state = mx.fast.gated_delta_update(q, k, v, gamma, beta, ssm_state)
         fb.set_recurrent_state(self.index, conv_state, ssm_state)
         z = self.z(x).reshape(B, L, s.v_heads, s.v_dim)
         y = rms_norm(y.astype(self.dtype), self.norm, self.eps) * silu(z)
         return self.out(y.reshape(B, L, s.v_heads * s.v_dim))
+
+
+def _prepare(qkv: mx.array, conv_state: mx.array, conv_w: mx.array, beta_raw: mx.array, alpha_raw: mx.array,
+             dt_bias: mx.array, a: mx.array, k_heads: int, k_dim: int, v_heads: int, v_dim: int, eps: float):
+    """Everything between the input projections and the recurrence: the causal depthwise conv of
+    ``qkv [B, L, C]`` continuing ``conv_state [B, K − 1, C]`` (then SiLU), the q/k/v split with
+    L2-normalised q (also scaled by ``k_dim^-½``) and k, and the per-head rates β and decays γ.
+    Returns ``(q, k, v, gamma, beta, next conv state)``; q/k keep the key heads."""
+    B, L, _ = qkv.shape
+    K = conv_w.shape[0]
+    window = mx.concatenate([conv_state.astype(qkv.dtype), qkv], axis=1)  # [B, K − 1 + L, C]
+    mixed = window[:, 0:L, :] * conv_w[0]
+    for j in range(1, K):
+        mixed = mixed + window[:, j:j + L, :] * conv_w[j]
+    mixed = silu(mixed)
+    kd = k_heads * k_dim
+    q = _l2_normalize(mixed[..., :kd].reshape(B, L, k_heads, k_dim), eps) * (k_dim ** -0.5)
+    k = _l2_normalize(mixed[..., kd:2 * kd].reshape(B, L, k_heads, k_dim), eps)
+    v = mixed[..., 2 * kd:].reshape(B, L, v_heads, v_dim).astype(mx.float32)
+    beta = mx.sigmoid(beta_raw.astype(mx.float32))
+    gamma = mx.exp(_softplus(alpha_raw.astype(mx.float32) + dt_bias) * a)
+    return q, k, v, gamma, beta, window[:, L:, :]
+
+
+#: :func:`_prepare` traced once per shape into fused kernels (the head counts and eps are constants of a layer)
+_prepare_compiled = mx.compile(_prepare)
 
 
 def _softplus(x: mx.array) -> mx.array:
