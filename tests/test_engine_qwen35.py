@@ -172,7 +172,7 @@ def test_recurrent_state_checkpoint_and_refusals(runner):
     first = runner.decode([seq], [tokens[20]])[0]
     seq.trim(20)  # back to the last forward's start: the checkpoint (the decode pipeline's rollback)
     np.testing.assert_array_equal(runner.decode([seq], [tokens[20]])[0], first)
-    with pytest.raises(PrefixNotReusable, match="recurrent state exists only at 21 and 20 tokens"):
+    with pytest.raises(PrefixNotReusable, match=r"recurrent state exists only at \(0, 20, 21\) tokens"):
         seq.trim(10)
     with pytest.raises(PrefixNotReusable):
         runner.export_kv(seq, 0, 5)
@@ -185,6 +185,37 @@ def test_recurrent_state_checkpoint_and_refusals(runner):
     np.testing.assert_array_equal(runner.prefill(seq, tokens), runner.prefill(cold, tokens))
 
 
+def test_reuse_points_restore_the_state_at_their_length(runner):
+    """The state is kept every CHECKPOINT_INTERVAL tokens and at each prefill transaction's end; a
+    sequence trimmed back to one of them continues exactly as a cold one (same greedy tokens, logits
+    to the rounding of differently sized attention chunks)."""
+    from hf2q.engine.kv_cache import CHECKPOINT_INTERVAL as I
+
+    tokens = random_tokens(2 * I + 150, seed=21)
+    seq = runner.new_sequence()
+    runner.prefill(seq, tokens[:2 * I + 100])
+    assert seq.reuse_points() == (0, I, 2 * I, 2 * I + 100)
+    for point in (2 * I, I):
+        seq.trim(point)
+        assert seq.reuse_points() == tuple(p for p in (0, I, 2 * I) if p <= point)
+        reused = runner.prefill(seq, tokens[point:])
+        cold = runner.prefill(runner.new_sequence(), tokens)
+        np.testing.assert_allclose(reused, cold, atol=1e-4, rtol=0)
+        assert _greedy_from(runner, seq, reused, 4) == _greedy_from(runner, runner.new_sequence(), None, 4, tokens)
+    with pytest.raises(PrefixNotReusable):
+        seq.trim(I + 1)
+
+
+def _greedy_from(runner, seq, logits, n, prompt=None) -> list[int]:
+    if logits is None:
+        logits = runner.prefill(seq, list(prompt))
+    out = []
+    for _ in range(n):
+        out.append(int(np.argmax(logits)))
+        logits = runner.decode([seq], [out[-1]])[0]
+    return out
+
+
 @pytest.mark.slow
 def test_state_bytes_and_kv_accounting(runner):
     hp, cfg = runner.gguf.hparams, runner.model.cfg
@@ -192,7 +223,9 @@ def test_state_bytes_and_kv_accounting(runner):
     assert runner.kv_bytes_per_token == 2 * cfg.n_kv_heads * 2 * cfg.head_dim * 4
     seq = runner.new_sequence()
     runner.prefill(seq, random_tokens(3))
-    assert seq.nbytes == seq.capacity * runner.kv_bytes_per_token + hp.recurrent_state_bytes()
+    # the live state and one reuse point (the end of the prefill transaction)
+    assert seq.reuse_points() == (0, 3)
+    assert seq.nbytes == seq.capacity * runner.kv_bytes_per_token + 2 * hp.recurrent_state_bytes()
     conv = (4 - 1) * (2 * 2 * 32 + 4 * 32)
     assert hp.recurrent_state_bytes() == 2 * (conv + 4 * 32 * 32) * 4
 
@@ -256,8 +289,8 @@ def test_pipelined_decode_rolls_back_one_step(runner):
 @pytest.mark.slow
 def test_runtime_serves_qwen35_slots(qwen35):
     """The serving runtime over the real engine: two slots decoding in one batch, 8-token prefill
-    transactions, a turn that extends a slot's history (reused whole) and one that diverges from it
-    (recomputed, not trimmed) all give the direct engine's greedy tokens."""
+    transactions, a turn that extends a slot's history (reused whole) and one that diverges inside it
+    (restarted from the last reuse point before the divergence) all give the direct engine's greedy tokens."""
     import trio
 
     from hf2q.sched.contracts import RuntimeConfig
@@ -276,7 +309,7 @@ def test_runtime_serves_qwen35_slots(qwen35):
             first = await run_all(rt, prompts, n_new, "a")
             out0 = [e.token_id for e in first[0] if isinstance(e, Token)]
             extended = list(prompts[0]) + out0 + random_tokens(5, seed=13)
-            diverged = list(prompts[1][:7]) + random_tokens(6, seed=14)
+            diverged = list(prompts[1][:10]) + random_tokens(6, seed=14)
             second = await run_all(rt, [extended, diverged], n_new, "b")
             return first, second, [extended, diverged]
 
@@ -287,7 +320,8 @@ def test_runtime_serves_qwen35_slots(qwen35):
         assert isinstance(evs[-1], Finished)
         assert [e.token_id for e in evs if isinstance(e, Token)] == _greedy(r, p, n_new)
     assert second[0][0].cached_tokens >= len(prompts[0]) + n_new - 1  # the whole first turn reused
-    assert second[1][0].cached_tokens == 0  # diverged inside the slot's history: recomputed
+    # diverged inside the slot's history at 10: restarted from the reuse point at its first 8-token transaction
+    assert second[1][0].cached_tokens == 8
 
 
 @pytest.mark.slow

@@ -30,6 +30,26 @@ def test_whole_history_reuse_for_caches_that_cannot_trim():
     assert led.route([1, 2, 3, 7]).cached_tokens == 0
 
 
+def test_reuse_points_of_hybrid_caches():
+    """A hybrid model's cache returns only to its reuse points: the longest one inside the common
+    prefix is what a prompt keeps; acquiring forgets the points beyond what was kept."""
+    held = list(range(1, 11))
+    assert reusable_prefix(held, held[:7] + [99], points=(0, 4, 8, 10)) == 4
+    assert reusable_prefix(held, held + [11], points=(0, 4, 8, 10)) == 10
+    assert reusable_prefix(held, held[:3], points=(0, 4, 8, 10)) == 0
+    led = SlotLedger(1, whole_history_only=True)
+    led.acquire(0, 0)
+    led.extend(0, held)
+    led.replace(0, held, (0, 4, 8, 10, 12))  # a point past the ledger's tokens is not trusted
+    led.release(0)
+    assert led.entries[0].points == (0, 4, 8, 10)
+    assert led.route(held[:9] + [50]).cached_tokens == 8
+    led.acquire(0, 8)
+    assert led.entries[0].points == (0, 4, 8)
+    led.release(0)
+    assert led.evict(0) == 8 and led.route(held).cached_tokens == 0
+
+
 def test_route_prefers_longest_prefix_then_empty_then_lru():
     led = SlotLedger(3)
     for slot, toks in ((0, [1, 2, 3, 4]), (1, [1, 2, 9, 9])):

@@ -161,7 +161,7 @@ class Admission:
 
     def _take(self, msg) -> None:
         if isinstance(msg, Released):
-            self.ledger.replace(msg.slot, msg.tokens)
+            self.ledger.replace(msg.slot, msg.tokens, msg.points)
             self.ledger.release(msg.slot)
             self.reservations.pop(msg.slot, None)
             self.activity.set()

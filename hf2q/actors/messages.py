@@ -55,6 +55,8 @@ class Released:
 
     slot: int
     tokens: tuple[int, ...]
+    #: the lengths the slot's cache can be trimmed back to (hybrid models), None = any
+    points: tuple[int, ...] | None = None
 
 
 @attrs.define(eq=False)

@@ -103,8 +103,10 @@ class SlotActor:
             persist = Persist(self.seq, prompt[:min(len(prompt), len(self.kv_tokens))])
             self.env.kv_prefix.inbox_send.send_nowait(persist)
             await persist.reply.ready.wait()
+        # where a hybrid model's cache can be cut back to, for the next prompt's routing
+        points = getattr(self.seq, "published_points", None)
         self.fsm.fire("released")
-        self.env.released.send_nowait(Released(self.index, tuple(self.kv_tokens)))
+        self.env.released.send_nowait(Released(self.index, tuple(self.kv_tokens), points))
 
     async def _generate(self, a: Assignment, prompt: tuple[int, ...]) -> Finished | Failed | None:
         """Prefill ``prompt`` chunk by chunk; None once the GPU owner ended the request itself."""

@@ -15,11 +15,12 @@ batch, and the sliding window for local-attention layers.
 Hybrid models (qwen35) also give each sequence a :class:`RecurrentState`: for every
 linear-attention layer the last ``K − 1`` conv inputs and the delta-rule matrix, which
 summarise the whole history and cannot be cut back token by token. It is a separate part
-of the cache, beside the K/V of the full-attention layers. It keeps one checkpoint, the
-state before the last forward (one prefill transaction or one decode step), so the cache
-can return to that boundary (the decode pipeline's one-position rollback); ``trim`` to
-any other earlier position raises :class:`PrefixNotReusable`, and K/V export/import is
-refused, rather than leaving K/V and recurrent state out of step.
+of the cache, beside the K/V of the full-attention layers. It keeps the state before the
+last forward (the decode pipeline's one-position rollback) and reuse points: the state every
+``CHECKPOINT_INTERVAL`` tokens and at the end of every prefill transaction, so a later prompt
+that diverges inside the history restarts from the last point before the divergence.
+``trim`` to any other earlier position raises :class:`PrefixNotReusable`, and K/V
+export/import is refused, rather than leaving K/V and recurrent state out of step.
 """
 
 from __future__ import annotations
@@ -46,26 +47,48 @@ class PrefixNotReusable(ValueError):
     """A prefix operation a recurrent state cannot honour (trim to an earlier position, KV export/import)."""
 
 
+#: tokens between two kept recurrent-state checkpoints (a diverging prompt recomputes at most this many)
+CHECKPOINT_INTERVAL = 256
+#: most checkpoints one sequence keeps (the oldest go first)
+CHECKPOINTS_KEPT = 16
+
+
 class RecurrentState:
     """Per-sequence state of the recurrent layers: conv windows ``[K − 1, channels]`` (compute dtype)
     and delta-rule matrices ``[value heads, value dim, key dim]`` (float32), one per recurrent layer.
 
     ``None`` stands for the zero state of a fresh sequence. MLX arrays are never written in place,
-    so the checkpoint is a second list of references, not a copy.
+    so a checkpoint is a list of references, not a copy. Two kinds are kept:
+
+    * the *rollback* state before the last forward (the decode pipeline's one-position undo);
+    * *reuse points*: the state at every multiple of ``interval`` tokens and at the end of every
+      prefill forward (a transaction, so the end of each prompt), the newest ``keep`` of them — the
+      positions a later prompt that diverges inside this history can restart from.
     """
 
-    def __init__(self, n_layers: int, conv_shape: tuple[int, int], ssm_shape: tuple[int, int, int], dtype):
+    def __init__(self, n_layers: int, conv_shape: tuple[int, int], ssm_shape: tuple[int, int, int], dtype,
+                 interval: int = CHECKPOINT_INTERVAL, keep: int = CHECKPOINTS_KEPT):
         self.n_layers = n_layers
         self.conv_shape, self.ssm_shape, self.dtype = tuple(conv_shape), tuple(ssm_shape), dtype
+        self.interval, self.keep = interval, keep
         self.conv: list[mx.array | None] = [None] * n_layers
         self.ssm: list[mx.array | None] = [None] * n_layers
         #: (length, conv, ssm) before the last forward, or None
         self._checkpoint: tuple[int, list, list] | None = None
+        #: length → (conv, ssm) per layer at that length
+        self.points: dict[int, tuple[list, list]] = {}
+
+    @property
+    def state_nbytes(self) -> int:
+        """One copy of the state (every recurrent layer's conv window and matrix)."""
+        per_layer = math.prod(self.conv_shape) * self.dtype.size + math.prod(self.ssm_shape) * 4
+        return self.n_layers * per_layer
 
     @property
     def nbytes(self) -> int:
-        per_layer = math.prod(self.conv_shape) * self.dtype.size + math.prod(self.ssm_shape) * 4
-        return self.n_layers * per_layer
+        """The live state plus the reuse points held (the rollback state shares arrays with them or
+        lives one forward only)."""
+        return (1 + len(self.points)) * self.state_nbytes
 
     def checkpoint(self, length: int) -> None:
         """Remember the state at ``length`` tokens (called before each forward)."""
@@ -75,12 +98,36 @@ class RecurrentState:
         return None if self._checkpoint is None else self._checkpoint[0]
 
     def restore(self) -> None:
-        _, self.conv, self.ssm = self._checkpoint
+        length, self.conv, self.ssm = self._checkpoint
         self._checkpoint = None
+        self._drop_points_after(length)
 
     def reset(self) -> None:
         self.conv, self.ssm = [None] * self.n_layers, [None] * self.n_layers
         self._checkpoint = None
+        self.points.clear()
+
+    def add_point(self, length: int, conv: list, ssm: list) -> None:
+        """Keep the state at ``length`` as a reuse point (the oldest beyond ``keep`` is dropped)."""
+        self.points[length] = (list(conv), list(ssm))
+        while len(self.points) > self.keep:
+            del self.points[min(self.points)]
+
+    def due_points(self, start: int, n_new: int) -> list[int]:
+        """Positions strictly inside a forward of ``n_new`` tokens from ``start`` where a reuse point
+        falls (multiples of ``interval``); relative to ``start``."""
+        first = (start // self.interval + 1) * self.interval
+        return [p - start for p in range(first, start + n_new, self.interval)]
+
+    def restore_point(self, length: int) -> None:
+        conv, ssm = self.points[length]
+        self.conv, self.ssm = list(conv), list(ssm)
+        self._checkpoint = None
+        self._drop_points_after(length)
+
+    def _drop_points_after(self, length: int) -> None:
+        for p in [p for p in self.points if p > length]:
+            del self.points[p]
 
     def batched(self, caches: Sequence["SequenceCache"], layer: int) -> tuple[mx.array, mx.array]:
         """Layer ``layer``'s states of ``caches`` stacked: conv ``[B, K − 1, C]``, ssm ``[B, Hv, Dv, Dk]``."""
@@ -115,6 +162,9 @@ class SequenceCache:
         self._stack: StackedDecode | None = None
         #: the recurrent layers' state (hybrid models), None for pure attention models
         self.recurrent = recurrent
+        #: :meth:`reuse_points` as of the last forward or trim: an immutable copy the serving runtime's
+        #: trio side may read while the engine thread runs the next step
+        self.published_points: tuple[int, ...] | None = None if recurrent is None else (0,)
 
     @property
     def length(self) -> int:
@@ -171,6 +221,8 @@ class SequenceCache:
         if self.recurrent is not None:
             self._trim_recurrent(n_tokens)
         self._length = n_tokens
+        if self.recurrent is not None:
+            self.published_points = self.reuse_points()
         if self._stack is not None:  # a row of a stacked batch keeps its (padded) room; positions
             return  # past the length are never attended, and the next write overwrites them
         keep = room_for(n_tokens)
@@ -191,11 +243,21 @@ class SequenceCache:
             rec.reset()
         elif n_tokens == rec.checkpoint_length():
             rec.restore()
+        elif n_tokens in rec.points:
+            rec.restore_point(n_tokens)
         else:
-            at = rec.checkpoint_length()
             raise PrefixNotReusable(
                 f"cannot trim a hybrid-recurrent cache of {self._length} tokens to {n_tokens}: its recurrent state "
-                f"exists only at {self._length}" + (f" and {at}" if at is not None else "") + " tokens (or 0)")
+                f"exists only at {self.reuse_points()} tokens")
+
+    def reuse_points(self) -> tuple[int, ...] | None:
+        """The lengths this sequence can be trimmed back to, ascending (0 and its length included);
+        None when it can be trimmed anywhere (no recurrent state)."""
+        if self.recurrent is None:
+            return None
+        rec = self.recurrent
+        rollback = () if rec.checkpoint_length() is None else (rec.checkpoint_length(),)
+        return tuple(sorted({0, self._length, *rollback, *(p for p in rec.points if p <= self._length)}))
 
     def advance(self, n: int) -> None:
         self._length += n
@@ -370,6 +432,8 @@ class ForwardBatch:
         self._masks: dict[int | None, mx.array | str | None] = {}
         self._np_masks: dict[int | None, np.ndarray | None] = {}
         self._staged: dict[int, tuple[mx.array, mx.array]] = {}
+        #: reuse points inside a prefill forward: position relative to its start → layer → (conv, ssm)
+        self._staged_points: dict[int, dict[int, tuple[mx.array, mx.array]]] = {}
 
     def recurrent_state(self, layer: int) -> tuple[mx.array, mx.array]:
         """Recurrent layer ``layer``'s state of every sequence: conv ``[B, K − 1, C]``, ssm ``[B, Hv, Dv, Dk]``."""
@@ -379,6 +443,18 @@ class ForwardBatch:
         """The states after this forward (rows in batch order), committed to the caches by :meth:`finish`
         only, so a forward that fails half-way leaves every sequence at its last commit."""
         self._staged[layer] = (conv, ssm)
+
+    def recurrent_cuts(self) -> list[int]:
+        """Positions inside this (single-sequence) forward, relative to its first token, after which
+        the recurrent layers hand in their state as a reuse point (:meth:`set_recurrent_point`)."""
+        rec = self.caches[0].recurrent
+        if rec is None or len(self.caches) != 1:
+            return []
+        return rec.due_points(self.offsets[0], self.n_new)
+
+    def set_recurrent_point(self, layer: int, cut: int, conv: mx.array, ssm: mx.array) -> None:
+        """Layer ``layer``'s state after the first ``cut`` tokens of this forward (batch of one)."""
+        self._staged_points.setdefault(cut, {})[layer] = (conv, ssm)
 
     @property
     def offset(self) -> int | mx.array:
@@ -438,10 +514,21 @@ class ForwardBatch:
     def finish(self) -> None:
         for b, c in enumerate(self.caches):
             if self._staged:
-                c.recurrent.checkpoint(c.length)
+                rec = c.recurrent
+                rec.checkpoint(c.length)
+                for cut, layers in sorted(self._staged_points.items()):
+                    if len(layers) == rec.n_layers:  # every recurrent layer handed its state in
+                        order = sorted(layers)
+                        rec.add_point(c.length + cut, [layers[i][0][b] for i in order],
+                                      [layers[i][1][b] for i in order])
                 for layer, (conv, ssm) in self._staged.items():
-                    c.recurrent.conv[layer], c.recurrent.ssm[layer] = conv[b], ssm[b]
+                    rec.conv[layer], rec.ssm[layer] = conv[b], ssm[b]
+                end = c.length + self.n_new
+                if self.n_new > 1 or end % rec.interval == 0:  # a transaction's end, or a multiple
+                    rec.add_point(end, rec.conv, rec.ssm)
             c.advance(self.n_new)
+            if c.recurrent is not None:
+                c.published_points = c.reuse_points()
 
     def eval_state(self) -> list[mx.array]:
         if self.stack is not None:
@@ -454,4 +541,5 @@ class ForwardBatch:
 
     def _recurrent_arrays(self) -> list[mx.array]:
         staged = [a for pair in self._staged.values() for a in pair]
+        staged += [a for layers in self._staged_points.values() for pair in layers.values() for a in pair]
         return staged + [a for c in self.caches if c.recurrent is not None for a in c.recurrent.arrays()]

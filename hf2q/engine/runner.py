@@ -128,7 +128,7 @@ class MlxModelRunner:
     @property
     def trims_prefix(self) -> bool:
         """Whether a sequence can be trimmed to any earlier position (prefix reuse); a hybrid model's
-        recurrent state exists only at the sequence's end and its last checkpoint."""
+        recurrent state exists only at its reuse points (``seq.reuse_points()``)."""
         return not hasattr(self.model, "new_recurrent_state")
 
     @property

@@ -79,8 +79,8 @@ class ModelFacts:
     eos_token_ids: frozenset[int]
     is_embedding_model: bool
     ctx: int  # the effective per-slot context
-    #: False when a cache cannot be trimmed to an earlier position (hybrid recurrent models):
-    #: prefix reuse then keeps a slot's whole history or nothing
+    #: False when a cache cannot be trimmed to any earlier position (hybrid recurrent models):
+    #: prefix reuse then goes back only to the reuse points a slot reports when it is released
     trims_prefix: bool = True
 
     @classmethod

@@ -22,13 +22,18 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-def reusable_prefix(held: Sequence[int], prompt: Sequence[int], *, whole_history_only: bool = False) -> int:
+def reusable_prefix(held: Sequence[int], prompt: Sequence[int], *, whole_history_only: bool = False,
+                    points: Sequence[int] | None = None) -> int:
     """Prompt tokens whose KV can be kept: the common prefix, leaving at least one token to
     compute (the last prompt token must go through the model to produce logits).
 
-    ``whole_history_only``: the cache cannot be cut back (a hybrid model's recurrent state exists
-    only at its end), so a prompt reuses all of ``held`` or nothing."""
+    A hybrid model's cache cannot be cut back anywhere (its recurrent state exists only at some
+    lengths): ``points`` are the lengths it can return to, and the reuse is the longest of them
+    within the common prefix; ``whole_history_only`` without points means only all of ``held`` or
+    nothing."""
     n = min(common_prefix(held, prompt), max(len(prompt) - 1, 0))
+    if points is not None:
+        return max((p for p in points if p <= n), default=0)
     return 0 if whole_history_only and n != len(held) else n
 
 
@@ -37,6 +42,8 @@ class SlotEntry:
     tokens: list[int] = attrs.Factory(list)
     busy: bool = False
     last_used: int = 0
+    #: the lengths the slot's cache can be trimmed back to (hybrid models), None = any
+    points: tuple[int, ...] | None = None
 
 
 @attrs.frozen
@@ -81,7 +88,7 @@ class SlotLedger:
         for i, e in enumerate(self.entries):
             if e.busy or i in exclude:
                 continue
-            cached = reusable_prefix(e.tokens, prompt, whole_history_only=self.whole_history_only)
+            cached = reusable_prefix(e.tokens, prompt, whole_history_only=self.whole_history_only, points=e.points)
             key = (cached, cached == 0 and not e.tokens, -e.last_used, -i)
             if best is None or key > best[0]:
                 best = (key, i, cached)
@@ -97,6 +104,7 @@ class SlotLedger:
         if keep_tokens > len(e.tokens):
             raise ValueError(f"slot {slot} holds {len(e.tokens)} tokens, cannot keep {keep_tokens}")
         del e.tokens[keep_tokens:]
+        e.points = None if e.points is None else tuple(p for p in e.points if p <= keep_tokens)
         e.busy = True
         self._touch(e)
 
@@ -104,11 +112,14 @@ class SlotLedger:
         """Record that the slot's KV now also holds ``tokens``."""
         self.entries[slot].tokens.extend(tokens)
 
-    def replace(self, slot: int, tokens: Sequence[int]) -> None:
-        """The busy slot's KV was rebuilt (restored from disk): it now holds exactly ``tokens``."""
-        if not self.entries[slot].busy:
+    def replace(self, slot: int, tokens: Sequence[int], points: Sequence[int] | None = None) -> None:
+        """The busy slot's KV now holds exactly ``tokens`` (and, for a hybrid model, can be trimmed
+        back to ``points``)."""
+        e = self.entries[slot]
+        if not e.busy:
             raise RuntimeError(f"slot {slot} is idle")
-        self.entries[slot].tokens[:] = list(tokens)
+        e.tokens[:] = list(tokens)
+        e.points = None if points is None else tuple(p for p in points if p <= len(e.tokens))
 
     def release(self, slot: int) -> None:
         """The request ended; the slot keeps its ledger for prefix reuse."""
@@ -125,6 +136,7 @@ class SlotLedger:
             raise RuntimeError(f"cannot evict busy slot {slot}")
         n = len(e.tokens)
         e.tokens.clear()
+        e.points = None if e.points is None else (0,)
         return n
 
     def _touch(self, e: SlotEntry) -> None:

@@ -100,19 +100,32 @@ class GatedDeltaNet:
     def __call__(self, x: mx.array, fb: ForwardBatch) -> mx.array:
         s = self.shape
         B, L, _ = x.shape
-        conv_state, ssm_state = fb.recurrent_state(self.index)
+        conv_in, ssm_state = fb.recurrent_state(self.index)
+        qkv = self.qkv(x)
         on_cuda = cuda_gated_delta.available() and cuda_gated_delta.takes(s.k_dim, s.k_heads, s.v_heads)
         prepare = _prepare_compiled if on_cuda else _prepare  # fused elementwise work where launches cost most
-        q, k, v, gamma, beta, conv_state = prepare(self.qkv(x), conv_state, self.conv_w, self.beta(x), self.alpha(x),
+        q, k, v, gamma, beta, conv_state = prepare(qkv, conv_in, self.conv_w, self.beta(x), self.alpha(x),
                                                    self.dt_bias, self.a, s.k_heads, s.k_dim, s.v_heads, s.v_dim,
                                                    self.eps)
-        if on_cuda:
-            y, ssm_state = cuda_gated_delta.gated_delta(q, k, v, gamma, beta, ssm_state)
+        if not on_cuda and s.v_heads != s.k_heads:  # tiled value heads: head j·k_heads + g reads key head g
+            reps = (1, 1, s.v_heads // s.k_heads, 1)
+            q, k = mx.tile(q, reps), mx.tile(k, reps)
+        recurrence = cuda_gated_delta.gated_delta if on_cuda else mx.fast.gated_delta_update
+        cuts = fb.recurrent_cuts()
+        if cuts:  # reuse points inside this chunk: run the recurrence piecewise and hand each state in
+            window = mx.concatenate([conv_in.astype(qkv.dtype), qkv], axis=1)  # conv inputs, K − 1 before
+            K, ys, start = s.conv_kernel, [], 0
+            for end in (*cuts, L):
+                part = slice(start, end)
+                y_part, ssm_state = recurrence(q[:, part], k[:, part], v[:, part], gamma[:, part], beta[:, part],
+                                               ssm_state)
+                ys.append(y_part)
+                if end < L:
+                    fb.set_recurrent_point(self.index, end, window[:, end:end + K - 1, :], ssm_state)
+                start = end
+            y = mx.concatenate(ys, axis=1)
         else:
-            if s.v_heads != s.k_heads:  # tiled value heads: head j·k_heads + g reads key head g
-                reps = (1, 1, s.v_heads // s.k_heads, 1)
-                q, k = mx.tile(q, reps), mx.tile(k, reps)
-            y, ssm_state = mx.fast.gated_delta_update(q, k, v, gamma, beta, ssm_state)
+            y, ssm_state = recurrence(q, k, v, gamma, beta, ssm_state)
         fb.set_recurrent_state(self.index, conv_state, ssm_state)
         z = self.z(x).reshape(B, L, s.v_heads, s.v_dim)
         y = rms_norm(y.astype(self.dtype), self.norm, self.eps) * silu(z)
