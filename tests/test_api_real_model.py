@@ -59,7 +59,9 @@ def conversation(i: int) -> list[dict]:
 
 
 @asynccontextmanager
-async def real_server(slots: int = 4):
+async def real_server(slots: int = 4, path=None, model_id: str = "smollm2", **config):
+    """A real ``hf2q serve`` on ``path`` (default: the built-in default model, SmolLM2); yields
+    ``(url, runtime, chat model)``. ``config``: further ``RuntimeConfig`` fields."""
     from hf2q.sched.contracts import RuntimeConfig
     from hf2q.actors.runtime import open_runtime
     from hf2q.api.app import ServerContext
@@ -68,12 +70,12 @@ async def real_server(slots: int = 4):
     from hf2q.api.textbridge import GGUFChatModel
     from hf2q.fetch import default_chat_model
 
-    path = default_chat_model()
-    model = GGUFChatModel.from_gguf(path, "smollm2")
-    config = RuntimeConfig(slots=slots, ctx=CTX, queue_capacity=8, gpu_deadline_s=600)
+    path = default_chat_model() if path is None else path
+    model = GGUFChatModel.from_gguf(path, model_id)
+    config = RuntimeConfig(slots=slots, ctx=CTX, queue_capacity=8, gpu_deadline_s=600, **config)
     async with open_runtime(runner_factory(path, CTX), config) as runtime, trio.open_nursery() as nursery:
         assert await runtime.wait_ready(), runtime.readiness()
-        ctx = ServerContext(runtime=runtime, chat_model=model, model_id="smollm2")
+        ctx = ServerContext(runtime=runtime, chat_model=model, model_id=model_id)
         handle = await nursery.start(lambda task_status: serve(ctx, "127.0.0.1", 0, graceful_timeout=1,
                                                                task_status=task_status))
         try:
