@@ -227,8 +227,44 @@ def for_tool_choice(tokenizer, syntax: str, tools: Sequence[Mapping], tool_choic
         lark = _MARKUP_GRAMMARS[syntax](chosen, many, string_budget(max_tokens))
     else:
         raise InputError(f"tool_choice {tool_choice!r} is not supported for the {syntax} tool-call syntax; use auto")
-    return GrammarConstraint(tokenizer, _load_llguidance().LLMatcher.grammar_from_lark(_opened_by(opening, lark)),
-                             description="tool call")
+    lark = _opened_by(opening, lark)
+    llg = _load_llguidance()
+    if _control_tokens_spell_exclusions(tokenizer, lark):
+        lark = _token_bounded(lark)
+    return GrammarConstraint(tokenizer, llg.LLMatcher.grammar_from_lark(lark), description="tool call")
+
+
+_EXCLUSION = re.compile(r"~/\(\.\|\\n\)\*\((.+?)\)\(\.\|\\n\)\*/")
+
+
+def _control_tokens_spell_exclusions(tokenizer, lark: str) -> bool:
+    """Whether the vocabulary has a token that is one of the markup strings ``lark``'s free text excludes."""
+    excluded = {re.sub(r"\\(.)", r"\1", alt).encode() for m in _EXCLUSION.finditer(lark)
+                for alt in re.split(r"(?<!\\)\|", m.group(1))}
+    if not excluded:
+        return False
+    with _FACTORIES_LOCK:
+        pieces = getattr(tokenizer, "_piece_set", None)
+        if pieces is None:
+            pieces = tokenizer._piece_set = frozenset(tokenizer.piece_bytes_table())
+    return not excluded.isdisjoint(pieces)
+
+
+#: a free-text rule as :func:`_text_without` writes it with a length bound
+_COUNTED_TEXT = re.compile(r"\[suffix=(\"(?:[^\"\\]|\\.)*\")\]: /\(\.\|\\n\)\{(\d+),(\d+)\}/")
+
+
+def _token_bounded(lark: str) -> str:
+    """``lark`` with each free-text value's character bound turned into a token bound.
+
+    A counted repetition intersected with the markup exclusion is exact, but on a vocabulary
+    whose control tokens spell that markup (Qwen's ``</tool_call>``, ``</think>``) llguidance's
+    lexer runs out of fuel on the first mask once the bound passes a few dozen characters. The
+    rule's ``max_tokens`` bounds the same value in tokens instead (each at least one character,
+    so a value may then exceed its ``maxLength``: the fallback for those vocabularies only).
+    """
+    return _COUNTED_TEXT.sub(lambda m: f"[suffix={m.group(1)}, max_tokens={m.group(3)}]: /(.|\\n){{{m.group(2)},}}/",
+                             lark)
 
 
 def _opened_by(opening: str, lark: str) -> str:
