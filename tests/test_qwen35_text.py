@@ -192,3 +192,24 @@ def test_a_json_reply_is_written_after_the_reasoning_block_closes():
     prepared = m.prepare(parse_chat_request(body), 4096)
     assert _accepts(prepared.params.constraint, '\n</think>\n\n{"ok": true}')
     assert not _accepts(m.prepare(parse_chat_request(body), 4096).params.constraint, '{"ok": true}')
+
+
+def test_forced_free_text_on_a_vocabulary_that_spells_the_markup():
+    """Qwen's vocabulary has ``</tool_call>`` as a token: a long free-text value must still be
+    writable under a large budget (the count with the markup exclusion exhausts llguidance's
+    lexer), and a small declared ``maxLength`` stays exact."""
+    m = model()
+    assert m.tokenizer.encode("</tool_call>", add_special=False, parse_special=True).__len__() == 1
+    tools = [{"type": "function", "function": {"name": "note", "parameters": {"type": "object", "properties": {
+        "title": {"type": "string", "maxLength": 20}, "text": {"type": "string"}}, "required": ["title", "text"]}}}]
+    body = {"messages": ASK, "tools": tools, "tool_choice": "required", "reasoning_effort": "none",
+            "parallel_tool_calls": False}
+
+    def call(title, text):
+        return (f"<tool_call>\n<function=note>\n<parameter=title>\n{title}\n</parameter>\n"
+                f"<parameter=text>\n{text}\n</parameter>\n</function>\n</tool_call>")
+    constraint = lambda: m.prepare(parse_chat_request(body), 8192).params.constraint  # noqa: E731
+    text = "def f(x):\n    return '</b>' + x\n" * 20
+    assert _accepts(constraint(), call("t" * 20, text))
+    assert not _accepts(constraint(), call("t" * 21, text))
+    assert not _accepts(constraint(), call("a </function> b", text))  # a short value keeps the exclusion

@@ -230,7 +230,7 @@ def for_tool_choice(tokenizer, syntax: str, tools: Sequence[Mapping], tool_choic
     lark = _opened_by(opening, lark)
     llg = _load_llguidance()
     if _control_tokens_spell_exclusions(tokenizer, lark):
-        lark = _token_bounded(lark)
+        lark = _without_exclusions(lark)
     return GrammarConstraint(tokenizer, llg.LLMatcher.grammar_from_lark(lark), description="tool call")
 
 
@@ -250,21 +250,23 @@ def _control_tokens_spell_exclusions(tokenizer, lark: str) -> bool:
     return not excluded.isdisjoint(pieces)
 
 
-#: a free-text rule as :func:`_text_without` writes it with a length bound
-_COUNTED_TEXT = re.compile(r"\[suffix=(\"(?:[^\"\\]|\\.)*\")\]: /\(\.\|\\n\)\{(\d+),(\d+)\}/")
+#: bounds up to this keep the markup exclusion on every vocabulary (:func:`_without_exclusions`)
+EXACT_COUNT_LIMIT = 32
+#: a free-text rule as :func:`_text_without` writes it with a length bound, and its exclusion
+_COUNTED_TEXT = re.compile(r"(\[suffix=\"(?:[^\"\\]|\\.)*\"\]: /\(\.\|\\n\)\{\d+,(\d+)\}/) & ~/[^\n]*?\)\(\.\|\\n\)\*/")
 
 
-def _token_bounded(lark: str) -> str:
-    """``lark`` with each free-text value's character bound turned into a token bound.
+def _without_exclusions(lark: str) -> str:
+    """``lark`` with the markup exclusion dropped from free-text values longer than a few dozen characters.
 
-    A counted repetition intersected with the markup exclusion is exact, but on a vocabulary
-    whose control tokens spell that markup (Qwen's ``</tool_call>``, ``</think>``) llguidance's
-    lexer runs out of fuel on the first mask once the bound passes a few dozen characters. The
-    rule's ``max_tokens`` bounds the same value in tokens instead (each at least one character,
-    so a value may then exceed its ``maxLength``: the fallback for those vocabularies only).
+    A counted repetition intersected with the exclusion is exact, but on a vocabulary that has
+    the markup as tokens (Qwen's ``</tool_call>``) llguidance's lexer runs out of fuel once the
+    bound passes a few dozen characters, and every forced call would fail. The count alone
+    compiles at any size; the value still ends at its closing marker (the rule's ``suffix``), but
+    may then hold the other closing markup (``</function>``), which the whole-block reader would
+    see as the call's end: the fallback for those vocabularies only.
     """
-    return _COUNTED_TEXT.sub(lambda m: f"[suffix={m.group(1)}, max_tokens={m.group(3)}]: /(.|\\n){{{m.group(2)},}}/",
-                             lark)
+    return _COUNTED_TEXT.sub(lambda m: m.group(0) if int(m.group(2)) <= EXACT_COUNT_LIMIT else m.group(1), lark)
 
 
 def _opened_by(opening: str, lark: str) -> str:
