@@ -229,7 +229,7 @@ def for_tool_choice(tokenizer, syntax: str, tools: Sequence[Mapping], tool_choic
         raise InputError(f"tool_choice {tool_choice!r} is not supported for the {syntax} tool-call syntax; use auto")
     lark = _opened_by(opening, lark)
     llg = _load_llguidance()
-    if _control_tokens_spell_exclusions(tokenizer, lark):
+    if _vocabulary_has_excluded_markup(tokenizer, lark):
         lark = _without_exclusions(lark)
     return GrammarConstraint(tokenizer, llg.LLMatcher.grammar_from_lark(lark), description="tool call")
 
@@ -237,7 +237,7 @@ def for_tool_choice(tokenizer, syntax: str, tools: Sequence[Mapping], tool_choic
 _EXCLUSION = re.compile(r"~/\(\.\|\\n\)\*\((.+?)\)\(\.\|\\n\)\*/")
 
 
-def _control_tokens_spell_exclusions(tokenizer, lark: str) -> bool:
+def _vocabulary_has_excluded_markup(tokenizer, lark: str) -> bool:
     """Whether the vocabulary has a token that is one of the markup strings ``lark``'s free text excludes."""
     excluded = {re.sub(r"\\(.)", r"\1", alt).encode() for m in _EXCLUSION.finditer(lark)
                 for alt in re.split(r"(?<!\\)\|", m.group(1))}
