@@ -1,18 +1,25 @@
-"""The headline scenario on the REAL engine: SmolLM2 behind the real runtime and a real HTTP server.
+"""The headline scenario on the REAL engine: a real model behind the real runtime and a real HTTP server.
 
 Four agent-style conversations run concurrently on four slots, each with tools and a system
-context of its own (~20 KB in the issue's scenario; see ``NOTES_BYTES``):
+context of its own (~20 KB in the issue's scenario; see ``NOTES_BYTES``), on SmolLM2 and on a
+tiny Qwen 3.5 GGUF (hybrid recurrent layers, the official Qwen3.5 template and its XML calls):
 
-1. cold: each asks for a tool call (``tool_choice`` names the function, temperature 0);
-2. repeated verbatim: the answer is identical and ``cached_tokens >= prompt_tokens - 32``
-   (each conversation went back to the slot that holds its prefix);
+1. cold: each asks for a tool call (``tool_choice`` names the function, temperature 0); the
+   prompts went in as bounded prefill transactions (``PREFILL_CHUNK``) and some steps mixed
+   decode rows with a prefill chunk;
+2. repeated verbatim: the answer is identical and, where the family reuses any prefix
+   (SmolLM2), ``cached_tokens >= prompt_tokens - 32`` (each conversation went back to the slot
+   that holds its prefix);
 3. streamed: the SSE tool-call deltas (id/type/name first, then argument pieces) reassemble
    to the same call;
-4. continued with a tool result: the new turn reuses the conversation's prefix.
+4. continued with a tool result: the new turn reuses the conversation's prefix (SmolLM2);
+5. cancelled: streams closed after their first frames end as cancelled, the slots come back
+   idle, and a cancelled slot answers as before.
 
 References are independent of the server: the prompt token count is recomputed with
-``transformers``' tokenizer built from the same GGUF, and the tool call's arguments must be
-JSON that matches the tool's schema.
+``transformers``' tokenizer (built from the same GGUF, or for the tiny Qwen 3.5 from the
+checkpoint's own tokenizer files), and the tool call's arguments must be JSON that matches the
+tool's schema.
 """
 
 from __future__ import annotations
