@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -65,24 +66,40 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextmanager
+def launched(args: list[str], **kw):
+    """A launcher process; SIGTERM at the end must stop it (and its server) cleanly."""
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+    try:
+        yield proc
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def printed_config(proc: subprocess.Popen) -> dict:
+    """The config a launcher prints: its whole stdout, once the server is ready."""
+    text = ""
+    while True:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        text += line
+        if line.rstrip() == "}":
+            return json.loads(text)
+
+
 @pytest.mark.slow
 def test_launcher_starts_server_and_config_works(tmp_path):
     import openai
 
     port = _free_port()
     out_file = tmp_path / "opencode.json"
-    proc = subprocess.Popen([sys.executable, str(LAUNCHER), "--port", str(port), "--slots", "2", "--ctx", "2048",
-                             "--config-out", str(out_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    try:
-        text = ""
-        while True:  # the config is the launcher's whole stdout, printed once the server is ready
-            line = proc.stdout.readline()
-            assert line, proc.stderr.read()
-            text += line
-            if line.rstrip() == "}":
-                break
-        cfg = json.loads(text)
+    with launched([sys.executable, str(LAUNCHER), "--port", str(port), "--slots", "2", "--ctx", "2048",
+                   "--config-out", str(out_file)]) as proc:
+        cfg = printed_config(proc)
         assert json.loads(out_file.read_text()) == cfg
         assert oct(out_file.stat().st_mode & 0o777) == "0o600"
         prov = cfg["provider"]["hf2q"]
@@ -96,12 +113,6 @@ def test_launcher_starts_server_and_config_works(tmp_path):
         bad = openai.OpenAI(base_url=prov["options"]["baseURL"], api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 # ---- launchers/qwen36-opencode.sh ----------------------------------------------------------------
@@ -147,18 +158,9 @@ def test_qwen36_launcher_serves_four_slots_and_prints_the_config():
     from tests.models.qwen35_chat import qwen35_chat_gguf
 
     port = _free_port()
-    proc = subprocess.Popen(["bash", str(QWEN36), "--model", str(qwen35_chat_gguf()), "--port", str(port),
-                             "--ctx", "2048"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "HF2Q_PYTHON": sys.executable})
-    try:
-        text = ""
-        while True:
-            line = proc.stdout.readline()
-            assert line, proc.stderr.read()
-            text += line
-            if line.rstrip() == "}":
-                break
-        cfg = json.loads(text)
+    with launched(["bash", str(QWEN36), "--model", str(qwen35_chat_gguf()), "--port", str(port), "--ctx", "2048"],
+                  env={**os.environ, "HF2Q_PYTHON": sys.executable}) as proc:
+        cfg = printed_config(proc)
         prov = cfg["provider"]["hf2q"]
         assert prov["npm"] == "@ai-sdk/openai-compatible"
         assert prov["options"]["baseURL"] == f"http://127.0.0.1:{port}/v1"
@@ -176,9 +178,3 @@ def test_qwen36_launcher_serves_four_slots_and_prints_the_config():
                                      headers={"Authorization": f"Bearer {prov['options']['apiKey']}"})
         metrics = urllib.request.urlopen(req, timeout=10).read().decode()
         assert "hf2q_slots_total 4.0" in metrics
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
