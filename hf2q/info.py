@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as T
 
 from hf2q.errors import EXIT_INPUT, EXIT_OK, InputError
 from hf2q.formats.gguf_file import open_gguf
-from hf2q.formats.gguf_hparams import ENCODER_ARCHS
+from hf2q.formats.gguf_hparams import ENCODER_ARCHS, RECURRENT_ARCHS
 from hf2q.formats.gguf_keys import Keys
 
 SUPPORTED_TYPES = {T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K,
@@ -94,10 +94,33 @@ def inspect(path, ctx: int | None = None, slots: int = 4, kv_budget: int | None 
         "tokenizer": tok_model if has_tokenizer else None, "vocab_size": len(tokens) if tokens else 0,
         "chat_template": bool(template),
         "kv_dtype_bytes": elem, "kv_bytes_per_token": per_token, "kv_bytes_per_slot": per_slot,
-        "kv_bytes_worst_case": worst, "kv_cache_budget": kv_budget,
+        "kv_bytes_worst_case": worst, "kv_cache_budget": kv_budget, **recurrent_state(hp, elem),
         "serve_support": "rejected" if reasons else "ready",
         "reject_reason": "; ".join(reasons) if reasons else None,
     }
+
+
+def recurrent_state(hp, elem: int = 4) -> dict[str, int]:
+    """The fixed state one slot holds for a hybrid model's linear-attention layers (qwen35,
+    qwen35moe), beside its KV: per layer the conv window ``(conv kernel − 1) × conv channels``
+    in the engine's activation type (``elem`` bytes, as the KV) and the delta-rule matrix
+    ``value heads × value dim × key dim`` in float32. Zeros for other families."""
+    layers = sum(hp.recurrent_layers) if hp.arch in RECURRENT_ARCHS else 0
+    if not layers:
+        return {"recurrent_layers": 0, "recurrent_conv_bytes_per_slot": 0, "recurrent_ssm_bytes_per_slot": 0,
+                "recurrent_state_bytes_per_slot": 0}
+    key_dim = hp.ssm_state_size * hp.ssm_group_count
+    conv = layers * (hp.ssm_conv_kernel - 1) * (2 * key_dim + hp.ssm_inner_size) * elem
+    ssm = layers * hp.ssm_inner_size * hp.ssm_state_size * 4
+    return {"recurrent_layers": layers, "recurrent_conv_bytes_per_slot": conv, "recurrent_ssm_bytes_per_slot": ssm,
+            "recurrent_state_bytes_per_slot": conv + ssm}
+
+
+def _recurrent_line(info: dict) -> str:
+    return (f"Recurrent:      {_human(info['recurrent_state_bytes_per_slot'])} per slot over "
+            f"{info['recurrent_layers']} linear-attention layers (conv {_human(info['recurrent_conv_bytes_per_slot'])}"
+            f" + SSM {_human(info['recurrent_ssm_bytes_per_slot'])}); worst case {info['slots']} slots "
+            f"{_human(info['recurrent_state_bytes_per_slot'] * info['slots'])}")
 
 
 def _unserved(arch: str | None) -> str:
@@ -141,6 +164,8 @@ def run(args) -> int:
             f"per slot {_human(info['kv_bytes_per_slot'])}; worst case {info['slots']} slots "
             f"{_human(info['kv_bytes_worst_case'])}{budget}",
         ]
+        if info["recurrent_layers"]:
+            lines.append(_recurrent_line(info))
     print("\n".join(lines))
     if ready:
         print("Serve support: ready")

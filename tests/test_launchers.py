@@ -9,10 +9,12 @@ is enough for the official ``openai`` client to chat; SIGTERM stops both.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -64,24 +66,40 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextmanager
+def launched(args: list[str], **kw):
+    """A launcher process; SIGTERM at the end must stop it (and its server) cleanly."""
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+    try:
+        yield proc
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def printed_config(proc: subprocess.Popen) -> dict:
+    """The config a launcher prints: its whole stdout, once the server is ready."""
+    text = ""
+    while True:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        text += line
+        if line.rstrip() == "}":
+            return json.loads(text)
+
+
 @pytest.mark.slow
 def test_launcher_starts_server_and_config_works(tmp_path):
     import openai
 
     port = _free_port()
     out_file = tmp_path / "opencode.json"
-    proc = subprocess.Popen([sys.executable, str(LAUNCHER), "--port", str(port), "--slots", "2", "--ctx", "2048",
-                             "--config-out", str(out_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    try:
-        text = ""
-        while True:  # the config is the launcher's whole stdout, printed once the server is ready
-            line = proc.stdout.readline()
-            assert line, proc.stderr.read()
-            text += line
-            if line.rstrip() == "}":
-                break
-        cfg = json.loads(text)
+    with launched([sys.executable, str(LAUNCHER), "--port", str(port), "--slots", "2", "--ctx", "2048",
+                   "--config-out", str(out_file)]) as proc:
+        cfg = printed_config(proc)
         assert json.loads(out_file.read_text()) == cfg
         assert oct(out_file.stat().st_mode & 0o777) == "0o600"
         prov = cfg["provider"]["hf2q"]
@@ -95,9 +113,68 @@ def test_launcher_starts_server_and_config_works(tmp_path):
         bad = openai.OpenAI(base_url=prov["options"]["baseURL"], api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+
+
+# ---- launchers/qwen36-opencode.sh ----------------------------------------------------------------
+
+QWEN36 = ROOT / "launchers" / "qwen36-opencode.sh"
+
+
+def qwen36(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF2Q_PYTHON": sys.executable}
+    return subprocess.run(["bash", str(QWEN36), *args], check=False, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_qwen36_launcher_needs_a_qwen35_model(smollm2_gguf, tmp_path):
+    r = qwen36()
+    assert (r.returncode, r.stdout) == (2, "") and "--model PATH.gguf is required" in r.stderr
+    r = qwen36("--model", str(smollm2_gguf))
+    assert (r.returncode, r.stdout) == (3, "")
+    assert r.stderr.strip() == f"qwen36-opencode: error: {smollm2_gguf} is a 'llama' GGUF, not Qwen 3.5 / 3.6 " \
+                               "(qwen35, qwen35moe)"
+    r = qwen36("--model", str(tmp_path / "absent.gguf"))
+    assert r.returncode == 3 and r.stderr.strip() == f"serve_agent: error: model not found: {tmp_path / 'absent.gguf'}"
+
+
+def test_qwen36_launcher_defaults_to_port_8081():
+    from tests.models.qwen35_chat import qwen35_chat_gguf
+
+    with socket.socket() as s:  # 8081 busy, by us or by someone else: the launcher must say so
+        try:
+            s.bind(("127.0.0.1", 8081))
+            s.listen()
+        except OSError:
+            pass
+        r = qwen36("--model", str(qwen35_chat_gguf()))
+    assert r.returncode == 1 and r.stdout == ""
+    assert "port 8081 on 127.0.0.1 is busy" in r.stderr
+
+
+@pytest.mark.slow
+def test_qwen36_launcher_serves_four_slots_and_prints_the_config():
+    import openai
+
+    from tests.models.qwen35_chat import qwen35_chat_gguf
+
+    port = _free_port()
+    with launched(["bash", str(QWEN36), "--model", str(qwen35_chat_gguf()), "--port", str(port), "--ctx", "2048"],
+                  env={**os.environ, "HF2Q_PYTHON": sys.executable}) as proc:
+        cfg = printed_config(proc)
+        prov = cfg["provider"]["hf2q"]
+        assert prov["npm"] == "@ai-sdk/openai-compatible"
+        assert prov["options"]["baseURL"] == f"http://127.0.0.1:{port}/v1"
+        model_id = cfg["model"].split("/", 1)[1]
+        assert prov["models"][model_id]["tool_call"] is True
+        client = openai.OpenAI(base_url=prov["options"]["baseURL"], api_key=prov["options"]["apiKey"], max_retries=0)
+        tools = [{"type": "function", "function": {"name": "read_file", "parameters": {
+            "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
+        r = client.chat.completions.create(model=model_id, max_tokens=128, temperature=0, tools=tools,
+                                           tool_choice="required", messages=[{"role": "user", "content": "Open a.py"}])
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert isinstance(json.loads(r.choices[0].message.tool_calls[0].function.arguments)["path"], str)
+        import urllib.request
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics",
+                                     headers={"Authorization": f"Bearer {prov['options']['apiKey']}"})
+        metrics = urllib.request.urlopen(req, timeout=10).read().decode()
+        assert "hf2q_slots_total 4.0" in metrics

@@ -124,3 +124,24 @@ def test_prompt_state_per_template(name, kwargs, opened):
     for with_tools in (None, tools):  # tool instructions may mention the markers themselves
         prompt = tpl.render([{"role": "user", "content": "hi"}], tools=with_tools, **kwargs)
         assert splitter_for(tpl, prompt).in_reasoning is opened
+
+
+@pytest.mark.parametrize(("name", "expected"), [
+    ("Qwen3.5-4B", "\n</think>\n\n"),  # what the template itself writes for an empty block
+    ("deepseek-ai-DeepSeek-V4-Flash-0731", None),  # thinking off is not a continuation: the end marker
+])
+def test_the_closing_of_a_block_the_prompt_opened(name, expected):
+    from hf2q.text.reasoning import closing_text
+
+    tpl = _template(name)
+    user = [{"role": "user", "content": "hi"}]
+    on = tpl.render(user, add_generation_prompt=True, enable_thinking=True)
+    off = tpl.render(user, add_generation_prompt=True, enable_thinking=False)
+    start, end = tpl.thinking_markers
+    assert prompt_opens_reasoning(on, start, end)
+    closing = closing_text(on, off, end)
+    assert closing == (end if expected is None else expected)
+    # a reply that begins with it has no reasoning and keeps its answer whole
+    assert split_complete(closing + "<b>ok</b>", start, end, started_in_prompt=True) == ("", "<b>ok</b>")
+    if expected is not None:
+        assert on + closing == off  # the constrained reply continues the prompt as thinking-off would

@@ -98,8 +98,21 @@ def _stop_matcher(stops: Sequence[str]):
     return StopStringMatcher(list(stops))
 
 
-def _constraint(tokenizer, req: ChatRequest, syntax, max_tokens: int):
-    """A ``SamplingParams.constraint`` for json_object / json_schema / forced tool calls, or None."""
+def _reasoning_closing(template, prompt: str, render_without_thinking) -> str:
+    """Text closing the reasoning block ``prompt`` leaves open ("" when it leaves none)."""
+    markers = getattr(template, "thinking_markers", None)
+    if markers is None:
+        return ""
+    from hf2q.text import reasoning
+
+    if not reasoning.prompt_opens_reasoning(prompt, *markers):
+        return ""
+    return reasoning.closing_text(prompt, render_without_thinking(), markers[1])
+
+
+def _constraint(tokenizer, req: ChatRequest, syntax, max_tokens: int, opening=lambda: ""):
+    """A ``SamplingParams.constraint`` for json_object / json_schema / forced tool calls, or None.
+    ``opening()``: what the reply writes before the constrained part (an open reasoning block's close)."""
     forced = req.tools_active and (req.tool_choice == "required" or req.forced_tool is not None)
     if req.response_format is None and not forced:
         return None
@@ -113,7 +126,8 @@ def _constraint(tokenizer, req: ChatRequest, syntax, max_tokens: int):
     try:
         return constrained.for_request(tokenizer, response_format=req.response_format, tools=list(req.tools),
                                        tool_choice=req.tool_choice, syntax=syntax,
-                                       parallel=req.parallel_tool_calls, max_tokens=max_tokens)
+                                       parallel=req.parallel_tool_calls, max_tokens=max_tokens,
+                                       opening=opening())
     except InputError as e:
         raise ApiError(400, str(e), code="invalid_value",
                        param="tool_choice" if forced else "response_format") from None
@@ -272,6 +286,16 @@ class GGUFChatModel:
             msg = str(e) if str(e).startswith("chat template") else f"chat template: {e}"
             raise ApiError(400, msg, code="invalid_value", param="messages") from None
 
+    def _without_thinking(self, req: ChatRequest, fence: _Fence | None) -> str | None:
+        """The prompt rendered with thinking off (None when the template refuses that)."""
+        off = attrs.evolve(req, chat_template_kwargs={**req.chat_template_kwargs, "enable_thinking": False},
+                           reasoning_effort=None)
+        try:
+            rendered = self.render(off)
+        except ApiError:
+            return None
+        return "".join(piece for piece, _ in fence.spans(rendered)) if fence is not None else rendered
+
     def prepare(self, req: ChatRequest, max_context: int | None):
         from hf2q.api.chatmodel import PreparedChat
 
@@ -291,6 +315,9 @@ class GGUFChatModel:
             raise ApiError(400, f"logit_bias: token id {bad} is outside the vocabulary (0..{tok.vocab_size - 1})",
                            code="invalid_value", param="logit_bias")
         max_tokens = max(1, max_tokens)
+
+        def closing() -> str:  # only a constrained reply asks: it renders the prompt once more
+            return _reasoning_closing(self.template, text, lambda: self._without_thinking(fenced, fence))
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
@@ -301,7 +328,8 @@ class GGUFChatModel:
             frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty, seed=req.seed,
             logit_bias=req.logit_bias, logprobs=req.logprobs, top_logprobs=req.top_logprobs,
             stop_token_ids=frozenset(tok.eos_ids),
-            constraint=_constraint(tok, req, self.tool_syntax if req.tools_active else None, max_tokens))
+            constraint=_constraint(tok, req, self.tool_syntax if req.tools_active else None, max_tokens,
+                                   opening=closing))
         thinking = bool(req.chat_template_kwargs.get("enable_thinking", True)) and req.reasoning_effort != "none"
         tools = list(req.tools) if req.tools_active else None
         syntax = self.tool_syntax if tools else None

@@ -360,9 +360,10 @@ def _tools(v: Any) -> tuple[dict, ...]:
         if not isinstance(params, dict):
             raise invalid(f"{p}.function.parameters", "expected a JSON schema object", "invalid_type")
         desc = _string(fn, "description", f"{p}.function.description")
-        clean = {"name": name, "parameters": params}
+        clean = {"name": name}  # OpenAI's key order: templates print the tool as JSON, in this order
         if desc is not None:
             clean["description"] = desc
+        clean["parameters"] = params
         out.append({"type": "function", "function": clean})
     return tuple(out)
 

@@ -56,6 +56,11 @@ def verbatim(declared: Any) -> bool:
     return "string" in types or declared is None
 
 
+#: Python's spellings of the JSON literals: Qwen3.5's template writes a past call's non-string
+#: values with Jinja's ``|string`` (``True``, ``None``), so its model writes them so too
+_PYTHON_LITERALS = {"True": True, "False": False, "None": None}
+
+
 def typed_value(value: str, declared: Any) -> Any:
     """A textual parameter value typed by the tool's schema (strings stay verbatim)."""
     if verbatim(declared):
@@ -63,7 +68,7 @@ def typed_value(value: str, declared: Any) -> Any:
     try:
         return json.loads(value)
     except ValueError:
-        return value
+        return _PYTHON_LITERALS.get(value.strip(), value)
 
 
 _XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.DOTALL)

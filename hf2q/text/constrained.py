@@ -191,7 +191,7 @@ def _selected_tools(tools: Sequence[Mapping], tool_choice: Any) -> list[Mapping]
 
 
 def for_tool_choice(tokenizer, syntax: str, tools: Sequence[Mapping], tool_choice: Any, parallel: bool = True,
-                    max_tokens: int | None = None) -> GrammarConstraint | None:
+                    max_tokens: int | None = None, opening: str = "") -> GrammarConstraint | None:
     """Force a tool call for ``tool_choice`` ``required`` or ``{"type": "function", ...}``.
 
     The grammar writes the call in the model's own syntax (see :mod:`hf2q.text.toolcalls`):
@@ -201,7 +201,8 @@ def for_tool_choice(tokenizer, syntax: str, tools: Sequence[Mapping], tool_choic
     Every value is finite (:func:`hf2q.text.bounded_schema.bounded`, sized by ``max_tokens``)
     and JSON is compact, so a call closes as soon as its schema allows. Only ``required`` with
     ``parallel`` lets further calls follow; a further call that repeats an earlier one is the
-    reply decoder's to cut (a grammar cannot compare two calls).
+    reply decoder's to cut (a grammar cannot compare two calls). ``opening``: text written
+    before the call (see :func:`for_request`).
     """
     if tool_choice in (None, "auto", "none"):
         return None
@@ -218,12 +219,62 @@ def for_tool_choice(tokenizer, syntax: str, tools: Sequence[Mapping], tool_choic
             f"body: %json {schema}\n"
         )
     elif syntax == "llama3":
-        return GrammarConstraint(tokenizer, json_schema_grammar(_call_schema(chosen, "parameters")), description="tool call")
+        if not opening:
+            return GrammarConstraint(tokenizer, json_schema_grammar(_call_schema(chosen, "parameters")),
+                                     description="tool call")
+        lark = f"start: {_json_value(_call_schema(chosen, 'parameters'))}\n"
     elif syntax in _MARKUP_GRAMMARS:
         lark = _MARKUP_GRAMMARS[syntax](chosen, many, string_budget(max_tokens))
     else:
         raise InputError(f"tool_choice {tool_choice!r} is not supported for the {syntax} tool-call syntax; use auto")
-    return GrammarConstraint(tokenizer, _load_llguidance().LLMatcher.grammar_from_lark(lark), description="tool call")
+    lark = _opened_by(opening, lark)
+    llg = _load_llguidance()
+    if _vocabulary_has_excluded_markup(tokenizer, lark):
+        lark = _without_exclusions(lark)
+    return GrammarConstraint(tokenizer, llg.LLMatcher.grammar_from_lark(lark), description="tool call")
+
+
+_EXCLUSION = re.compile(r"~/\(\.\|\\n\)\*\((.+?)\)\(\.\|\\n\)\*/")
+
+
+def _vocabulary_has_excluded_markup(tokenizer, lark: str) -> bool:
+    """Whether the vocabulary has a token that is one of the markup strings ``lark``'s free text excludes."""
+    excluded = {re.sub(r"\\(.)", r"\1", alt).encode() for m in _EXCLUSION.finditer(lark)
+                for alt in re.split(r"(?<!\\)\|", m.group(1))}
+    if not excluded:
+        return False
+    with _FACTORIES_LOCK:
+        pieces = getattr(tokenizer, "_piece_set", None)
+        if pieces is None:
+            pieces = tokenizer._piece_set = frozenset(tokenizer.piece_bytes_table())
+    return not excluded.isdisjoint(pieces)
+
+
+#: bounds up to this keep the markup exclusion on every vocabulary (:func:`_without_exclusions`)
+EXACT_COUNT_LIMIT = 32
+#: a free-text rule as :func:`_text_without` writes it with a length bound, and its exclusion
+_COUNTED_TEXT = re.compile(r"(\[suffix=\"(?:[^\"\\]|\\.)*\"\]: /\(\.\|\\n\)\{\d+,(\d+)\}/) & ~/[^\n]*?\)\(\.\|\\n\)\*/")
+
+
+def _without_exclusions(lark: str) -> str:
+    """``lark`` with the markup exclusion dropped from free-text values longer than a few dozen characters.
+
+    A counted repetition intersected with the exclusion is exact, but on a vocabulary that has
+    the markup as tokens (Qwen's ``</tool_call>``) llguidance's lexer runs out of fuel once the
+    bound passes a few dozen characters, and every forced call would fail. The count alone
+    compiles at any size; the value still ends at its closing marker (the rule's ``suffix``), but
+    may then hold the other closing markup (``</function>``), which the whole-block reader would
+    see as the call's end: the fallback for those vocabularies only.
+    """
+    return _COUNTED_TEXT.sub(lambda m: m.group(0) if int(m.group(2)) <= EXACT_COUNT_LIMIT else m.group(1), lark)
+
+
+def _opened_by(opening: str, lark: str) -> str:
+    """``lark`` whose text must follow ``opening``: its start rule renamed and preceded by the literal."""
+    if not opening:
+        return lark
+    renamed = re.sub(r"^start:", "constrained:", lark, count=1, flags=re.MULTILINE)
+    return f"start: {_lit(opening)} constrained\n{renamed}"
 
 
 # ---- call grammars for the markup syntaxes (Lark, as llguidance reads it) ----------------------
@@ -407,14 +458,27 @@ def for_request(
     syntax: str | None = None,
     parallel: bool = True,
     max_tokens: int | None = None,
+    opening: str = "",
 ) -> GrammarConstraint | None:
     """The one constraint an OpenAI chat request needs, or None.
 
     A forced tool call (``tool_choice`` ``required`` / named) wins over ``response_format``
     because the reply is then a call, not a message. ``parallel`` is the request's
     ``parallel_tool_calls`` and ``max_tokens`` its budget, which sizes the call's value bounds.
+    ``opening`` is text the reply must write before the constrained part: a prompt that leaves
+    a reasoning block open (Qwen3.5 with thinking on) has it closed first, or the call or JSON
+    would be written inside the reasoning and never reach the answer.
     """
     forced = bool(tools) and tool_choice not in (None, "auto", "none")
     if forced and syntax is not None:
-        return for_tool_choice(tokenizer, syntax, tools, tool_choice, parallel=parallel, max_tokens=max_tokens)
-    return for_response_format(tokenizer, response_format)
+        return for_tool_choice(tokenizer, syntax, tools, tool_choice, parallel=parallel, max_tokens=max_tokens,
+                               opening=opening)
+    constraint = for_response_format(tokenizer, response_format)
+    if constraint is None or not opening:
+        return constraint
+    kind = response_format.get("type")
+    schema = response_format["json_schema"].get("schema", {"type": "object"}) if kind == "json_schema" else {
+        "type": "object"}
+    lark = f"start: {_lit(opening)} {_json_value(schema)}\n"
+    return GrammarConstraint(tokenizer, _load_llguidance().LLMatcher.grammar_from_lark(lark),
+                             description=constraint.description)

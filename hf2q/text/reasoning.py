@@ -126,6 +126,21 @@ def prompt_opens_reasoning(prompt: str, start: str = "<think>", end: str = "</th
     return i != -1 and prompt.find(end, i) == -1
 
 
+def closing_text(prompt: str, prompt_without_thinking: str | None, end: str = "</think>") -> str:
+    """What a reply must write first to close the reasoning block ``prompt`` leaves open, so
+    that a constrained answer (a forced call, a JSON reply) lands outside it.
+
+    The template's own closing is used where it has one: when its thinking-off rendering of the
+    same conversation extends the thinking-on one (Qwen3.5: ``<think>\n`` → ``<think>\n\n
+    </think>\n\n``), the difference is what an empty reasoning block looks like in that
+    template, and what it writes for the turn in the history. Otherwise, the end marker alone.
+    """
+    if prompt_without_thinking and prompt_without_thinking.startswith(prompt) and end in (
+            prompt_without_thinking[len(prompt):]):
+        return prompt_without_thinking[len(prompt):]
+    return end
+
+
 def splitter_for(template, prompt: str) -> ReasoningSplitter | None:
     """The splitter for a :class:`~hf2q.text.chat_template.ChatTemplate`'s markers, or None."""
     markers = template.thinking_markers
