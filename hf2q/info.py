@@ -12,15 +12,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gguf import GGMLQuantizationType as T
-
 from hf2q.errors import EXIT_INPUT, EXIT_OK, InputError
+from hf2q.formats.gguf_check import problem
 from hf2q.formats.gguf_file import open_gguf
 from hf2q.formats.gguf_hparams import ENCODER_ARCHS
 from hf2q.formats.gguf_keys import Keys
 
-SUPPORTED_TYPES = {T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K,
-                   T.Q6_K}
 EMBEDDING_ARCHS = ENCODER_ARCHS
 
 
@@ -48,26 +45,18 @@ def inspect(path, ctx: int | None = None, slots: int = 4, kv_budget: int | None 
     reasons: list[str] = []
     if arch not in FAMILIES:
         reasons.append(_unserved(arch))
-    bad_types = sorted({t.qtype.name for t in g.tensors.values() if t.qtype not in SUPPORTED_TYPES})
-    if bad_types:
-        reasons.append(f"unsupported tensor type(s) {', '.join(bad_types)}")
-    if arch in FAMILIES and arch not in EMBEDDING_ARCHS:
-        try:  # the engine's own reading of the header: rope scaling, head layout (no weights loaded)
-            from hf2q.engine.models.llama import common_config
-
-            common_config(g, traditional=False)
-        except InputError as e:
-            reasons.append(str(e).split(": ", 1)[-1])
-        except (KeyError, ValueError, TypeError) as e:
-            reasons.append(f"unreadable model metadata ({e})")
+    else:
+        defect = problem(g)  # the same check serve, generate and the engine's loader run
+        if defect:
+            reasons.append(defect)
     hp = g.hparams
     tokens = g.get(Keys.Tokenizer.LIST)
     tok_model = g.get(Keys.Tokenizer.MODEL)
-    has_tokenizer = bool(tokens) and bool(tok_model)
-    if not has_tokenizer:
+    has_tokenizer = isinstance(tokens, list) and bool(tokens) and bool(tok_model)
+    if not has_tokenizer and not reasons:
         reasons.append(f"no tokenizer metadata ({Keys.Tokenizer.MODEL} / tokens)")
     template = g.get(Keys.Tokenizer.CHAT_TEMPLATE)
-    n_ctx_train = hp.n_ctx_train
+    n_ctx_train = _number(lambda: hp.n_ctx_train)
     ctx = int(ctx or n_ctx_train or 0)
     kind = "embedding" if arch in EMBEDDING_ARCHS else "chat"
     elem = kv_dtype_bytes()
@@ -75,7 +64,10 @@ def inspect(path, ctx: int | None = None, slots: int = 4, kv_budget: int | None 
         per_token = hp.kv_bytes_per_token(elem)
     except InputError as e:
         per_token = 0
-        reasons.append(str(e).split(": ", 1)[-1])
+        if not reasons:
+            reasons.append(str(e).split(": ", 1)[-1])
+    except (ArithmeticError, TypeError, ValueError):  # a defect the check above already named
+        per_token = 0
     per_slot = per_token * ctx
     worst = per_slot * slots
     if kind == "chat" and ctx > n_ctx_train > 0:
@@ -98,6 +90,16 @@ def inspect(path, ctx: int | None = None, slots: int = 4, kv_budget: int | None 
         "serve_support": "rejected" if reasons else "ready",
         "reject_reason": "; ".join(reasons) if reasons else None,
     }
+
+
+def _number(read) -> int:
+    """An integer hyper-parameter for the report, 0 when the file's value is not one (the check
+    has then named the key as the reason)."""
+    try:
+        v = read()
+    except (ArithmeticError, TypeError, ValueError, InputError):
+        return 0
+    return v if isinstance(v, int) else 0
 
 
 def _unserved(arch: str | None) -> str:

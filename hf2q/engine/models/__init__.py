@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 
 from hf2q.errors import InputError
+from hf2q.formats.gguf_check import check_servable
 from hf2q.formats.gguf_file import GGUFFile
 
 FAMILIES = {
@@ -23,8 +24,11 @@ def supported(arch: str) -> bool:
 
 
 def build_model(g: GGUFFile, dtype):
+    """The family's graph over ``g``'s weights, after ``formats.gguf_check`` passed the file: no
+    tensor reaches a kernel unless its shape and type are the ones the hyper-parameters imply."""
     arch = g.arch
     if arch not in FAMILIES:
         raise InputError(f"{g.path.name}: unsupported architecture {arch or '(none)'!r} "
                          f"(supported: {', '.join(sorted(FAMILIES))})")
+    check_servable(g)
     return importlib.import_module(FAMILIES[arch]).build(g, dtype)
