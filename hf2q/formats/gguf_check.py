@@ -269,16 +269,20 @@ class _Checker:
         d = self.hparams()
         self.blocks(d)
         d["vocab"] = self.tokenizer()
+        embd = self.g.tensors.get("token_embd.weight")
+        if embd is not None and len(embd.shape) == 2 and embd.shape[0] != d["vocab"]:
+            raise self.fail(f"{_TK.LIST} has {d['vocab']} tokens but token_embd.weight has {embd.shape[0]} rows "
+                            "(they must be equal)")
         expected = _FAMILY_TABLES[self.arch](d)
         for name, (dims, required) in expected.items():
             t = self.g.tensors.get(name)
             if t is None:
                 if required:
-                    raise self.fail(f"missing tensor {name!r} (expected dims {list(dims)})")
+                    raise self.fail(f"missing tensor {name!r} (expected dims {_text(dims)})")
                 continue
             found = tuple(reversed(t.shape))
-            if found != dims and not (name.endswith(_SQUEEZABLE) and found == dims[:1]):
-                raise self.fail(f"tensor {name} has dims {list(found)}, expected {list(dims)} from the metadata")
+            if not _matches(found, dims) and not (name.endswith(_SQUEEZABLE) and found == dims[:1]):
+                raise self.fail(f"tensor {name} has dims {_text(found)}, expected {_text(dims)} from the metadata")
             allowed = VECTOR_TYPES if len(dims) == 1 else SUPPORTED_TYPES
             if t.qtype not in allowed:
                 raise self.fail(f"tensor {name} has type {t.qtype.name}, expected one of "
@@ -308,7 +312,7 @@ class _Checker:
 
 # ---- the per-family tables: tensor name → (GGUF dims in ggml order, required) ------------
 
-Table = dict[str, tuple[tuple[int, ...], bool]]
+Table = dict[str, tuple[tuple[int | None, ...], bool]]
 
 
 def _globals(d: dict[str, Any]) -> Table:
@@ -390,7 +394,7 @@ def _qwen35(d: dict[str, Any], moe: bool = False) -> Table:
 
 def _bert(d: dict[str, Any]) -> Table:
     h, ff = d["hidden"], d["n_ff"]
-    t: Table = {"token_embd.weight": ((h, d["vocab"]), True), "position_embd.weight": ((h, d["n_ctx"]), True),
+    t: Table = {"token_embd.weight": ((h, d["vocab"]), True), "position_embd.weight": ((h, None), True),
                 "token_types.weight": ((h, 2), False), "token_embd_norm.weight": ((h,), True),
                 "token_embd_norm.bias": ((h,), True)}
     for i in range(d["n_layer"]):
@@ -414,6 +418,15 @@ _FAMILY_TABLES: dict[str, Callable[[dict[str, Any]], Table]] = {
     "qwen35": _qwen35,
     "qwen35moe": lambda d: _qwen35(d, moe=True),
 }
+
+
+def _matches(found: tuple[int, ...], dims: tuple[int | None, ...]) -> bool:
+    """``None`` in ``dims`` is a dimension the engine reads off the tensor (BERT's learned positions)."""
+    return len(found) == len(dims) and all(e is None or f == e for f, e in zip(found, dims))
+
+
+def _text(dims: tuple[int | None, ...]) -> str:
+    return "[" + ", ".join("any" if d is None else str(d) for d in dims) + "]"
 
 
 def _floats(t) -> np.ndarray:
