@@ -181,7 +181,8 @@ class _Checker:
             self.float_key(template, strict=False)
         key, scaling = self._raw(_R.SCALING_TYPE)
         if scaling not in _KNOWN_SCALING:
-            raise self.fail(f"{key} {_show(scaling)} is not supported (linear, yarn, or none)")
+            raise self.fail(f"{key}: rope scaling {scaling!r} is not supported (supported: linear, yarn, "
+                            "Llama 3 rope_freqs)")
         if self._raw(_R.SCALING_ORIG_CTX_LEN)[1] is not None:
             self.int_key(_R.SCALING_ORIG_CTX_LEN, hi=MAX_CONTEXT)
         if scaling == "yarn" and (self.float_key(_R.SCALING_FACTOR, strict=False) or 1.0) > 1.0:
@@ -266,9 +267,14 @@ class _Checker:
     def run(self) -> None:
         if self.arch not in CHECKED_ARCHS:
             raise self.fail(f"unsupported architecture {self.arch or '(none)'!r}")
+        unsupported = [t for t in self.g.tensors.values() if t.qtype not in SUPPORTED_TYPES]
+        if unsupported:
+            kinds = ", ".join(sorted({t.qtype.name for t in unsupported}))
+            raise self.fail(f"unsupported tensor type(s) {kinds} (first: {unsupported[0].name})")
+        vocab = self.tokenizer()
         d = self.hparams()
         self.blocks(d)
-        d["vocab"] = self.tokenizer()
+        d["vocab"] = vocab
         embd = self.g.tensors.get("token_embd.weight")
         if embd is not None and len(embd.shape) == 2 and embd.shape[0] != d["vocab"]:
             raise self.fail(f"{_TK.LIST} has {d['vocab']} tokens but token_embd.weight has {embd.shape[0]} rows "
