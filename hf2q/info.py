@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from hf2q.errors import EXIT_INPUT, EXIT_OK, InputError
-from hf2q.formats.gguf_check import problem
+from hf2q.formats.gguf_check import problem, unserved
 from hf2q.formats.gguf_file import open_gguf
 from hf2q.formats.gguf_hparams import ENCODER_ARCHS
 from hf2q.formats.gguf_keys import Keys
@@ -44,7 +44,7 @@ def inspect(path, ctx: int | None = None, slots: int = 4, kv_budget: int | None 
     arch = g.arch
     reasons: list[str] = []
     if arch not in FAMILIES:
-        reasons.append(_unserved(arch))
+        reasons.append(unserved(arch))
     else:
         defect = problem(g)  # the same check serve, generate and the engine's loader run
         if defect:
@@ -100,17 +100,6 @@ def _number(read) -> int:
     except (ArithmeticError, TypeError, ValueError, InputError):
         return 0
     return v if isinstance(v, int) else 0
-
-
-def _unserved(arch: str | None) -> str:
-    """Why an architecture the engine lacks is rejected: convertible-but-not-servable says so plainly."""
-    import gguf
-
-    from hf2q.arch.registry import FAMILIES as CONVERT_FAMILIES
-
-    if arch and arch in {gguf.MODEL_ARCH_NAMES[f.gguf_arch] for f in CONVERT_FAMILIES}:
-        return f"architecture {arch!r}: hf2q converts it but cannot serve it yet (no {arch} engine)"
-    return f"unsupported architecture {arch or '(none)'!r}"
 
 
 def _tokenizer_line(info: dict) -> str:

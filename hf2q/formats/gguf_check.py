@@ -67,6 +67,17 @@ def open_servable(path) -> GGUFFile:
     return g
 
 
+def unserved(arch: str | None) -> str:
+    """Why an architecture the engine lacks is refused: convertible-but-not-servable says so plainly."""
+    import gguf
+
+    from hf2q.arch.registry import FAMILIES as CONVERT_FAMILIES
+
+    if arch and arch in {gguf.MODEL_ARCH_NAMES[f.gguf_arch] for f in CONVERT_FAMILIES}:
+        return f"architecture {arch!r}: hf2q converts it but cannot serve it yet (no {arch} engine)"
+    return f"unsupported architecture {arch or '(none)'!r}"
+
+
 def problem(g: GGUFFile) -> str | None:
     """The same check, as the one-line reason without the file name, or None when servable."""
     try:
@@ -266,7 +277,7 @@ class _Checker:
 
     def run(self) -> None:
         if self.arch not in CHECKED_ARCHS:
-            raise self.fail(f"unsupported architecture {self.arch or '(none)'!r}")
+            raise self.fail(unserved(self.arch))
         unsupported = [t for t in self.g.tensors.values() if t.qtype not in SUPPORTED_TYPES]
         if unsupported:
             kinds = ", ".join(sorted({t.qtype.name for t in unsupported}))
