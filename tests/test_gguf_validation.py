@@ -124,7 +124,6 @@ def test_valid_control_generates(cases):
     assert "Traceback" not in res.stderr
 
 
-@pytest.mark.slow
 def test_valid_control_serves_a_chat(cases):
     from tests.test_server_command import start_server, wait_ready
 
