@@ -56,7 +56,14 @@ _SQUEEZABLE = "ffn_gate_inp_shexp.weight"
 
 def check_servable(g: GGUFFile) -> None:
     """Raise the first defect that keeps the engine from serving ``g`` as an ``InputError``."""
-    _Checker(g).run()
+    _Checker(g).run(tokenizer=True)
+
+
+def check_weights(g: GGUFFile) -> None:
+    """The engine's part of :func:`check_servable`: hyper-parameters and tensors, the tokenizer only
+    where the file has one (an engine-only copy may leave the vocabulary out; the embedding's rows
+    then stand for it). What every model build runs."""
+    _Checker(g).run(tokenizer=False)
 
 
 def open_servable(path) -> GGUFFile:
@@ -275,18 +282,21 @@ class _Checker:
 
     # ---- tensors ---------------------------------------------------------------------
 
-    def run(self) -> None:
+    def run(self, tokenizer: bool) -> None:
         if self.arch not in CHECKED_ARCHS:
             raise self.fail(unserved(self.arch))
         unsupported = [t for t in self.g.tensors.values() if t.qtype not in SUPPORTED_TYPES]
         if unsupported:
             kinds = ", ".join(sorted({t.qtype.name for t in unsupported}))
             raise self.fail(f"unsupported tensor type(s) {kinds} (first: {unsupported[0].name})")
-        vocab = self.tokenizer()
+        embd = self.g.tensors.get("token_embd.weight")
+        if tokenizer or self.g.metadata.get(_TK.LIST) is not None or embd is None:
+            vocab = self.tokenizer()
+        else:
+            vocab = embd.shape[0]
         d = self.hparams()
         self.blocks(d)
         d["vocab"] = vocab
-        embd = self.g.tensors.get("token_embd.weight")
         if embd is not None and len(embd.shape) == 2 and embd.shape[0] != d["vocab"]:
             raise self.fail(f"{_TK.LIST} has {d['vocab']} tokens but token_embd.weight has {embd.shape[0]} rows "
                             "(they must be equal)")
