@@ -60,14 +60,12 @@ def inspect(path, ctx: int | None = None, slots: int = 4, kv_budget: int | None 
     ctx = int(ctx or n_ctx_train or 0)
     kind = "embedding" if arch in EMBEDDING_ARCHS else "chat"
     elem = kv_dtype_bytes()
-    try:
-        per_token = hp.kv_bytes_per_token(elem)
-    except InputError as e:
-        per_token = 0
-        if not reasons:
+    per_token = 0
+    if not reasons:  # sizes only from hyper-parameters the check passed (a block_count of 10^9 is not one)
+        try:
+            per_token = hp.kv_bytes_per_token(elem)
+        except InputError as e:
             reasons.append(str(e).split(": ", 1)[-1])
-    except (ArithmeticError, TypeError, ValueError):  # a defect the check above already named
-        per_token = 0
     per_slot = per_token * ctx
     worst = per_slot * slots
     if kind == "chat" and ctx > n_ctx_train > 0:
