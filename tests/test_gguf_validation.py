@@ -261,3 +261,18 @@ def test_mangled_headers_are_either_servable_or_one_input_error(tmp_path, flips,
         assert not servable
         return
     assert (info["serve_support"] == "ready") == servable, info["reject_reason"]
+
+
+def test_sanitizer_builds_are_opt_in_and_keyed_apart(monkeypatch):
+    """``HF2Q_KERNEL_SANITIZE`` adds the instrumentation flags (so the cached library differs from the
+    plain one) and refuses a sanitizer name it does not know."""
+    from hf2q.kernels.cpu_build import KernelBuildError, compile_flags
+
+    monkeypatch.delenv("HF2Q_KERNEL_SANITIZE", raising=False)
+    plain = compile_flags()
+    assert not any(f.startswith("-fsanitize") for f in plain)
+    monkeypatch.setenv("HF2Q_KERNEL_SANITIZE", "address")
+    assert "-fsanitize=address" in compile_flags() and compile_flags()[:len(plain)] == plain
+    monkeypatch.setenv("HF2Q_KERNEL_SANITIZE", "memory")
+    with pytest.raises(KernelBuildError, match="unknown sanitizer"):
+        compile_flags()
