@@ -12,15 +12,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gguf import GGMLQuantizationType as T
-
 from hf2q.errors import EXIT_INPUT, EXIT_OK, InputError
+from hf2q.formats.gguf_check import problem, unserved
 from hf2q.formats.gguf_file import open_gguf
 from hf2q.formats.gguf_hparams import ENCODER_ARCHS, RECURRENT_ARCHS
 from hf2q.formats.gguf_keys import Keys
 
-SUPPORTED_TYPES = {T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K,
-                   T.Q6_K}
 EMBEDDING_ARCHS = ENCODER_ARCHS
 
 
@@ -47,35 +44,28 @@ def inspect(path, ctx: int | None = None, slots: int = 4, kv_budget: int | None 
     arch = g.arch
     reasons: list[str] = []
     if arch not in FAMILIES:
-        reasons.append(_unserved(arch))
-    bad_types = sorted({t.qtype.name for t in g.tensors.values() if t.qtype not in SUPPORTED_TYPES})
-    if bad_types:
-        reasons.append(f"unsupported tensor type(s) {', '.join(bad_types)}")
-    if arch in FAMILIES and arch not in EMBEDDING_ARCHS:
-        try:  # the engine's own reading of the header: rope scaling, head layout (no weights loaded)
-            from hf2q.engine.models.llama import common_config
-
-            common_config(g, traditional=False)
-        except InputError as e:
-            reasons.append(str(e).split(": ", 1)[-1])
-        except (KeyError, ValueError, TypeError) as e:
-            reasons.append(f"unreadable model metadata ({e})")
+        reasons.append(unserved(arch))
+    else:
+        defect = problem(g)  # the same check serve, generate and the engine's loader run
+        if defect:
+            reasons.append(defect)
     hp = g.hparams
     tokens = g.get(Keys.Tokenizer.LIST)
     tok_model = g.get(Keys.Tokenizer.MODEL)
-    has_tokenizer = bool(tokens) and bool(tok_model)
-    if not has_tokenizer:
+    has_tokenizer = isinstance(tokens, list) and bool(tokens) and bool(tok_model)
+    if not has_tokenizer and not reasons:
         reasons.append(f"no tokenizer metadata ({Keys.Tokenizer.MODEL} / tokens)")
     template = g.get(Keys.Tokenizer.CHAT_TEMPLATE)
-    n_ctx_train = hp.n_ctx_train
+    n_ctx_train = _number(lambda: hp.n_ctx_train)
     ctx = int(ctx or n_ctx_train or 0)
     kind = "embedding" if arch in EMBEDDING_ARCHS else "chat"
     elem = kv_dtype_bytes()
-    try:
-        per_token = hp.kv_bytes_per_token(elem)
-    except InputError as e:
-        per_token = 0
-        reasons.append(str(e).split(": ", 1)[-1])
+    per_token = 0
+    if not reasons:  # sizes only from hyper-parameters the check passed (a block_count of 10^9 is not one)
+        try:
+            per_token = hp.kv_bytes_per_token(elem)
+        except InputError as e:
+            reasons.append(str(e).split(": ", 1)[-1])
     per_slot = per_token * ctx
     worst = per_slot * slots
     if kind == "chat" and ctx > n_ctx_train > 0:
@@ -94,7 +84,8 @@ def inspect(path, ctx: int | None = None, slots: int = 4, kv_budget: int | None 
         "tokenizer": tok_model if has_tokenizer else None, "vocab_size": len(tokens) if tokens else 0,
         "chat_template": bool(template),
         "kv_dtype_bytes": elem, "kv_bytes_per_token": per_token, "kv_bytes_per_slot": per_slot,
-        "kv_bytes_worst_case": worst, "kv_cache_budget": kv_budget, **recurrent_state(hp, elem),
+        "kv_bytes_worst_case": worst, "kv_cache_budget": kv_budget,
+        **recurrent_state(None if reasons else hp, elem),
         "serve_support": "rejected" if reasons else "ready",
         "reject_reason": "; ".join(reasons) if reasons else None,
     }
@@ -105,33 +96,36 @@ def recurrent_state(hp, elem: int = 4) -> dict[str, int]:
     qwen35moe), beside its KV: per layer the conv window ``(conv kernel − 1) × conv channels``
     in the engine's activation type (``elem`` bytes, as the KV) and the delta-rule matrix
     ``value heads × value dim × key dim`` in float32. Zeros for other families."""
-    layers = sum(hp.recurrent_layers) if hp.arch in RECURRENT_ARCHS else 0
+    from hf2q.engine.kv_cache import CHECKPOINTS_KEPT
+
+    layers = sum(hp.recurrent_layers) if hp is not None and hp.arch in RECURRENT_ARCHS else 0
     if not layers:
         return {"recurrent_layers": 0, "recurrent_conv_bytes_per_slot": 0, "recurrent_ssm_bytes_per_slot": 0,
-                "recurrent_state_bytes_per_slot": 0}
+                "recurrent_state_bytes_per_slot": 0, "recurrent_reuse_points_per_slot": 0}
     key_dim = hp.ssm_state_size * hp.ssm_group_count
     conv = layers * (hp.ssm_conv_kernel - 1) * (2 * key_dim + hp.ssm_inner_size) * elem
     ssm = layers * hp.ssm_inner_size * hp.ssm_state_size * 4
     return {"recurrent_layers": layers, "recurrent_conv_bytes_per_slot": conv, "recurrent_ssm_bytes_per_slot": ssm,
-            "recurrent_state_bytes_per_slot": conv + ssm}
+            "recurrent_state_bytes_per_slot": conv + ssm, "recurrent_reuse_points_per_slot": CHECKPOINTS_KEPT}
 
 
 def _recurrent_line(info: dict) -> str:
     return (f"Recurrent:      {_human(info['recurrent_state_bytes_per_slot'])} per slot over "
             f"{info['recurrent_layers']} linear-attention layers (conv {_human(info['recurrent_conv_bytes_per_slot'])}"
             f" + SSM {_human(info['recurrent_ssm_bytes_per_slot'])}); worst case {info['slots']} slots "
-            f"{_human(info['recurrent_state_bytes_per_slot'] * info['slots'])}")
+            f"{_human(info['recurrent_state_bytes_per_slot'] * info['slots'])}; prefix-reuse points up to "
+            f"{info['recurrent_reuse_points_per_slot']} more per slot "
+            f"({_human(info['recurrent_state_bytes_per_slot'] * info['recurrent_reuse_points_per_slot'])})")
 
 
-def _unserved(arch: str | None) -> str:
-    """Why an architecture the engine lacks is rejected: convertible-but-not-servable says so plainly."""
-    import gguf
-
-    from hf2q.arch.registry import FAMILIES as CONVERT_FAMILIES
-
-    if arch and arch in {gguf.MODEL_ARCH_NAMES[f.gguf_arch] for f in CONVERT_FAMILIES}:
-        return f"architecture {arch!r}: hf2q converts it but cannot serve it yet (no {arch} engine)"
-    return f"unsupported architecture {arch or '(none)'!r}"
+def _number(read) -> int:
+    """An integer hyper-parameter for the report, 0 when the file's value is not one (the check
+    has then named the key as the reason)."""
+    try:
+        v = read()
+    except (ArithmeticError, TypeError, ValueError, InputError):
+        return 0
+    return v if isinstance(v, int) else 0
 
 
 def _tokenizer_line(info: dict) -> str:

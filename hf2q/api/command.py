@@ -154,12 +154,16 @@ def preflight(args) -> tuple[Path, Path | None]:
         model_path = check_gguf(default_chat_model())
     embed_path = check_gguf(Path(args.embedding_model).expanduser(), "--embedding-model") \
         if args.embedding_model else None
+    from hf2q.formats.gguf_check import check_servable
     from hf2q.formats.gguf_file import open_gguf
 
     header = open_gguf(model_path)  # parsed once for the start-up checks
     check_model_kind(header, model_path, "--model")
+    check_servable(header)  # what `hf2q info` reports: no defect reaches the engine
     if embed_path is not None:
-        check_model_kind(open_gguf(embed_path), embed_path, "--embedding-model")
+        embed_header = open_gguf(embed_path)
+        check_model_kind(embed_header, embed_path, "--embedding-model")
+        check_servable(embed_header)
     check_kv_budget(header, args)
     if args.tensor_parallel > 1:
         from hf2q.engine.tp_launch import plan_split

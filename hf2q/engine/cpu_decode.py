@@ -159,6 +159,11 @@ class HostDecoder:
         self.ffn = int(model.layers[0].ffn.gate.shape[0])
         self.sizes = {"x": cfg.hidden, "h": cfg.hidden, "qkv": (H + 2 * Hkv) * D, "att": H * D,
                       "o": cfg.hidden, "gu": 2 * self.ffn, "a": self.ffn, "f": cfg.hidden}
+        for L in self.layers:  # the kernels write a projection's full width into its buffer's row: check once
+            for proj, buf in (("qkv", "qkv"), ("o", "o"), ("gate_up", "gu"), ("down", "f")):
+                if L[proj].out != self.sizes[buf]:
+                    raise ValueError(f"host decode: the {proj} projection is {L[proj].out} wide, its buffer "
+                                     f"{self.sizes[buf]}")
         self._ws: _Workspace | None = None
         self._ws_rows = 0
 

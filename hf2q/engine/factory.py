@@ -22,8 +22,12 @@ def prepare_mlx() -> str:
 
 
 def load_runner(path: str | Path, ctx: int | None = None):
-    """An ``MlxModelRunner`` for the GGUF at ``path``, with the process readied for MLX first."""
+    """An ``MlxModelRunner`` for the GGUF at ``path``: the file checked first, then the process
+    readied for MLX."""
+    from hf2q.formats.gguf_check import open_servable
+
+    g = open_servable(path)  # the check `hf2q info` reports, before MLX or a kernel is touched
     prepare_mlx()
     from hf2q.engine.runner import MlxModelRunner
 
-    return MlxModelRunner.load(str(path), ctx=ctx)
+    return MlxModelRunner.load(g, ctx=ctx)

@@ -167,10 +167,10 @@ def run(args) -> int:
 
         model_path = default_chat_model()
     from hf2q.engine.models import FAMILIES
-    from hf2q.formats.gguf_file import open_gguf
+    from hf2q.formats.gguf_check import open_servable
     from hf2q.formats.gguf_keys import Keys
 
-    header = open_gguf(model_path)  # validates the file before anything heavy
+    header = open_servable(model_path)  # the check `info` runs, before anything heavy
     if header.arch not in FAMILIES:
         raise InputError(f"{model_path.name}: unsupported architecture {header.arch or '(none)'!r} "
                          f"(supported: {', '.join(sorted(FAMILIES))})")

@@ -110,8 +110,8 @@ class MlxModelRunner:
                 self.host_decoder = HostDecoder(model)
 
     @classmethod
-    def load(cls, gguf_path: str | Path, ctx: int | None = None) -> "MlxModelRunner":
-        g = open_gguf(gguf_path)
+    def load(cls, gguf_path: str | Path | GGUFFile, ctx: int | None = None) -> "MlxModelRunner":
+        g = gguf_path if isinstance(gguf_path, GGUFFile) else open_gguf(gguf_path)
         dtype = compute_dtype(g.arch)
         model = build_model(g, dtype)
         return cls(g, model, dtype, ctx)

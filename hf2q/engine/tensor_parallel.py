@@ -278,6 +278,9 @@ def load_shard(model: str | Path | GGUFFile, rank: int, size: int, group, ctx: i
     g = model if isinstance(model, GGUFFile) else open_gguf(model)
     if g.arch == "bert":
         raise InputError(f"{g.path.name}: tensor parallelism serves decoder (chat) models only")
+    from hf2q.formats.gguf_check import check_weights
+
+    check_weights(g)  # the whole file, before its tensors are cut into this rank's shares
     view = shard_gguf(g, rank, size)
     dtype = compute_dtype(g.arch)
     model = parallelize(build_model(view, dtype), group)

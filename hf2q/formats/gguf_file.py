@@ -9,6 +9,7 @@ tensor type is one we know. Tensor data stays memory-mapped; nothing is copied h
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -118,7 +119,10 @@ def open_gguf(path: str | Path) -> GGUFFile:
     except (OSError, ValueError) as e:
         raise InputError(f"{p.name}: unreadable GGUF ({type(e).__name__}: {e})") from None
     tensors: dict[str, GGUFTensor] = {}
+    spans: list[tuple[int, int, str]] = []
     for name, ttype, dims, offset in infos:
+        if name in tensors:
+            raise InputError(f"{p.name}: tensor {name} appears twice in the tensor directory")
         try:
             qtype = GGMLQuantizationType(ttype)
         except ValueError:
@@ -126,11 +130,19 @@ def open_gguf(path: str | Path) -> GGUFFile:
         shape = tuple(reversed(dims))
         if qtype not in GGML_QUANT_SIZES:
             raise InputError(f"{p.name}: tensor {name} has unsupported GGML type {qtype.name}")
+        if not shape or min(shape) <= 0:
+            raise InputError(f"{p.name}: tensor {name} has dims {list(dims)} (every dimension must be positive)")
         block, type_size = GGML_QUANT_SIZES[qtype]
-        if not shape or shape[-1] % block:
-            raise InputError(f"{p.name}: tensor {name} row of {shape[-1] if shape else 0} is not a multiple of {block}")
-        nbytes = int(np.prod(shape)) // block * type_size
+        if shape[-1] % block:
+            raise InputError(f"{p.name}: tensor {name} row of {shape[-1]} is not a multiple of {qtype.name}'s "
+                             f"block of {block}")
+        nbytes = math.prod(shape) // block * type_size  # Python ints: crafted dims cannot overflow
         if offset + nbytes > size:
             raise InputError(f"{p.name}: truncated GGUF (tensor {name} ends at byte {offset + nbytes}, file has {size})")
+        spans.append((offset, offset + nbytes, name))
         tensors[name] = GGUFTensor(name, qtype, shape, _tensor_view(mm, qtype, shape, offset, nbytes), nbytes)
+    spans.sort()
+    for (_s0, end0, name0), (start1, _e1, name1) in zip(spans, spans[1:]):
+        if start1 < end0:
+            raise InputError(f"{p.name}: tensors {name0} and {name1} overlap (bytes {start1}..{end0})")
     return GGUFFile(p, metadata, tensors, size)

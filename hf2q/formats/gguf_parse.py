@@ -136,7 +136,12 @@ def parse(path: Path) -> tuple[dict[str, Any], list[tuple[str, int, tuple[int, .
         dims = cur.unpack(f"<{n_dims}Q")
         ttype, offset = cur.unpack("<IQ")
         infos.append((name, ttype, tuple(int(d) for d in dims), offset))
-    align = int(meta.get(Keys.General.ALIGNMENT, 32) or 32)
+    align = meta.get(Keys.General.ALIGNMENT, 32)
+    if isinstance(align, bool) or not isinstance(align, int) or align <= 0 or align & (align - 1):
+        raise ParseError(f"{Keys.General.ALIGNMENT} must be a positive power of two, found {align!r}")
+    for name, _t, _d, offset in infos:
+        if offset % align:
+            raise ParseError(f"tensor {name} data offset {offset} is not a multiple of the alignment {align}")
     data_start = (cur.pos + align - 1) // align * align
     return meta, [(n, t, d, data_start + o) for n, t, d, o in infos], version, mm
 

@@ -45,7 +45,7 @@ _I = ctypes.c_int
 
 def _declare(lib: ctypes.CDLL) -> None:
     lib.attend.argtypes = [_P] * 10 + [_I] * 6 + [ctypes.c_float] + [_I] * 2 + [_P, _P]
-    lib.attend.restype = None
+    lib.attend.restype = _I
     lib.scratch_size.argtypes = [_I, _I, _I, _I]
     lib.scratch_size.restype = ctypes.c_long
     lib.silu_mul.argtypes = [_P, _P, ctypes.c_long]
@@ -106,12 +106,18 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
         return None
     B, H, T, D = q.shape
     Hkv, L, Dv = keys.shape[1], keys.shape[2], values.shape[3]
-    if H % Hkv:
+    if keys.ndim != 4 or values.ndim != 4 or keys.shape[0] != B or keys.shape[3] != D \
+            or tuple(values.shape[:3]) != (B, Hkv, L):
+        raise ValueError(f"attention: q {tuple(q.shape)}, keys {tuple(keys.shape)} and values "
+                         f"{tuple(values.shape)} are not [B, H, T, D], [B, Hkv, L, D], [B, Hkv, L, Dv]")
+    if H % Hkv or min(B, T, D, Dv, L) <= 0:
         return None
     ranges = row_ranges(mask_np, B, T, L)
     if ranges is None:
         return None
     lo, hi = ranges
+    if lo.shape != (B, T) or hi.shape != (B, T) or lo.min() < 0 or hi.max() > L or np.any(lo > hi):
+        raise ValueError(f"attention: key ranges outside [0, {L}] for mask {getattr(mask_np, 'shape', None)}")
     mx.eval(q, keys, values)
     qa, qs = _view(q)
     ka, ks = _view(keys)
@@ -128,12 +134,16 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
     dims = [B, H, Hkv, T, D, Dv]
 
     next_task = np.zeros(1, dtype=np.int32)
+    refused: list[int] = []
 
     def work() -> None:
         scratch = _scratch(lib.scratch_size(rows, TILE_K, D, Dv))
-        lib.attend(*args, *dims, scale, tq, TILE_K, next_task.ctypes.data, scratch.ctypes.data)
+        if lib.attend(*args, *dims, scale, tq, TILE_K, next_task.ctypes.data, scratch.ctypes.data):
+            refused.append(1)
 
     cpu_blas.run_shared(n_tasks, work)
+    if refused:
+        raise ValueError(f"attention kernel refused dims B={B} H={H} Hkv={Hkv} T={T} D={D} Dv={Dv}")
     return mx.array(out).transpose(0, 2, 1, 3)
 
 

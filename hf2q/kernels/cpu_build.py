@@ -64,7 +64,21 @@ def compile_flags() -> list[str]:
         flags += ["-mavx2", "-mfma", "-mf16c"]
         if "avx512f" in cpu and not os.environ.get("HF2Q_NO_AVX512"):
             flags += ["-mavx512f"]
-    return flags
+    return flags + sanitize_flags()
+
+
+def sanitize_flags() -> list[str]:
+    """``HF2Q_KERNEL_SANITIZE=address`` (or ``undefined``, or both comma-separated) builds the kernels
+    instrumented, for a test run under the sanitizer: the process needs the runtime preloaded, e.g.
+    ``LD_PRELOAD=$(cc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0``. Off by default."""
+    wanted = [s.strip() for s in os.environ.get("HF2Q_KERNEL_SANITIZE", "").split(",") if s.strip()]
+    unknown = set(wanted) - {"address", "undefined"}
+    if unknown:
+        raise KernelBuildError(f"HF2Q_KERNEL_SANITIZE: unknown sanitizer(s) {', '.join(sorted(unknown))} "
+                               "(address, undefined)")
+    if not wanted:
+        return []
+    return [f"-fsanitize={','.join(wanted)}", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all", "-g"]
 
 
 def switched_off() -> str | None:

@@ -11,6 +11,8 @@ numpy; the tests hold the two together and the whole step against the MLX graph.
 
 Conventions: every buffer is float32 and C-contiguous along its last axis; strides are in
 elements. The KV cache buffers are ``[kv_heads, capacity, head_dim]`` (``SequenceCache``).
+Every entry point first checks that its dims are possible (positive counts, a stride that holds
+the row, a position inside its cache) and refuses with :class:`KernelDimsError` otherwise.
 """
 
 from __future__ import annotations
@@ -24,17 +26,35 @@ from hf2q.kernels.cpu_qmatvec import kernel
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 
 
+#: what an entry point returns when its dims cannot describe the buffers (nothing was touched)
+BAD_DIMS = -2
+
+
+class KernelDimsError(ValueError):
+    """A host kernel refused its dimensions before reading or writing any buffer."""
+
+
+def _checked(result: int, func, args) -> int:
+    """ctypes ``errcheck``: every entry point's status becomes an exception, so no caller can
+    ignore a refusal (BAD_DIMS) or an allocation failure (-1)."""
+    if result == BAD_DIMS:
+        raise KernelDimsError(f"{func.__name__}: impossible dimensions {args[-6:]}")
+    if result:
+        raise MemoryError(f"{func.__name__}: out of memory")
+    return result
+
+
 def _declare(lib: ctypes.CDLL) -> None:
-    lib.rms_norm.argtypes = [_P, _L, _P, _P, _L, _I, _I, _I, _F]
-    lib.rms_norm.restype = None
-    lib.rope.argtypes = [_P, _L, _P, _I, _I, _I, _I, _I]
-    lib.rope.restype = None
-    lib.attend.argtypes = [_P, _L, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _F]
-    lib.attend.restype = _I
-    lib.glu.argtypes = [_P, _P, _I, _I, _I]
-    lib.glu.restype = None
-    lib.add_rms.argtypes = [_P, _P, _L, _P, _P, _I, _I, _F]
-    lib.add_rms.restype = None
+    signatures = {
+        "rms_norm": [_P, _L, _P, _P, _L, _I, _I, _I, _F],
+        "rope": [_P, _L, _P, _I, _I, _I, _I, _I],
+        "attend": [_P, _L, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _F],
+        "glu": [_P, _P, _I, _I, _I],
+        "add_rms": [_P, _P, _L, _P, _P, _I, _I, _F],
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype, fn.errcheck = argtypes, _I, _checked
 
 
 LIBRARY = KernelLibrary("cpu_decode_ops", declare=_declare, start=cpu_pool.attach,

@@ -43,6 +43,8 @@ from hf2q.kernels.cpu_build import KernelLibrary, switched_off
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
+#: ``qmv_group``'s status for dims it refused without reading a byte
+BAD_DIMS = -2
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -82,7 +84,7 @@ class QMatrixGroup:
             width = scales.shape[-1] * 32
             if n is None:
                 n = width
-            if width != n or packed.shape[-1] * 8 != n * b or scales.shape != (r, n // 32) \
+            if packed.ndim != 2 or r == 0 or width != n or packed.shape[-1] * 8 != n * b or scales.shape != (r, n // 32) \
                     or biases.shape != scales.shape or b not in (2, 3, 4, 5, 6, 8):
                 raise ValueError(f"inconsistent quantized matrix: packed {packed.shape}, scales {scales.shape}, "
                                  f"biases {biases.shape}, bits {b}, input width {n}")
@@ -104,8 +106,8 @@ class QMatrixGroup:
         """``x [batch, n]`` (float32, C-contiguous preferred) → ``y [batch, Σ rows]`` float32."""
         if x.dtype != np.float32 or not x.flags.c_contiguous:
             x = np.ascontiguousarray(x, dtype=np.float32)
-        if x.ndim != 2 or x.shape[-1] != self.n:
-            raise ValueError(f"input shape {x.shape} does not end in the matrix width {self.n}")
+        if x.ndim != 2 or x.shape[-1] != self.n or x.shape[0] == 0:
+            raise ValueError(f"input shape {x.shape} is not [rows ≥ 1, matrix width {self.n}]")
         y = np.empty((x.shape[0], self.rows), dtype=np.float32)
         self.run(x.ctypes.data, y.ctypes.data, x.shape[0])
         return y
@@ -114,8 +116,21 @@ class QMatrixGroup:
         """The raw call: ``x_ptr`` → float32 ``[batch, n]``, ``y_ptr`` → float32 ``[batch, Σ rows]``
         (callers that keep preallocated buffers skip the numpy bookkeeping)."""
         w, s, b, rows, bits, cols = self._args
-        if self._qmv_group(self._count, w, s, b, rows, bits, cols, x_ptr, y_ptr, self.n, batch, self.rows):
+        status = self._qmv_group(self._count, w, s, b, rows, bits, cols, x_ptr, y_ptr, self.n, batch, self.rows)
+        if status:
+            if status == BAD_DIMS:
+                raise ValueError(f"qmv_group refused its dims: {self._count} matrices of width {self.n}, "
+                                 f"batch {batch}, output width {self.rows}")
             raise MemoryError("qmv_group: out of memory")
+
+    def check_buffers(self, x: np.ndarray, y: np.ndarray) -> None:
+        """Raise unless ``x`` / ``y`` can be the input and output of :meth:`run` for their rows:
+        float32, C-contiguous, ``[≥1, n]`` and ``[rows(x), Σ rows]``. What a caller that keeps
+        preallocated buffers checks once, when it sets them up."""
+        for what, a, width in (("input", x, self.n), ("output", y, self.rows)):
+            if a.dtype != np.float32 or not a.flags.c_contiguous or a.ndim != 2 or a.shape[1] != width:
+                raise ValueError(f"qmv_group {what} must be C-contiguous float32 [rows, {width}], "
+                                 f"found {a.dtype} {a.shape}")
 
 
 def qmatvec(packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, x: np.ndarray, bits: int) -> np.ndarray:

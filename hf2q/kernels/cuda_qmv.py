@@ -73,6 +73,13 @@ def qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, bits: int,
     K = x.shape[-1]
     rows = math.prod(x.shape[:-1])
     N = w.shape[0]
+    groups = K // group_size if group_size else 0
+    # the kernel indexes w/scales/biases from (N, K) alone: shapes that disagree would read past them
+    if (not 1 <= rows <= MAX_ROWS or bits not in (4, 8) or group_size not in (32, 64, 128) or K % group_size
+            or w.ndim != 2 or tuple(w.shape) != (N, K * bits // 32) or w.dtype != mx.uint32
+            or tuple(scales.shape) != (N, groups) or tuple(biases.shape) != (N, groups)):
+        raise ValueError(f"cuda qmv: x {tuple(x.shape)}, w {tuple(w.shape)} {w.dtype}, scales {tuple(scales.shape)}, "
+                         f"biases {tuple(biases.shape)} do not fit bits {bits} group size {group_size}")
     warps_per_block = 4
     (y,) = _kernel()(
         inputs=[x.reshape(rows, K), w, scales, biases],

@@ -5,7 +5,9 @@ from __future__ import annotations
 import importlib
 
 from hf2q.errors import InputError
+from hf2q.formats.gguf_check import check_weights
 from hf2q.formats.gguf_file import GGUFFile
+from hf2q.formats.gguf_keys import ExtraKeys
 
 FAMILIES = {
     "llama": "hf2q.engine.models.llama",
@@ -23,8 +25,12 @@ def supported(arch: str) -> bool:
 
 
 def build_model(g: GGUFFile, dtype):
+    """The family's graph over ``g``'s weights, after ``formats.gguf_check.check_weights`` passed the file: no
+    tensor reaches a kernel unless its shape and type are the ones the hyper-parameters imply."""
     arch = g.arch
     if arch not in FAMILIES:
         raise InputError(f"{g.path.name}: unsupported architecture {arch or '(none)'!r} "
                          f"(supported: {', '.join(sorted(FAMILIES))})")
+    if ExtraKeys.TENSOR_PARALLEL not in g.metadata:  # a rank's view: load_shard checked the whole file
+        check_weights(g)
     return importlib.import_module(FAMILIES[arch]).build(g, dtype)

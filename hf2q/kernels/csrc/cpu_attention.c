@@ -293,9 +293,13 @@ void silu_mul(float* g, const float* u, long n) {
 /* Tasks numbered (b, g, tile); workers share `next` and each takes the next task until none is
    left, so a worker on a core that another process is using simply does fewer. Later query
    tiles attend to more keys, so tasks are handed out last tile first (big ones early). */
-void attend(void* sgemm, const float* q, const int64_t* qs, const float* k, const int64_t* ks, const float* v,
-            const int64_t* vs, float* out, const int32_t* lo, const int32_t* hi, int B, int H, int Hkv, int T,
-            int D, int Dv, float scale, int tq, int tk, int* next, float* scratch) {
+int attend(void* sgemm, const float* q, const int64_t* qs, const float* k, const int64_t* ks, const float* v,
+           const int64_t* vs, float* out, const int32_t* lo, const int32_t* hi, int B, int H, int Hkv, int T,
+           int D, int Dv, float scale, int tq, int tk, int* next, float* scratch) {
+    /* impossible dims: -2 before anything is read (the key ranges lo/hi are the caller's to bound) */
+    if (!sgemm || !q || !qs || !k || !ks || !v || !vs || !out || !lo || !hi || !next || !scratch || B <= 0 ||
+        H <= 0 || Hkv <= 0 || H % Hkv || T <= 0 || D <= 0 || Dv <= 0 || tq <= 0 || tk <= 0 || tk % 32)
+        return -2;
     const int rep = H / Hkv, tiles = (T + tq - 1) / tq, n = B * Hkv * tiles;
     for (int i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED); i < n; i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED)) {
         const int ti = tiles - 1 - i / (B * Hkv), b = (i % (B * Hkv)) / Hkv, g = i % Hkv;
@@ -303,4 +307,5 @@ void attend(void* sgemm, const float* q, const int64_t* qs, const float* k, cons
         task((sgemm_fn)sgemm, q, qs, k, ks, v, vs, out, lo, hi, b, g, t0, t1, H, rep, T, D, Dv, scale, tk,
              scratch);
     }
+    return 0;
 }

@@ -9,9 +9,24 @@
 #include <string.h>
 #include "pool_client.h"
 
+/* Every entry point returns 0, or BAD_DIMS without touching memory when its dims cannot describe
+   the buffers (a non-positive count, a row stride shorter than the row it must hold). */
+#define BAD_DIMS (-2)
+
+static void rms_rows(const float* x, int64_t xs, const float* w, float* out, int64_t os, int B, int heads, int n,
+                     float eps);
+
 /* For b < B and h < heads: the n values at x + b*xs + h*n, scaled by 1/rms and w, go to
    out + b*os + h*n (in place allowed). heads > 1 covers per-head q/k norms. */
-void rms_norm(const float* x, int64_t xs, const float* w, float* out, int64_t os, int B, int heads, int n, float eps) {
+int rms_norm(const float* x, int64_t xs, const float* w, float* out, int64_t os, int B, int heads, int n, float eps) {
+    if (B <= 0 || heads <= 0 || n <= 0 || xs < (int64_t)heads * n || os < (int64_t)heads * n || !x || !w || !out)
+        return BAD_DIMS;
+    rms_rows(x, xs, w, out, os, B, heads, n, eps);
+    return 0;
+}
+
+static void rms_rows(const float* x, int64_t xs, const float* w, float* out, int64_t os, int B, int heads, int n,
+                     float eps) {
     for (int b = 0; b < B; b++)
         for (int h = 0; h < heads; h++) {
             const float* v = x + b * xs + (int64_t)h * n;
@@ -25,7 +40,9 @@ void rms_norm(const float* x, int64_t xs, const float* w, float* out, int64_t os
 
 /* In place on heads vectors of D values at x + b*xs + h*D; cs [B, d]: cos in the first d/2,
    sin in the second. traditional: pairs (2i, 2i+1); else (i, i + d/2). Dims >= d pass through. */
-void rope(float* x, int64_t xs, const float* cs, int B, int heads, int D, int d, int traditional) {
+int rope(float* x, int64_t xs, const float* cs, int B, int heads, int D, int d, int traditional) {
+    if (B <= 0 || heads <= 0 || D <= 0 || d <= 0 || d % 2 || d > D || xs < (int64_t)heads * D || !x || !cs)
+        return BAD_DIMS;
     const int half = d / 2;
     for (int b = 0; b < B; b++) {
         const float* c = cs + (int64_t)b * d;
@@ -47,6 +64,7 @@ void rope(float* x, int64_t xs, const float* cs, int B, int heads, int D, int d,
             }
         }
     }
+    return 0;
 }
 
 /* exp(x) for x in [-87, 88] (clamped), ~2 ulp: 2^n · p(r) with r = x - n·ln2 split in two
@@ -227,9 +245,16 @@ static void attn_items(void* p, int lo, int hi) {
    [lo, pos[b]] of KV head h / (H / Hkv), lo = pos - window + 1 when window > 0. out [B, H*D].
    The work is shared over the pool in chunks of positions (flash-decoding: per-chunk max and
    sum, combined exactly after), so one long sequence still uses every thread.
-   Returns -1 when out of memory. */
+   Returns -1 when out of memory, BAD_DIMS when a head layout or a row's position cannot be
+   right (checked before any cache is written: a position past its cache's capacity would write
+   outside it). */
 int attend(const float* qkv, int64_t qs, float* const* kc, float* const* vc, const int* cap, const int* pos,
            int window, float* out, int B, int H, int Hkv, int D, float scale) {
+    if (B <= 0 || H <= 0 || Hkv <= 0 || H % Hkv || D <= 0 || window < 0 || qs < (int64_t)(H + 2 * Hkv) * D ||
+        !qkv || !kc || !vc || !cap || !pos || !out)
+        return BAD_DIMS;
+    for (int b = 0; b < B; b++)
+        if (!kc[b] || !vc[b] || cap[b] <= 0 || pos[b] < 0 || pos[b] >= cap[b]) return BAD_DIMS;
     const int rep = H / Hkv;
     int longest = 1;
     int64_t work = 0;
@@ -283,7 +308,8 @@ int attend(const float* qkv, int64_t qs, float* const* kc, float* const* vc, con
 }
 
 /* gu [B, 2F] = [gate | up] -> out [B, F] = act(gate) * up; kind 0: silu, 1: gelu (tanh form). */
-void glu(const float* gu, float* out, int B, int F, int kind) {
+int glu(const float* gu, float* out, int B, int F, int kind) {
+    if (B <= 0 || F <= 0 || (kind != 0 && kind != 1) || !gu || !out) return BAD_DIMS;
     for (int b = 0; b < B; b++) {
         const float* g = gu + (int64_t)b * 2 * F;
         const float* u = g + F;
@@ -299,10 +325,13 @@ void glu(const float* gu, float* out, int B, int F, int kind) {
             }
         }
     }
+    return 0;
 }
 
 /* y += x over n values, then (when w) out = rms_norm(y) — the residual add fused with the next norm. */
-void add_rms(float* y, const float* x, int64_t n_total, const float* w, float* out, int B, int n, float eps) {
+int add_rms(float* y, const float* x, int64_t n_total, const float* w, float* out, int B, int n, float eps) {
+    if (B <= 0 || n <= 0 || n_total != (int64_t)B * n || !y || !x || (w && !out)) return BAD_DIMS;
     for (int64_t i = 0; i < n_total; i++) y[i] += x[i];
-    if (w) rms_norm(y, n, w, out, n, B, 1, n, eps);
+    if (w) rms_rows(y, n, w, out, n, B, 1, n, eps);
+    return 0;
 }

@@ -249,11 +249,22 @@ static void qjob_blocks(void* p, int lo, int hi) {
 
 /* nmat matrices sharing the input x [batch, n]; matrix m writes columns
    [col[m], col[m] + rows[m]) of y [batch, ystride]. The row blocks are shared out over the
-   pool's threads when one is set and the call is big enough. Returns 0, or -1 when scratch
-   memory could not be allocated. */
+   pool's threads when one is set and the call is big enough. Returns 0, -1 when scratch
+   memory could not be allocated, or -2 (nothing read or written) when the dims are impossible:
+   no matrix, a width that is not a positive multiple of 32, an unknown bit width, or a matrix
+   whose columns do not lie inside y's row. */
 int qmv_group(int nmat, const void* const* w, const void* const* sc, const void* const* bi,
               const int* rows, const int* bits, const int* col, const float* x, float* y,
               int n, int batch, int ystride) {
+    if (nmat <= 0 || n <= 0 || n % 32 || batch <= 0 || ystride <= 0 || !w || !sc || !bi || !rows || !bits ||
+        !col || !x || !y)
+        return -2;
+    for (int m = 0; m < nmat; m++) {
+        const int b = bits[m];
+        if (rows[m] <= 0 || col[m] < 0 || (int64_t)col[m] + rows[m] > ystride || !w[m] || !sc[m] || !bi[m] ||
+            (b != 2 && b != 3 && b != 4 && b != 5 && b != 6 && b != 8))
+            return -2;
+    }
     int need4 = 0, other = 0, blocks = 0;
     int64_t work = 0;
     for (int m = 0; m < nmat; m++) {
