@@ -17,8 +17,6 @@ class ExtraKeys:
 
     #: BERT vocabularies: the id of ``[CLS]`` (llama.cpp's ``LLM_KV_TOKENIZER_CLS_ID``)
     CLS_ID = "tokenizer.ggml.cls_token_id"
-    #: hybrid recurrent models (Qwen 3.5): one bool per block, true for a linear-attention (recurrent) layer
-    RECURRENT_LAYERS = "{arch}.attention.recurrent_layers"
     #: hf2q's WordPiece normaliser flags, written by ``sources.tokenizer_meta`` for BERT vocabularies
     NORMALIZER_LOWERCASE = "tokenizer.ggml.normalizer.lowercase"
     NORMALIZER_STRIP_ACCENTS = "tokenizer.ggml.normalizer.strip_accents"
