@@ -107,8 +107,8 @@ def _family(name: str):
     """(GGUF path, independent HF tokenizer, slack of a repeated prompt's cached tokens) per family.
 
     SmolLM2 reuses any prefix: a repeat is served from the slot's KV within 32 tokens. Qwen 3.5's
-    recurrent state is reused only for a slot's whole history (docs/ENGINE.md, "Hybrid recurrent
-    state"), which a repeat of a prompt is not: None, no reuse asserted (the output must still match).
+    recurrent state goes back only to its reuse points, one every 256 tokens and one at each prefill
+    transaction's end (docs/ENGINE.md, "Hybrid recurrent state"): within 256 tokens.
     """
     from transformers import AutoTokenizer
 
@@ -120,7 +120,7 @@ def _family(name: str):
     from tests.models.qwen35_chat import qwen35_chat_gguf
     from tests.models.tokenizer_files import tokenizer_dir
 
-    return qwen35_chat_gguf(), AutoTokenizer.from_pretrained(tokenizer_dir("qwen3")), None
+    return qwen35_chat_gguf(), AutoTokenizer.from_pretrained(tokenizer_dir("qwen3")), 256
 
 
 async def post_all(c: httpx.AsyncClient, bodies: list[dict]) -> list[dict]:
