@@ -20,7 +20,8 @@ import attrs
 import gguf
 import numpy as np
 
-from hf2q.arch.base import Direct, Family, Metadata, RowSource, permute_rows
+from hf2q.arch.base import MT, Direct, Family, Metadata, RowSource, permute_rows
+from hf2q.errors import InputError
 from hf2q.formats.gguf_keys import Keys
 from hf2q.sources.hf_config import require
 
@@ -74,10 +75,14 @@ class Llama(Family):
     hf_architectures = ("LlamaForCausalLM", "LLaMAForCausalLM", "MistralForCausalLM", "LlamaModel")
     gguf_arch = gguf.MODEL_ARCH.LLAMA
     tokenizer_kind = "auto"
+    plain_layout = True
+    block_tensors = (MT.ATTN_NORM, MT.ATTN_Q, MT.ATTN_K, MT.ATTN_V, MT.ATTN_OUT, MT.FFN_NORM, MT.FFN_GATE, MT.FFN_UP,
+                     MT.FFN_DOWN)
 
-    @property
-    def head_dim(self) -> int:
-        return int(self.cfg.get("head_dim") or require(self.cfg, "hidden_size") // self.n_head)
+    def check_config(self) -> None:
+        super().check_config()
+        if self.head_dim % 2:  # the Q/K permutation pairs rows within each head
+            raise InputError(f"config.json: head_dim {self.head_dim} is odd; rotary embeddings need an even one")
 
     def source_tensor(self, ck, hf_name, gguf_name):
         shape = ck.entry(hf_name).shape
