@@ -365,6 +365,8 @@ class Family:
         elif rope_type == "yarn" and factor is not None:
             md.string(Keys.Rope.SCALING_TYPE.format(arch=a), "yarn")
             md.f32(Keys.Rope.SCALING_FACTOR.format(arch=a), factor)
+            if full.get("original_max_position_embeddings") is None:
+                raise InputError("config.json: yarn rope scaling needs original_max_position_embeddings")
             md.u32(Keys.Rope.SCALING_ORIG_CTX_LEN.format(arch=a), full["original_max_position_embeddings"])
         if (theta := full.get("rope_theta")) is not None:
             md.f32(Keys.Rope.FREQ_BASE.format(arch=a), theta)

@@ -57,6 +57,9 @@ def llama3_rope_divisors(rope: dict, head_dim: int) -> np.ndarray:
     low = float(rope.get("low_freq_factor", 1.0))
     high = float(rope.get("high_freq_factor", 4.0))
     n_orig = float(rope.get("original_max_position_embeddings", 8192))
+    if high <= low:
+        raise InputError(f"config.json: llama3 rope scaling needs high_freq_factor ({high:g}) above "
+                         f"low_freq_factor ({low:g})")
     inv_freq = f32(1.0) / (f32(base) ** (np.arange(0, head_dim, 2, dtype=f32) / f32(head_dim)))
     out = np.empty(inv_freq.shape, dtype=f32)
     for i, freq in enumerate(inv_freq):

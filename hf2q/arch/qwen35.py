@@ -143,6 +143,10 @@ class Qwen35(Family):
     def block_count(self) -> int:
         return self.n_layer + self.n_mtp
 
+    def expected_blocks(self) -> range:
+        # --mtp writes the MTP blocks alone, still numbered after the decoder layers
+        return range(self.n_layer, self.block_count) if self.mtp == "only" else range(self.block_count)
+
     def layer_summary(self) -> dict[str, int]:
         """The layer mix and the recurrent state a serving slot holds (F32, as llama.cpp keeps it):
         per linear layer a (kernel − 1)-token conv window over the q/k/v channels and one

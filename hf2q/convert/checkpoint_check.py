@@ -65,7 +65,12 @@ def _name(kind: gguf.MODEL_TENSOR, bid: int | None = None) -> str:
 
 def _hf_name(t: PlannedTensor) -> str:
     names = t.source.source_names
-    return names[0] if names else t.name
+    return _shown(names[0] if names else t.name)
+
+
+def _shown(name: str) -> str:
+    """A checkpoint's tensor name as it can be printed on one line."""
+    return name if name.isprintable() else repr(name)
 
 
 def _block(name: str) -> tuple[int, str] | None:
@@ -89,7 +94,7 @@ def _check_dtypes(ck: SafetensorsCheckpoint, tensors: list[PlannedTensor]) -> No
         for name in t.source.source_names:
             dtype = ck.entry(name).dtype
             if dtype not in FLOAT_DTYPES:
-                raise InputError(f"{name} has dtype {dtype}; weights must be floating point "
+                raise InputError(f"{_shown(name)} has dtype {dtype}; weights must be floating point "
                                  f"({', '.join(sorted(FLOAT_DTYPES))})")
 
 

@@ -98,7 +98,7 @@ def _entry(path: Path, name: str, info, data_start: int, size: int) -> TensorEnt
         raise InputError(f"{path.name}: malformed header entry for tensor {name!r} "
                          "(needs dtype, shape and data_offsets)") from None
     if not isinstance(dtype, str) or dtype not in _DTYPES:
-        raise InputError(f"{path.name}: tensor {name!r} has unsupported dtype {dtype}")
+        raise InputError(f"{path.name}: tensor {name!r} has unsupported dtype {dtype!r}")
     if not isinstance(shape, list) or not all(_whole(d) for d in shape):
         raise InputError(f"{path.name}: tensor {name!r} has shape {shape!r}; expected non-negative whole numbers")
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_whole(o) for o in offsets) \
