@@ -30,6 +30,8 @@ OUT = "{out}"
 # a Llama small enough that every folder is a few kilobytes: 2 layers, GQA 4/2 heads × 8, ff 48
 HIDDEN, FF, HEADS, KV_HEADS, LAYERS = 32, 48, 4, 2, 2
 HEAD_DIM = HIDDEN // HEADS
+# the Qwen3 variants: per-head Q/K norms, heads wider than hidden / heads; the MoE one has 4 experts of ff 16
+QWEN_HEAD_DIM, EXPERTS, EXPERT_FF = 16, 4, 16
 N_BYTES = 256
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 VOCAB = N_BYTES + len(SPECIALS)
@@ -55,6 +57,51 @@ def llama_config() -> dict[str, Any]:
             "num_key_value_heads": KV_HEADS, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
             "rope_theta": 10000.0, "tie_word_embeddings": True, "vocab_size": VOCAB,
             "bos_token_id": VOCAB - 3, "eos_token_id": VOCAB - 1, "torch_dtype": "float32"}
+
+
+def qwen3_config(moe: bool = False) -> dict[str, Any]:
+    cfg = {**llama_config(), "architectures": ["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"],
+           "model_type": "qwen3_moe" if moe else "qwen3", "head_dim": QWEN_HEAD_DIM, "rope_theta": 1000000.0,
+           "rms_norm_eps": 1e-6}
+    if moe:
+        cfg.update({"num_experts": EXPERTS, "num_experts_per_tok": 2, "moe_intermediate_size": EXPERT_FF,
+                    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                    "tie_word_embeddings": False})
+    return cfg
+
+
+def qwen3_tensors(moe: bool = False, seed: int = 0) -> dict[str, np.ndarray]:
+    """Seeded weights under the HF Qwen3 (or Qwen3-MoE, per-expert layout) names."""
+    rng = np.random.default_rng(seed)
+
+    def w(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+
+    def norm(n: int = HIDDEN) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    q, kv = HEADS * QWEN_HEAD_DIM, KV_HEADS * QWEN_HEAD_DIM
+    out = {"model.embed_tokens.weight": w(VOCAB, HIDDEN)}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        out.update({p + "input_layernorm.weight": norm(), p + "post_attention_layernorm.weight": norm(),
+                    p + "self_attn.q_proj.weight": w(q, HIDDEN), p + "self_attn.k_proj.weight": w(kv, HIDDEN),
+                    p + "self_attn.v_proj.weight": w(kv, HIDDEN), p + "self_attn.o_proj.weight": w(HIDDEN, q),
+                    p + "self_attn.q_norm.weight": norm(QWEN_HEAD_DIM),
+                    p + "self_attn.k_norm.weight": norm(QWEN_HEAD_DIM)})
+        if moe:
+            out[p + "mlp.gate.weight"] = w(EXPERTS, HIDDEN)
+            for e in range(EXPERTS):
+                out.update({p + f"mlp.experts.{e}.gate_proj.weight": w(EXPERT_FF, HIDDEN),
+                            p + f"mlp.experts.{e}.up_proj.weight": w(EXPERT_FF, HIDDEN),
+                            p + f"mlp.experts.{e}.down_proj.weight": w(HIDDEN, EXPERT_FF)})
+        else:
+            out.update({p + "mlp.gate_proj.weight": w(FF, HIDDEN), p + "mlp.up_proj.weight": w(FF, HIDDEN),
+                        p + "mlp.down_proj.weight": w(HIDDEN, FF)})
+    out["model.norm.weight"] = norm()
+    if moe:
+        out["lm_head.weight"] = w(VOCAB, HIDDEN)
+    return out
 
 
 def llama_tensors(seed: int = 0) -> dict[str, np.ndarray]:
@@ -253,6 +300,17 @@ def _tok_vocab_string_ids() -> dict:
     return tj
 
 
+def _qwen3(moe: bool = False, cfg: dict | None = None, drop: tuple[str, ...] = (),
+           **replace: np.ndarray) -> Callable[[Path], None]:
+    def build(path: Path) -> None:
+        t = qwen3_tensors(moe)
+        for name in drop:
+            del t[name]
+        t.update({k.replace("__", "."): v for k, v in replace.items()})
+        write_checkpoint(path, cfg=cfg or qwen3_config(moe), tensors=t)
+    return build
+
+
 L0 = "model.layers.0."
 E = "model.embed_tokens.weight"
 
@@ -348,6 +406,24 @@ _CASES: dict[str, tuple[Callable[[Path], None], tuple[str, ...], int, str]] = {
     "tokenizer_vocab_ids_strings": (_tokenizer(_tok_vocab_string_ids()), gguf_args(), 3, "tokenizer.json"),
     "tokenizer_model_a_string": (_tokenizer({**tokenizer_json(), "model": "BPE"}), gguf_args(), 3,
                                  "tokenizer.json"),
+    # other families: Qwen3 (per-head norms, head_dim × heads ≠ hidden) and Qwen3-MoE (experts stacked)
+    "qwen3_valid": (_qwen3(), gguf_args("q8_0"), 0, ""),
+    "qwen3_moe_valid": (_qwen3(moe=True), gguf_args("q8_0"), 0, ""),
+    "qwen3_q_norm_wrong_length": (_qwen3(**{L0 + "self_attn__q_norm__weight": _zeros(HIDDEN)}), gguf_args(), 3,
+                                  "attn_q_norm"),
+    "qwen3_missing_k_norm": (_qwen3(drop=("model.layers.1.self_attn.k_norm.weight",)), gguf_args(), 3, "attn_k_norm"),
+    "qwen3_head_dim_contradicts_weights": (_qwen3(cfg={**qwen3_config(), "head_dim": 8}), gguf_args(), 3, "attn_k"),
+    "qwen3_moe_missing_expert": (_qwen3(moe=True, drop=("model.layers.1.mlp.experts.3.up_proj.weight",)),
+                                 gguf_args(), 3, "expert"),
+    "qwen3_moe_more_experts_in_config": (_qwen3(moe=True, cfg={**qwen3_config(True), "num_experts": 8}),
+                                         gguf_args(), 3, "expert"),
+    "qwen3_moe_expert_width_contradicts_config": (_qwen3(moe=True, cfg={**qwen3_config(True),
+                                                                       "moe_intermediate_size": 32}),
+                                                  gguf_args(), 3, "_exps"),
+    "qwen3_moe_router_rows_contradict_config": (_qwen3(moe=True, **{L0 + "mlp__gate__weight": _zeros(3, HIDDEN)}),
+                                                gguf_args(), 3, "ffn_gate_inp"),
+    "qwen3_moe_without_num_experts": (_qwen3(moe=True, cfg={k: v for k, v in qwen3_config(True).items()
+                                                           if k != "num_experts"}), gguf_args(), 3, "num_experts"),
     # the command line
     "mlx_quant_to_gguf": (write_checkpoint, ("--format", "gguf", "--quant", "mlx-4", "-o", OUT), 2, "mlx-4"),
 }
