@@ -289,7 +289,7 @@ class Family:
         new = self.tensor_map.get_name(name, try_suffixes=(".weight", ".bias"))
         if new is None and (m := _LAYER_INDEX.search(name)) and int(m[1]) >= self.n_layer:
             raise InputError(f"config.json: num_hidden_layers is {self.n_layer} but the checkpoint has layer "
-                             f"{m[1]} ({hf_name})")
+                             f"{m[1]} ({hf_name!r})")
         if new is None:
             raise InputError(f"{self.arch_name}: cannot map checkpoint tensor {hf_name!r} to a llama.cpp name")
         return new
