@@ -41,7 +41,7 @@ def check_config(cfg: dict, ck: SafetensorsCheckpoint) -> None:
 
 def check_plan(family: Family, ck: SafetensorsCheckpoint, tensors: list[PlannedTensor]) -> None:
     """The planned tensors against what ``family``'s config implies (see the module docstring)."""
-    _check_dtypes(ck, tensors)
+    _check_storage(ck, tensors)
     _check_blocks(family, tensors)
     _check_required(family, tensors)
     _check_shapes(family, ck, tensors)
@@ -89,8 +89,12 @@ def _ranges(ids: list[int]) -> str:
     return shown + (f", … ({len(ids)} in all)" if len(ids) > 5 else "")
 
 
-def _check_dtypes(ck: SafetensorsCheckpoint, tensors: list[PlannedTensor]) -> None:
+def _check_storage(ck: SafetensorsCheckpoint, tensors: list[PlannedTensor]) -> None:
+    """Every tensor has values along each axis and floating-point data to read them from."""
     for t in tensors:
+        if not t.shape or 0 in t.shape:  # the writer works in rows of shape[-1] values
+            raise InputError(f"{_hf_name(t)} ({t.name}) has shape {list(t.shape)}; every tensor needs at least "
+                             "one value along each axis")
         for name in t.source.source_names:
             dtype = ck.entry(name).dtype
             if dtype not in FLOAT_DTYPES:

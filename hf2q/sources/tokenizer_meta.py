@@ -227,7 +227,11 @@ def spm_vocab(src: Path, cfg: dict[str, Any]) -> tuple[list[bytes], list[float],
             kind = TT.BYTE
         tokens[i], scores[i], types[i] = sp.IdToPiece(i).encode("utf-8"), sp.GetScore(i), int(kind)
     if (src / "added_tokens.json").is_file():
-        for text, i in _load_json(src / "added_tokens.json").items():
+        added = _load_json(src / "added_tokens.json")
+        if not isinstance(added, dict) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                  for i in added.values()):
+            raise InputError(f"{src / 'added_tokens.json'}: expected an object of token → non-negative id")
+        for text, i in added.items():
             if i < size:
                 tokens[i], scores[i], types[i] = text.encode("utf-8"), -1000.0, int(TT.USER_DEFINED)
     if (tc := _tokenizer_config(src)) is not None:
