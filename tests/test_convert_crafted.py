@@ -43,11 +43,14 @@ def _leftovers(out_dir: Path) -> list[str]:
     return sorted(p.name for p in out_dir.iterdir())
 
 
-def test_the_contract():
-    names = [n for n in crafted_hf._CASES]
-    assert len(names) == len(set(names)) >= 25
-    assert any(code == 0 for _, _, code, _ in crafted_hf._CASES.values())
-    assert all(crafted_hf.OUT in args for _, args, _, _ in crafted_hf._CASES.values())
+def test_the_contract(cases):
+    """What the reliability bench relies on: ≥ 25 distinct cases, valid controls among them, every case an
+    HF directory whose arguments name the output through the placeholder."""
+    assert len(cases) >= 25 and len({c.path for c in cases.values()}) == len(cases)
+    assert sum(c.convert_exit == 0 for c in cases.values()) >= 1
+    for c in cases.values():
+        assert (c.path / "config.json").is_file() and crafted_hf.OUT in c.convert_args
+        assert c.convert_exit in (0, 2, 3) and bool(c.needle) == (c.convert_exit != 0)
 
 
 def test_build_is_deterministic(tmp_path):
