@@ -131,6 +131,22 @@ def test_billion_layers_fails_fast_with_bounded_memory(cases, tmp_path):
     assert _leftovers(out_dir) == []
 
 
+def test_tokenizer_larger_than_the_embedding(cli, tmp_path):
+    """Without vocab_size in the config only the token list tells: a token beyond the embedding's rows is
+    refused (the tokenizer is read, so its pre-tokenizer warning may come first)."""
+    t = crafted_hf.qwen3_tensors()
+    t["model.embed_tokens.weight"] = t["model.embed_tokens.weight"][:200]
+    cfg = {k: v for k, v in crafted_hf.qwen3_config().items() if k != "vocab_size"}
+    src = crafted_hf.write_checkpoint(tmp_path / "m", cfg=cfg, tensors=t)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    res = cli("convert", src, "-q", "q8_0", "-o", out_dir / "m.gguf")
+    assert res.code == 3
+    errors = [ln for ln in res.err.splitlines() if ln.startswith("hf2q: error: ")]
+    assert errors == [res.err.splitlines()[-1]] and f"{crafted_hf.VOCAB} tokens" in errors[0] and "200 rows" in errors[0]
+    assert "Traceback" not in res.err and _leftovers(out_dir) == []
+
+
 def test_generate_without_a_prompt_is_a_usage_error(cli, tmp_path):
     for argv in (("generate",), ("generate", "--model", str(tmp_path / "m.gguf"))):
         res = cli(*argv)
