@@ -120,7 +120,7 @@ def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="run one prompt locally (no HTTP)")
     p.set_defaults(handler="hf2q.engine.generate:run")
     p.add_argument("--model", help="GGUF path (default: the built-in default model)")
-    g = p.add_mutually_exclusive_group()
+    g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--prompt", help="prompt text")
     g.add_argument("--prompt-file", help="read the prompt from this file")
     _add_sampling(p)

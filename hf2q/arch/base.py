@@ -13,6 +13,7 @@ Gemma's ``norm + 1``, BERT's unused pooler dropped.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, ClassVar
@@ -37,6 +38,15 @@ _ALWAYS_F32 = frozenset({
 
 #: what to do with a multi-token-prediction head: keep it, drop it (``--no-mtp``), or write only it (``--mtp``)
 MTP_CHOICES = ("keep", "drop", "only")
+
+#: the config keys HF uses for the number of decoder layers
+LAYER_KEYS = ("num_hidden_layers", "n_layers", "n_layer", "num_layers")
+
+MT = gguf.MODEL_TENSOR
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)\.")
+#: norms over the residual stream: one weight (and bias) per hidden unit
+HIDDEN_NORMS = (MT.OUTPUT_NORM, MT.ATTN_NORM, MT.FFN_NORM, MT.ATTN_POST_NORM, MT.FFN_POST_NORM, MT.FFN_PRE_NORM,
+                MT.TOKEN_EMBD_NORM, MT.ATTN_OUT_NORM, MT.LAYER_OUT_NORM)
 
 
 # --------------------------------------------------------------------------- sources of rows
@@ -176,9 +186,16 @@ class Family:
     #: whether the family has a multi-token-prediction head that ``--no-mtp`` / ``--mtp`` select
     has_mtp: ClassVar[bool] = False
 
+    #: tensors outside the blocks that every checkpoint of the family has
+    required_tensors: ClassVar[tuple[gguf.MODEL_TENSOR, ...]] = (MT.TOKEN_EMBD, MT.OUTPUT_NORM)
+    #: tensors every block has; set only where all blocks are alike (not hybrid layer mixes)
+    block_tensors: ClassVar[tuple[gguf.MODEL_TENSOR, ...]] = ()
+    #: whether attention and MLP widths follow the plain rule (heads × head_dim, intermediate_size)
+    plain_layout: ClassVar[bool] = False
+
     def __init__(self, cfg: dict[str, Any], src: Path, mtp: str = "keep"):
         self.cfg, self.src = cfg, Path(src)
-        self.n_layer = int(require(cfg, "num_hidden_layers", "n_layers", "n_layer", "num_layers"))
+        self.n_layer = int(require(cfg, *LAYER_KEYS, kind=int))
         self.tensor_map = gguf.get_tensor_name_map(self.gguf_arch, self.n_layer)
         if mtp not in MTP_CHOICES:
             raise InputError(f"unknown MTP choice {mtp!r}; expected one of {', '.join(MTP_CHOICES)}")
@@ -208,6 +225,56 @@ class Family:
     def n_expert(self) -> int:
         return int(optional(self.cfg, "num_local_experts", "num_experts", "n_routed_experts") or 0)
 
+    @property
+    def hidden_size(self) -> int:
+        return int(require(self.cfg, "hidden_size", "n_embd", kind=int))
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.cfg.get("head_dim") or self.hidden_size // self.n_head)
+
+    # ---- what the config implies about the tensors (checked by hf2q.convert.checkpoint_check)
+    @property
+    def uniform_blocks(self) -> bool:
+        """Every block holds the same tensors (so one block's extra tensor means another lacks it)."""
+        return bool(self.block_tensors)
+
+    def expected_blocks(self) -> range:
+        """The ``blk.N`` numbers the plan must cover, each with at least one tensor."""
+        return range(self.block_count)
+
+    def check_config(self) -> None:
+        """Relations between hyper-parameters that a reshape would otherwise trip over."""
+        if self.n_head % self.n_head_kv:
+            raise InputError(f"config.json: num_attention_heads {self.n_head} is not a multiple of "
+                             f"num_key_value_heads {self.n_head_kv}")
+        if self.plain_layout and not self.cfg.get("head_dim") and self.hidden_size % self.n_head:
+            raise InputError(f"config.json: hidden_size {self.hidden_size} is not a multiple of "
+                             f"num_attention_heads {self.n_head} (and no head_dim is given)")
+
+    def expected_dims(self) -> dict[gguf.MODEL_TENSOR, tuple[int | None, ...]]:
+        """Per tensor kind, the shape (numpy order, ``None`` = any size) the config implies.
+
+        Every family: the residual width on the matrices that read or write the residual stream,
+        the norms over it, and the expert count on expert tensors. ``plain_layout`` families add
+        the head and MLP widths."""
+        d, e = self.hidden_size, self.n_expert
+        dims: dict[gguf.MODEL_TENSOR, tuple[int | None, ...]] = {k: (d,) for k in HIDDEN_NORMS}
+        dims.update({k: (None, d) for k in (MT.TOKEN_EMBD, MT.OUTPUT, MT.ATTN_Q, MT.ATTN_K, MT.ATTN_V, MT.FFN_GATE,
+                                            MT.FFN_UP, MT.FFN_GATE_SHEXP, MT.FFN_UP_SHEXP)})
+        dims.update({k: (d, None) for k in (MT.ATTN_OUT, MT.FFN_DOWN, MT.FFN_DOWN_SHEXP)})
+        if e:
+            dims.update({MT.FFN_GATE_INP: (e, d), MT.FFN_GATE_EXP: (e, None, d), MT.FFN_UP_EXP: (e, None, d),
+                         MT.FFN_DOWN_EXP: (e, d, None)})
+        if self.plain_layout:
+            hd = self.head_dim
+            q, kv = self.n_head * hd, self.n_head_kv * hd
+            dims.update({MT.ATTN_Q: (q, d), MT.ATTN_K: (kv, d), MT.ATTN_V: (kv, d), MT.ATTN_OUT: (d, q),
+                         MT.ATTN_Q_NORM: (hd,), MT.ATTN_K_NORM: (hd,)})
+            if (ff := optional(self.cfg, "intermediate_size")) is not None:
+                dims.update({MT.FFN_GATE: (ff, d), MT.FFN_UP: (ff, d), MT.FFN_DOWN: (d, ff)})
+        return dims
+
     def layer_summary(self) -> dict[str, int] | None:
         """Per-family facts for ``--dry-run`` and the report beyond tensors (hybrid layer mix, state size)."""
         return None
@@ -220,6 +287,9 @@ class Family:
     def map_name(self, hf_name: str) -> str:
         name = hf_name.replace("language_model.", "")
         new = self.tensor_map.get_name(name, try_suffixes=(".weight", ".bias"))
+        if new is None and (m := _LAYER_INDEX.search(name)) and int(m[1]) >= self.n_layer:
+            raise InputError(f"config.json: num_hidden_layers is {self.n_layer} but the checkpoint has layer "
+                             f"{m[1]} ({hf_name!r})")
         if new is None:
             raise InputError(f"{self.arch_name}: cannot map checkpoint tensor {hf_name!r} to a llama.cpp name")
         return new
@@ -295,6 +365,8 @@ class Family:
         elif rope_type == "yarn" and factor is not None:
             md.string(Keys.Rope.SCALING_TYPE.format(arch=a), "yarn")
             md.f32(Keys.Rope.SCALING_FACTOR.format(arch=a), factor)
+            if full.get("original_max_position_embeddings") is None:
+                raise InputError("config.json: yarn rope scaling needs original_max_position_embeddings")
             md.u32(Keys.Rope.SCALING_ORIG_CTX_LEN.format(arch=a), full["original_max_position_embeddings"])
         if (theta := full.get("rope_theta")) is not None:
             md.f32(Keys.Rope.FREQ_BASE.format(arch=a), theta)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gguf
 
-from hf2q.arch.base import Family, Metadata
+from hf2q.arch.base import MT, Family, Metadata
 from hf2q.arch.pooling import add_pooling_type
 from hf2q.formats.gguf_keys import Keys
 
@@ -20,6 +20,10 @@ class Bert(Family):
     hf_architectures = ("BertModel", "BertForMaskedLM")
     gguf_arch = gguf.MODEL_ARCH.BERT
     tokenizer_kind = "wordpiece"
+    plain_layout = True
+    required_tensors = (MT.TOKEN_EMBD, MT.TOKEN_EMBD_NORM)
+    block_tensors = (MT.ATTN_Q, MT.ATTN_K, MT.ATTN_V, MT.ATTN_OUT, MT.ATTN_OUT_NORM, MT.FFN_UP, MT.FFN_DOWN,
+                     MT.LAYER_OUT_NORM)
 
     @staticmethod
     def _canonical(hf_name: str) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gguf
 
-from hf2q.arch.base import Direct, Family, Metadata
+from hf2q.arch.base import MT, Direct, Family, Metadata
 from hf2q.errors import InputError
 from hf2q.formats.gguf_keys import Keys
 
@@ -21,6 +21,12 @@ class Gemma3(Family):
     tokenizer_kind = "auto"
     #: added to every ``*norm.weight`` (Gemma 3's RMSNorm multiplies by ``1 + w``; Gemma 4 stores the multiplier)
     norm_offset: float = 1.0
+    plain_layout = True
+    block_tensors = (MT.ATTN_NORM, MT.ATTN_Q, MT.ATTN_K, MT.ATTN_V, MT.ATTN_OUT, MT.FFN_GATE, MT.FFN_UP, MT.FFN_DOWN)
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.cfg.get("head_dim") or 256)  # transformers' Gemma 3 default
 
     def skip(self, hf_name: str) -> bool:
         return super().skip(hf_name) or hf_name.startswith(("vision_tower.", "multi_modal_projector.")) \

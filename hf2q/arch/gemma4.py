@@ -45,6 +45,9 @@ class Gemma4(Gemma3):
     gguf_arch = gguf.MODEL_ARCH.GEMMA4
     tokenizer_kind = "gemma4"
     norm_offset = 0.0
+    # sliding and full layers differ in head size and KV heads, and shared-KV layers lack K/V
+    plain_layout = False
+    block_tensors = ()
 
     def __init__(self, cfg: dict[str, Any], src, mtp: str = "keep"):
         super().__init__(cfg, src, mtp=mtp)

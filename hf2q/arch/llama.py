@@ -20,7 +20,8 @@ import attrs
 import gguf
 import numpy as np
 
-from hf2q.arch.base import Direct, Family, Metadata, RowSource, permute_rows
+from hf2q.arch.base import MT, Direct, Family, Metadata, RowSource, permute_rows
+from hf2q.errors import InputError
 from hf2q.formats.gguf_keys import Keys
 from hf2q.sources.hf_config import require
 
@@ -56,6 +57,9 @@ def llama3_rope_divisors(rope: dict, head_dim: int) -> np.ndarray:
     low = float(rope.get("low_freq_factor", 1.0))
     high = float(rope.get("high_freq_factor", 4.0))
     n_orig = float(rope.get("original_max_position_embeddings", 8192))
+    if high <= low:
+        raise InputError(f"config.json: llama3 rope scaling needs high_freq_factor ({high:g}) above "
+                         f"low_freq_factor ({low:g})")
     inv_freq = f32(1.0) / (f32(base) ** (np.arange(0, head_dim, 2, dtype=f32) / f32(head_dim)))
     out = np.empty(inv_freq.shape, dtype=f32)
     for i, freq in enumerate(inv_freq):
@@ -74,10 +78,14 @@ class Llama(Family):
     hf_architectures = ("LlamaForCausalLM", "LLaMAForCausalLM", "MistralForCausalLM", "LlamaModel")
     gguf_arch = gguf.MODEL_ARCH.LLAMA
     tokenizer_kind = "auto"
+    plain_layout = True
+    block_tensors = (MT.ATTN_NORM, MT.ATTN_Q, MT.ATTN_K, MT.ATTN_V, MT.ATTN_OUT, MT.FFN_NORM, MT.FFN_GATE, MT.FFN_UP,
+                     MT.FFN_DOWN)
 
-    @property
-    def head_dim(self) -> int:
-        return int(self.cfg.get("head_dim") or require(self.cfg, "hidden_size") // self.n_head)
+    def check_config(self) -> None:
+        super().check_config()
+        if self.head_dim % 2:  # the Q/K permutation pairs rows within each head
+            raise InputError(f"config.json: head_dim {self.head_dim} is odd; rotary embeddings need an even one")
 
     def source_tensor(self, ck, hf_name, gguf_name):
         shape = ck.entry(hf_name).shape

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import gguf
 
-from hf2q.arch.base import Family, Metadata
+from hf2q.arch.base import MT, Family, Metadata
 from hf2q.arch.pooling import add_pooling_type
 
 
@@ -15,6 +15,9 @@ class Qwen3(Family):
     hf_architectures = ("Qwen3ForCausalLM", "Qwen3Model")
     gguf_arch = gguf.MODEL_ARCH.QWEN3
     tokenizer_kind = "bpe"
+    plain_layout = True
+    block_tensors = (MT.ATTN_NORM, MT.ATTN_Q, MT.ATTN_K, MT.ATTN_V, MT.ATTN_OUT, MT.ATTN_Q_NORM, MT.ATTN_K_NORM,
+                     MT.FFN_NORM, MT.FFN_GATE, MT.FFN_UP, MT.FFN_DOWN)
 
     def hparams(self, md: Metadata) -> None:
         super().hparams(md)

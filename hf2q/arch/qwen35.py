@@ -47,6 +47,7 @@ _MTP_TOP = re.compile(r"^(?:model\.)?mtp\.([a-z_]+)\.(weight|bias)$")
 _MTP_NEXTN = {"fc": K.NEXTN_EH_PROJ, "pre_fc_norm_embedding": K.NEXTN_ENORM,
               "pre_fc_norm_hidden": K.NEXTN_HNORM, "norm": K.NEXTN_SHARED_HEAD_NORM}
 # what an MTP-only draft file keeps of the trunk
+_DECODER_LAYER = re.compile(r"^(?:model\.)?layers\.\d+\.")
 _MTP_ONLY_KEEPS = ("token_embd.weight", "output_norm.weight", "output.weight")
 # llama.cpp writes these sections when a checkpoint's rope_parameters lack them
 DEFAULT_MROPE_SECTIONS = (11, 11, 10, 0)
@@ -143,6 +144,10 @@ class Qwen35(Family):
     def block_count(self) -> int:
         return self.n_layer + self.n_mtp
 
+    def expected_blocks(self) -> range:
+        # --mtp writes the MTP blocks alone, still numbered after the decoder layers
+        return range(self.n_layer, self.block_count) if self.mtp == "only" else range(self.block_count)
+
     def layer_summary(self) -> dict[str, int]:
         """The layer mix and the recurrent state a serving slot holds (F32, as llama.cpp keeps it):
         per linear layer a (kernel − 1)-token conv window over the q/k/v channels and one
@@ -195,8 +200,8 @@ class Qwen35(Family):
                 if m[1] not in _MTP_NEXTN:
                     raise InputError(f"{self.arch_name}: unknown MTP tensor {hf_name!r}")
                 name = f"{gguf.TENSOR_NAMES[_MTP_NEXTN[m[1]]].format(bid=self.n_layer)}.{m[2]}"
-            elif self.mtp == "only" and self.map_name(name) not in _MTP_ONLY_KEEPS:
-                continue
+            elif self.mtp == "only" and (_DECODER_LAYER.match(name) or self.map_name(name) not in _MTP_ONLY_KEEPS):
+                continue  # decoder layers go first: their per-expert tensors have no one-to-one GGUF name
             yield hf_name, name
 
     def map_name(self, hf_name: str) -> str:

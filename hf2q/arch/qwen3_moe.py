@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import gguf
 
-from hf2q.arch.base import Family, Metadata, RowSource, Stacked
+from hf2q.arch.base import MT, Family, Metadata, RowSource, Stacked
 from hf2q.arch.qwen3 import Qwen3
 from hf2q.errors import InputError
 from hf2q.formats.gguf_keys import Keys
@@ -73,6 +73,20 @@ def collect_with_experts(family: Family, ck) -> Iterator[tuple[str, str, RowSour
 class Qwen3Moe(Qwen3):
     hf_architectures = ("Qwen3MoeForCausalLM",)
     gguf_arch = gguf.MODEL_ARCH.QWEN3MOE
+    block_tensors = (MT.ATTN_NORM, MT.ATTN_Q, MT.ATTN_K, MT.ATTN_V, MT.ATTN_OUT, MT.ATTN_Q_NORM, MT.ATTN_K_NORM,
+                     MT.FFN_NORM, MT.FFN_GATE_INP, MT.FFN_GATE_EXP, MT.FFN_UP_EXP, MT.FFN_DOWN_EXP)
+
+    @property
+    def uniform_blocks(self) -> bool:
+        # dense layers among the sparse ones (mlp_only_layers, decoder_sparse_step > 1) hold other tensors
+        return not self.cfg.get("mlp_only_layers") and int(self.cfg.get("decoder_sparse_step") or 1) == 1
+
+    def expected_dims(self):
+        dims = super().expected_dims()
+        if (ff := self.cfg.get("moe_intermediate_size")) is not None:
+            e, d = self.n_expert, self.hidden_size
+            dims.update({MT.FFN_GATE_EXP: (e, ff, d), MT.FFN_UP_EXP: (e, ff, d), MT.FFN_DOWN_EXP: (e, d, ff)})
+        return dims
 
     def collect(self, ck):
         return collect_with_experts(self, ck)

@@ -15,11 +15,22 @@ def default_output(src: Path, quant: str) -> Path:
     return Path.cwd() / f"{src.name}-{quant.lower()}.gguf"
 
 
+def _wants_gguf(args: argparse.Namespace) -> bool:
+    """``--format gguf``, or no format but an output path ending in ``.gguf``."""
+    if args.format is not None:
+        return args.format == "gguf"
+    return bool(args.output) and str(args.output).lower().endswith(".gguf")
+
+
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "batch", None):
         from hf2q.convert.batch import run_batch
         return run_batch(args)
     quant = (args.quant or "").lower()
+    if quant.startswith("mlx") and _wants_gguf(args):
+        from hf2q.convert.quant_names import GGUF_QUANTS
+        raise UsageError(f"--quant {args.quant} is an mlx quantization (use --format mlx, or for GGUF one of "
+                         f"{', '.join(GGUF_QUANTS)})")
     if args.format == "mlx" or quant.startswith("mlx"):
         from hf2q.convert.mlx_writer import convert_mlx
         return convert_mlx(args)

@@ -82,8 +82,29 @@ def _plan(src: Path, quant: MlxQuant, group_size: int):
     cfg = load_config(src)
     mlx_policy.model_type(cfg)
     ckpt = SafetensorsCheckpoint(src)
+    _check_against_config(cfg, src, ckpt)
     shapes = {e.name: tuple(e.shape) for e in ckpt}
     return cfg, ckpt, mlx_policy.plan_tensors(cfg, shapes, quant, group_size)
+
+
+def _check_against_config(cfg: dict[str, Any], src: Path, ckpt) -> None:
+    """The GGUF path's header-only checks (config values, layers, tensor names and shapes), so a broken
+    checkpoint is refused the same way whichever format is asked for."""
+    from hf2q.arch.registry import family_class
+    from hf2q.convert.checkpoint_check import check_config
+    from hf2q.convert.pipeline import plan_checked
+    from hf2q.sources.hf_config import architecture_name
+
+    check_config(cfg, ckpt)
+    try:
+        family_cls = family_class(architecture_name(cfg))
+    except InputError:  # mlx_policy knows the family by model_type; the GGUF table may not
+        return
+    from hf2q.sources.tokenizer_meta import release_tokenizer_cache
+    try:
+        plan_checked(family_cls, cfg, src, ckpt)
+    finally:
+        release_tokenizer_cache()
 
 
 def _float_dtype(cfg: dict[str, Any], ckpt) -> str:

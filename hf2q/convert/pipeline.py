@@ -23,9 +23,10 @@ import gguf
 import numpy as np
 
 from hf2q.arch.base import Direct, Metadata, PlannedTensor
-from hf2q.arch.registry import family_for
+from hf2q.arch.registry import family_class
 from hf2q.atomic import atomic_output
 from hf2q.convert import report as report_mod
+from hf2q.convert.checkpoint_check import check_config, check_plan, check_vocabulary
 from hf2q.convert.gguf_writer import GGUFStream, TensorLayout, layout
 from hf2q.convert.imatrix_plan import add_metadata, tensor_weights
 from hf2q.convert.imatrix_plan import describe as describe_imatrix
@@ -34,7 +35,7 @@ from hf2q.convert.quant_names import QuantName
 from hf2q.errors import ConversionError, InputError
 from hf2q.formats.gguf_keys import Keys
 from hf2q.progress import progress_bar
-from hf2q.sources.hf_config import load_config
+from hf2q.sources.hf_config import architecture_name, load_config
 from hf2q.sources.imatrix import ImatrixFile
 from hf2q.sources.integrity import hash_inputs
 from hf2q.sources.safetensors_reader import SafetensorsCheckpoint
@@ -70,20 +71,36 @@ def build_plan(src: Path, quant: QuantName, has_imatrix: bool = False, mtp: str 
     ``mtp``: ``keep`` the multi-token-prediction head, ``drop`` it, or write ``only`` it."""
     src = Path(src)
     cfg = load_config(src)
-    family = family_for(cfg, src, mtp=mtp)
+    family_cls = family_class(architecture_name(cfg))
     ck = SafetensorsCheckpoint(src)
+    try:
+        family, tensors = plan_checked(family_cls, cfg, src, ck, mtp)
+        facts = ModelFacts(family.arch_name, family.block_count, family.n_head, family.n_head_kv, family.n_expert)
+        types = plan_types(quant, facts, [TensorFacts(t.name, t.ne, t.f32_only) for t in tensors], has_imatrix)
+        try:
+            layouts = layout([(t.name, stored_ne(t.ne, quant), q) for t, q in zip(tensors, types)])
+        except ValueError as e:
+            raise InputError(str(e)) from None
+        md = build_metadata(family, src, cfg, quant)
+        check_vocabulary(md, tensors)
+    except BaseException:
+        ck.close()
+        raise
+    finally:
+        release_tokenizer_cache()
+    return ConversionPlan(src, family, ck, quant, tensors, types, layouts, md)
+
+
+def plan_checked(family_cls, cfg: dict, src: Path, ck: SafetensorsCheckpoint, mtp: str = "keep"):
+    """The family and its tensor plan, with the config checked against the checkpoint's headers first."""
+    check_config(cfg, ck)
+    family = family_cls(cfg, src, mtp=mtp)
+    family.check_config()
     tensors = family.plan(ck)
     if not tensors:
         raise InputError(f"{src}: the checkpoint has no tensors")
-    facts = ModelFacts(family.arch_name, family.block_count, family.n_head, family.n_head_kv, family.n_expert)
-    types = plan_types(quant, facts, [TensorFacts(t.name, t.ne, t.f32_only) for t in tensors], has_imatrix)
-    try:
-        layouts = layout([(t.name, stored_ne(t.ne, quant), q) for t, q in zip(tensors, types)])
-    except ValueError as e:
-        raise InputError(str(e)) from None
-    md = build_metadata(family, src, cfg, quant)
-    release_tokenizer_cache()
-    return ConversionPlan(src, family, ck, quant, tensors, types, layouts, md)
+    check_plan(family, ck, tensors)
+    return family, tensors
 
 
 def stored_ne(ne: list[int], quant: QuantName) -> list[int]:

@@ -84,34 +84,74 @@ def _parse_header(path: Path) -> dict[str, TensorEntry]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype, shape, (b, e) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise InputError(f"{path.name}: malformed header entry for tensor {name!r}") from None
-        if dtype not in _DTYPES:
-            raise InputError(f"{path.name}: tensor {name!r} has unsupported dtype {dtype}")
-        count = 1
-        for d in shape:
-            count *= d
-        if e - b != count * _DTYPES[dtype][1] or b < 0:
-            raise InputError(f"{path.name}: tensor {name!r} is {e - b} bytes but dtype {dtype} × shape "
-                             f"{list(shape)} needs {count * _DTYPES[dtype][1]} (dtype/shape mismatch)")
-        if data_start + e > size:
-            raise InputError(f"{path.name}: truncated — tensor {name!r} ends at byte {data_start + e} "
-                             f"but the file has {size}")
-        out[name] = TensorEntry(name, path, dtype, shape, data_start + b, data_start + e)
+        out[name] = _entry(path, name, info, data_start, size)
+    _check_disjoint(path, out.values())
     return out
+
+
+def _entry(path: Path, name: str, info, data_start: int, size: int) -> TensorEntry:
+    """One header entry, checked: known dtype, whole non-negative dims, a byte range inside the file
+    whose length is exactly dtype × shape."""
+    try:
+        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    except (KeyError, TypeError):
+        raise InputError(f"{path.name}: malformed header entry for tensor {name!r} "
+                         "(needs dtype, shape and data_offsets)") from None
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
+        raise InputError(f"{path.name}: tensor {name!r} has unsupported dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(_whole(d) for d in shape):
+        raise InputError(f"{path.name}: tensor {name!r} has shape {shape!r}; expected non-negative whole numbers")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_whole(o) for o in offsets) \
+            or offsets[0] > offsets[1]:
+        raise InputError(f"{path.name}: tensor {name!r} has data_offsets {offsets!r}; expected [begin, end] "
+                         "with 0 ≤ begin ≤ end")
+    b, e = offsets
+    count = 1
+    for d in shape:
+        count *= d
+    if e - b != count * _DTYPES[dtype][1]:
+        raise InputError(f"{path.name}: tensor {name!r} is {e - b} bytes but dtype {dtype} × shape "
+                         f"{list(shape)} needs {count * _DTYPES[dtype][1]} (dtype/shape mismatch)")
+    if data_start + e > size:
+        raise InputError(f"{path.name}: truncated — tensor {name!r} ends at byte {data_start + e} "
+                         f"but the file has {size}")
+    return TensorEntry(name, path, dtype, tuple(shape), data_start + b, data_start + e)
+
+
+def _whole(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _check_disjoint(path: Path, entries) -> None:
+    """No two tensors may share bytes (a forged header could alias one tensor's data as another's)."""
+    prev = None
+    for e in sorted((e for e in entries if e.nbytes), key=lambda e: e.begin):
+        if prev is not None and e.begin < prev.end:
+            raise InputError(f"{path.name}: tensors {prev.name!r} and {e.name!r} overlap in the data buffer "
+                             "(data_offsets)")
+        prev = e
+
+
+def index_weight_map(src: Path) -> dict[str, str]:
+    """``weight_map`` of ``model.safetensors.index.json``: tensor name → shard file name in ``src``."""
+    index = src / "model.safetensors.index.json"
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise InputError(f"{index}: invalid safetensors index ({type(e).__name__}: {e})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise InputError(f"{index.name}: weight_map must map tensor names to shard file names")
+    for shard in set(weight_map.values()):
+        if Path(shard).name != shard or shard in ("", ".", ".."):
+            raise InputError(f"{index.name} names shard {shard!r} outside the model directory")
+    return weight_map
 
 
 def checkpoint_files(src: Path) -> list[Path]:
     """The safetensors files of an HF directory, in shard order (index.json wins when present)."""
     index = src / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise InputError(f"{index}: invalid safetensors index ({e})") from None
-        names = sorted(set(weight_map.values()))
+        names = sorted(set(index_weight_map(src).values()))
         missing = [n for n in names if not (src / n).is_file()]
         if missing:
             raise InputError(f"{index.name} names shard(s) that do not exist: {', '.join(missing[:3])}")
@@ -134,7 +174,20 @@ class SafetensorsCheckpoint:
                 if name in self.entries:
                     raise InputError(f"tensor {name!r} appears in both {self.entries[name].path.name} and {f.name}")
                 self.entries[name] = entry
+        if (self.src / "model.safetensors.index.json").is_file():
+            self._check_index(index_weight_map(self.src))
         self._maps: dict[Path, mmap.mmap] = {}
+
+    def _check_index(self, weight_map: dict[str, str]) -> None:
+        """Every tensor the index names is in the shard it names (the index is what loaders trust)."""
+        for name, shard in weight_map.items():
+            e = self.entries.get(name)
+            if e is None:
+                raise InputError(f"model.safetensors.index.json names tensor {name!r} in {shard}, "
+                                 "but that shard does not have it")
+            if e.path.name != shard:
+                raise InputError(f"model.safetensors.index.json puts tensor {name!r} in {shard}, "
+                                 f"but it is in {e.path.name}")
 
     # -- lookup -----------------------------------------------------------------
     def __contains__(self, name: str) -> bool:

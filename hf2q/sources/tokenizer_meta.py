@@ -125,13 +125,52 @@ def release_tokenizer_cache() -> None:
 
 
 def load_tokenizer_json(src: Path) -> dict:
-    return _load_json(src / "tokenizer.json")
+    """``tokenizer.json``, its shape checked (model, vocab, added tokens, merges) so that a malformed
+    file is one line naming it, not a ``TypeError`` deep in the vocabulary code."""
+    path = src / "tokenizer.json"
+    tj = _load_json(path)
+    if not isinstance(tj, dict):
+        raise InputError(f"{path}: expected a JSON object, got {type(tj).__name__}")
+    model = tj.get("model")
+    if not isinstance(model, dict):
+        raise InputError(f"{path}: 'model' is {'missing' if model is None else type(model).__name__}; "
+                         "expected an object with the vocabulary")
+    vocab = model.get("vocab")
+    if isinstance(vocab, dict):
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in vocab.values()):
+            raise InputError(f"{path}: model.vocab must map token strings to non-negative integer ids")
+    elif isinstance(vocab, list):  # unigram: [[piece, score], …]
+        if not all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in vocab):
+            raise InputError(f"{path}: model.vocab is a list but not of [piece, score] pairs")
+    elif vocab is not None:
+        raise InputError(f"{path}: model.vocab is {type(vocab).__name__}; expected an object or a list")
+    added = tj.get("added_tokens", [])
+    if not isinstance(added, list) or not all(
+            isinstance(a, dict) and isinstance(a.get("content"), str) and isinstance(a.get("id"), int)
+            and not isinstance(a["id"], bool) and a["id"] >= 0 for a in added):
+        raise InputError(f"{path}: added_tokens must be a list of {{id, content}} objects")
+    merges = model.get("merges")
+    if merges is not None and not (isinstance(merges, list) and all(
+            isinstance(m, str) or isinstance(m, list) and len(m) == 2 and all(isinstance(x, str) for x in m)
+            for m in merges)):
+        raise InputError(f"{path}: model.merges must be a list of \"a b\" strings or [a, b] pairs")
+    return tj
+
+
+def _tokenizer_config(src: Path) -> dict | None:
+    path = src / "tokenizer_config.json"
+    if not path.is_file():
+        return None
+    tc = _load_json(path)
+    if not isinstance(tc, dict):
+        raise InputError(f"{path}: expected a JSON object, got {type(tc).__name__}")
+    return dict(tc)
 
 
 def vocab_from_tokenizer_json(src: Path, cfg: dict[str, Any]) -> tuple[list[str], list[int]]:
     """Tokens in id order + llama.cpp token types, as llama.cpp's ``get_vocab_base`` lays them out."""
-    tj = _load_json(src / "tokenizer.json")
-    model = tj.get("model") or {}
+    tj = load_tokenizer_json(src)
+    model = tj["model"]
     vocab = model.get("vocab")
     if isinstance(vocab, list):  # unigram: [[piece, score], …]
         vocab = {p[0]: i for i, p in enumerate(vocab)}
@@ -188,11 +227,19 @@ def spm_vocab(src: Path, cfg: dict[str, Any]) -> tuple[list[bytes], list[float],
             kind = TT.BYTE
         tokens[i], scores[i], types[i] = sp.IdToPiece(i).encode("utf-8"), sp.GetScore(i), int(kind)
     if (src / "added_tokens.json").is_file():
-        for text, i in _load_json(src / "added_tokens.json").items():
+        added = _load_json(src / "added_tokens.json")
+        if not isinstance(added, dict) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                  for i in added.values()):
+            raise InputError(f"{src / 'added_tokens.json'}: expected an object of token → non-negative id")
+        for text, i in added.items():
             if i < size:
                 tokens[i], scores[i], types[i] = text.encode("utf-8"), -1000.0, int(TT.USER_DEFINED)
-    if (src / "tokenizer_config.json").is_file():
-        decoder = _load_json(src / "tokenizer_config.json").get("added_tokens_decoder", {})
+    if (tc := _tokenizer_config(src)) is not None:
+        decoder = tc.get("added_tokens_decoder") or {}
+        if not isinstance(decoder, dict) or not all(
+                k.isdigit() and isinstance(d, dict) and isinstance(d.get("content"), str) for k, d in decoder.items()):
+            raise InputError(f"{src / 'tokenizer_config.json'}: added_tokens_decoder must map ids to "
+                             "{content, …} objects")
         for key, data in decoder.items():
             i, text = int(key), data["content"]
             if i >= size:
@@ -256,8 +303,8 @@ def transformers_special_tokens(src: Path) -> list[str]:
 
 def gemma4_vocab(src: Path) -> tuple[list[str], list[float], list[int]]:
     """Tokens, scores and types of a Gemma 4 ``tokenizer.json``, as llama.cpp's converter lays them out."""
-    tj = _load_json(src / "tokenizer.json")
-    model = tj.get("model") or {}
+    tj = load_tokenizer_json(src)
+    model = tj["model"]
     vocab = model.get("vocab")
     if model.get("type") != "BPE" or not isinstance(vocab, dict) or not model.get("byte_fallback"):
         raise InputError(f"{src / 'tokenizer.json'}: Gemma 4 needs a BPE model with byte_fallback")
@@ -358,8 +405,8 @@ class SpecialTokens:
         self.lowercase: bool | None = None
         self.strip_accents: bool | None = None
         self.chat_template: str | list | None = None
-        tj = _load_json(src / "tokenizer.json") if (src / "tokenizer.json").is_file() else None
-        tc = dict(_load_json(src / "tokenizer_config.json")) if (src / "tokenizer_config.json").is_file() else None
+        tj = load_tokenizer_json(src) if (src / "tokenizer.json").is_file() else None
+        tc = _tokenizer_config(src)
         added = (tj or {}).get("added_tokens", [])
         if tj is not None:
             if load_merges:
@@ -495,7 +542,8 @@ def _chat_template(src: Path, tc: dict):
             alt = [{"name": "default", "template": alt}] + [
                 {"name": p.stem, "template": p.read_text(encoding="utf-8")} for p in extra]
     elif (src / "chat_template.json").is_file():
-        alt = _load_json(src / "chat_template.json").get("chat_template")
+        data = _load_json(src / "chat_template.json")
+        alt = data.get("chat_template") if isinstance(data, dict) else None
     tmpl = tc.get("chat_template", alt)
     return tmpl if tmpl is None or isinstance(tmpl, (str, list)) else None
 
