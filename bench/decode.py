@@ -13,6 +13,7 @@ table with ratios and writes JSON (``--out``). On CPU the fast BLAS is loaded fo
 users (they share the process), so the comparison is about the engines, not the BLAS.
 
     python bench/decode.py --quants q4_0,q8_0,q4_k_m --prefill 512,2048 --tg 128 --out bench-decode.json
+    python bench/decode.py --gguf /tmp/qwen35-0.8b-q8_0.gguf     # any GGUF: hf2q and llama.cpp only
 """
 
 from __future__ import annotations
@@ -166,6 +167,23 @@ def bench_llama_cpp(gguf: Path, prefill: list[int], tg: int, reps: int, threads:
     return out
 
 
+def bench_files(paths: list[Path], args) -> int:
+    """hf2q and llama.cpp on each given GGUF (no HF source needed, so no mlx-lm)."""
+    prefill = [int(x) for x in args.prefill.split(",") if x]
+    results = {"device": str(mx.default_device()), "prefill": prefill, "tg": args.tg, "reps": args.reps, "runs": {}}
+    for path in paths:
+        row = {"hf2q": bench_hf2q(path, prefill, args.tg, args.reps, args.chunk),
+               "llama.cpp": bench_llama_cpp(path, prefill, args.tg, args.reps, args.threads)}
+        if row["llama.cpp"]:
+            row["hf2q/llama.cpp"] = {k: round(row["hf2q"][k] / v, 3) for k, v in row["llama.cpp"].items()
+                                     if k in row["hf2q"] and v}
+        results["runs"][path.name] = row
+        print(json.dumps({path.name: row}), flush=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    print(json.dumps(results))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quants", default="q4_0,q8_0,q4_k_m")
@@ -176,8 +194,12 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--engines", default="hf2q,mlx-lm,llama.cpp")
     p.add_argument("--work", default=None, help="where converted models are kept (default: hf2q cache/bench)")
+    p.add_argument("--gguf", action="append", default=[],
+                   help="time these GGUF files instead (hf2q and llama.cpp on each; e.g. bench/synth_gguf.py shapes)")
     p.add_argument("--out", default="bench-decode.json")
     args = p.parse_args(argv)
+    if args.gguf:
+        return bench_files([Path(g) for g in args.gguf], args)
 
     from hf2q.paths import cache_root
     from tests.models.real import smollm2_hf_dir

@@ -34,6 +34,8 @@ SHAPES = {
     # as ggml-vocab-qwen35, 151,936 rows instead of the release's 248,320): a full-attention block every `interval`
     "qwen35-9b": dict(arch="qwen35", hidden=4096, layers=32, ffn=12288, heads=16, kv_heads=4, head_dim=256,
                       vocab=151936, interval=4, lin_k_heads=16, lin_v_heads=32, lin_dim=128, conv=4, rope_dims=64),
+    "qwen35-0.8b": dict(arch="qwen35", hidden=1024, layers=24, ffn=3584, heads=8, kv_heads=2, head_dim=256,
+                        vocab=151936, interval=4, lin_k_heads=16, lin_v_heads=16, lin_dim=128, conv=4, rope_dims=64),
     "qwen35-tiny": dict(arch="qwen35", hidden=256, layers=4, ffn=512, heads=4, kv_heads=2, head_dim=64,
                         vocab=151936, interval=2, lin_k_heads=2, lin_v_heads=4, lin_dim=64, conv=4, rope_dims=16),
 }
