@@ -87,11 +87,13 @@ class StoreStats:
     budget_bytes: int | None
     hits: int  # blocks found by longest_prefix
     misses: int  # lookups that stopped before the prompt's last full block
-    skipped: int  # blocks the writer dropped because its channel was full
+    skipped: int  # blocks the writer refused because its channel was full
     errors: int  # I/O errors and blocks that failed verification on read
     quarantined: int  # at recovery and later
     written: int
     evicted: int
+    pending: int = 0  # blocks promised to the disk and not written yet (queued or deferred)
+    not_written: int = 0  # promised blocks given up: their KV was overwritten first, or the server stopped
 
     def as_dict(self) -> dict:
         return attrs.asdict(self)
@@ -346,6 +348,14 @@ class BlockStore:
         with self._mu:
             self._counts["skipped"] += n
 
+    def note_pending(self, delta: int) -> None:
+        with self._mu:
+            self._counts["pending"] += delta
+
+    def note_not_written(self, n: int = 1) -> None:
+        with self._mu:
+            self._counts["not_written"] += n
+
     def note_error(self, n: int = 1) -> None:
         with self._mu:
             self._counts["errors"] += n
@@ -360,4 +370,5 @@ class BlockStore:
             c = self._counts
             return StoreStats(bytes_on_disk=self._bytes, blocks=len(self._index), budget_bytes=self.budget_bytes,
                               hits=c["hits"], misses=c["misses"], skipped=c["skipped"], errors=c["errors"],
-                              quarantined=c["quarantined"], written=c["written"], evicted=c["evicted"])
+                              quarantined=c["quarantined"], written=c["written"], evicted=c["evicted"],
+                              pending=c["pending"], not_written=c["not_written"])
