@@ -77,7 +77,7 @@ class KvPrefixActor:
     def counters(self) -> dict[str, int]:
         """This actor's counters for the runtime snapshot, with the blocks still pending."""
         out = dict(self._counts)
-        if self.writer is not None:
+        if self.writer is not None and self.store is not None:
             out["kv_blocks_pending"] = self.pending_blocks
             out["kv_blocks_written"] = self.store.stats().written
         return out

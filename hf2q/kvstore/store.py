@@ -33,7 +33,7 @@ import numpy as np
 from hf2q.atomic import TMP_SUFFIX, fsync_dir
 from hf2q.errors import InputError
 from hf2q.kvstore import payload
-from hf2q.kvstore.blockfile import (PAYLOAD_KV, PAYLOAD_KV_Q8, BlockFileError, BlockMeta, block_file_name,
+from hf2q.kvstore.blockfile import (PAYLOAD_KINDS, PAYLOAD_KV, BlockFileError, BlockMeta, block_file_name,
                                     encode_block, parse_header, read_block, read_meta)
 from hf2q.kvstore.fingerprint import BLOCK_TOKENS, ROOT_PARENT, block_hashes, chain_hash
 from hf2q.kvstore.locks import USE_LOCK, FileLock
@@ -137,11 +137,12 @@ class BlockStore:
         ``verify_bodies``: True checksums every block at start-up, False checks only headers
         and sizes (≈40× faster), None picks True for stores up to 2 GiB. Bodies are always
         verified when read, so a corrupt block is never imported either way.
-        ``payload_kind="kv-q8"`` stores new blocks as 8-bit rows (half the bytes, approximate;
-        see docs/KVSTORE.md); blocks of either kind are read back in the engine's dtype.
+        ``payload_kind="kv-q8"`` stores new blocks as 8-bit rows, ``"kv-f16"`` float32 KV as
+        float16 (both approximate, see docs/KVSTORE.md); blocks of any kind are read back in the
+        engine's dtype.
         """
-        if payload_kind not in (PAYLOAD_KV, PAYLOAD_KV_Q8):
-            raise InputError(f"unknown KV payload kind {payload_kind!r} (use kv or kv-q8)")
+        if payload_kind not in PAYLOAD_KINDS:
+            raise InputError(f"unknown KV payload kind {payload_kind!r} (use {', '.join(PAYLOAD_KINDS)})")
         root = Path(root).expanduser()
         if budget_bytes is not None and budget_bytes < 0:
             raise InputError(f"--kv-persist-budget must not be negative: {budget_bytes}")
