@@ -2,13 +2,14 @@
 
 For each prompt (pieces of llama.cpp's own markdown files: 2 blocks + 37 tokens) the engine
 prefills it three ways — cold (one transaction), live (the 2 blocks, then the tail: what a
-server that persisted them did) and restored (the live slot's 2 exported blocks through the
-store (``BlockStore.open(payload_kind=…)`` with ``kv`` / ``kv-f16`` / ``kv-q8``), imported into a fresh sequence, then the
-tail) — and decodes ``--tokens`` greedy tokens from each. Prints one JSON object: block file bytes
-per kind, and per kind how many prompts restore bit for bit (logits equal to the live slot's),
-how many give the cold run's greedy tokens, and the largest logit difference.
+server that persisted them did) and restored (the live slot's 2 exported blocks written to
+and read back from a store opened with ``payload_kind`` ``kv`` / ``kv-f16`` / ``kv-q8``,
+imported into a fresh sequence, then the tail) — and decodes ``--tokens`` greedy tokens from
+each. Prints one JSON object: block file bytes per kind, and per kind how many prompts restore
+bit for bit (logits equal to the live slot's), how many give the cold run's greedy tokens, and
+the largest logit difference.
 
-    python bench/kvpayload_identity.py --tokens 32
+    PYTHONPATH=. python bench/kvpayload_identity.py --tokens 32
 """
 
 from __future__ import annotations

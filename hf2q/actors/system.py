@@ -100,10 +100,12 @@ class ActorSystem:
     def _report_kv_persist(self) -> None:
         """One line at shutdown: what the persistent store was promised and what became of it."""
         left = self.kv_prefix.abandon() + self.kv_prefix.writer.statistics().abandoned
-        st = self.kv_store.stats() if self.kv_store is not None else None
-        if st is not None:
-            logging.getLogger("hf2q.kvstore").info("kv persist: stopped", extra={"blocks_written": st.written, "blocks_pending_at_stop": left,
-                                                   "blocks_not_written": st.not_written, "write_errors": st.errors})
+        if self.kv_store is None:
+            return
+        st = self.kv_store.stats()
+        logging.getLogger("hf2q.kvstore").info("kv persist: stopped", extra={
+            "blocks_written": st.written, "blocks_pending_at_stop": left, "blocks_not_written": st.not_written,
+            "write_errors": st.errors})
 
     async def _open_kv_store(self):
         """Open the persistent KV store keyed by the loaded engine's ``kv_identity`` (KV values

@@ -7,8 +7,9 @@ changing a bit of what ``import_kv`` receives. bfloat16 is stored as its 16 raw 
 the safetensors tag ``BF16``. ``kv-f16`` (opt-in, lossy): float32 arrays that do not narrow
 losslessly are rounded to float16 (when every value is within its range) — the CPU engine's
 float32 KV at half the bytes, at the cost of bit-exact restores. ``kv-q8`` (opt-in, lossy):
-floating-point arrays become int8 rows plus float16 scales (``q8.py``). Either way ``payload_dtypes`` in the header records the
-dtype each narrowed tensor is restored to, so readers get back exactly the exported dtype.
+floating-point arrays become int8 rows plus float16 scales (``q8.py``). In every case
+``payload_dtypes`` in the header records the dtype each narrowed tensor is restored to, so
+readers get back exactly the exported dtype.
 """
 
 from __future__ import annotations
