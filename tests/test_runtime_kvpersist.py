@@ -5,6 +5,7 @@ stopped by SIGTERM right after a long request, restores all of its complete bloc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import signal
@@ -177,6 +178,17 @@ def long_context_tiny_gguf(tmp_path_factory) -> Path:
     return out
 
 
+@contextlib.contextmanager
+def _killed_on_exit(proc):
+    """Whatever happens in the block, the server process does not outlive it."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def _serve_one_request(model: Path, kv_dir: Path, body: dict) -> tuple[dict, dict, list[dict]]:
     """Start ``hf2q serve --kv-persist``, answer ``body``, scrape /metrics, SIGTERM; → (reply,
     kv metrics, JSON log records)."""
@@ -186,18 +198,13 @@ def _serve_one_request(model: Path, kv_dir: Path, body: dict) -> tuple[dict, dic
 
     proc, url = start_server("--log-format", "json", "serve", "--model", str(model), "--port", "0", "--slots", "1",
                              "--ctx", "8192", "--kv-persist", str(kv_dir))
-    try:
+    with _killed_on_exit(proc):
         wait_ready(url, proc, timeout=60)
         reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()
         metrics = {s.name: s.value for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)
                    for s in f.samples if s.name.startswith("hf2q_kv_persist_blocks")}
         proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(60)
-        err = proc.stderr.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        rc, err = proc.wait(60), proc.stderr.read()
     assert rc == 0, err
     return reply, metrics, [json.loads(ln) for ln in err.splitlines() if ln.startswith("{")]
 
