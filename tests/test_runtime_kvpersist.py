@@ -112,15 +112,15 @@ async def test_a_full_writer_defers_blocks_and_writes_them_once_idle(tmp_path, m
     prompt = _prompt(20 * BLOCK_TOKENS + 1)  # 20 full blocks; the writer queue holds 2
     fake = FakeModelRunner(n_ctx_train=8192)
     with BlockStore.open(tmp_path, FP, None) as store:
-        _slow_stage(store, 0.01)
+        _slow_stage(store, 0.02)
         async with open_runtime(fake.factory(), RuntimeConfig(slots=1), kv_store=store) as rt:
             await rt.wait_ready()
             ev = await collect(await rt.submit(GenerationRequest("a", tuple(prompt), SamplingParams(max_tokens=3))))
             assert terminal(ev).reason == "length" and tokens_of(ev) == greedy(fake, prompt, 3)
             await _until(lambda: "kv_blocks_saved" in rt.snapshot().counters)  # the Persist was handled
             c = rt.snapshot().counters
-            assert c["kv_blocks_saved"] == 2 and c["kv_blocks_pending"] == 20 - c["kv_blocks_written"]
-            assert store.stats().pending == c["kv_blocks_pending"]
+            # every block is pending or written (one reading of the store's counts), some still pending
+            assert c["kv_blocks_pending"] + c["kv_blocks_written"] == 20 and c["kv_blocks_pending"] > 0
             # no drain, no new request: the writer going idle is what brings the rest to disk
             await _until(lambda: store.stats().written == 20)
             c = rt.snapshot().counters
@@ -218,7 +218,7 @@ def test_sigterm_right_after_a_long_request_keeps_every_complete_block(tmp_path,
     n_prompt = first["usage"]["prompt_tokens"]
     full = (n_prompt - 1) // BLOCK_TOKENS  # the last token is always recomputed
     assert full > system_module.KV_WRITER_QUEUE + 1 and first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    assert m1["hf2q_kv_persist_blocks_pending"] + m1["hf2q_kv_persist_blocks_written_total"] <= full
+    assert m1["hf2q_kv_persist_blocks_pending"] + m1["hf2q_kv_persist_blocks_written_total"] in (0, full)
     stopped = [r for r in log1 if r.get("msg") == "kv persist: stopped"]
     assert len(stopped) == 1, log1
     assert (stopped[0]["blocks_written"], stopped[0]["blocks_pending_at_stop"],

@@ -69,17 +69,12 @@ class KvPrefixActor:
         return self.store is not None
 
     @property
-    def pending_blocks(self) -> int:
-        """Blocks of finished requests not on disk yet: recorded here or queued in the writer."""
-        return self._deferred_blocks + (self.writer.pending if self.writer is not None else 0)
-
-    @property
     def counters(self) -> dict[str, int]:
         """This actor's counters for the runtime snapshot, with the blocks still pending."""
         out = dict(self._counts)
         if self.writer is not None and self.store is not None:
-            out["kv_blocks_pending"] = self.pending_blocks
-            out["kv_blocks_written"] = self.store.stats().written
+            st = self.store.stats()  # one consistent reading: a block is pending or written, never both
+            out["kv_blocks_pending"], out["kv_blocks_written"] = st.pending, st.written
         return out
 
     async def run(self) -> None:

@@ -27,6 +27,7 @@ import collections
 import contextlib
 import logging
 import time
+from functools import partial
 from typing import AsyncIterator
 
 import attrs
@@ -135,12 +136,14 @@ class KVWriter:
     async def run(self, receive: trio.MemoryReceiveChannel) -> None:
         async with receive:
             async for block, size in receive:
+                committed = False
                 try:
-                    await self._persist(block)
+                    committed = await self._persist(block)
                 finally:
                     self._queued_bytes -= size
                     self._pending -= 1
-                    self.store.note_pending(-1)
+                    if not committed:  # a commit settles its block's pending count with the write itself
+                        self.store.note_pending(-1)
                     if self._pending == 0:
                         self._idle.set()
                         self._wake_idle_waiters()
@@ -163,28 +166,30 @@ class KVWriter:
             except (trio.ClosedResourceError, trio.BrokenResourceError):
                 pass  # that actor has ended: nobody is waiting any more
 
-    async def _persist(self, block: KVBlock) -> None:
+    async def _persist(self, block: KVBlock) -> bool:
+        """Write ``block``; True once it is committed."""
         fire(self, "block_dequeued")
         try:
             staged: StagedWrite | None = await trio.to_thread.run_sync(self.store.stage, block)
         except Exception as e:  # noqa: BLE001 — an I/O fault must never crash the server
             self._failed(block, "write", e)
-            return
+            return False
         if staged is None:
             self._counts["already_stored"] += 1
             fire(self, "block_already_stored")
-            return
+            return False
         fire(self, "block_written")
         try:
-            await trio.to_thread.run_sync(self.store.commit, staged)
+            await trio.to_thread.run_sync(partial(self.store.commit, staged, settles_pending=True))
         except Exception as e:  # noqa: BLE001
             self._failed(block, "sync", e)
-            return
+            return False
         except BaseException:
             self.store.abort(staged)
             raise
         self._counts["written"] += 1
         fire(self, "block_synced")
+        return True
 
     def _failed(self, block: KVBlock, phase: str, exc: Exception) -> None:
         fire(self, "io_failed")

@@ -282,8 +282,11 @@ class BlockStore:
             raise
         return StagedWrite(fd, tmp, final, meta)
 
-    def commit(self, staged: StagedWrite) -> BlockMeta:
-        """fsync the temp, rename it into place, fsync the directory, index it, evict to budget."""
+    def commit(self, staged: StagedWrite, *, settles_pending: bool = False) -> BlockMeta:
+        """fsync the temp, rename it into place, fsync the directory, index it, evict to budget.
+
+        ``settles_pending``: the block was counted pending (``note_pending``); it stops being so in
+        the same step that counts it written, so ``stats()`` never shows it as both."""
         try:
             os.fsync(staged.fd)
             os.replace(staged.tmp_path, staged.final_path)
@@ -298,6 +301,7 @@ class BlockStore:
             self._index[staged.meta.block_hash] = staged.meta
             self._bytes += staged.meta.file_bytes
             self._counts["written"] += 1
+            self._counts["pending"] -= int(settles_pending)
             parent = staged.meta.parent_hash  # ancestors count as used whenever a descendant is
             while parent in self._index:
                 self._index.move_to_end(parent)
