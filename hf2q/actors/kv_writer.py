@@ -139,6 +139,10 @@ class KVWriter:
                 committed = False
                 try:
                     committed = await self._persist(block)
+                except BaseException:  # cancelled mid-block: its write was rolled back
+                    self._counts["abandoned"] += 1
+                    self.store.note_not_written(1)
+                    raise
                 finally:
                     self._queued_bytes -= size
                     self._pending -= 1
