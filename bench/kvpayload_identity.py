@@ -82,7 +82,7 @@ def main() -> None:
             r["tokens_equal_cold"] += int(greedy(seq, logits) == cold_tokens)
             r["max_abs_logit_diff"] = max(r["max_abs_logit_diff"], float(np.abs(logits - live_logits).max()))
     print(json.dumps({"engine": runner.kv_identity, "prompts": n, "tokens": args.tokens,
-                      "live_vs_cold_max_abs_logit_diff": chunking, "block_payload_bytes": block_bytes,
+                      "live_vs_cold_max_abs_logit_diff": chunking, "block_file_bytes": block_bytes,
                       "payloads": rows}, indent=1))
 
 
