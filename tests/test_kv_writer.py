@@ -92,6 +92,40 @@ async def test_full_channel_skips_and_counts_without_waiting(tmp_path):
             assert writer.statistics().written == 4
 
 
+async def test_room_pending_and_one_idle_notice(tmp_path):
+    """What the KV prefix actor relies on: ``room`` says how many submits succeed now, ``pending``
+    (also in the store's stats) counts blocks not handled yet, ``notify_idle`` sends once the queue empties."""
+    with BlockStore.open(tmp_path, FP) as store:
+        blocks = blocks_for(store, 6, n_blocks=5)
+        send, receive = trio.open_memory_channel(10)
+        async with open_kv_writer(store, capacity=3) as writer:
+            writer.notify_idle(send, "idle-now")  # nothing pending: sent at once
+            assert receive.receive_nowait() == "idle-now"
+            assert writer.room == 3
+            assert [writer.submit_nowait(b) for b in blocks[:writer.room]] == [True] * 3
+            assert (writer.room, writer.pending, store.stats().pending) == (0, 3, 3)
+            assert not writer.submit_nowait(blocks[3])  # no room: refused (counted skipped)
+            writer.notify_idle(send, "after-3")
+            with trio.fail_after(10):
+                assert await receive.receive() == "after-3"
+            assert (writer.pending, store.stats().pending, store.stats().written) == (0, 0, 3)
+            with pytest.raises(trio.WouldBlock):
+                receive.receive_nowait()  # one notice per request
+            assert writer.room == 3
+
+
+async def test_blocks_abandoned_on_cancellation_are_counted_not_written(tmp_path):
+    with BlockStore.open(tmp_path, FP) as store:
+        blocks = blocks_for(store, 7, n_blocks=4, width=256)
+        with trio.CancelScope() as scope:
+            async with open_kv_writer(store, capacity=4, drain_on_exit=False) as writer:
+                assert all(writer.submit_nowait(b) for b in blocks)
+                scope.cancel()
+        st = store.stats()
+        assert st.written + st.not_written == 4 and st.pending == 0
+        assert writer.statistics().abandoned == st.not_written >= 3
+
+
 async def test_byte_bound_on_the_queue(tmp_path):
     with BlockStore.open(tmp_path, FP) as store:
         blocks = blocks_for(store, 3, n_blocks=3, width=64)

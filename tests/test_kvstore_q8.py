@@ -54,3 +54,30 @@ def test_q8_store_halves_bytes_and_reads_back_in_engine_dtype(tmp_path):
     # a q8 server reads exact blocks and vice versa
     with BlockStore.open(tmp_path / "kv-q8", FP) as store:
         assert store.read(store.longest_prefix(toks)[0])["layers.1.v"].dtype == np.float16
+
+
+def test_f16_payload_halves_float32_blocks_rounding_to_nearest(tmp_path):
+    """``kv-f16``: the CPU engine's float32 KV stored as float16 (read back as float32, rounded);
+    what does not fit float16's range, or is already exact, stays bit for bit."""
+    rng = np.random.default_rng(2)
+    toks = rng.integers(0, 50000, BLOCK_TOKENS).tolist()
+    arrays = {f"layers.{i}.{kv}": (rng.standard_normal((3, BLOCK_TOKENS, 64)) * 4).astype(np.float32)
+              for i in range(2) for kv in "kv"}
+    arrays["layers.0.v"][0, 0, 0] = 1e6  # beyond float16: this tensor is kept as float32
+    arrays["exact"] = rng.standard_normal((2, 8)).astype(np.float16).astype(np.float32)
+    sizes = {}
+    for kind in ("kv", "kv-f16"):
+        with BlockStore.open(tmp_path / kind, FP, payload_kind=kind) as store:
+            (span,) = store.spans(toks)
+            meta = store.write(KVBlock.from_span(span, toks, arrays))
+            sizes[kind] = meta.file_bytes
+            out = store.read(store.longest_prefix(toks)[0])
+        assert all(out[k].dtype == np.float32 for k in arrays)
+        for name, arr in arrays.items():
+            lossless = kind == "kv" or name in ("layers.0.v", "exact")
+            want = arr if lossless else arr.astype(np.float16).astype(np.float32)
+            assert np.array_equal(out[name], want), (kind, name)
+        raw = load_file(str(meta.path))
+        assert raw["layers.1.k"].dtype == (np.float16 if kind == "kv-f16" else np.float32)
+        assert raw["layers.0.v"].dtype == np.float32 and raw["exact"].dtype == np.float16
+    assert 0.6 < sizes["kv-f16"] / sizes["kv"] < 0.63  # 3 of the 4 big tensors halved

@@ -192,6 +192,9 @@ def test_prometheus_collector_exposes_store_stats(tmp_path):
         fill(store, toks)
         store.longest_prefix(toks)
         store.note_skipped(3)
+        store.note_pending(5)
+        store.note_pending(-2)
+        store.note_not_written(4)
         reg = CollectorRegistry()
         reg.register(KVStoreCollector(store))
         text = generate_latest(reg).decode()
@@ -202,6 +205,8 @@ def test_prometheus_collector_exposes_store_stats(tmp_path):
         assert samples[("hf2q_kv_persist_blocks", ())] == 2
         assert samples[("hf2q_kv_persist_block_hits_total", ())] == 2
         assert samples[("hf2q_kv_persist_blocks_skipped_total", ())] == 3
+        assert samples[("hf2q_kv_persist_blocks_pending", ())] == st.pending == 3
+        assert samples[("hf2q_kv_persist_blocks_not_written_total", ())] == st.not_written == 4
         assert samples[("hf2q_kv_persist_blocks_written_total", ())] == 2
         assert samples[("hf2q_kv_persist_budget_bytes", ())] == 1 << 30
         assert samples[("hf2q_kv_persist_recovery", (("field", "quarantined"),))] == 0

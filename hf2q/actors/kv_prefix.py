@@ -2,11 +2,19 @@
 
 It sits beside the KV writer (``kv_writer.py``) and is the only actor that reads the
 persistent store's index and blocks. A slot sends ``Restore`` right after it is assigned
-(the store may reach further into the prompt than the slot's own cache) and ``Persist``
-once its client has the answer; each is answered on its reply. Block reads are file I/O
-in a worker thread; imports and exports are GPU transactions; exported blocks go to the
-writer without waiting (a full writer skips them — persistence never stalls serving).
-Its lifecycle is the ``kv_prefix`` machine (``hf2q.statemachines.kv_prefix``).
+(the store may reach further into the prompt than the slot's own cache), ``Persist`` once
+its client has the answer and ``Overwrite`` before it drops its KV for another reason; each
+is answered on its reply. Block reads are file I/O in a worker thread; imports and exports
+are GPU transactions. Its lifecycle is the ``kv_prefix`` machine (``hf2q.statemachines.kv_prefix``).
+
+Persisting never stalls serving and never silently loses a finished request's blocks: a
+``Persist`` exports only as many blocks as the writer's queue has room for and keeps a
+record (sequence, prompt, block spans) of the rest. When the writer's queue has emptied it
+sends ``WriterIdle``, and the next batch is exported from the slot's *resident* KV — still
+there, because a slot's KV is only overwritten after a ``Restore`` or an ``Overwrite``, and
+those give up exactly the recorded blocks beyond what the slot keeps (counted
+``not_written``). ``wait_flushed`` is the drain: it returns once every record has been
+written or given up.
 """
 
 from __future__ import annotations
@@ -16,9 +24,10 @@ import logging
 import math
 from typing import Any, Awaitable, Callable
 
+import attrs
 import trio
 
-from hf2q.actors.messages import Persist, Restore
+from hf2q.actors.messages import Overwrite, Persist, Restore, WriterIdle
 from hf2q.statemachines.base import Lifecycle
 from hf2q.statemachines.kv_prefix import KV_PREFIX
 
@@ -27,13 +36,27 @@ log = logging.getLogger("hf2q.runtime")
 Transact = Callable[[Callable[[Any], Any], str], Awaitable[Any]]
 
 
+@attrs.define(eq=False)
+class DeferredBlocks:
+    """Blocks of ``prompt`` that ``seq`` holds and the writer had no room for yet, in chain order."""
+
+    seq: Any
+    prompt: tuple[int, ...]
+    spans: collections.deque  # of BlockSpan
+
+
 class KvPrefixActor:
     def __init__(self, transact: Transact, store=None):
         self.fsm = Lifecycle(KV_PREFIX)
         self._transact = transact
         self.store = store
         self.writer = None  # the running KV writer, once started
-        self.counters: collections.Counter[str] = collections.Counter()
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._deferred: collections.deque[DeferredBlocks] = collections.deque()
+        self._deferred_blocks = 0
+        self._none_deferred = trio.Event()
+        self._none_deferred.set()
+        self._idle_asked = False  # a WriterIdle is on its way
         self.inbox_send, self._inbox = trio.open_memory_channel(math.inf)
 
     @property
@@ -45,20 +68,59 @@ class KvPrefixActor:
     def enabled(self) -> bool:
         return self.store is not None
 
+    @property
+    def counters(self) -> dict[str, int]:
+        """This actor's counters for the runtime snapshot, with the blocks still pending."""
+        out = dict(self._counts)
+        if self.writer is not None and self.store is not None:
+            st = self.store.stats()  # one consistent reading: a block is pending or written, never both
+            out["kv_blocks_pending"], out["kv_blocks_written"] = st.pending, st.written
+        return out
+
     async def run(self) -> None:
         async for msg in self._inbox:
             if isinstance(msg, Restore):
                 self.fsm.fire("restore_requested")
+                self._give_up(msg.seq, msg.cached)  # the request keeps only these tokens of the old KV
                 covered = await self._restore(msg)
                 self.fsm.fire("restored")
                 msg.reply.set(covered)
             elif isinstance(msg, Persist):
                 self.fsm.fire("persist_requested")
-                await self._persist(msg)
+                self._record(msg)
+                await self._export_batch()
                 self.fsm.fire("exported")
                 msg.reply.set()
+            elif isinstance(msg, Overwrite):
+                self._give_up(msg.seq, msg.keep)
+                msg.reply.set()
+            elif isinstance(msg, WriterIdle):
+                self._idle_asked = False
+                if self._deferred:
+                    self.fsm.fire("writer_idle")
+                    await self._export_batch(late=True)
+                    self.fsm.fire("flushed")
             else:
                 raise TypeError(f"unexpected message {msg!r}")
+
+    async def wait_flushed(self) -> None:
+        """Return once every recorded block was handed to the writer and the writer is idle."""
+        while self._deferred_blocks or (self.writer is not None and self.writer.pending):
+            await self._none_deferred.wait()
+            if self.writer is not None:
+                await self.writer.wait_idle()
+
+    def abandon(self) -> int:
+        """The actor has stopped: count what is still recorded (or was being exported) as never
+        written; returns that count."""
+        n = self._deferred_blocks
+        if n:
+            self._deferred.clear()
+            self._note_deferred(-n)
+            self._not_written(n)
+        return n
+
+    # ---- restore -------------------------------------------------------------------------
 
     async def _restore(self, msg: Restore) -> int:
         """Import the blocks the store holds beyond ``msg.cached`` tokens; returns the prompt tokens
@@ -87,23 +149,85 @@ class KvPrefixActor:
                 runner.import_kv(seq, arrays, n)
 
         await self._transact(import_blocks, "kv import")
-        self.counters["kv_blocks_restored"] += len(blocks)
-        self.counters["kv_tokens_restored"] += covered - keep
+        self._counts["kv_blocks_restored"] += len(blocks)
+        self._counts["kv_tokens_restored"] += covered - keep
         return covered
 
-    async def _persist(self, msg: Persist) -> None:
+    # ---- persist -------------------------------------------------------------------------
+
+    def _record(self, msg: Persist) -> None:
+        """Record ``msg.prompt``'s blocks missing on disk. A record of the same sequence left from its
+        previous request covers a prefix of this prompt (``Restore`` gave up the rest): it is replaced."""
         if self.writer is None:
             return
+        for old in [r for r in self._deferred if r.seq is msg.seq]:
+            self._deferred.remove(old)
+            self._note_deferred(-len(old.spans))
         spans = self.store.missing_spans(msg.prompt)
-        if not spans:
-            return
-        seq = msg.seq
-        exported = await self._transact(
-            lambda runner: [runner.export_kv(seq, sp.start, sp.end) for sp in spans], "kv export")
+        if spans:
+            self._deferred.append(DeferredBlocks(msg.seq, msg.prompt, collections.deque(spans)))
+            self._note_deferred(len(spans))
+
+    def _give_up(self, seq, keep: int) -> None:
+        """``seq`` keeps only its first ``keep`` tokens: its recorded blocks beyond them are lost."""
+        lost = 0
+        for rec in [r for r in self._deferred if r.seq is seq]:
+            kept = collections.deque(sp for sp in rec.spans if sp.end <= keep)
+            lost += len(rec.spans) - len(kept)
+            rec.spans = kept
+            if not kept:
+                self._deferred.remove(rec)
+        if lost:
+            self._note_deferred(-lost)
+            self._not_written(lost)
+            log.info("kv persist: blocks not written, their slot's KV was needed first", extra={"blocks": lost})
+
+    async def _export_batch(self, late: bool = False) -> None:
+        """Export as many recorded blocks as the writer has room for (one GPU transaction) and submit
+        them; if some remain, ask the writer for a ``WriterIdle``. ``late``: after their request's
+        ``Persist`` (counted ``kv_blocks_saved_late`` too)."""
         from hf2q.kvstore import KVBlock
 
-        for span, arrays in zip(spans, exported):
-            if self.writer.submit_nowait(KVBlock.from_span(span, msg.prompt, arrays)):
-                self.counters["kv_blocks_saved"] += 1
-            else:
-                self.counters["kv_blocks_skipped"] += 1
+        take = []  # (record, span)
+        room = self.writer.room if self.writer is not None else 0
+        while room and self._deferred:
+            rec = self._deferred[0]
+            sp = rec.spans.popleft()
+            if not rec.spans:
+                self._deferred.popleft()
+            if self.store.contains(sp.block_hash):
+                self._note_deferred(-1)  # another request's copy of the same block got there first
+                continue
+            take.append((rec, sp))  # still counted pending until the writer has it
+            room -= 1
+        if take:
+            def export(runner):  # a record is only kept while its sequence holds it; checked again here
+                return [runner.export_kv(rec.seq, sp.start, sp.end) if sp.end <= rec.seq.length else None
+                        for rec, sp in take]
+
+            exported = await self._transact(export, "kv export")
+            self._note_deferred(-len(take))
+            for (rec, sp), arrays in zip(take, exported):
+                if arrays is not None and self.writer.submit_nowait(KVBlock.from_span(sp, rec.prompt, arrays)):
+                    self._counts["kv_blocks_saved"] += 1
+                    self._counts["kv_blocks_saved_late"] += int(late)
+                else:
+                    self._not_written(1)
+        if self._deferred and not self._idle_asked and self.writer is not None:
+            self._idle_asked = True
+            self.writer.notify_idle(self.inbox_send, WriterIdle())
+
+    # ---- accounting ----------------------------------------------------------------------
+
+    def _note_deferred(self, delta: int) -> None:
+        self._deferred_blocks += delta
+        self.store.note_pending(delta)
+        if delta > 0:
+            if self._none_deferred.is_set():
+                self._none_deferred = trio.Event()
+        elif self._deferred_blocks == 0:
+            self._none_deferred.set()
+
+    def _not_written(self, n: int) -> None:
+        self._counts["kv_blocks_not_written"] += n
+        self.store.note_not_written(n)

@@ -2,8 +2,11 @@
 
 The runtime hands blocks over with ``writer.submit_nowait(block)``, which never waits: when
 the bounded channel (``capacity`` blocks, optionally also ``max_queued_bytes``) is full the
-block is dropped, counted as ``skipped`` (in the store's stats, hence /metrics) and
-``False`` is returned — a later request with the same prefix simply offers it again.
+block is refused, counted as ``skipped`` (in the store's stats, hence /metrics) and
+``False`` is returned. The KV prefix actor does not let that happen to a finished request:
+it submits only as many blocks as ``room`` allows, keeps a record of the rest and asks
+``notify_idle`` for a message once the queue has emptied (``kv_prefix.py``). While a block
+is queued or being written it counts as *pending* in the store's stats.
 
 One task drains the channel, one block at a time, following the ``kv_writer`` state
 machine: ``writing`` (``store.stage``: private temp file) → ``syncing`` (``store.commit``:
@@ -24,6 +27,7 @@ import collections
 import contextlib
 import logging
 import time
+from functools import partial
 from typing import AsyncIterator
 
 import attrs
@@ -49,6 +53,7 @@ class WriterStatistics:
     written: int
     already_stored: int
     errors: int
+    abandoned: int  # still queued when the writer was cancelled (counted not_written in the store)
 
 
 @attrs.define(slots=False, eq=False)
@@ -62,9 +67,10 @@ class KVWriter:
     state: str = attrs.field(init=False, default="idle")
     _queued_bytes: int = attrs.field(init=False, default=0)
     _counts: dict = attrs.field(init=False, factory=lambda: dict.fromkeys(
-        ("submitted", "skipped", "written", "already_stored", "errors"), 0))
+        ("submitted", "skipped", "written", "already_stored", "errors", "abandoned"), 0))
     _pending: int = attrs.field(init=False, default=0)  # submitted, not yet handled
     _idle: trio.Event = attrs.field(init=False, factory=trio.Event)
+    _on_idle: list = attrs.field(init=False, factory=list)  # (channel, message) sent once the queue is empty
     _last_log: float = attrs.field(init=False, default=float("-inf"))
     _suppressed: int = attrs.field(init=False, default=0)
     history: collections.deque = attrs.field(init=False, factory=lambda: collections.deque(maxlen=64))
@@ -90,7 +96,25 @@ class KVWriter:
         if self._pending == 0:
             self._idle = trio.Event()
         self._pending += 1
+        self.store.note_pending(1)
         return True
+
+    @property
+    def room(self) -> int:
+        """Blocks ``submit_nowait`` accepts right now (the byte bound aside)."""
+        return max(self.capacity - self._send.statistics().current_buffer_used, 0)
+
+    @property
+    def pending(self) -> int:
+        """Blocks submitted and not yet handled (queued, or being written)."""
+        return self._pending
+
+    def notify_idle(self, send: trio.MemorySendChannel, message) -> None:
+        """Send ``message`` on ``send`` (unbounded, never waits) once no block is pending — at once if none is."""
+        if self._pending == 0:
+            send.send_nowait(message)
+        else:
+            self._on_idle.append((send, message))
 
     def _skip(self) -> bool:
         self._counts["skipped"] += 1
@@ -112,37 +136,64 @@ class KVWriter:
     async def run(self, receive: trio.MemoryReceiveChannel) -> None:
         async with receive:
             async for block, size in receive:
+                committed = False
                 try:
-                    await self._persist(block)
+                    committed = await self._persist(block)
+                except BaseException:  # cancelled mid-block: its write was rolled back
+                    self._counts["abandoned"] += 1
+                    self.store.note_not_written(1)
+                    raise
                 finally:
                     self._queued_bytes -= size
                     self._pending -= 1
+                    if not committed:  # a commit settles its block's pending count with the write itself
+                        self.store.note_pending(-1)
                     if self._pending == 0:
                         self._idle.set()
+                        self._wake_idle_waiters()
         fire(self, "input_closed")
 
-    async def _persist(self, block: KVBlock) -> None:
+    def _abandon(self) -> None:
+        """The actor has ended: whatever is still pending will never be written — count it so."""
+        n, self._pending = self._pending, 0
+        if n:
+            self._counts["abandoned"] += n
+            self.store.note_pending(-n)
+            self.store.note_not_written(n)
+        self._idle.set()
+
+    def _wake_idle_waiters(self) -> None:
+        waiters, self._on_idle = self._on_idle, []
+        for send, message in waiters:
+            try:
+                send.send_nowait(message)
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                pass  # that actor has ended: nobody is waiting any more
+
+    async def _persist(self, block: KVBlock) -> bool:
+        """Write ``block``; True once it is committed."""
         fire(self, "block_dequeued")
         try:
             staged: StagedWrite | None = await trio.to_thread.run_sync(self.store.stage, block)
         except Exception as e:  # noqa: BLE001 — an I/O fault must never crash the server
             self._failed(block, "write", e)
-            return
+            return False
         if staged is None:
             self._counts["already_stored"] += 1
             fire(self, "block_already_stored")
-            return
+            return False
         fire(self, "block_written")
         try:
-            await trio.to_thread.run_sync(self.store.commit, staged)
+            await trio.to_thread.run_sync(partial(self.store.commit, staged, settles_pending=True))
         except Exception as e:  # noqa: BLE001
             self._failed(block, "sync", e)
-            return
+            return False
         except BaseException:
             self.store.abort(staged)
             raise
         self._counts["written"] += 1
         fire(self, "block_synced")
+        return True
 
     def _failed(self, block: KVBlock, phase: str, exc: Exception) -> None:
         fire(self, "io_failed")
@@ -171,11 +222,14 @@ async def open_kv_writer(store: BlockStore, capacity: int = 8, *, max_queued_byt
         raise ValueError("kv writer capacity must be at least 1")
     send, receive = trio.open_memory_channel(capacity)
     writer = KVWriter(store, capacity, max_queued_bytes, send)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(writer.run, receive)
-        try:
-            yield writer
-        finally:
-            if not drain_on_exit:
-                nursery.cancel_scope.cancel()
-            send.close()
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(writer.run, receive)
+            try:
+                yield writer
+            finally:
+                if not drain_on_exit:
+                    nursery.cancel_scope.cancel()
+                send.close()
+    finally:
+        writer._abandon()

@@ -7,8 +7,10 @@
   chunk names the request's ``Generation``: from the last chunk's logits on, the GPU owner's
   step loop owns the request's tokens — it samples, applies the stop rule, sends ``Token``
   and the terminal event straight to the request's channel, and sets ``Generation.ended``;
-- slot → KV prefix actor: ``Restore`` (import persisted blocks) and ``Persist`` (export the
-  prompt's blocks to the writer), each answered on its ``Reply``.
+- slot → KV prefix actor: ``Restore`` (import persisted blocks), ``Persist`` (export the
+  prompt's blocks to the writer) and ``Overwrite`` (the slot is about to drop its KV), each
+  answered on its ``Reply``;
+- KV writer → KV prefix actor: ``WriterIdle`` (its queue emptied: deferred blocks may follow).
 """
 
 from __future__ import annotations
@@ -109,3 +111,18 @@ class Persist:
     seq: Any
     prompt: tuple[int, ...]
     reply: Reply = attrs.Factory(Reply)
+
+
+@attrs.frozen
+class Overwrite:
+    """``seq`` is about to keep only its first ``keep`` tokens: blocks of it still waiting for the
+    writer beyond them can no longer be exported (reply once they are given up)."""
+
+    seq: Any
+    keep: int
+    reply: Reply = attrs.Factory(Reply)
+
+
+@attrs.frozen
+class WriterIdle:
+    """The KV writer's queue is empty (sent once per ``KVWriter.notify_idle``)."""

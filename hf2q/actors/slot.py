@@ -19,7 +19,7 @@ from typing import Any, Awaitable, Callable
 import attrs
 import trio
 
-from hf2q.actors.messages import Assignment, Evict, Generation, Persist, PrefillWork, Released, Restore
+from hf2q.actors.messages import Assignment, Evict, Generation, Overwrite, Persist, PrefillWork, Released, Restore
 from hf2q.actors.prefill import PrefillTransaction
 from hf2q.actors.progress import SlotProgress
 from hf2q.actors.supervisor import EnginePoisoned
@@ -65,6 +65,10 @@ class SlotActor:
                 if isinstance(msg, Evict):
                     if self.seq is not None and self.fsm.state == "idle":
                         seq = self.seq
+                        if self.env.kv_prefix.enabled:  # blocks of it still waiting for the writer are lost
+                            overwrite = Overwrite(seq, 0)
+                            self.env.kv_prefix.inbox_send.send_nowait(overwrite)
+                            await overwrite.reply.ready.wait()
                         await self.env.transact(lambda runner: seq.trim(0), "evict")
                         self.kv_tokens = []
                 elif isinstance(msg, Assignment):

@@ -27,6 +27,10 @@ log = logging.getLogger("hf2q.runtime")
 
 SHUTDOWN = Failed(503, "not_ready", "server shutting down")
 
+#: blocks the KV writer's queue holds (exported host copies); a finished request's further
+#: blocks wait in the KV prefix actor's record until the queue has emptied
+KV_WRITER_QUEUE = 8
+
 
 class ActorSystem:
     def __init__(self, runner_factory, config, *, kv_store=None, kv_store_opener=None):
@@ -88,8 +92,20 @@ class ActorSystem:
                         nursery.start_soon(self._guarded, "kv prefix", self.kv_prefix.run)
                 outer.cancel_scope.cancel()
         finally:
+            if self.kv_prefix.writer is not None:
+                self._report_kv_persist()
             if opened_store is not None:
                 opened_store.close()
+
+    def _report_kv_persist(self) -> None:
+        """One line at shutdown: what the persistent store was promised and what became of it."""
+        left = self.kv_prefix.abandon() + self.kv_prefix.writer.statistics().abandoned
+        if self.kv_store is None:
+            return
+        st = self.kv_store.stats()
+        logging.getLogger("hf2q.kvstore").info("kv persist: stopped", extra={
+            "blocks_written": st.written, "blocks_pending_at_stop": left, "blocks_not_written": st.not_written,
+            "write_errors": st.errors})
 
     async def _open_kv_store(self):
         """Open the persistent KV store keyed by the loaded engine's ``kv_identity`` (KV values
@@ -106,7 +122,7 @@ class ActorSystem:
     async def _run_kv_writer(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         from hf2q.actors.kv_writer import open_kv_writer
 
-        async with open_kv_writer(self.kv_store, capacity=8) as writer:
+        async with open_kv_writer(self.kv_store, capacity=KV_WRITER_QUEUE) as writer:
             self.kv_prefix.writer = writer
             task_status.started()
             await trio.sleep_forever()
@@ -178,9 +194,9 @@ class ActorSystem:
             self.admission.fail_all("shut_down", SHUTDOWN)
         elif self.admission.state == "draining":
             self.admission.close("queue_emptied")
-        if quiet and self.kv_prefix.writer is not None:  # let queued blocks reach the disk
-            with trio.move_on_after(max(deadline - trio.current_time(), 0)):
-                await self.kv_prefix.writer.wait_idle()
+        if quiet and self.kv_prefix.writer is not None:  # finished requests' blocks reach the disk
+            with trio.move_on_at(deadline):
+                await self.kv_prefix.wait_flushed()
         self.supervisor.drained()
         return quiet
 

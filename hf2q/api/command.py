@@ -205,7 +205,7 @@ async def _serve(args, model_path: Path, chat_model, embed_path, embed_model, kv
 
     mode = choose_mode(args.operator_ui, log_format())
     # the operator needs to see serving events even without -v (the dashboard replaces them on a TTY)
-    for name in ("hf2q.serve", "hf2q.api", "hf2q.operator"):
+    for name in ("hf2q.serve", "hf2q.api", "hf2q.operator", "hf2q.kvstore"):
         lg = logging.getLogger(name)
         if lg.getEffectiveLevel() > logging.INFO:
             lg.setLevel(logging.INFO)

@@ -33,7 +33,8 @@ FORMAT_VERSION = 1
 BLOCK_SUFFIX = ".safetensors"
 PAYLOAD_KV = "kv"  # tensors at the engine's own KV dtype
 PAYLOAD_KV_Q8 = "kv-q8"  # int8 rows + float16 scales (hf2q/kvstore/q8.py)
-PAYLOAD_KINDS = (PAYLOAD_KV, PAYLOAD_KV_Q8)
+PAYLOAD_KV_F16 = "kv-f16"  # float32 KV rounded to float16 (half the bytes of a CPU block; not bit-exact)
+PAYLOAD_KINDS = (PAYLOAD_KV, PAYLOAD_KV_Q8, PAYLOAD_KV_F16)
 
 _MAX_HEADER = 1 << 20
 

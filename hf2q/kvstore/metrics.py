@@ -11,7 +11,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 _COUNTERS = (
     ("hits", "hf2q_kv_persist_block_hits", "prompt blocks found on disk"),
     ("misses", "hf2q_kv_persist_lookup_misses", "prefix lookups that stopped before the prompt's last full block"),
-    ("skipped", "hf2q_kv_persist_blocks_skipped", "blocks not persisted because the writer queue was full"),
+    ("skipped", "hf2q_kv_persist_blocks_skipped", "blocks the writer queue refused because it was full"),
+    ("not_written", "hf2q_kv_persist_blocks_not_written",
+     "blocks of finished requests never written: their KV was overwritten first, or the server stopped"),
     ("errors", "hf2q_kv_persist_errors", "I/O errors and blocks failing verification"),
     ("quarantined", "hf2q_kv_persist_blocks_quarantined", "bad blocks moved to quarantine/"),
     ("written", "hf2q_kv_persist_blocks_written", "blocks made durable"),
@@ -32,8 +34,12 @@ class KVStoreCollector:
         disk.add_metric([], s.bytes_on_disk)
         blocks = GaugeMetricFamily("hf2q_kv_persist_blocks", "blocks in the persistent prefix KV store")
         blocks.add_metric([], s.blocks)
+        pending = GaugeMetricFamily("hf2q_kv_persist_blocks_pending",
+                                    "blocks of finished requests not on disk yet (queued or deferred)")
+        pending.add_metric([], s.pending)
         yield disk
         yield blocks
+        yield pending
         if s.budget_bytes is not None:
             budget = GaugeMetricFamily("hf2q_kv_persist_budget_bytes", "disk budget of the KV store")
             budget.add_metric([], s.budget_bytes)

@@ -4,9 +4,12 @@
 every value is exactly representable in float16 (or bfloat16) are *stored* narrow — the
 engine exports float32 host copies of an f16/bf16 cache, so this halves the bytes without
 changing a bit of what ``import_kv`` receives. bfloat16 is stored as its 16 raw bits under
-the safetensors tag ``BF16``. ``kv-q8`` (opt-in, lossy): floating-point arrays become int8
-rows plus float16 scales (``q8.py``). Either way ``payload_dtypes`` in the header records the
-dtype each narrowed tensor is restored to, so readers get back exactly the exported dtype.
+the safetensors tag ``BF16``. ``kv-f16`` (opt-in, lossy): float32 arrays that do not narrow
+losslessly are rounded to float16 (when every value is within its range) — the CPU engine's
+float32 KV at half the bytes, at the cost of bit-exact restores. ``kv-q8`` (opt-in, lossy):
+floating-point arrays become int8 rows plus float16 scales (``q8.py``). In every case
+``payload_dtypes`` in the header records the dtype each narrowed tensor is restored to, so
+readers get back exactly the exported dtype.
 """
 
 from __future__ import annotations
@@ -15,13 +18,17 @@ from typing import Mapping
 
 import numpy as np
 
-from hf2q.kvstore.blockfile import PAYLOAD_KV, PAYLOAD_KV_Q8, BlockMeta
+from hf2q.kvstore.blockfile import PAYLOAD_KV, PAYLOAD_KV_F16, PAYLOAD_KV_Q8, BlockMeta
 from hf2q.kvstore.q8 import SCALE_SUFFIX, dequantize_rows, quantize_rows
+
+
+_F16_MAX = float(np.finfo(np.float16).max)
 
 
 def _narrow_lossless(arr: np.ndarray) -> tuple[np.ndarray, str | None] | None:
     """(stored array, safetensors tag override) when ``arr`` (float32) fits 16 bits exactly."""
-    half = arr.astype(np.float16)
+    with np.errstate(over="ignore"):  # out of float16's range: inf, which the comparison rejects
+        half = arr.astype(np.float16)
     if np.array_equal(half.astype(np.float32), arr):
         return half, None
     bits = np.ascontiguousarray(arr).view(np.uint32)
@@ -46,6 +53,8 @@ def encode_payload(arrays: Mapping[str, np.ndarray], kind: str
             continue
         if arr.dtype == np.float32:
             narrow = _narrow_lossless(arr)
+            if narrow is None and kind == PAYLOAD_KV_F16 and np.all(np.abs(arr) <= _F16_MAX):
+                narrow = arr.astype(np.float16), None
             if narrow is not None:
                 stored[name], tag = narrow
                 if tag:
@@ -76,4 +85,4 @@ def decode_payload(stored: Mapping[str, np.ndarray], meta: BlockMeta) -> dict[st
     return out
 
 
-__all__ = ["PAYLOAD_KV", "PAYLOAD_KV_Q8", "decode_payload", "encode_payload"]
+__all__ = ["PAYLOAD_KV", "PAYLOAD_KV_F16", "PAYLOAD_KV_Q8", "decode_payload", "encode_payload"]

@@ -33,7 +33,7 @@ import numpy as np
 from hf2q.atomic import TMP_SUFFIX, fsync_dir
 from hf2q.errors import InputError
 from hf2q.kvstore import payload
-from hf2q.kvstore.blockfile import (PAYLOAD_KV, PAYLOAD_KV_Q8, BlockFileError, BlockMeta, block_file_name,
+from hf2q.kvstore.blockfile import (PAYLOAD_KINDS, PAYLOAD_KV, BlockFileError, BlockMeta, block_file_name,
                                     encode_block, parse_header, read_block, read_meta)
 from hf2q.kvstore.fingerprint import BLOCK_TOKENS, ROOT_PARENT, block_hashes, chain_hash
 from hf2q.kvstore.locks import USE_LOCK, FileLock
@@ -87,11 +87,13 @@ class StoreStats:
     budget_bytes: int | None
     hits: int  # blocks found by longest_prefix
     misses: int  # lookups that stopped before the prompt's last full block
-    skipped: int  # blocks the writer dropped because its channel was full
+    skipped: int  # blocks the writer refused because its channel was full
     errors: int  # I/O errors and blocks that failed verification on read
     quarantined: int  # at recovery and later
     written: int
     evicted: int
+    pending: int = 0  # blocks promised to the disk and not written yet (queued or deferred)
+    not_written: int = 0  # promised blocks given up: their KV was overwritten first, or the server stopped
 
     def as_dict(self) -> dict:
         return attrs.asdict(self)
@@ -135,11 +137,12 @@ class BlockStore:
         ``verify_bodies``: True checksums every block at start-up, False checks only headers
         and sizes (≈40× faster), None picks True for stores up to 2 GiB. Bodies are always
         verified when read, so a corrupt block is never imported either way.
-        ``payload_kind="kv-q8"`` stores new blocks as 8-bit rows (half the bytes, approximate;
-        see docs/KVSTORE.md); blocks of either kind are read back in the engine's dtype.
+        ``payload_kind="kv-q8"`` stores new blocks as 8-bit rows, ``"kv-f16"`` float32 KV as
+        float16 (both approximate, see docs/KVSTORE.md); blocks of any kind are read back in the
+        engine's dtype.
         """
-        if payload_kind not in (PAYLOAD_KV, PAYLOAD_KV_Q8):
-            raise InputError(f"unknown KV payload kind {payload_kind!r} (use kv or kv-q8)")
+        if payload_kind not in PAYLOAD_KINDS:
+            raise InputError(f"unknown KV payload kind {payload_kind!r} (use {', '.join(PAYLOAD_KINDS)})")
         root = Path(root).expanduser()
         if budget_bytes is not None and budget_bytes < 0:
             raise InputError(f"--kv-persist-budget must not be negative: {budget_bytes}")
@@ -279,8 +282,11 @@ class BlockStore:
             raise
         return StagedWrite(fd, tmp, final, meta)
 
-    def commit(self, staged: StagedWrite) -> BlockMeta:
-        """fsync the temp, rename it into place, fsync the directory, index it, evict to budget."""
+    def commit(self, staged: StagedWrite, *, settles_pending: bool = False) -> BlockMeta:
+        """fsync the temp, rename it into place, fsync the directory, index it, evict to budget.
+
+        ``settles_pending``: the block was counted pending (``note_pending``); it stops being so in
+        the same step that counts it written, so ``stats()`` never shows it as both."""
         try:
             os.fsync(staged.fd)
             os.replace(staged.tmp_path, staged.final_path)
@@ -295,6 +301,7 @@ class BlockStore:
             self._index[staged.meta.block_hash] = staged.meta
             self._bytes += staged.meta.file_bytes
             self._counts["written"] += 1
+            self._counts["pending"] -= int(settles_pending)
             parent = staged.meta.parent_hash  # ancestors count as used whenever a descendant is
             while parent in self._index:
                 self._index.move_to_end(parent)
@@ -346,6 +353,14 @@ class BlockStore:
         with self._mu:
             self._counts["skipped"] += n
 
+    def note_pending(self, delta: int) -> None:
+        with self._mu:
+            self._counts["pending"] += delta
+
+    def note_not_written(self, n: int = 1) -> None:
+        with self._mu:
+            self._counts["not_written"] += n
+
     def note_error(self, n: int = 1) -> None:
         with self._mu:
             self._counts["errors"] += n
@@ -360,4 +375,5 @@ class BlockStore:
             c = self._counts
             return StoreStats(bytes_on_disk=self._bytes, blocks=len(self._index), budget_bytes=self.budget_bytes,
                               hits=c["hits"], misses=c["misses"], skipped=c["skipped"], errors=c["errors"],
-                              quarantined=c["quarantined"], written=c["written"], evicted=c["evicted"])
+                              quarantined=c["quarantined"], written=c["written"], evicted=c["evicted"],
+                              pending=c["pending"], not_written=c["not_written"])
