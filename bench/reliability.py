@@ -4,8 +4,9 @@ Parts (``--parts``, default all):
 
 - ``http``: the hostile-request corpus and a hypothesis fuzz against ``hf2q serve`` (bench/reliability_http.py);
 - ``files``: crafted GGUFs and HF checkpoints through ``info``, ``serve`` and ``convert`` (bench/reliability_files.py);
-- ``kill``: ``kill -9`` of ``convert`` / ``convert --batch``, of a ``--kv-persist`` server under load, and a
-  clean SIGTERM that must leave every complete block on disk (bench/reliability_kill.py);
+- ``kill``: ``kill -9`` of ``convert`` / ``convert --batch`` at random moments (bench/reliability_kill.py);
+- ``kv``: ``kill -9`` of a ``--kv-persist`` server under load, restarted each time, and a clean SIGTERM
+  that must leave every complete block on disk (bench/reliability_kill.py);
 - ``load``: concurrent streams over 4 slots with random disconnects (bench/reliability_load.py);
 - ``faults``: an engine fault and a hang injected mid-stream (bench/reliability_faults.py).
 
@@ -24,6 +25,7 @@ import argparse
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -33,11 +35,13 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 from common import emit  # noqa: E402
 from reliability_common import COUNTS, ServeProcess, Tally, run_cli  # noqa: E402
 
-PARTS = ("http", "files", "kill", "load", "faults")
-QUICK = dict(fuzz_examples=25, file_cases=4, convert_kills=2, batch_kills=1, kv_kills=1, load_streams=16,
-             load_seconds=6.0, disconnect_every=4)
+PARTS = ("http", "files", "kill", "kv", "load", "faults")
+QUICK = dict(fuzz_examples=12, file_cases=2, convert_kills=1, batch_kills=1, kv_kills=1, load_streams=8,
+             load_seconds=4.0, disconnect_every=3, lanes=3)
 FULL = dict(fuzz_examples=300, file_cases=0, convert_kills=50, batch_kills=50, kv_kills=50, load_streams=64,
-            load_seconds=300.0, disconnect_every=5)
+            load_seconds=300.0, disconnect_every=5, lanes=1)
+#: with ``--lanes 3`` (quick) these run side by side; mostly each waits on its own servers
+LANES = (("kill", "faults"), ("http", "files", "load"), ("kv",))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -52,6 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--load-streams", type=int, help="concurrent streams (over 4 slots)")
     p.add_argument("--load-seconds", type=float, help="how long the concurrent load runs")
     p.add_argument("--disconnect-every", type=int, help="one stream in N disconnects mid-stream")
+    p.add_argument("--lanes", type=int, choices=[1, 3], help="3: run parts side by side (the quick default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", help="GGUF to serve (default: the built-in default model)")
     p.add_argument("--work-dir", help="keep logs and outputs here (default: a temporary directory)")
@@ -113,9 +118,16 @@ def part_kill(args, work: Path, model: Path, tally: Tally) -> None:
     from tests.models import real, tiny
 
     src = tiny.checkpoint("llama") if args.quick else real.smollm2_hf_dir()
-    kill.run(work, model, tally, convert_src=src, convert_kills=args.convert_kills, batch_kills=args.batch_kills,
-             kv_kills=args.kv_kills, kv_prompt_count=3 if args.quick else 6,
-             sigterm_words=1200 if args.quick else 2400, seed=args.seed)
+    kill.run_convert(work, tally, src=src, convert_kills=args.convert_kills, batch_kills=args.batch_kills,
+                     seed=args.seed)
+
+
+def part_kv(args, work: Path, model: Path, tally: Tally) -> None:
+    import reliability_kill as kill
+
+    kill.run_kv(work, model, tally, kills=args.kv_kills, prompts=2 if args.quick else 6,
+                words=300 if args.quick else 700, sigterm_words=0 if args.quick else 2400,
+                restart_after_sigterm=True, seed=args.seed)
     tally.info["peak_rss_bytes"] = tally.info.get("kv_peak_rss_bytes", 0)
 
 
@@ -145,17 +157,30 @@ def run_parts(args, work: Path) -> dict:
     from common import chat_model
 
     model = chat_model(args.model)
-    report: dict = {"parts": {}}
-    runners = {"http": part_http, "files": part_files, "kill": part_kill, "load": part_load, "faults": part_faults}
-    for name in args.parts:
-        tally = Tally()
-        t0 = time.perf_counter()
-        try:
-            runners[name](args, work, model, tally)
-        except Exception as e:  # noqa: BLE001 — a part that cannot run is itself a failure, reported
-            tally.fail("aborted_parts", f"part {name} aborted: {type(e).__name__}: {e}")
-        tally.info["seconds"] = round(time.perf_counter() - t0, 1)
-        report["parts"][name] = tally.as_dict()
+    runners = {"http": part_http, "files": part_files, "kill": part_kill, "kv": part_kv, "load": part_load,
+               "faults": part_faults}
+    results: dict[str, dict] = {}
+
+    def lane(names) -> None:
+        for name in names:
+            tally = Tally()
+            t0 = time.perf_counter()
+            try:
+                runners[name](args, work, model, tally)
+            except Exception as e:  # noqa: BLE001 — a part that cannot run is itself a failure, reported
+                tally.fail("aborted_parts", f"part {name} aborted: {type(e).__name__}: {e}")
+            tally.info["seconds"] = round(time.perf_counter() - t0, 1)
+            results[name] = tally.as_dict()
+
+    if args.lanes == 1:
+        lane(args.parts)
+    else:
+        threads = [threading.Thread(target=lane, args=([n for n in names if n in args.parts],)) for names in LANES]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    report: dict = {"parts": {name: results[name] for name in args.parts}}
     parts = report["parts"].values()
     report["cases"] = sum(p["cases"] for p in parts)
     report["totals"] = {k: sum(p[k] for p in parts) for k in COUNTS}

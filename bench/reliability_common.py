@@ -125,7 +125,7 @@ class ServeProcess:
 
     def start(self, timeout: float = 180.0) -> "ServeProcess":
         """Start and wait until ``/readyz`` answers 200; raises ``RuntimeError`` if it never does."""
-        self._log = open(self.log_path, "ab")
+        self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=child_env(), stdout=self._log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout

@@ -130,8 +130,7 @@ def kv_prompts(n: int, seed: int, words: int = 700) -> list[str]:
 
 
 def ask(url: str, prompt: str, max_tokens: int = 8, timeout: float = 300) -> dict:
-    r = httpx.post(url + "/v1/chat/completions", timeout=timeout, json={
-        "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0})
+    r = httpx.post(url + "/v1/chat/completions", timeout=timeout, json=_body(prompt, max_tokens))
     r.raise_for_status()
     return r.json()
 
@@ -176,6 +175,41 @@ def verify_blocks(store: Path, names: set[str], tally: Tally, when: str) -> set[
     return good
 
 
+def _body(prompt: str, max_tokens: int = 8) -> dict:
+    return {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0}
+
+
+def expected_blocks(model: Path, store: Path, prompts: list[str]) -> tuple[set[str], int]:
+    """The block files the prompts' complete blocks must be stored as (rendered and tokenized the
+    way the server does, keyed by the store's fingerprint), and how many there are. Without any
+    block on disk the fingerprint is unknown: then only the count is known."""
+    from hf2q.api.textbridge import GGUFChatModel
+    from hf2q.api.validation import parse_chat_request
+    from hf2q.kvstore.blockfile import read_meta
+    from hf2q.kvstore.fingerprint import BLOCK_TOKENS, block_hashes
+
+    chat = GGUFChatModel.from_gguf(model, model.stem)
+    tokens = [list(chat.prepare(parse_chat_request(_body(p)), None).prompt_tokens) for p in prompts]
+    files = sorted(block_files(store))
+    if not files:
+        return set(), max(len(t) // BLOCK_TOKENS for t in tokens)
+    fp = read_meta(store / "blocks" / files[0]).fingerprint
+    names = {h + ".safetensors" for t in tokens for h in block_hashes(fp, t)}
+    return names, len(names)
+
+
+def check_drained(model: Path, store: Path, prompts: list[str], tally: Tally, when: str) -> int:
+    """After a clean stop: every complete block of the finished prompts is on disk and verifies."""
+    names, n = expected_blocks(model, store, prompts)
+    good = verify_blocks(store, block_files(store), tally, when)
+    missing = n - len(names & good) if names else n
+    tally.cases += 1
+    if missing:
+        tally.fail("lost_blocks", f"{when}: {missing} of {n} complete blocks of finished requests not on disk")
+        tally.counts["lost_blocks"] += missing - 1
+    return n - missing
+
+
 def _load(url: str, prompts: list[str], reference: list[str], stop: threading.Event, tally: Tally,
           rng: random.Random, lock: threading.Lock) -> None:
     while not stop.is_set():
@@ -190,8 +224,9 @@ def _load(url: str, prompts: list[str], reference: list[str], stop: threading.Ev
                 tally.fail("corrupt_blocks_used", f"prompt {i}: {got!r} != cold {reference[i]!r}")
 
 
-def kv_campaign(work: Path, model: Path, kills: int, rng: random.Random, tally: Tally, *, n_prompts: int) -> None:
-    prompts = kv_prompts(n_prompts, rng.randrange(1 << 30))
+def kv_campaign(work: Path, model: Path, kills: int, rng: random.Random, tally: Tally, *, n_prompts: int,
+                words: int) -> None:
+    prompts = kv_prompts(n_prompts, rng.randrange(1 << 30), words)
     reference = cold_answers(work, model, prompts, tally)
     store = work / "kv-store"
     shutil.rmtree(store, ignore_errors=True)
@@ -217,6 +252,8 @@ def kv_campaign(work: Path, model: Path, kills: int, rng: random.Random, tally: 
             if code != 0:
                 tally.fail("wrong_exit_codes", f"kv server exited {code} on SIGTERM")
             tally.check_log(server.log(), f"kv server {i}")
+            tally.info["kv_blocks_drained_on_sigterm"] = check_drained(model, store, prompts, tally,
+                                                                       "SIGTERM after the campaign")
             break
         stop, lock = threading.Event(), threading.Lock()
         clients = [threading.Thread(target=_load, args=(server.url, prompts, reference, stop, tally,
@@ -236,8 +273,9 @@ def kv_campaign(work: Path, model: Path, kills: int, rng: random.Random, tally: 
     tally.info["kv_prompts_restored_after_last_restart"] = restored_hits
 
 
-def sigterm_case(work: Path, model: Path, tally: Tally, *, words: int) -> None:
-    """A finished request's complete blocks must all be on disk after a clean SIGTERM."""
+def sigterm_case(work: Path, model: Path, tally: Tally, *, words: int, restart: bool) -> None:
+    """A finished request's complete blocks must all be on disk after a clean SIGTERM (and, with
+    ``restart``, reused by the next server for the same answer)."""
     from hf2q.kvstore.fingerprint import BLOCK_TOKENS
 
     store = work / "kv-term"
@@ -250,14 +288,12 @@ def sigterm_case(work: Path, model: Path, tally: Tally, *, words: int) -> None:
     tally.cases += 1
     if code != 0:
         tally.fail("wrong_exit_codes", f"SIGTERM after a finished request: exit {code}")
-    expected = first["usage"]["prompt_tokens"] // BLOCK_TOKENS
-    on_disk = len(verify_blocks(store, block_files(store), tally, "after SIGTERM"))
-    tally.info["sigterm_blocks_expected_on_disk"] = expected
+    on_disk = check_drained(model, store, [prompt], tally, "SIGTERM after a long request")
+    tally.info["sigterm_prompt_tokens"] = first["usage"]["prompt_tokens"]
     tally.info["sigterm_blocks_on_disk"] = on_disk
-    if on_disk < expected:
-        tally.fail("lost_blocks", f"SIGTERM: {on_disk} of {expected} complete blocks of a finished request on disk")
-        tally.counts["lost_blocks"] += expected - on_disk - 1
     tally.check_log(server.log(), "kv SIGTERM server")
+    if not restart:
+        return
     server = ServeProcess(args, work / "kv-term-2.log").start()
     try:
         again = ask(server.url, prompt, max_tokens=4)
@@ -272,18 +308,23 @@ def sigterm_case(work: Path, model: Path, tally: Tally, *, words: int) -> None:
     tally.check_log(server.log(), "kv SIGTERM restart")
 
 
-def run(work: Path, model: Path, tally: Tally, *, convert_src: Path, convert_kills: int, batch_kills: int,
-        kv_kills: int, kv_prompt_count: int, sigterm_words: int, seed: int) -> None:
+def run_convert(work: Path, tally: Tally, *, src: Path, convert_kills: int, batch_kills: int, seed: int) -> None:
     rng = random.Random(seed)
     for mode, kills in (("single", convert_kills), ("batch", batch_kills)):
         t0 = time.perf_counter()
         if kills:
-            convert_campaign(work, convert_src, mode, kills, rng, tally)
+            convert_campaign(work, src, mode, kills, rng, tally)
         tally.info[f"{mode}_campaign_seconds"] = round(time.perf_counter() - t0, 1)
+
+
+def run_kv(work: Path, model: Path, tally: Tally, *, kills: int, prompts: int, words: int, sigterm_words: int,
+           restart_after_sigterm: bool, seed: int) -> None:
+    rng = random.Random(seed + 1)
     t0 = time.perf_counter()
-    if kv_kills:
-        kv_campaign(work, model, kv_kills, rng, tally, n_prompts=kv_prompt_count)
+    if kills:
+        kv_campaign(work, model, kills, rng, tally, n_prompts=prompts, words=words)
     tally.info["kv_campaign_seconds"] = round(time.perf_counter() - t0, 1)
     t0 = time.perf_counter()
-    sigterm_case(work, model, tally, words=sigterm_words)
+    if sigterm_words:
+        sigterm_case(work, model, tally, words=sigterm_words, restart=restart_after_sigterm)
     tally.info["sigterm_seconds"] = round(time.perf_counter() - t0, 1)
