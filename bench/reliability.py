@@ -14,14 +14,16 @@ The models: the built-in default (SmolLM2-135M Q4_1) for serving, its HF checkpo
 llama checkpoint for ``convert``, MiniLM (converted once into the work directory) for embeddings.
 Every count in ``totals`` must be 0; ``peak_rss_bytes`` is the largest server's peak.
 
-    python bench/reliability.py                        # the full default run (about an hour on 2 cores)
-    python bench/reliability.py --quick                # everything, small: about a minute
+    python bench/reliability.py                        # the full default run
+    python bench/reliability.py --lanes 3              # the same, parts side by side
+    python bench/reliability.py --quick                # everything, small (tests/test_reliability_quick.py)
     python bench/reliability.py --parts http,load --load-seconds 60 -o rel.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import sys
 import tempfile
@@ -89,22 +91,30 @@ def embedding_model(work: Path) -> Path | None:
     return out if r.code == 0 else None
 
 
-def part_http(args, work: Path, model: Path, tally: Tally) -> None:
-    import reliability_http as http
-
-    emb = embedding_model(work)
-    server = ServeProcess(["--model", str(model), *http.serve_args(emb)], work / "http-serve.log",
-                          api_key=http.KEY).start()
+@contextlib.contextmanager
+def serving(args: list[str], log: Path, tally: Tally, what: str, api_key: str | None = None):
+    """A server for one part: started, yielded, then stopped with SIGTERM, which must exit 0,
+    and its log checked for tracebacks."""
+    server = ServeProcess(args, log, api_key=api_key).start()
     try:
-        http.run(server, tally, fuzz_examples=args.fuzz_examples, seed=args.seed, has_embeddings=emb is not None,
-                 planted=args.plant_wrong_expectation)
+        yield server
     finally:
         code = server.terminate()
         tally.cases += 1
         if code != 0:
-            tally.fail("wrong_exit_codes", f"http server exited {code} after SIGTERM")
-        tally.check_log(server.log(), "http server log")
+            tally.fail("wrong_exit_codes", f"{what} server exited {code} after SIGTERM")
+        tally.check_log(server.log(), f"{what} server log")
         tally.info["peak_rss_bytes"] = server.peak_rss
+
+
+def part_http(args, work: Path, model: Path, tally: Tally) -> None:
+    import reliability_http as http
+
+    emb = embedding_model(work)
+    with serving(["--model", str(model), *http.serve_args(emb)], work / "http-serve.log", tally, "http",
+                 api_key=http.KEY) as server:
+        http.run(server, tally, fuzz_examples=args.fuzz_examples, seed=args.seed, has_embeddings=emb is not None,
+                 planted=args.plant_wrong_expectation)
 
 
 def part_files(args, work: Path, model: Path, tally: Tally) -> None:
@@ -134,17 +144,10 @@ def part_kv(args, work: Path, model: Path, tally: Tally) -> None:
 def part_load(args, work: Path, model: Path, tally: Tally) -> None:
     import reliability_load as load
 
-    server = ServeProcess(["--model", str(model), *load.serve_args(args.load_streams)], work / "load-serve.log").start()
-    try:
+    with serving(["--model", str(model), *load.serve_args(args.load_streams)], work / "load-serve.log", tally,
+                 "load") as server:
         load.run(server, tally, streams=args.load_streams, seconds=args.load_seconds,
                  disconnect_every=args.disconnect_every, seed=args.seed)
-    finally:
-        code = server.terminate()
-        tally.cases += 1
-        if code != 0:
-            tally.fail("wrong_exit_codes", f"load server exited {code} after SIGTERM")
-        tally.check_log(server.log(), "load server log")
-        tally.info["peak_rss_bytes"] = server.peak_rss
 
 
 def part_faults(args, work: Path, model: Path, tally: Tally) -> None:

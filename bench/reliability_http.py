@@ -11,15 +11,13 @@ error; ``/health`` must still answer afterwards.
 from __future__ import annotations
 
 import json
-import re
-import socket
-import threading
 import time
 
 import attrs
 import httpx
 
 from reliability_common import Tally
+from tests.tools.raw_http import send_then_read
 
 KEY = "reliability-key"
 ALLOWED_ORIGIN = "http://app.example"
@@ -309,35 +307,11 @@ _REFUSALS = {
 
 def refused_then_get(url: str, status: int, size: int) -> list[int]:
     """The statuses answered to a refused request with a ``size``-byte body and a GET after it on
-    the same connection (the body is sent from another thread, as an uploading client does)."""
-    host, port = url.removeprefix("http://").split(":")
+    the same connection."""
     # a 413 needs a body over the limit; a 415 one under it (over it, the size is refused first)
     size = max(size, MAX_REQUEST_BYTES + 1) if status == 413 else min(size, MAX_REQUEST_BYTES // 2) \
         if status == 415 else size
-    s = socket.create_connection((host, int(port)), timeout=DEADLINE_S / 2)
-
-    def send():
-        try:
-            s.sendall(_REFUSALS[status] % size)
-            s.sendall(b"x" * size)
-            s.sendall(_GET_MODELS)
-        except OSError:
-            pass
-    sender = threading.Thread(target=send, daemon=True)
-    sender.start()
-    buf = b""
-    try:
-        while len(re.findall(rb"HTTP/1.1 \d+", buf)) < 2:
-            data = s.recv(1 << 16)
-            if not data:
-                break
-            buf += data
-    except OSError:
-        pass
-    finally:
-        s.close()
-        sender.join(5)
-    return [int(x) for x in re.findall(rb"HTTP/1.1 (\d+)", buf)]
+    return send_then_read(url, _REFUSALS[status], size, _GET_MODELS, timeout=DEADLINE_S / 2)[0]
 
 
 def keepalive_cases(url: str, tally: Tally, sizes=(1_000, 3_000_000)) -> None:

@@ -22,6 +22,8 @@ import pytest
 import trio
 from test_api_support import open_test_server
 
+from tests.tools.raw_http import send_then_read
+
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
@@ -76,39 +78,7 @@ GET_MODELS = b"GET /v1/models HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer k\r\n
 
 
 def _refused_then_get(url: str, head: bytes, body_bytes: int) -> tuple[list[int], bool, str]:
-    """Send ``head`` + a body of ``body_bytes`` (from another thread, as a client streaming an
-    upload does) and then a GET on the same connection. Returns the statuses answered, whether
-    the server closed the connection, and the first response's headers."""
-    host, port = url.removeprefix("http://").split(":")
-    s = socket.create_connection((host, int(port)), timeout=10)
-
-    def send():
-        try:
-            s.sendall(head % body_bytes)
-            s.sendall(b"x" * body_bytes)
-            s.sendall(GET_MODELS)
-        except OSError:
-            pass  # the server closed the connection on a large unread body
-    sender = threading.Thread(target=send)
-    sender.start()
-    buf, closed = b"", False
-    try:
-        while len(re.findall(rb"HTTP/1.1 \d+", buf)) < 2:
-            data = s.recv(1 << 16)
-            if not data:
-                closed = True
-                break
-            buf += data
-    except ConnectionResetError:
-        closed = True
-    except socket.timeout:
-        pass  # neither answered nor closed: the desync this test exists for
-    finally:
-        sender.join(10)
-        s.close()
-    statuses = [int(x) for x in re.findall(rb"HTTP/1.1 (\d+)", buf)]
-    first_head = buf.split(b"\r\n\r\n", 1)[0].decode("latin-1").lower()
-    return statuses, closed, first_head
+    return send_then_read(url, head, body_bytes, GET_MODELS)
 
 
 REFUSED = {
