@@ -216,7 +216,12 @@ def _load(url: str, prompts: list[str], reference: list[str], stop: threading.Ev
         i = rng.randrange(len(prompts))
         try:
             got = _text(ask(url, prompts[i], timeout=120))
-        except (httpx.HTTPError, KeyError):
+        except httpx.HTTPStatusError as e:  # answered, but refused or failed: not the kill
+            with lock:
+                status = e.response.status_code
+                tally.fail("server_5xx" if status >= 500 else "wrong_status", f"prompt {i}: {status} under load")
+            return
+        except httpx.TransportError:
             return  # the server was killed under this request
         with lock:
             tally.cases += 1
