@@ -211,7 +211,7 @@ def check_drained(model: Path, store: Path, prompts: list[str], tally: Tally, wh
 
 
 def _load(url: str, prompts: list[str], reference: list[str], stop: threading.Event, tally: Tally,
-          rng: random.Random, lock: threading.Lock) -> None:
+          rng: random.Random, lock: threading.Lock, answered: threading.Semaphore) -> None:
     while not stop.is_set():
         i = rng.randrange(len(prompts))
         try:
@@ -227,6 +227,7 @@ def _load(url: str, prompts: list[str], reference: list[str], stop: threading.Ev
             tally.cases += 1
             if got != reference[i]:
                 tally.fail("corrupt_blocks_used", f"prompt {i}: {got!r} != cold {reference[i]!r}")
+        answered.release()
 
 
 def kv_campaign(work: Path, model: Path, kills: int, rng: random.Random, tally: Tally, *, n_prompts: int,
@@ -260,13 +261,19 @@ def kv_campaign(work: Path, model: Path, kills: int, rng: random.Random, tally: 
             tally.info["kv_blocks_drained_on_sigterm"] = check_drained(model, store, prompts, tally,
                                                                        "SIGTERM after the campaign")
             break
-        stop, lock = threading.Event(), threading.Lock()
+        stop, lock, answered = threading.Event(), threading.Lock(), threading.Semaphore(0)
         clients = [threading.Thread(target=_load, args=(server.url, prompts, reference, stop, tally,
-                                                        random.Random(rng.random()), lock), daemon=True)
+                                                        random.Random(rng.random()), lock, answered), daemon=True)
                    for _ in range(3)]
         for c in clients:
             c.start()
-        time.sleep(rng.uniform(0.5, 4.0))
+        # the kill lands while finished requests' blocks are being written: after a random number
+        # of answers (their export starts then), at a random moment
+        for _ in range(rng.randint(1, 3)):
+            if not answered.acquire(timeout=180):
+                tally.fail("hangs", f"kv run {i}: no answer within 180 s under load")
+                break
+        time.sleep(rng.uniform(0.0, 2.0))
         server.kill()
         stop.set()
         for c in clients:
