@@ -122,11 +122,12 @@ def convert_campaign(work: Path, src: Path, mode: str, kills: int, rng: random.R
 # ---- the KV-persisting server ------------------------------------------------------------------------
 
 def kv_prompts(n: int, seed: int, words: int = 700) -> list[str]:
-    """``n`` prompts sharing a long document (so they share blocks) with different questions."""
+    """``n`` prompts over ``ceil(n / 2)`` long documents: pairs share a document's blocks, the
+    documents' blocks differ, so the store holds many blocks and chains that branch."""
     rng = random.Random(seed)
-    doc = " ".join(rng.choice(WORDS) for _ in range(words))
-    return [f"Notes:\n{doc}\n\nQuestion {i}: which word comes up most in the notes above, and why might {WORDS[i]} "
-            f"matter?" for i in range(n)]
+    docs = [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range((n + 1) // 2)]
+    return [f"Notes:\n{docs[i // 2]}\n\nQuestion {i}: which word comes up most in the notes above, and why might "
+            f"{WORDS[i]} matter?" for i in range(n)]
 
 
 def ask(url: str, prompt: str, max_tokens: int = 8, timeout: float = 300) -> dict:
