@@ -334,8 +334,8 @@ def fuzz(client: httpx.Client, tally: Tally, examples: int, seed: int) -> None:
     healthy after each."""
     from hypothesis import HealthCheck, given, seed as hseed, settings, strategies as st
 
-    leaf = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70), st.floats(allow_nan=False, allow_infinity=False),
-                     st.text(max_size=12))
+    leaf = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70),
+                     st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=12))
     value = st.recursive(leaf, lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=6), kids,
                                                                                           max_size=3), max_leaves=8)
     message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "bogus"]),
