@@ -22,6 +22,8 @@ import pytest
 import trio
 from test_api_support import open_test_server
 
+from tests.tools.raw_http import send_then_read
+
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
@@ -76,39 +78,7 @@ GET_MODELS = b"GET /v1/models HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer k\r\n
 
 
 def _refused_then_get(url: str, head: bytes, body_bytes: int) -> tuple[list[int], bool, str]:
-    """Send ``head`` + a body of ``body_bytes`` (from another thread, as a client streaming an
-    upload does) and then a GET on the same connection. Returns the statuses answered, whether
-    the server closed the connection, and the first response's headers."""
-    host, port = url.removeprefix("http://").split(":")
-    s = socket.create_connection((host, int(port)), timeout=10)
-
-    def send():
-        try:
-            s.sendall(head % body_bytes)
-            s.sendall(b"x" * body_bytes)
-            s.sendall(GET_MODELS)
-        except OSError:
-            pass  # the server closed the connection on a large unread body
-    sender = threading.Thread(target=send)
-    sender.start()
-    buf, closed = b"", False
-    try:
-        while len(re.findall(rb"HTTP/1.1 \d+", buf)) < 2:
-            data = s.recv(1 << 16)
-            if not data:
-                closed = True
-                break
-            buf += data
-    except ConnectionResetError:
-        closed = True
-    except socket.timeout:
-        pass  # neither answered nor closed: the desync this test exists for
-    finally:
-        sender.join(10)
-        s.close()
-    statuses = [int(x) for x in re.findall(rb"HTTP/1.1 (\d+)", buf)]
-    first_head = buf.split(b"\r\n\r\n", 1)[0].decode("latin-1").lower()
-    return statuses, closed, first_head
+    return send_then_read(url, head, body_bytes, GET_MODELS)
 
 
 REFUSED = {
@@ -322,3 +292,69 @@ async def test_a_looping_chat_template_is_400_while_health_answers_and_stop_drai
             await srv.wait_stopped()
             assert time.perf_counter() - t < 10
             n.cancel_scope.cancel()
+
+
+# ---- the error table -----------------------------------------------------------------------------
+
+#: the constructors through which an error code reaches a client, and where each takes the code
+#: (positional index; every one also accepts ``code=``)
+_CODE_ARG = {"ApiError": None, "error_body": None, "invalid": 2, "Failed": 1, "SampleError": 1,
+             "AdmissionRejected": 1, "Never": 0, "QueueFull": 0}
+
+
+def emitted_error_codes() -> dict[str, str]:
+    """Every literal error code handed to one of ``_CODE_ARG``'s constructors anywhere in hf2q,
+    plus the HTTP layer's own map: code → the first file that emits it."""
+    import ast
+    from pathlib import Path
+
+    from hf2q.api.errors import HTTP_ERROR_CODES
+
+    root = Path(__file__).resolve().parents[1] / "hf2q"
+    found = {c: "hf2q/api/errors.py" for c in HTTP_ERROR_CODES.values()}
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Call):
+                continue
+            name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+            if name not in _CODE_ARG:
+                continue
+            args = [kw.value for kw in node.keywords if kw.arg == "code"]
+            pos = _CODE_ARG[name]
+            if pos is not None and len(node.args) > pos:
+                args.append(node.args[pos])
+            for a in args:
+                if isinstance(a, ast.Constant) and isinstance(a.value, str):
+                    found.setdefault(a.value, str(path.relative_to(root.parent)))
+    return found
+
+
+def documented_error_codes() -> set[str]:
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "API.md").read_text()
+    section = text.split("\n## Errors\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|") for line in section.splitlines() if line.startswith("|")]
+    return {code for cells in rows if len(cells) > 2 for code in re.findall(r"`([a-z_]+)`", cells[2])}
+
+
+def test_every_error_code_the_server_can_send_is_in_the_docs_table():
+    emitted = emitted_error_codes()
+    # the scan sees each place codes come from: validation, the HTTP layer, admission, the engine
+    assert {"invalid_type", "not_found", "queue_full", "engine_unhealthy", "invalid_request",
+            "context_length_exceeded", "sampling_failed", "reader_too_slow"} <= emitted.keys(), sorted(emitted)
+    missing = {c: where for c, where in emitted.items() if c not in documented_error_codes()}
+    assert not missing, f"error codes sent but not in docs/API.md's Errors table: {missing}"
+
+
+async def test_an_out_of_vocabulary_logit_bias_id_is_400_naming_the_field():
+    model = smollm2_chat_model()
+    vocab = model.tokenizer.vocab_size
+    async with open_test_server(chat_model=model, vocab=vocab) as srv, httpx.AsyncClient(base_url=srv.url) as c:
+        for tok in (vocab, vocab + 7, 10**15):
+            r = await c.post("/v1/chat/completions", json={**CHAT, "logit_bias": {str(tok): 5}})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == "logit_bias" and str(tok) in err["message"], err
+        r = await c.post("/v1/chat/completions", json={**CHAT, "logit_bias": {str(vocab - 1): -100}})
+        assert r.status_code == 200, r.text

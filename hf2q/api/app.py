@@ -46,7 +46,7 @@ from werkzeug.exceptions import HTTPException
 from hf2q.api import metrics as metrics_mod
 from hf2q.api.chatflow import ChatFlow
 from hf2q.api.chatmodel import ChatModel
-from hf2q.api.errors import ApiError, error_body
+from hf2q.api.errors import HTTP_ERROR_CODES, ApiError, error_body
 from hf2q.api.validation import decode_body, parse_chat_request, parse_embeddings_request
 from hf2q.sched.contracts import AdmissionRejected, EmbeddingRequest, GenerationRequest
 
@@ -241,8 +241,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
 
     @app.errorhandler(HTTPException)
     async def _http_error(e: HTTPException):
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large",
-                415: "unsupported_media_type"}.get(e.code or 500)
+        code = HTTP_ERROR_CODES.get(e.code or 500)
         msg = {404: f"no route {request.method} {request.path}",
                405: f"method {request.method} not allowed on {request.path}",
                413: f"request body larger than {ctx.max_request_bytes} bytes"}.get(e.code or 500, e.description)

@@ -21,6 +21,10 @@ _TYPES = {
     503: "server_error",
 }
 
+#: the error ``code`` of a refusal made by the HTTP layer itself (no route, method, size, type)
+HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large",
+                    415: "unsupported_media_type"}
+
 #: codes that mean "try again shortly" and therefore carry ``Retry-After``.
 RETRYABLE_CODES = frozenset({"queue_full", "slot_budget_exceeded", "not_ready", "engine_unhealthy",
                              "shutting_down"})

@@ -207,6 +207,17 @@ def write_receipt(job: Job, hashes: dict[str, str]) -> None:
 
 # ------------------------------------------------------------------------------ running
 
+def _die_with_parent() -> None:
+    """In each worker: end when the batch process dies, even by ``kill -9`` (Linux), instead of
+    converting on as an orphan nobody collects."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):
+        pass  # not Linux: a worker notices the closed pipe when it asks for its next job
+
+
 def run_job(job: Job, hashes: dict[str, str] | None = None) -> dict[str, Any]:
     """Convert one job (in a worker process or inline); never raises.
 
@@ -258,7 +269,7 @@ def _execute(pending: list[Job], hashes: dict[str, dict[str, str]], jobs_n: int,
                 break
         return results
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=jobs_n, mp_context=ctx) as pool:
+    with ProcessPoolExecutor(max_workers=jobs_n, mp_context=ctx, initializer=_die_with_parent) as pool:
         futures = {pool.submit(run_job, job, hashes[job.source]): job for job in pending}
         stop = False
         remaining = set(futures)
