@@ -106,7 +106,8 @@ def plan_changes(args, existing: dict[str, VT]) -> tuple[dict[str, tuple[VT, Any
             raise UsageError(f"{key} is an array; only scalar keys can be set")
         if vtype is not None and new_type is not None and new_type != vtype:
             raise UsageError(f"{key} is {vtype.name.lower()} in the file, not {new_type.name.lower()}")
-        vtype = vtype if vtype is not None else (new_type or _guess_type(text))
+        if vtype is None:
+            vtype = new_type if new_type is not None else _guess_type(text)
         sets[key] = (vtype, parse_value(key, text, vtype))
 
     for item in args.set or []:
