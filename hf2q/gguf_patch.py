@@ -22,7 +22,7 @@ from gguf import GGUFValueType as VT
 
 from hf2q.atomic import atomic_output
 from hf2q.errors import InputError, UsageError
-from hf2q.formats.gguf_file import open_gguf
+from hf2q.formats.gguf_file import GGUF_MAGIC, open_gguf
 from hf2q.formats.gguf_keys import ExtraKeys, Keys
 from hf2q.formats.gguf_parse import layout
 
@@ -174,7 +174,7 @@ def _header_bytes(mm, lay, version: int, n_tensors: int, sets, drops) -> bytes:
             kept += 1
     t0, t1 = lay.tensor_infos
     parts.append(bytes(mm[t0:t1]))
-    head = b"GGUF" + struct.pack("<IQQ", version, n_tensors, kept) + b"".join(parts)
+    head = GGUF_MAGIC + struct.pack("<IQQ", version, n_tensors, kept) + b"".join(parts)
     return head + b"\0" * (-len(head) % lay.alignment)
 
 
@@ -186,13 +186,20 @@ def _copy_data(src: Path, start: int, out) -> None:
 
 
 def patch(path: Path, output: Path, sets: dict[str, tuple[VT, Any]], drops: list[str]) -> None:
-    """Write ``path`` with ``sets``/``drops`` applied to ``output`` (which may be ``path``)."""
+    """Write ``path`` with ``sets``/``drops`` applied to ``output`` (which may be ``path``).
+
+    In place, a symlink's target is what gets replaced (a Hub cache's link keeps pointing at the
+    patched blob), and the file keeps its permission bits."""
     metadata, lay, version, mm = layout(path)
     try:
         header = _header_bytes(mm, lay, version, metadata[ExtraKeys.GGUF_TENSOR_COUNT], sets, drops)
     finally:
         del mm
-    with atomic_output(output) as out:
+    in_place = output.resolve() == path.resolve()
+    target = path.resolve() if in_place else output
+    with atomic_output(target) as out:
+        if in_place:
+            os.fchmod(out.fileno(), path.stat().st_mode & 0o7777)
         out.write(header)
         _copy_data(path, lay.data_start, out)
 

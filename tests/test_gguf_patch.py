@@ -213,3 +213,14 @@ def test_any_scalar_round_trips(tmp_path, cli, data, tname):
     patched, before = Read(out), Read(src)
     assert patched["hf2q.test.keep"] == 5
     assert patched.same_data(before)
+
+
+def test_in_place_through_a_symlink_patches_the_target_and_keeps_its_mode(model, tmp_path, cli):
+    model.chmod(0o640)
+    link = tmp_path / "link.gguf"
+    link.symlink_to(model)
+    r = cli("gguf-patch", link, "--set", f"{Keys.General.NAME}=linked")
+    assert r.code == 0, r.err
+    assert link.is_symlink() and link.resolve() == model.resolve()
+    assert (model.stat().st_mode & 0o777) == 0o640
+    assert gguf.GGUFReader(model).fields[Keys.General.NAME].contents() == "linked"
