@@ -206,17 +206,16 @@ def patch(path: Path, output: Path, sets: dict[str, tuple[VT, Any]], drops: list
 
 def run(args) -> int:
     path = Path(args.file)
-    g = open_gguf(path)  # every container defect is one InputError line (exit 3)
+    open_gguf(path)  # the container check: every defect is one InputError line (exit 3)
     metadata, lay, _version, mm = layout(path)
     del mm
     existing = {key: VT(vtype) for key, vtype, _s, _e in lay.kv_spans}
     sets, drops = plan_changes(args, existing)
     lines = diff_lines(metadata, sets, drops)
-    del g
     for line in lines:
         print(line)
     if not lines:
-        print(f"{path.name}: nothing to change")
+        print(f"{path.name}: nothing to change; nothing written")
         return 0
     if args.dry_run:
         print("dry run: nothing written")
