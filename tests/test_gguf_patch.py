@@ -7,7 +7,10 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import gguf
@@ -117,6 +120,12 @@ def test_dry_run_prints_the_diff_and_writes_nothing(model, cli):
     assert f"{_TK.ADD_EOS}: " in r.out and "→ true" in r.out and "→ 'Other'" in r.out and "nothing written" in r.out
     assert _sha(model) == sha and model.stat().st_mtime_ns == mtime
     assert sorted(p.name for p in model.parent.iterdir()) == ["model.gguf"]
+    # a value the file already has is no change: nothing is written
+    assert cli("gguf-patch", model, "--set", "hf2q.test.x:u8=3").code == 0
+    sha, mtime = _sha(model), model.stat().st_mtime_ns
+    r = cli("gguf-patch", model, "--set", "hf2q.test.x=3")
+    assert r.code == 0 and "nothing to change" in r.out
+    assert _sha(model) == sha and model.stat().st_mtime_ns == mtime
 
 
 def test_bad_input_is_one_line_exit_3(model, tmp_path, cli):
@@ -224,3 +233,40 @@ def test_in_place_through_a_symlink_patches_the_target_and_keeps_its_mode(model,
     assert link.is_symlink() and link.resolve() == model.resolve()
     assert (model.stat().st_mode & 0o777) == 0o640
     assert gguf.GGUFReader(model).fields[Keys.General.NAME].contents() == "linked"
+
+
+_SLOW_PATCH = """
+import sys, time
+import hf2q.gguf_patch as gp
+from hf2q.cli import main
+
+def slow_copy(src, start, out):
+    with open(src, "rb") as fh:
+        fh.seek(start)
+        while chunk := fh.read(1 << 20):
+            out.write(chunk)
+            out.flush()
+            time.sleep(0.05)
+
+gp._copy_data = slow_copy
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_killed_patch_leaves_the_original_intact(model, cli):
+    """SIGKILL mid-copy: the original is untouched (only the temp beside it was being written), and
+    the next patch overwrites the stale temp."""
+    sha = _sha(model)
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_PATCH, "gguf-patch", str(model), "--set",
+                             f"{Keys.General.NAME}=killed"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    tmp = model.with_name(model.name + ".tmp")
+    deadline = time.monotonic() + 60
+    while not (tmp.exists() and tmp.stat().st_size > 4 << 20) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert tmp.exists() and 0 < tmp.stat().st_size < model.stat().st_size  # it died mid-write
+    assert _sha(model) == sha
+    assert cli("gguf-patch", model, "--set", f"{Keys.General.NAME}=after").code == 0
+    assert not tmp.exists()
+    assert gguf.GGUFReader(model).fields[Keys.General.NAME].contents() == "after"
