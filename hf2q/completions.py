@@ -2,8 +2,8 @@
 
 The script is generated from :func:`hf2q.cli.build_parser` on every call, so a new command or flag
 completes as soon as it exists. What completes: command names (with their help in zsh and fish),
-each command's flags, the fixed choices of a flag or positional (``--format gguf|mlx``), and file
-names for any other value. (``shtab`` writes bash and zsh scripts from argparse but not fish, so
+each command's flags, the fixed choices of a flag or positional (``--format gguf|mlx``, the quant
+names), and file names for any other value. (``shtab`` writes bash and zsh scripts from argparse but not fish, so
 one small generator serves all three.)
 """
 
@@ -44,13 +44,21 @@ def _clean(text: str | None) -> str:
     return text
 
 
-def _options(parser: argparse.ArgumentParser) -> tuple[Option, ...]:
+def _value_choices() -> dict[tuple[str, str], tuple[str, ...]]:
+    """Finite value sets the parser checks later rather than through ``choices`` (command, dest)."""
+    from hf2q.convert.quant_names import GGUF_QUANTS, MLX_QUANTS
+
+    return {("convert", "quant"): tuple(GGUF_QUANTS) + tuple(MLX_QUANTS)}
+
+
+def _options(parser: argparse.ArgumentParser, command: str = "") -> tuple[Option, ...]:
+    extra = _value_choices()
     out = []
     for a in parser._actions:
         if not a.option_strings or a.help == argparse.SUPPRESS:
             continue
-        out.append(Option(tuple(a.option_strings), _clean(a.help), a.nargs != 0,
-                          tuple(str(c) for c in a.choices) if a.choices else None,
+        choices = tuple(str(c) for c in a.choices) if a.choices else extra.get((command, a.dest))
+        out.append(Option(tuple(a.option_strings), _clean(a.help), a.nargs != 0, choices,
                           isinstance(a, (argparse._AppendAction, argparse._CountAction))))
     return tuple(out)
 
@@ -63,7 +71,7 @@ def describe(parser: argparse.ArgumentParser) -> tuple[tuple[Option, ...], tuple
     for name, p in sub.choices.items():
         positionals = [a for a in p._actions if not a.option_strings]
         first = positionals[0] if positionals else None
-        commands.append(Command(name, _clean(helps.get(name)), _options(p),
+        commands.append(Command(name, _clean(helps.get(name)), _options(p, name),
                                 tuple(str(c) for c in first.choices) if first is not None and first.choices else None,
                                 first is not None))
     return _options(parser), tuple(commands)

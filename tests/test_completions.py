@@ -10,6 +10,7 @@ import pytest
 
 from hf2q.cli import build_parser
 from hf2q.completions import SHELLS
+from hf2q.convert.quant_names import MLX_QUANTS
 
 COMMANDS = list(build_parser()._subparsers._group_actions[0].choices)
 
@@ -52,6 +53,7 @@ def test_bash_completes_commands_flags_and_choices(cli):
     assert sorted(_bash_complete(script, "hf2q", "gguf-patch", "--d")) == ["--drop", "--dry-run"]
     assert sorted(_bash_complete(script, "hf2q", "generate", "--ig")) == ["--ignore-eos"]
     assert _bash_complete(script, "hf2q", "completions", "") == list(SHELLS)
+    assert sorted(_bash_complete(script, "hf2q", "convert", "-q", "q4_k")) == ["q4_k_m", "q4_k_s"]
 
 
 @pytest.mark.skipif(shutil.which("fish") is None, reason="fish is not installed")
@@ -69,3 +71,4 @@ def test_fish_completes_commands_flags_and_choices(cli, tmp_path):
     assert sorted(complete("hf2q cache ")) == ["clear", "list", "size"]
     assert sorted(complete("hf2q serve --operator-ui ")) == ["auto", "dashboard", "plain"]
     assert "--ignore-eos" in complete("hf2q generate --ig")
+    assert sorted(complete("hf2q convert --quant mlx-mixed")) == sorted(q for q in MLX_QUANTS if "mixed" in q)
