@@ -164,7 +164,9 @@ def zsh(top: tuple[Option, ...], commands: tuple[Command, ...]) -> str:
             specs.append("'1:file:_files'")
         body = " \\\n                ".join(specs)
         lines += [f"        {c.name})", f"            _arguments \\\n                {body} ;;"]
-    lines += ["        esac ;;", "    esac", "}", "_hf2q \"$@\"", ""]
+    lines += ["        esac ;;", "    esac", "}",
+              "# autoloaded from $fpath: complete now; sourced: register",
+              "if [[ \"$funcstack[1]\" == _hf2q ]]; then _hf2q \"$@\"; else compdef _hf2q hf2q; fi", ""]
     return "\n".join(lines)
 
 

@@ -1,10 +1,14 @@
-"""``hf2q completions``: each shell's script parses in that shell, names every command, and — in bash
-and fish, whose completion machinery runs without a terminal — completes what the parser accepts."""
+"""``hf2q completions``: each shell's script parses in that shell, names every command, and completes
+what the parser accepts — bash and fish driven directly, zsh through a pseudo-terminal."""
 
 from __future__ import annotations
 
+import os
+import pty
+import select
 import shutil
 import subprocess
+import time
 
 import pytest
 
@@ -72,3 +76,43 @@ def test_fish_completes_commands_flags_and_choices(cli, tmp_path):
     assert sorted(complete("hf2q serve --operator-ui ")) == ["auto", "dashboard", "plain"]
     assert "--ignore-eos" in complete("hf2q generate --ig")
     assert sorted(complete("hf2q convert --quant mlx-mixed")) == sorted(q for q in MLX_QUANTS if "mixed" in q)
+
+
+def _zsh_complete(setup: str, line: str) -> str:
+    """What an interactive ``zsh -f`` prints for ``line`` + TAB after ``setup`` (run in a pseudo-terminal)."""
+    pid, fd = pty.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.environ["TERM"] = "dumb"
+        os.execvp("zsh", ["zsh", "-f", "-i"])
+
+    def read(quiet: float, limit: float = 10.0) -> str:
+        out, end, last = b"", time.monotonic() + limit, time.monotonic()
+        while time.monotonic() < end and time.monotonic() - last < quiet:
+            ready, _, _ = select.select([fd], [], [], 0.05)
+            if ready:
+                try:
+                    out += os.read(fd, 65536)
+                except OSError:
+                    break
+                last = time.monotonic()
+        return out.decode(errors="replace")
+
+    try:
+        os.write(fd, f"{setup}; PS1='> '\n".encode())
+        read(1.0)
+        os.write(fd, line.encode() + b"\t")
+        return read(0.7)
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+
+
+@pytest.mark.skipif(shutil.which("zsh") is None, reason="zsh is not installed")
+@pytest.mark.parametrize("how", ["sourced", "fpath"])
+def test_zsh_completes_commands_and_choices(cli, tmp_path, how):
+    (tmp_path / "_hf2q").write_text(_script(cli, "zsh"))
+    init = "autoload -U compinit && compinit -u -D"
+    setup = f"{init}; source {tmp_path / '_hf2q'}" if how == "sourced" else f"fpath=({tmp_path} $fpath); {init}"
+    commands = _zsh_complete(setup, "hf2q g")
+    assert "generate" in commands and "gguf-patch" in commands and "convert" not in commands
+    assert all(word in _zsh_complete(setup, "hf2q cache ") for word in ("clear", "list", "size"))
