@@ -132,6 +132,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--ctx", type=_positive_int, default=None, help="context length (default: from GGUF)")
     p.add_argument("--benchmark", action="store_true", help="5 runs; report median and p95 tok/s")
     p.add_argument("--json", action="store_true", help="with --benchmark: last line is one JSON object")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past end-of-generation tokens up to --max-tokens (for benchmarks)")
 
 
 def _add_serve(sub) -> None:
@@ -184,6 +186,37 @@ def _add_cache(sub) -> None:
     p.add_argument("--yes", action="store_true", help="do not ask before clearing")
 
 
+def _bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"not true or false: {text!r}")
+    return low == "true"
+
+
+def _add_gguf_patch(sub) -> None:
+    p = sub.add_parser("gguf-patch", help="change a GGUF's metadata (chat template, BOS/EOS, any scalar key) "
+                       "without touching its tensors")
+    p.set_defaults(handler="hf2q.gguf_patch:run")
+    p.add_argument("file", help="the .gguf to patch (rewritten in place unless -o)")
+    p.add_argument("-o", "--output", help="write the patched copy here instead")
+    p.add_argument("--chat-template", metavar="FILE", help="set the chat template from this Jinja file")
+    p.add_argument("--set", action="append", metavar="KEY[:TYPE]=VALUE",
+                   help="set a scalar key (repeatable); an existing key keeps its type, a new one takes TYPE "
+                        "(u8 i8 u16 i16 u32 i32 u64 i64 f32 f64 bool str) or a guess from VALUE")
+    p.add_argument("--drop", action="append", metavar="KEY", help="remove a key (repeatable)")
+    p.add_argument("--add-bos", type=_bool, metavar="true|false", help="whether the tokenizer prepends BOS")
+    p.add_argument("--add-eos", type=_bool, metavar="true|false", help="whether the tokenizer appends EOS")
+    p.add_argument("--bos-id", type=_nonnegative_int, metavar="N", help="BOS token id")
+    p.add_argument("--eos-id", type=_nonnegative_int, metavar="N", help="EOS token id")
+    p.add_argument("--dry-run", action="store_true", help="print the changes (key: old → new); write nothing")
+
+
+def _add_completions(sub) -> None:
+    p = sub.add_parser("completions", help="print a shell completion script")
+    p.set_defaults(handler="hf2q.completions:run")
+    p.add_argument("shell", choices=["bash", "zsh", "fish"])
+
+
 DESCRIPTION = ("Convert HuggingFace models to quantized GGUF files or mlx-lm directories,\n"
                "and serve GGUFs through an OpenAI-compatible HTTP API.")
 EPILOG = """\
@@ -205,7 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", choices=["debug", "info", "warn", "error"], default=None)
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
-    for add in (_add_convert, _add_info, _add_generate, _add_serve, _add_diagrams, _add_doctor, _add_cache):
+    for add in (_add_convert, _add_info, _add_generate, _add_serve, _add_diagrams, _add_doctor, _add_cache,
+                _add_gguf_patch, _add_completions):
         add(sub)
     return p
 

@@ -141,9 +141,9 @@ def test_generate_pipelined_equals_host_path(llama, monkeypatch):
     host = SamplingParams(temperature=0.0, max_tokens=12, logit_bias=((7, 0.0),))  # no effect, forces the host
     assert device_capable(pipelined) and not device_capable(host)
 
-    def run(params):
+    def run(params, ignore_eos=False):
         seen: list[int] = []
-        out = generate_once(r, prompt, params, on_token=seen.append)
+        out = generate_once(r, prompt, params, on_token=seen.append, ignore_eos=ignore_eos)
         return out["finish_reason"], out["generated_tokens"], seen
 
     a, b = run(pipelined), run(host)
@@ -151,6 +151,8 @@ def test_generate_pipelined_equals_host_path(llama, monkeypatch):
     monkeypatch.setattr(r, "eos_token_ids", frozenset({a[2][4]}))  # stop on the fifth token (read a step late)
     c, d = run(pipelined), run(host)
     assert c == d and c[0] == "stop" and c[1] == 5 and c[2] == a[2][:4]
+    # --ignore-eos: the same stop token is emitted and decoding runs the whole budget, on both paths
+    assert run(pipelined, ignore_eos=True) == run(host, ignore_eos=True) == a
 
 
 def test_warm_up_leaves_no_trace(runner):

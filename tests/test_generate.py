@@ -32,3 +32,14 @@ def test_generate_raw_and_seeded_sampling(smollm2_gguf, cli):
             "--temperature", "0.8", "--seed", "7")
     a, b = cli(*args), cli(*args)
     assert a.code == 0 and a.out == b.out and a.out.strip()
+
+
+def test_ignore_eos_runs_the_whole_budget(smollm2_gguf, cli):
+    """The model answers in a few tokens and stops; with --ignore-eos it decodes all of --max-tokens."""
+    args = ("generate", "--model", smollm2_gguf, "--prompt", "What is the capital of France?", "--max-tokens", "24",
+            "--benchmark", "--json")
+    stopped, forced = cli(*args), cli(*args, "--ignore-eos")
+    assert stopped.code == 0 and forced.code == 0, (stopped.err, forced.err)
+    early = json.loads(stopped.out.strip().splitlines()[-1])["generated_tokens"]
+    assert early < 24
+    assert json.loads(forced.out.strip().splitlines()[-1])["generated_tokens"] == 24

@@ -81,8 +81,11 @@ def _params(args):
                           seed=args.seed)
 
 
-def generate_once(runner, prompt: list[int], params, on_token=None) -> dict:
+def generate_once(runner, prompt: list[int], params, on_token=None, ignore_eos: bool = False) -> dict:
     """Prefill + decode one request; returns counts and timings (seconds).
+
+    ``ignore_eos`` treats end-of-generation tokens as ordinary ones, so a decode benchmark runs the
+    whole ``max_tokens`` budget on the same (pipelined or host) path instead of stopping early.
 
     Settings the device sampler covers run pipelined (``runner.decode_async``: step *n+1* is
     queued before step *n*'s token is read); penalties and biases take the host sampler.
@@ -99,7 +102,8 @@ def generate_once(runner, prompt: list[int], params, on_token=None) -> dict:
 
     pipelined = device_capable(params) and getattr(runner, "pipelines_decode", False)
     decode = _decode_pipelined if pipelined else _decode_host
-    reason = decode(runner, seq, logits, params, budget, generated, on_token)
+    stops = frozenset() if ignore_eos else frozenset(runner.eos_token_ids)
+    reason = decode(runner, seq, logits, params, budget, generated, on_token, stops)
     t2 = time.perf_counter()
     steps = max(len(generated) - 1, 0)  # decode steps after the first (prefill-sampled) token
     return {"prompt_tokens": len(prompt), "generated_tokens": len(generated), "finish_reason": reason,
@@ -108,29 +112,30 @@ def generate_once(runner, prompt: list[int], params, on_token=None) -> dict:
             "decode_tokens_per_sec": steps / (t2 - t1) if steps and t2 > t1 else 0.0}
 
 
-def _decode_host(runner, seq, logits, params, budget, generated, on_token) -> str:
+def _decode_host(runner, seq, logits, params, budget, generated, on_token, stops) -> str:
     from hf2q.engine.sampling import Sampler
 
     sampler = Sampler(params)
     while True:
         token, _, _ = sampler.sample(logits, generated)
-        reason = _accept(runner, token, generated, budget, on_token)
+        reason = _accept(stops, token, generated, budget, on_token)
         if reason is not None:
             return reason
         logits = runner.decode([seq], [token])[0]
 
 
-def _accept(runner, token: int, generated: list[int], budget: int, on_token) -> str | None:
-    """Record a sampled token; ``"stop"`` (not emitted), ``"length"`` (emitted, budget spent) or None."""
+def _accept(stops, token: int, generated: list[int], budget: int, on_token) -> str | None:
+    """Record a sampled token; ``"stop"`` (one of ``stops``, not emitted), ``"length"`` (emitted,
+    budget spent) or None."""
     generated.append(token)
-    if token in runner.eos_token_ids:
+    if token in stops:
         return "stop"
     if on_token is not None:
         on_token(token)
     return "length" if len(generated) >= budget else None
 
 
-def _decode_pipelined(runner, seq, logits, params, budget, generated, on_token) -> str:
+def _decode_pipelined(runner, seq, logits, params, budget, generated, on_token, stops) -> str:
     """Step *k+2* is queued before token *k+1* is read; a stop read late trims the extra position."""
     import mlx.core as mx
 
@@ -138,13 +143,13 @@ def _decode_pipelined(runner, seq, logits, params, budget, generated, on_token) 
 
     samplers = [DeviceSampler(params)]
     token = int(np.array(sample_rows(mx.array(np.asarray(logits, dtype=np.float32)[None]), samplers)[0])[0])
-    reason = _accept(runner, token, generated, budget, on_token)
+    reason = _accept(stops, token, generated, budget, on_token)
     if reason is not None:
         return reason
     pending = runner.decode_async([seq], [token], samplers)
     while True:
         ahead = runner.decode_async([seq], pending, samplers) if len(generated) + 1 < budget else None
-        reason = _accept(runner, int(pending.result()[0][0]), generated, budget, on_token)
+        reason = _accept(stops, int(pending.result()[0][0]), generated, budget, on_token)
         if reason == "stop" and ahead is not None:
             seq.trim(seq.length - 1)  # the queued step consumed the stop token
         if reason is not None:
@@ -182,6 +187,7 @@ def run(args) -> int:
     if runner.is_embedding_model:
         raise InputError(f"{model_path.name} is an embedding model; generate needs a chat/text model")
     params = _params(args)
+    ignore_eos = getattr(args, "ignore_eos", False)
 
     if not args.benchmark:
         detok = IncrementalDetokenizer(tokenizer)
@@ -191,14 +197,14 @@ def run(args) -> int:
             out.write(detok.push(token))
             out.flush()
 
-        stats = generate_once(runner, prompt, params, on_token=emit)
+        stats = generate_once(runner, prompt, params, on_token=emit, ignore_eos=ignore_eos)
         out.write(detok.flush() + "\n")
         out.flush()
         log.info("prompt %d tokens, generated %d; prefill %.1f tok/s, decode %.1f tok/s", stats["prompt_tokens"],
                  stats["generated_tokens"], stats["prefill_tokens_per_sec"], stats["decode_tokens_per_sec"])
         return 0
 
-    runs = [generate_once(runner, prompt, params) for _ in range(BENCH_RUNS)]
+    runs = [generate_once(runner, prompt, params, ignore_eos=ignore_eos) for _ in range(BENCH_RUNS)]
     pre = np.array([r["prefill_tokens_per_sec"] for r in runs])
     dec = np.array([r["decode_tokens_per_sec"] for r in runs])
     gen = int(np.median([r["generated_tokens"] for r in runs]))

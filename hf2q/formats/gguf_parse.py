@@ -18,6 +18,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 
 from hf2q.errors import InputError
@@ -101,8 +102,9 @@ class _Cursor:
         return out
 
 
-def _metadata(mm: np.ndarray) -> tuple[_Cursor, dict[str, Any], int, int]:
-    """Parse up to the end of the key/values → (cursor, metadata, version, tensor count)."""
+def _metadata(mm: np.ndarray, spans: list | None = None) -> tuple[_Cursor, dict[str, Any], int, int]:
+    """Parse up to the end of the key/values → (cursor, metadata, version, tensor count); with
+    ``spans``, append ``(key, value type, start, end)`` for each key/value's bytes to it."""
     cur = _Cursor(mm)
     magic = bytes(mm[:4]) if len(mm) >= 4 else b""
     if magic != b"GGUF":
@@ -117,16 +119,44 @@ def _metadata(mm: np.ndarray) -> tuple[_Cursor, dict[str, Any], int, int]:
     meta: dict[str, Any] = {ExtraKeys.GGUF_VERSION: version, ExtraKeys.GGUF_TENSOR_COUNT: n_tensors,
                             ExtraKeys.GGUF_KV_COUNT: n_kv}
     for _ in range(n_kv):
+        start = cur.pos
         key = cur.string()
         (vtype,) = cur.unpack("<I")
         meta[key] = cur.value(vtype)
+        if spans is not None:
+            spans.append((key, vtype, start, cur.pos))
     return cur, meta, version, n_tensors
 
 
 def parse(path: Path) -> tuple[dict[str, Any], list[tuple[str, int, tuple[int, ...], int]], int, np.ndarray]:
     """→ (metadata, [(name, ggml_type, dims_ggml_order, absolute_offset)], version, memmap)."""
     mm = np.memmap(path, dtype=np.uint8, mode="r")
-    cur, meta, version, n_tensors = _metadata(mm)
+    meta, infos, version, _layout = _header(mm)
+    return meta, infos, version, mm
+
+
+@attrs.frozen
+class HeaderLayout:
+    """Where a GGUF header's parts lie, for rewriting its metadata without touching tensor bytes:
+    each key/value's byte span, the tensor directory's span, and where the data section starts."""
+
+    kv_spans: tuple[tuple[str, int, int, int], ...]  # (key, value type, start, end)
+    tensor_infos: tuple[int, int]  # (start, end) of the tensor directory
+    data_start: int
+    alignment: int
+
+
+def layout(path: Path) -> tuple[dict[str, Any], HeaderLayout, int, np.ndarray]:
+    """→ (metadata, layout, version, memmap) of a GGUF that :func:`parse` accepts."""
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    meta, _infos, version, lay = _header(mm)
+    return meta, lay, version, mm
+
+
+def _header(mm: np.ndarray) -> tuple[dict[str, Any], list, int, HeaderLayout]:
+    spans: list = []
+    cur, meta, version, n_tensors = _metadata(mm, spans)
+    infos_start = cur.pos
     infos = []
     for _ in range(n_tensors):
         name = cur.string()
@@ -143,7 +173,8 @@ def parse(path: Path) -> tuple[dict[str, Any], list[tuple[str, int, tuple[int, .
         if offset % align:
             raise ParseError(f"tensor {name} data offset {offset} is not a multiple of the alignment {align}")
     data_start = (cur.pos + align - 1) // align * align
-    return meta, [(n, t, d, data_start + o) for n, t, d, o in infos], version, mm
+    lay = HeaderLayout(tuple(spans), (infos_start, cur.pos), data_start, align)
+    return meta, [(n, t, d, data_start + o) for n, t, d, o in infos], version, lay
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
