@@ -196,6 +196,7 @@ class Options:
     seed: int | None = None
     thinking: bool = True
     tools: tuple[dict, ...] = ()
+    tool_choice: str | None = None  # auto | required | none | a function's name
 
     def body(self, messages: list[dict]) -> dict:
         body: dict = {"messages": messages}
@@ -206,6 +207,10 @@ class Options:
             body["chat_template_kwargs"] = {"enable_thinking": False}
         if self.tools:
             body["tools"] = list(self.tools)
+        if self.tool_choice in ("auto", "required", "none"):
+            body["tool_choice"] = self.tool_choice
+        elif self.tool_choice:
+            body["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice}}
         return body
 
 
@@ -398,8 +403,10 @@ def run(args) -> int:
         pass
     if args.url and args.model:
         raise UsageError("give --model (in process) or --url (a server), not both")
+    if args.tool_choice and not args.tools:
+        raise UsageError("--tool-choice needs --tools")
     options = Options(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
-                      thinking=not args.no_thinking, tools=_load_tools(args.tools))
+                      thinking=not args.no_thinking, tools=_load_tools(args.tools), tool_choice=args.tool_choice)
     console = Console(highlight=False)
     if args.url:
         backend = HttpBackend(args.url, args.api_key)

@@ -148,6 +148,8 @@ def _add_chat(sub) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--no-thinking", action="store_true", help="render the template with enable_thinking=false")
     p.add_argument("--tools", metavar="FILE", help="JSON array of OpenAI-style tool definitions to offer the model")
+    p.add_argument("--tool-choice", metavar="auto|required|none|NAME", help="with --tools: whether (or which) a "
+                   "call is forced (default: the model decides)")
     p.add_argument("--ctx", type=_positive_int, default=None, help="in-process context length (default: from GGUF)")
 
 

@@ -9,6 +9,7 @@ streamed text prints something else.
 from __future__ import annotations
 
 import io
+import json
 import re
 import socket
 import subprocess
@@ -119,6 +120,10 @@ def test_options_body_names_only_what_was_set():
     assert Options(temperature=0.0, max_tokens=5, thinking=False).body([{"role": "user", "content": "x"}]) == {
         "messages": [{"role": "user", "content": "x"}], "temperature": 0.0, "max_tokens": 5,
         "chat_template_kwargs": {"enable_thinking": False}}
+    tool = {"type": "function", "function": {"name": "f"}}
+    assert Options(tools=(tool,), tool_choice="required").body([])["tool_choice"] == "required"
+    assert Options(tools=(tool,), tool_choice="f").body([])["tool_choice"] == {"type": "function",
+                                                                               "function": {"name": "f"}}
 
 
 class _ScriptedBackend:
@@ -316,6 +321,35 @@ def test_ctrl_c_stops_a_reply_and_the_server_sees_the_client_leave(server):
         child.expect(pexpect.EOF)
     finally:
         child.close(force=True)
+    assert child.exitstatus == 0
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_a_forced_tool_call_is_shown_as_the_server_makes_it(server, tmp_path):
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([WEATHER]))
+    q = "What is the weather in Paris?"
+    r = httpx.post(server + "/v1/chat/completions", headers={"Authorization": "Bearer k-chat"}, timeout=300,
+                   json={"messages": [{"role": "user", "content": q}], "tools": [WEATHER],
+                         "tool_choice": "required", "temperature": 0, "max_tokens": 64})
+    assert r.status_code == 200, r.text
+    call = r.json()["choices"][0]["message"]["tool_calls"][0]["function"]
+    child = _spawn("--url", server + "/v1", "--api-key", "k-chat", "--temperature", "0", "--max-tokens", "64",
+                   "--tools", str(tools), "--tool-choice", "required")
+    try:
+        child.expect_exact("you> ")
+        shown = _answer_after(child, q)
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert f"→ {call['name']}(" in shown
+    args = shown.split(f"→ {call['name']}(", 1)[1].rsplit(")", 1)[0]
+    assert json.loads(args) == json.loads(call["arguments"])
     assert child.exitstatus == 0
 
 
