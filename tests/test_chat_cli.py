@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import json
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -203,40 +202,18 @@ def test_tools_file_errors_are_one_line(tmp_path):
 
 # ---- the real client in a pseudo-terminal ---------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server(smollm2_gguf, tmp_path_factory):
-    port = _free_port()
-    log = (tmp_path_factory.mktemp("serve") / "serve.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "hf2q", "serve", "--model", str(smollm2_gguf), "--port", str(port),
-                             "--slots", "1", "--ctx", "2048", "--operator-ui", "plain", "--api-key", "k-chat"],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
+def server(smollm2_gguf):
+    from tests.test_server_command import start_server, wait_ready
+
+    proc, url = start_server("serve", "--model", str(smollm2_gguf), "--port", "0", "--slots", "1", "--ctx", "2048",
+                             "--operator-ui", "plain", "--api-key", "k-chat")
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, "hf2q serve exited before it was ready"
-            assert time.monotonic() < deadline, "hf2q serve not ready after 300 s"
-            try:
-                if httpx.get(url + "/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_ready(url, proc, {"Authorization": "Bearer k-chat"})
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+        proc.terminate()  # SIGTERM drains; a server that hangs on it fails the teardown
+        proc.wait(60)
 
 
 MAX_TOKENS = 40
