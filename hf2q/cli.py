@@ -136,6 +136,23 @@ def _add_generate(sub) -> None:
                    help="keep generating past end-of-generation tokens up to --max-tokens (for benchmarks)")
 
 
+def _add_chat(sub) -> None:
+    p = sub.add_parser("chat", help="talk to a model in the terminal (loaded here, or a running server with --url)")
+    p.set_defaults(handler="hf2q.chat:run")
+    p.add_argument("--model", help="GGUF to load in this process (default: the built-in default model)")
+    p.add_argument("--url", help="a running server's API base, e.g. http://127.0.0.1:8080/v1")
+    p.add_argument("--api-key", default=os.environ.get("HF2Q_API_KEY"), help="Bearer key for --url (or HF2Q_API_KEY)")
+    p.add_argument("--system", help="system message (change it later with /system TEXT)")
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the server's)")
+    p.add_argument("--max-tokens", type=_positive_int, default=None, help="tokens per reply (default: the room left)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--no-thinking", action="store_true", help="render the template with enable_thinking=false")
+    p.add_argument("--tools", metavar="FILE", help="JSON array of OpenAI-style tool definitions to offer the model")
+    p.add_argument("--tool-choice", metavar="auto|required|none|NAME", help="with --tools: whether (or which) a "
+                   "call is forced (default: the model decides)")
+    p.add_argument("--ctx", type=_positive_int, default=None, help="in-process context length (default: from GGUF)")
+
+
 def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     p.set_defaults(handler="hf2q.api.command:run")
@@ -224,6 +241,7 @@ examples:
   hf2q convert ./model --quant q4_k_m -o model-q4_k_m.gguf
   hf2q serve --model model-q4_k_m.gguf --slots 4
   hf2q serve                      (the built-in default model)
+  hf2q chat --url http://127.0.0.1:8080/v1
 
 exit codes: 0 ok, 1 runtime failure, 2 usage, 3 bad input, 130 interrupted.
 Run 'hf2q COMMAND --help' for a command's options; the README and docs/ hold the rest."""
@@ -238,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", choices=["debug", "info", "warn", "error"], default=None)
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
-    for add in (_add_convert, _add_info, _add_generate, _add_serve, _add_diagrams, _add_doctor, _add_cache,
+    for add in (_add_convert, _add_info, _add_generate, _add_chat, _add_serve, _add_diagrams, _add_doctor, _add_cache,
                 _add_gguf_patch, _add_completions):
         add(sub)
     return p

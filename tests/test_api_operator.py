@@ -70,3 +70,40 @@ async def test_dashboard_and_event_lines_show_numbers_not_text():
     finally:
         op_log.removeHandler(handler)
         op_log.setLevel(old_level)
+
+
+async def test_a_log_line_during_the_dashboard_prints_above_it_and_the_frame_redraws_in_place():
+    """The first "starting" frame must not stay stranded above the table when the server logs "ready"."""
+    from hf2q.api.operator import run_dashboard
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    class Starting:  # no snapshot yet: the dashboard shows its "starting…" frame
+        def snapshot(self):
+            raise RuntimeError("not loaded")
+
+    screen = Terminal()
+    console = Console(file=screen, force_terminal=True, width=120)
+    handler = logging.StreamHandler(screen)  # the handler writes to the same terminal, as on a real one
+    root = logging.getLogger("hf2q")
+    saved = root.handlers[:]
+    root.handlers[:] = [handler]
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: run_dashboard(Starting(), model_id="m", url="http://x", refresh_s=0.05,
+                                                     console=console))
+            await trio.sleep(0.2)
+            logging.getLogger("hf2q.serve").warning("model loaded; ready")
+            await trio.sleep(0.2)
+            nursery.cancel_scope.cancel()
+    finally:
+        root.handlers[:] = saved
+    assert handler.stream is screen  # given back when the dashboard ends
+    out = screen.getvalue()
+    before, _, after = out.partition("model loaded; ready")
+    assert after, out
+    # the frame drawn so far was erased (cursor up + erase line) before the line, then drawn again below it
+    assert before.endswith("\x1b[2K"), repr(before[-80:])
+    assert "starting…" in after

@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import trio
@@ -86,15 +88,36 @@ def render_dashboard(snap, *, model_id: str, url: str, started: float):
     return Group(head, t, foot)
 
 
-async def run_dashboard(runtime, *, model_id: str, url: str, refresh_s: float = 0.5) -> None:
+@contextmanager
+def _logs_above(stream) -> Iterator[None]:
+    """Point the hf2q log handlers that write to the terminal at ``stream`` for a while.
+
+    A handler keeps the stderr it was built with, so a line it writes ("model loaded; ready")
+    lands in the middle of the dashboard and strands the frame drawn so far above it; through
+    the ``Live``'s own stderr proxy the line is printed above the dashboard, which then redraws
+    in place.
+    """
+    moved = []
+    for h in logging.getLogger("hf2q").handlers:
+        if isinstance(h, logging.StreamHandler) and getattr(h.stream, "isatty", lambda: False)():
+            moved.append((h, h.setStream(stream)))
+    try:
+        yield
+    finally:
+        for h, old in moved:
+            h.setStream(old)
+
+
+async def run_dashboard(runtime, *, model_id: str, url: str, refresh_s: float = 0.5, console=None) -> None:
     """Redraw the dashboard until cancelled (rich ``Live`` on stderr)."""
     from rich.console import Console
     from rich.live import Live
 
     started = time.monotonic()
-    console = Console(stderr=True)
+    console = console or Console(stderr=True)
     with Live(render_dashboard(_snap(runtime), model_id=model_id, url=url, started=started), console=console,
-              refresh_per_second=max(1, int(1 / refresh_s)), transient=False) as live:
+              refresh_per_second=max(1, int(1 / refresh_s)), transient=False, redirect_stderr=True) as live, \
+            _logs_above(sys.stderr):  # Live has swapped sys.stderr for its proxy by now
         while True:
             await trio.sleep(refresh_s)
             live.update(render_dashboard(_snap(runtime), model_id=model_id, url=url, started=started))

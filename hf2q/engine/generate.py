@@ -157,6 +157,20 @@ def _decode_pipelined(runner, seq, logits, params, budget, generated, on_token, 
         pending = ahead
 
 
+def check_generative_model(model_path: Path) -> None:
+    """The checks `info` runs (a servable GGUF of a known family, with a tokenizer), before anything heavy."""
+    from hf2q.engine.models import FAMILIES
+    from hf2q.formats.gguf_check import open_servable
+    from hf2q.formats.gguf_keys import Keys
+
+    header = open_servable(model_path)
+    if header.arch not in FAMILIES:
+        raise InputError(f"{model_path.name}: unsupported architecture {header.arch or '(none)'!r} "
+                         f"(supported: {', '.join(sorted(FAMILIES))})")
+    if not header.get(Keys.Tokenizer.MODEL) or not header.get(Keys.Tokenizer.LIST):
+        raise InputError(f"{model_path.name}: no tokenizer metadata ({Keys.Tokenizer.MODEL} / tokens)")
+
+
 def run(args) -> int:
     from hf2q.engine.factory import load_runner
     from hf2q.text.tokenizer import GGUFTokenizer, IncrementalDetokenizer
@@ -171,16 +185,7 @@ def run(args) -> int:
         from hf2q.fetch import default_chat_model
 
         model_path = default_chat_model()
-    from hf2q.engine.models import FAMILIES
-    from hf2q.formats.gguf_check import open_servable
-    from hf2q.formats.gguf_keys import Keys
-
-    header = open_servable(model_path)  # the check `info` runs, before anything heavy
-    if header.arch not in FAMILIES:
-        raise InputError(f"{model_path.name}: unsupported architecture {header.arch or '(none)'!r} "
-                         f"(supported: {', '.join(sorted(FAMILIES))})")
-    if not header.get(Keys.Tokenizer.MODEL) or not header.get(Keys.Tokenizer.LIST):
-        raise InputError(f"{model_path.name}: no tokenizer metadata ({Keys.Tokenizer.MODEL} / tokens)")
+    check_generative_model(model_path)
     tokenizer = GGUFTokenizer.from_gguf(model_path)
     prompt = render_prompt(args, model_path, tokenizer)
     runner = load_runner(model_path, ctx=getattr(args, "ctx", None))
