@@ -1,0 +1,245 @@
+"""Gemma 4 text, dense (``gemma4``): Gemma 3's sandwich-norm decoder with layers of two shapes.
+
+What differs from Gemma 3 (``models/gemma3.py``):
+
+* **Two layer kinds.** ``attention.sliding_window_pattern`` (one flag per layer) marks the sliding
+  layers: their own head size (``key_length_swa``), KV heads (the per-layer ``head_count_kv``
+  array), rope base (``freq_base_swa``) and rotary dims (``dimension_count_swa``). The global
+  layers use ``key_length``, ``freq_base`` and proportional RoPE: all ``key_length`` dims in the
+  NeoX layout with the per-pair divisors of ``rope_freqs.weight`` (1 for the rotated pairs, a huge
+  number that freezes the rest), as llama.cpp applies them.
+* **K as V.** A layer without ``attn_v`` uses its key projection as the values (``attention_k_eq_v``).
+* **Norms.** q/k RMSNorm with weights, V normalised without a weight; the converter stores every
+  norm weight as the multiplier itself, so the plain RMSNorm applies. Attention scale is 1.0 (the
+  q/k norms set the logit scale).
+* **Layer output scale.** Each block's output is multiplied by ``layer_output_scale``.
+* √hidden embedding scale, GeGLU-tanh MLP, final norm, final logit soft-cap, tied output.
+
+The slot KV cache is one ``[kv_heads, capacity, head_dim]`` layout for every layer; layers of
+different shapes are stored in it by splitting each head into ``head_dim``-sized pieces (the smallest
+head size of the model) and padding the piece count to the largest layer's. Sliding layers keep every
+position and mask the window (``ForwardBatch.mask``), like Gemma 3.
+
+Not served yet, refused by ``formats.gguf_check``: per-layer embeddings and KV-shared layers
+(E2B/E4B) and the MoE feed-forward (26B-A4B).
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import mlx.core as mx
+import numpy as np
+
+from hf2q.engine.kv_cache import ForwardBatch
+from hf2q.engine.layers import Linear, float_array, gelu_tanh, rms_norm
+from hf2q.engine.models.decoder import _norm, distinct_nbytes
+from hf2q.engine.models.llama import gated_mlp
+from hf2q.errors import InputError
+from hf2q.formats.gguf_file import GGUFFile
+from hf2q.formats.gguf_keys import Keys
+from hf2q.kernels import cpu_ops
+
+_A, _L, _R = Keys.Attention, Keys.LLM, Keys.Rope
+
+
+@attrs.define
+class Gemma4Config:
+    """What the runner reads off every model (``vocab``, ``n_ctx_train``) plus the shared scalars."""
+
+    n_layers: int
+    hidden: int
+    n_heads: int
+    vocab: int
+    n_ctx_train: int
+    norm_eps: float
+    final_softcap: float | None
+    cache_heads: int  # the KV cache layout every layer is stored in
+    cache_dim: int
+
+
+@attrs.define
+class LayerShape:
+    """One layer's attention geometry and RoPE."""
+
+    sliding: bool
+    n_kv: int
+    head_dim: int
+    rope_dims: int
+    rope_base: float | None  # None when ``rope_periods`` holds the custom per-pair periods
+    rope_periods: mx.array | None
+    window: int | None
+
+
+def _per_layer(value, n: int, what: str, name: str) -> list[int]:
+    values = list(value) if isinstance(value, (list, tuple)) else [value] * n
+    if len(values) != n:
+        raise InputError(f"{name}: {what} has {len(values)} entries for {n} layers")
+    return [int(v) for v in values]
+
+
+def layer_shapes(g: GGUFFile) -> list[LayerShape]:
+    hp, name = g.hparams, g.path.name
+    n = hp.n_layers
+    pattern = hp.stored(_A.SLIDING_WINDOW_PATTERN)
+    if not isinstance(pattern, list) or len(pattern) != n:
+        raise InputError(f"{name}: {hp.key(_A.SLIDING_WINDOW_PATTERN)} must hold one flag per layer ({n})")
+    kv = _per_layer(hp.n_kv_heads, n, hp.key(_A.HEAD_COUNT_KV), name)
+    full_dim, swa_dim = int(hp.require(_A.KEY_LENGTH)), int(hp.require(_A.KEY_LENGTH_SWA))
+    full_rot = int(hp.stored(_R.DIMENSION_COUNT) or full_dim)
+    swa_rot = int(hp.stored(_R.DIMENSION_COUNT_SWA) or swa_dim)
+    full_base, swa_base = float(hp.rope_base), float(hp.rope_base_swa)
+    periods = None
+    if not all(pattern):
+        divisors = np.ones(full_rot // 2)
+        if "rope_freqs.weight" in g.tensors:
+            divisors = np.asarray(float_array(g.tensor("rope_freqs.weight"), mx.float32), np.float64).reshape(-1)
+        exponents = np.arange(full_rot // 2, dtype=np.float64) * 2.0 / full_rot
+        periods = mx.array((full_base ** exponents * divisors).astype(np.float32))
+    window = hp.sliding_window
+    return [LayerShape(True, kv[i], swa_dim, swa_rot, swa_base, None, window) if pattern[i]
+            else LayerShape(False, kv[i], full_dim, full_rot, None, periods, None) for i in range(n)]
+
+
+def cache_layout(shapes: list[LayerShape], name: str) -> tuple[int, int]:
+    """``(heads, head_dim)`` of a cache every layer fits in: pieces of the smallest head size."""
+    piece = min(s.head_dim for s in shapes)
+    if any(s.head_dim % piece for s in shapes):
+        raise InputError(f"{name}: head sizes {sorted({s.head_dim for s in shapes})} are not multiples of "
+                         f"the smallest")
+    return max(s.n_kv * s.head_dim // piece for s in shapes), piece
+
+
+class Gemma4Attention:
+    def __init__(self, cfg: Gemma4Config, shape: LayerShape, g: GGUFFile, i: int, dtype):
+        p = f"blk.{i}."
+        self.cfg, self.shape, self.layer = cfg, shape, i
+        self.q = Linear(g.tensor(p + "attn_q.weight"), dtype)
+        self.k = Linear(g.tensor(p + "attn_k.weight"), dtype)
+        self.v = Linear(g.tensor(p + "attn_v.weight"), dtype) if p + "attn_v.weight" in g.tensors else None
+        self.o = Linear(g.tensor(p + "attn_output.weight"), dtype)
+        self.q_norm = _norm(g, p + "attn_q_norm.weight", dtype)
+        self.k_norm = _norm(g, p + "attn_k_norm.weight", dtype)
+        self.pieces = shape.head_dim // cfg.cache_dim  # cache heads per KV head
+
+    def linears(self):
+        return tuple(lin for lin in (self.q, self.k, self.v, self.o) if lin is not None)
+
+    def _rope(self, x: mx.array, offset) -> mx.array:
+        s = self.shape
+        return mx.fast.rope(x, s.rope_dims, traditional=False, base=s.rope_base, scale=1.0, offset=offset,
+                            freqs=s.rope_periods)
+
+    def _to_cache(self, x: mx.array) -> mx.array:
+        """``[B, n_kv, T, d]`` → the cache layout ``[B, cache_heads, T, cache_dim]``."""
+        B, H, T, D = x.shape
+        c, m = self.cfg, self.pieces
+        if m > 1:
+            x = x.reshape(B, H, T, m, c.cache_dim).transpose(0, 1, 3, 2, 4).reshape(B, H * m, T, c.cache_dim)
+        if H * m < c.cache_heads:
+            x = mx.concatenate([x, mx.zeros((B, c.cache_heads - H * m, T, c.cache_dim), dtype=x.dtype)], axis=1)
+        return x
+
+    def _from_cache(self, x: mx.array) -> mx.array:
+        s, m = self.shape, self.pieces
+        B, _, L, D = x.shape
+        x = x[:, :s.n_kv * m]
+        if m > 1:
+            x = x.reshape(B, s.n_kv, m, L, D).transpose(0, 1, 3, 2, 4).reshape(B, s.n_kv, L, s.head_dim)
+        return x
+
+    def __call__(self, x: mx.array, fb: ForwardBatch) -> mx.array:
+        c, s = self.cfg, self.shape
+        B, L, _ = x.shape
+        eps = c.norm_eps
+        q = rms_norm(self.q(x).reshape(B, L, c.n_heads, s.head_dim), self.q_norm, eps)
+        k = self.k(x).reshape(B, L, s.n_kv, s.head_dim)
+        v = self.v(x).reshape(B, L, s.n_kv, s.head_dim) if self.v is not None else k
+        k = rms_norm(k, self.k_norm, eps)
+        v = mx.fast.rms_norm(v, None, eps)
+        q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
+        q, k = self._rope(q, fb.offset), self._rope(k, fb.offset)
+        keys, values = fb.update(self.layer, self._to_cache(k), self._to_cache(v))
+        keys, values = self._from_cache(keys), self._from_cache(values)
+        if cpu_ops.attention_on_host(q, keys.shape[2]):
+            out = cpu_ops.attention(q, keys, values, 1.0, fb.mask_np(s.window))
+        else:
+            out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0, mask=fb.mask(s.window))
+        return self.o(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class Gemma4Block:
+    def __init__(self, cfg: Gemma4Config, shape: LayerShape, g: GGUFFile, i: int, dtype):
+        p = f"blk.{i}."
+        self.eps = cfg.norm_eps
+        self.attn_norm = _norm(g, p + "attn_norm.weight", dtype)
+        self.attn = Gemma4Attention(cfg, shape, g, i, dtype)
+        self.post_attn_norm = _norm(g, p + "post_attention_norm.weight", dtype)
+        self.ffn_norm = _norm(g, p + "ffn_norm.weight", dtype)
+        self.ffn = gated_mlp(g, i, dtype, act=gelu_tanh)
+        self.post_ffn_norm = _norm(g, p + "post_ffw_norm.weight", dtype)
+        scale = p + "layer_output_scale.weight"
+        self.out_scale = _norm(g, scale, dtype) if scale in g.tensors else None
+
+    def linears(self):
+        return (*self.attn.linears(), self.ffn.gate, self.ffn.up, self.ffn.down)
+
+    def __call__(self, x: mx.array, fb: ForwardBatch) -> mx.array:
+        eps = self.eps
+        x = x + rms_norm(self.attn(rms_norm(x, self.attn_norm, eps), fb), self.post_attn_norm, eps)
+        x = x + rms_norm(self.ffn(rms_norm(x, self.ffn_norm, eps)), self.post_ffn_norm, eps)
+        return x * self.out_scale if self.out_scale is not None else x
+
+
+class Gemma4Model:
+    """Embedding (× √hidden) → blocks → final norm → tied logits → soft-cap.
+
+    The blocks are ``blocks``, not ``layers``: the host decode kernels (``engine.cpu_decode``) assume
+    one head shape for every layer, so this model always runs on the MLX graph."""
+
+    is_embedding_model = False
+
+    def __init__(self, g: GGUFFile, dtype):
+        hp, name = g.hparams, g.path.name
+        shapes = layer_shapes(g)
+        heads, piece = cache_layout(shapes, name)
+        n_heads = hp.n_heads
+        if isinstance(n_heads, list):
+            raise InputError(f"{name}: per-layer query head counts are not supported")
+        embd = g.tensor("token_embd.weight")
+        self.cfg = Gemma4Config(n_layers=hp.n_layers, hidden=hp.hidden, n_heads=int(n_heads), vocab=int(embd.shape[0]),
+                                n_ctx_train=hp.n_ctx_train, norm_eps=hp.rms_eps,
+                                final_softcap=hp.final_logit_softcap, cache_heads=heads, cache_dim=piece)
+        self.dtype = dtype
+        self.shapes = shapes
+        self.embed = Linear(embd, dtype)
+        self.embed_scale = math.sqrt(self.cfg.hidden)
+        self.blocks = [Gemma4Block(self.cfg, shapes[i], g, i, dtype) for i in range(self.cfg.n_layers)]
+        self.norm = _norm(g, "output_norm.weight", dtype)
+        self.lm_head = Linear(g.tensors["output.weight"], dtype) if "output.weight" in g.tensors else self.embed
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        return self.cfg.n_layers, self.cfg.cache_heads, self.cfg.cache_dim
+
+    def weights_nbytes(self) -> int:
+        return distinct_nbytes([self.embed, self.lm_head] + [lin for b in self.blocks for lin in b.linears()])
+
+    def __call__(self, tokens: mx.array, fb: ForwardBatch, last_only: bool = True) -> mx.array:
+        """``tokens [B, T]`` → float32 logits ``[B, vocab]`` of the last position (or all)."""
+        x = self.embed.rows(tokens)
+        x = x * mx.array(self.embed_scale, dtype=x.dtype)
+        for block in self.blocks:
+            x = block(x, fb)
+        if last_only:
+            x = x[:, -1:, :]
+        logits = self.lm_head(rms_norm(x, self.norm, self.cfg.norm_eps)).astype(mx.float32)
+        cap = self.cfg.final_softcap
+        if cap:
+            logits = mx.tanh(logits / cap) * cap
+        return logits[:, -1, :] if last_only else logits
+
+
+def build(g: GGUFFile, dtype) -> Gemma4Model:
+    return Gemma4Model(g, dtype)
