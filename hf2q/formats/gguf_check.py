@@ -40,7 +40,7 @@ VECTOR_TYPES = frozenset({T.F32, T.F16, T.BF16})
 #: tokenizer models the text layer builds
 TOKENIZER_MODELS = ("gpt2", "llama", "bert", "gemma4")
 #: the architectures with a checker here (``engine.models.FAMILIES`` must be a subset)
-CHECKED_ARCHS = frozenset({"llama", "qwen3", "qwen3moe", "gemma3", "bert", "qwen35", "qwen35moe"})
+CHECKED_ARCHS = frozenset({"llama", "qwen3", "qwen3moe", "gemma3", "gemma4", "bert", "qwen35", "qwen35moe"})
 
 # sane upper bounds: far above any released model, far below what overflows a C int index
 MAX_DIM = 1 << 20
@@ -146,10 +146,13 @@ class _Checker:
         d["hidden"] = self.int_key(_L.EMBEDDING_LENGTH, required=True)
         for name, template in (("n_head", _A.HEAD_COUNT), ("n_kv", _A.HEAD_COUNT_KV)):
             key, v = self._raw(template)
-            if isinstance(v, list):
+            if isinstance(v, list) and not (name == "n_kv" and self.arch == "gemma4"):
                 raise self.fail(f"{key}: per-layer head counts are not supported")
         d["n_head"] = self.int_key(_A.HEAD_COUNT, hi=MAX_HEADS, required=True)
-        d["n_kv"] = self.int_key(_A.HEAD_COUNT_KV, hi=MAX_HEADS, default=d["n_head"])
+        if self.arch == "gemma4":
+            self.gemma4(d)
+        d["n_kv"] = self.int_key(_A.HEAD_COUNT_KV, hi=MAX_HEADS, default=d["n_head"]) \
+            if self.arch != "gemma4" else max(d["n_kv_layer"])
         if d["n_head"] % d["n_kv"]:
             raise self.fail(f"{self.hp.key(_A.HEAD_COUNT)} {d['n_head']} is not a multiple of "
                             f"{self.hp.key(_A.HEAD_COUNT_KV)} {d['n_kv']}")
@@ -208,6 +211,34 @@ class _Checker:
         if self._raw(_A.SLIDING_WINDOW)[1] is not None:
             self.int_key(_A.SLIDING_WINDOW, lo=0, hi=MAX_CONTEXT)
         d["rope_dims"] = rope_dims
+
+    def gemma4(self, d: dict[str, Any]) -> None:
+        """Gemma 4's two layer kinds: per-layer KV heads, the sliding flags, the sliding layers' own head
+        size and rotary dims (``engine.models.gemma4``); the shapes the engine does not run yet refused."""
+        n = d["n_layer"]
+        key, kv = self._raw(_A.HEAD_COUNT_KV)
+        kv = kv if isinstance(kv, list) else [self.int_key(_A.HEAD_COUNT_KV, hi=MAX_HEADS, required=True)] * n
+        if len(kv) != n or any(isinstance(h, bool) or not isinstance(h, int) or not 1 <= h <= MAX_HEADS
+                                or d["n_head"] % h for h in kv):
+            raise self.fail(f"{key} needs one KV head count per layer ({n}), each dividing "
+                            f"{self.hp.key(_A.HEAD_COUNT)} {d['n_head']}; found {_show(kv)}")
+        d["n_kv_layer"] = kv
+        key, flags = self._raw(_A.SLIDING_WINDOW_PATTERN)
+        if not isinstance(flags, list) or len(flags) != n or not all(isinstance(f, bool) for f in flags):
+            raise self.fail(f"{key} needs one sliding flag per layer ({n}), found {_show(flags)}")
+        d["swa"] = flags
+        d["head_swa"] = self.int_key(_A.KEY_LENGTH_SWA, required=True)
+        if self.int_key(_A.VALUE_LENGTH_SWA, required=True) != d["head_swa"]:
+            raise self.fail(f"{self.hp.key(_A.VALUE_LENGTH_SWA)} must equal {self.hp.key(_A.KEY_LENGTH_SWA)}")
+        rot = self.int_key(_R.DIMENSION_COUNT_SWA, lo=2, hi=d["head_swa"], default=d["head_swa"])
+        if rot % 2:
+            raise self.fail(f"{self.hp.key(_R.DIMENSION_COUNT_SWA)} must be even, found {rot}")
+        for template, what in ((_A.SHARED_KV_LAYERS, "KV-shared layers (E2B/E4B)"),
+                               (_L.EMBD_LENGTH_PER_LAYER_INP, "per-layer embeddings (E2B/E4B)"),
+                               (_L.EXPERT_COUNT, "experts (26B-A4B)")):
+            if self.int_key(template, lo=0, hi=MAX_DIM, default=0):
+                raise self.fail(f"{self.hp.key(template)}: Gemma 4 with {what} cannot be served yet "
+                                "(the engine runs the dense shape)")
 
     def yarn(self, rope_dims: int, head_k: int) -> None:
         """The YaRN variants the engine implements (``engine.models.llama``): llama.cpp's ramp with
@@ -419,6 +450,25 @@ def _qwen35(d: dict[str, Any], moe: bool = False) -> Table:
     return t
 
 
+def _gemma4(d: dict[str, Any]) -> Table:
+    """Sliding and global layers of their own head size and KV heads; ``attn_v`` optional (K as V)."""
+    t = _globals(d)
+    h, heads = d["hidden"], d["n_head"]
+    if not all(d["swa"]):
+        t["rope_freqs.weight"] = ((d["rope_dims"] // 2,), True)
+    for i in range(d["n_layer"]):
+        p = f"blk.{i}."
+        hd, kv = (d["head_swa"] if d["swa"][i] else d["head_k"]), d["n_kv_layer"][i]
+        t.update({p + "attn_q.weight": ((h, heads * hd), True), p + "attn_k.weight": ((h, kv * hd), True),
+                  p + "attn_v.weight": ((h, kv * hd), False), p + "attn_output.weight": ((heads * hd, h), True),
+                  p + "attn_q_norm.weight": ((hd,), True), p + "attn_k_norm.weight": ((hd,), True),
+                  p + "layer_output_scale.weight": ((1,), False)})
+        for norm in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
+            t[p + norm + ".weight"] = ((h,), True)
+        t.update(_dense_ffn(d, p))
+    return t
+
+
 def _bert(d: dict[str, Any]) -> Table:
     h, ff = d["hidden"], d["n_ff"]
     t: Table = {"token_embd.weight": ((h, d["vocab"]), True), "position_embd.weight": ((h, None), True),
@@ -441,6 +491,7 @@ _FAMILY_TABLES: dict[str, Callable[[dict[str, Any]], Table]] = {
     "qwen3": lambda d: _decoder(d, qk_norm=True),
     "qwen3moe": lambda d: _decoder(d, qk_norm=True, moe=True),
     "gemma3": lambda d: _decoder(d, qk_norm=True, sandwich=True),
+    "gemma4": _gemma4,
     "bert": _bert,
     "qwen35": _qwen35,
     "qwen35moe": lambda d: _qwen35(d, moe=True),
