@@ -27,7 +27,7 @@ from hf2q.formats.gguf_keys import Keys
 from tests.engine_support import convert_f32, prefill_each, random_tokens
 
 TOL_F32 = 1e-3
-TOL_F16 = 0.05  # f16 weights against transformers' f32 (measured max 0.012 on this model)
+TOL_F16 = 0.05  # f16 weights against transformers' f32 (measured max 0.024 on this model)
 CHUNK = 32
 PROMPT = 80  # > two chunks, five windows
 DECODE = 10
