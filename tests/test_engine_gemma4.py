@@ -1,11 +1,12 @@
-"""Gemma 4 dense (``gemma4``) against transformers' ``Gemma4ForCausalLM``.
+"""Gemma 4 dense and E2B-style (``gemma4``) against transformers' ``Gemma4ForCausalLM``.
 
 The GGUFs are ``hf2q convert`` (byte-identical to llama.cpp's converter, ``test_convert_gemma4``) of the
 tiny random dense checkpoint (``tests/models/tiny.py``): two sliding layers (2 KV heads × 32, window 16,
 rope base 1e4) and a global one (1 KV head × 64 whose keys double as values, proportional rope with a
 quarter of the pairs rotated, base 1e6), layer output scales, soft-cap 30. The prompt is longer than the
 window and than one prefill chunk, then ten tokens are decoded; chunking and batching must not change
-the logits, and the GGUF check must pass exactly the tensors the engine reads.
+the logits, and the GGUF check must pass exactly the tensors the engine reads. The E2B-style checkpoint
+adds per-layer embeddings, two KV-shared layers (no K/V of their own) and a double-wide MLP on them.
 """
 
 from __future__ import annotations
@@ -86,6 +87,42 @@ def test_f32_logits_match_transformers(runner, gemma4):
     assert _max_error(runner, gemma4[2], ref) < TOL_F32
 
 
+@pytest.fixture(scope="module")
+def e2b(tiny_checkpoint, tmp_path_factory):
+    src = tiny_checkpoint("gemma4_e2b")
+    return MlxModelRunner.load(convert_f32(src, tmp_path_factory.mktemp("gemma4_e2b") / "f32.gguf")), src
+
+
+@pytest.mark.slow
+def test_e2b_logits_match_transformers(e2b):
+    runner, src = e2b
+    model = runner.model
+    assert [s.kv_source for s in model.shapes] == [0, 1, 0, 1] and model.kv_shape[0] == 2
+    assert model.blocks[3].attn.k is None and model.blocks[3].ffn.gate.shape[0] == 2 * model.blocks[0].ffn.gate.shape[0]
+    assert model.cfg.ple_dim == 8
+    tokens = random_tokens(PROMPT + DECODE, seed=6)
+    ref = _reference(src, tokens)
+    assert float(np.std(ref)) > 0.5
+    assert _max_error(runner, tokens, ref) < TOL_F32
+    one_chunk, one_steps = _run(runner, tokens, chunk=PROMPT)
+    chunks, steps = _run(runner, tokens, chunk=7)
+    np.testing.assert_allclose(chunks[-1][1], one_chunk[0][1], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.stack(steps), np.stack(one_steps), atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_e2b_batched_decode_and_tensors_read(e2b):
+    runner = e2b[0]
+    _batched_equals_single(runner)
+    g = open_gguf(runner.gguf.path)
+    check_servable(g)
+    from hf2q.engine.models.gemma4 import build
+
+    g.tensors = _Reads(g.tensors)
+    build(g, mx.float32)
+    assert g.tensors.read == set(g.tensors)
+
+
 @pytest.mark.slow
 def test_f16_conversion_logits(gemma4, tmp_path, cli):
     src, _, tokens, ref = gemma4
@@ -108,6 +145,10 @@ def test_chunked_prefill_equals_one_shot(runner, gemma4):
 
 @pytest.mark.slow
 def test_batched_decode_equals_single_decodes(runner):
+    _batched_equals_single(runner)
+
+
+def _batched_equals_single(runner):
     prompts = [random_tokens(n, seed=n) for n in (5, 37, 12)]  # inside and beyond the window
     batch, tok = prefill_each(runner, prompts)
     alone, _ = prefill_each(runner, prompts)
@@ -159,9 +200,10 @@ class _Reads(dict):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("template,value,why", [
-    (Keys.Attention.SHARED_KV_LAYERS, 1, "KV-shared layers"),
-    (Keys.LLM.EMBD_LENGTH_PER_LAYER_INP, 8, "per-layer embeddings"),
     (Keys.LLM.EXPERT_COUNT, 4, "experts"),
+    (Keys.Attention.SHARED_KV_LAYERS, 1, "no earlier layer of its kind"),  # the global layer 2 shared: from what?
+    (Keys.LLM.EMBD_LENGTH_PER_LAYER_INP, 8, "missing tensor 'per_layer_token_embd"),
+    (Keys.LLM.FEED_FORWARD_LENGTH, [128, 256], "one feed-forward size per layer"),
     (Keys.Attention.HEAD_COUNT_KV, [2, 3, 1], "KV head count per layer"),
     (Keys.Attention.SLIDING_WINDOW_PATTERN, [True, False], "one sliding flag per layer"),
 ])
@@ -201,7 +243,7 @@ def test_cache_layout_round_trip(n_kv, pieces, extra, T):
     cfg = Gemma4Config(1, 8, 2, 10, 64, 1e-6, None, cache_heads=n_kv * pieces + extra, cache_dim=piece)
     attn = object.__new__(Gemma4Attention)
     attn.cfg, attn.pieces = cfg, pieces
-    attn.shape = LayerShape(False, n_kv, piece * pieces, piece * pieces, 1e4, None, None)
+    attn.shape = LayerShape(False, n_kv, piece * pieces, piece * pieces, 1e4, None, None, kv_source=0)
     x = mx.array(np.random.default_rng(T).standard_normal((2, n_kv, T, piece * pieces)).astype(np.float32))
     packed = attn._to_cache(x)
     assert packed.shape == (2, cfg.cache_heads, T, piece)

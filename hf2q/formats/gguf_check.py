@@ -175,7 +175,7 @@ class _Checker:
         else:
             self.float_key(_A.LAYERNORM_RMS_EPS)
             self.rope(d)
-        if self.arch not in ("qwen3moe", "qwen35moe"):
+        if self.arch not in ("qwen3moe", "qwen35moe", "gemma4"):
             key, v = self._raw(_L.FEED_FORWARD_LENGTH)
             if isinstance(v, list):
                 raise self.fail(f"{key}: per-layer feed-forward sizes are not supported")
@@ -233,12 +233,22 @@ class _Checker:
         rot = self.int_key(_R.DIMENSION_COUNT_SWA, lo=2, hi=d["head_swa"], default=d["head_swa"])
         if rot % 2:
             raise self.fail(f"{self.hp.key(_R.DIMENSION_COUNT_SWA)} must be even, found {rot}")
-        for template, what in ((_A.SHARED_KV_LAYERS, "KV-shared layers (E2B/E4B)"),
-                               (_L.EMBD_LENGTH_PER_LAYER_INP, "per-layer embeddings (E2B/E4B)"),
-                               (_L.EXPERT_COUNT, "experts (26B-A4B)")):
-            if self.int_key(template, lo=0, hi=MAX_DIM, default=0):
-                raise self.fail(f"{self.hp.key(template)}: Gemma 4 with {what} cannot be served yet "
-                                "(the engine runs the dense shape)")
+        key, ff = self._raw(_L.FEED_FORWARD_LENGTH)
+        ff = ff if isinstance(ff, list) else [self.int_key(_L.FEED_FORWARD_LENGTH, required=True)] * n
+        if len(ff) != n or any(isinstance(f, bool) or not isinstance(f, int) or not 1 <= f <= MAX_DIM for f in ff):
+            raise self.fail(f"{key} needs one feed-forward size per layer ({n}), found {_show(ff)}")
+        d["n_ff_layer"] = ff
+        shared = self.int_key(_A.SHARED_KV_LAYERS, lo=0, hi=n - 1, default=0)
+        d["kv_source"] = list(range(n - shared))
+        for i in range(n - shared, n):  # a KV-shared layer reads the last earlier layer of its kind
+            source = [j for j in range(n - shared) if flags[j] == flags[i]]
+            if not source:
+                raise self.fail(f"KV-shared layer {i} has no earlier layer of its kind to read K/V from")
+            d["kv_source"].append(source[-1])
+        d["ple"] = self.int_key(_L.EMBD_LENGTH_PER_LAYER_INP, lo=0, hi=MAX_DIM, default=0)
+        if self.int_key(_L.EXPERT_COUNT, lo=0, hi=MAX_EXPERTS, default=0):
+            raise self.fail(f"{self.hp.key(_L.EXPERT_COUNT)}: Gemma 4 with experts (26B-A4B) cannot be served "
+                            "yet (the engine runs the dense and E2B/E4B shapes)")
 
     def yarn(self, rope_dims: int, head_k: int) -> None:
         """The YaRN variants the engine implements (``engine.models.llama``): llama.cpp's ramp with
@@ -451,21 +461,30 @@ def _qwen35(d: dict[str, Any], moe: bool = False) -> Table:
 
 
 def _gemma4(d: dict[str, Any]) -> Table:
-    """Sliding and global layers of their own head size and KV heads; ``attn_v`` optional (K as V)."""
+    """Sliding and global layers of their own head size and KV heads; ``attn_v`` optional (K as V);
+    KV-shared layers without K/V; per-layer embeddings (E2B/E4B) when ``ple`` is set."""
     t = _globals(d)
-    h, heads = d["hidden"], d["n_head"]
+    h, heads, n, ple = d["hidden"], d["n_head"], d["n_layer"], d["ple"]
     if not all(d["swa"]):
         t["rope_freqs.weight"] = ((d["rope_dims"] // 2,), True)
-    for i in range(d["n_layer"]):
+    if ple:
+        t.update({"per_layer_token_embd.weight": ((ple * n, d["vocab"]), True),
+                  "per_layer_model_proj.weight": ((h, ple * n), True), "per_layer_proj_norm.weight": ((ple,), True)})
+    for i in range(n):
         p = f"blk.{i}."
-        hd, kv = (d["head_swa"] if d["swa"][i] else d["head_k"]), d["n_kv_layer"][i]
-        t.update({p + "attn_q.weight": ((h, heads * hd), True), p + "attn_k.weight": ((h, kv * hd), True),
-                  p + "attn_v.weight": ((h, kv * hd), False), p + "attn_output.weight": ((heads * hd, h), True),
-                  p + "attn_q_norm.weight": ((hd,), True), p + "attn_k_norm.weight": ((hd,), True),
-                  p + "layer_output_scale.weight": ((1,), False)})
+        hd, kv, ff = (d["head_swa"] if d["swa"][i] else d["head_k"]), d["n_kv_layer"][i], d["n_ff_layer"][i]
+        t.update({p + "attn_q.weight": ((h, heads * hd), True), p + "attn_output.weight": ((heads * hd, h), True),
+                  p + "attn_q_norm.weight": ((hd,), True), p + "layer_output_scale.weight": ((1,), False),
+                  p + "ffn_gate.weight": ((h, ff), True), p + "ffn_up.weight": ((h, ff), True),
+                  p + "ffn_down.weight": ((ff, h), True)})
+        if d["kv_source"][i] == i:
+            t.update({p + "attn_k.weight": ((h, kv * hd), True), p + "attn_v.weight": ((h, kv * hd), False),
+                      p + "attn_k_norm.weight": ((hd,), True)})
         for norm in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
             t[p + norm + ".weight"] = ((h,), True)
-        t.update(_dense_ffn(d, p))
+        if ple:
+            t.update({p + "inp_gate.weight": ((h, ple), True), p + "proj.weight": ((ple, h), True),
+                      p + "post_norm.weight": ((h,), True)})
     return t
 
 

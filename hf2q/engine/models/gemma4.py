@@ -1,4 +1,5 @@
-"""Gemma 4 text, dense (``gemma4``): Gemma 3's sandwich-norm decoder with layers of two shapes.
+"""Gemma 4 text (``gemma4``), the dense 31B-style and E2B/E4B shapes: Gemma 3's sandwich-norm decoder
+with layers of two shapes.
 
 What differs from Gemma 3 (``models/gemma3.py``):
 
@@ -13,15 +14,21 @@ What differs from Gemma 3 (``models/gemma3.py``):
   norm weight as the multiplier itself, so the plain RMSNorm applies. Attention scale is 1.0 (the
   q/k norms set the logit scale).
 * **Layer output scale.** Each block's output is multiplied by ``layer_output_scale``.
-* √hidden embedding scale, GeGLU-tanh MLP, final norm, final logit soft-cap, tied output.
+* √hidden embedding scale, GeGLU-tanh MLP (per-layer widths: E2B's double-wide MLP), final norm,
+  final logit soft-cap, tied output.
+* **KV-shared layers** (E2B/E4B: the last ``attention.shared_kv_layers``) have no K/V of their own: they
+  attend over this forward's keys/values of the last earlier layer of their kind, so the cache holds
+  K/V for the other layers only.
+* **Per-layer embeddings** (E2B/E4B): a per-layer input per token from ``per_layer_token_embd`` and a
+  projection of the embedding (:meth:`Gemma4Model.per_layer_inputs`); each block ends with
+  ``x + norm(proj(gelu(inp_gate·x) · input))`` before its output scale.
 
 The slot KV cache is one ``[kv_heads, capacity, head_dim]`` layout for every layer; layers of
 different shapes are stored in it by splitting each head into ``head_dim``-sized pieces (the smallest
 head size of the model) and padding the piece count to the largest layer's. Sliding layers keep every
 position and mask the window (``ForwardBatch.mask``), like Gemma 3.
 
-Not served yet, refused by ``formats.gguf_check``: per-layer embeddings and KV-shared layers
-(E2B/E4B) and the MoE feed-forward (26B-A4B).
+Not served yet, refused by ``formats.gguf_check``: the MoE feed-forward (26B-A4B).
 """
 
 from __future__ import annotations
@@ -57,6 +64,8 @@ class Gemma4Config:
     final_softcap: float | None
     cache_heads: int  # the KV cache layout every layer is stored in
     cache_dim: int
+    n_kv_layers: int = 0  # layers that own K/V (the KV-shared ones come last and hold none)
+    ple_dim: int = 0  # per-layer embedding width (E2B/E4B), 0 without
 
 
 @attrs.define
@@ -70,6 +79,7 @@ class LayerShape:
     rope_base: float | None  # None when ``rope_periods`` holds the custom per-pair periods
     rope_periods: mx.array | None
     window: int | None
+    kv_source: int  # the layer whose K/V this one attends over (itself, or an earlier one when KV-shared)
 
 
 def _per_layer(value, n: int, what: str, name: str) -> list[int]:
@@ -98,8 +108,19 @@ def layer_shapes(g: GGUFFile) -> list[LayerShape]:
         exponents = np.arange(full_rot // 2, dtype=np.float64) * 2.0 / full_rot
         periods = mx.array((full_base ** exponents * divisors).astype(np.float32))
     window = hp.sliding_window
-    return [LayerShape(True, kv[i], swa_dim, swa_rot, swa_base, None, window) if pattern[i]
-            else LayerShape(False, kv[i], full_dim, full_rot, None, periods, None) for i in range(n)]
+    first_shared = n - int(hp.stored(_A.SHARED_KV_LAYERS) or 0)
+    sources = [i if i < first_shared else _kv_source(pattern, first_shared, i, name) for i in range(n)]
+    return [LayerShape(True, kv[i], swa_dim, swa_rot, swa_base, None, window, sources[i]) if pattern[i]
+            else LayerShape(False, kv[i], full_dim, full_rot, None, periods, None, sources[i]) for i in range(n)]
+
+
+def _kv_source(pattern: list[bool], first_shared: int, i: int, name: str) -> int:
+    """A KV-shared layer reads the last layer of its own kind before the shared ones."""
+    for j in range(first_shared - 1, -1, -1):
+        if pattern[j] == pattern[i]:
+            return j
+    raise InputError(f"{name}: KV-shared layer {i} has no earlier {'sliding' if pattern[i] else 'global'} layer "
+                     "to read K/V from")
 
 
 def cache_layout(shapes: list[LayerShape], name: str) -> tuple[int, int]:
@@ -116,11 +137,14 @@ class Gemma4Attention:
         p = f"blk.{i}."
         self.cfg, self.shape, self.layer = cfg, shape, i
         self.q = Linear(g.tensor(p + "attn_q.weight"), dtype)
-        self.k = Linear(g.tensor(p + "attn_k.weight"), dtype)
-        self.v = Linear(g.tensor(p + "attn_v.weight"), dtype) if p + "attn_v.weight" in g.tensors else None
         self.o = Linear(g.tensor(p + "attn_output.weight"), dtype)
         self.q_norm = _norm(g, p + "attn_q_norm.weight", dtype)
-        self.k_norm = _norm(g, p + "attn_k_norm.weight", dtype)
+        self.owns_kv = shape.kv_source == i
+        self.k = self.v = None
+        if self.owns_kv:
+            self.k = Linear(g.tensor(p + "attn_k.weight"), dtype)
+            self.v = Linear(g.tensor(p + "attn_v.weight"), dtype) if p + "attn_v.weight" in g.tensors else None
+            self.k_norm = _norm(g, p + "attn_k_norm.weight", dtype)
         self.pieces = shape.head_dim // cfg.cache_dim  # cache heads per KV head
 
     def linears(self):
@@ -149,19 +173,22 @@ class Gemma4Attention:
             x = x.reshape(B, s.n_kv, m, L, D).transpose(0, 1, 3, 2, 4).reshape(B, s.n_kv, L, s.head_dim)
         return x
 
-    def __call__(self, x: mx.array, fb: ForwardBatch) -> mx.array:
+    def __call__(self, x: mx.array, fb: ForwardBatch, kv: dict[int, tuple[mx.array, mx.array]]) -> mx.array:
+        """``kv``: this forward's keys/values per layer that owns them (a KV-shared layer reads its source's)."""
         c, s = self.cfg, self.shape
         B, L, _ = x.shape
         eps = c.norm_eps
         q = rms_norm(self.q(x).reshape(B, L, c.n_heads, s.head_dim), self.q_norm, eps)
-        k = self.k(x).reshape(B, L, s.n_kv, s.head_dim)
-        v = self.v(x).reshape(B, L, s.n_kv, s.head_dim) if self.v is not None else k
-        k = rms_norm(k, self.k_norm, eps)
-        v = mx.fast.rms_norm(v, None, eps)
-        q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
-        q, k = self._rope(q, fb.offset), self._rope(k, fb.offset)
-        keys, values = fb.update(self.layer, self._to_cache(k), self._to_cache(v))
-        keys, values = self._from_cache(keys), self._from_cache(values)
+        q = self._rope(q.transpose(0, 2, 1, 3), fb.offset)
+        if self.owns_kv:
+            k = self.k(x).reshape(B, L, s.n_kv, s.head_dim)
+            v = self.v(x).reshape(B, L, s.n_kv, s.head_dim) if self.v is not None else k
+            k = rms_norm(k, self.k_norm, eps)
+            v = mx.fast.rms_norm(v, None, eps)
+            k, v = self._rope(k.transpose(0, 2, 1, 3), fb.offset), v.transpose(0, 2, 1, 3)
+            keys, values = fb.update(self.layer, self._to_cache(k), self._to_cache(v))
+            kv[self.layer] = self._from_cache(keys), self._from_cache(values)
+        keys, values = kv[s.kv_source]
         if cpu_ops.attention_on_host(q, keys.shape[2]):
             out = cpu_ops.attention(q, keys, values, 1.0, fb.mask_np(s.window))
         else:
@@ -181,14 +208,23 @@ class Gemma4Block:
         self.post_ffn_norm = _norm(g, p + "post_ffw_norm.weight", dtype)
         scale = p + "layer_output_scale.weight"
         self.out_scale = _norm(g, scale, dtype) if scale in g.tensors else None
+        self.ple_gate = self.ple_proj = None
+        if cfg.ple_dim:  # per-layer embeddings (E2B/E4B)
+            self.ple_gate = Linear(g.tensor(p + "inp_gate.weight"), dtype)
+            self.ple_proj = Linear(g.tensor(p + "proj.weight"), dtype)
+            self.ple_norm = _norm(g, p + "post_norm.weight", dtype)
 
     def linears(self):
-        return (*self.attn.linears(), self.ffn.gate, self.ffn.up, self.ffn.down)
+        ple = (self.ple_gate, self.ple_proj) if self.ple_gate is not None else ()
+        return (*self.attn.linears(), self.ffn.gate, self.ffn.up, self.ffn.down, *ple)
 
-    def __call__(self, x: mx.array, fb: ForwardBatch) -> mx.array:
+    def __call__(self, x: mx.array, fb: ForwardBatch, kv: dict, ple: mx.array | None) -> mx.array:
+        """``ple``: this layer's per-layer input ``[B, T, ple_dim]`` (None without per-layer embeddings)."""
         eps = self.eps
-        x = x + rms_norm(self.attn(rms_norm(x, self.attn_norm, eps), fb), self.post_attn_norm, eps)
+        x = x + rms_norm(self.attn(rms_norm(x, self.attn_norm, eps), fb, kv), self.post_attn_norm, eps)
         x = x + rms_norm(self.ffn(rms_norm(x, self.ffn_norm, eps)), self.post_ffn_norm, eps)
+        if ple is not None:
+            x = x + rms_norm(self.ple_proj(gelu_tanh(self.ple_gate(x)) * ple), self.ple_norm, eps)
         return x * self.out_scale if self.out_scale is not None else x
 
 
@@ -210,7 +246,9 @@ class Gemma4Model:
         embd = g.tensor("token_embd.weight")
         self.cfg = Gemma4Config(n_layers=hp.n_layers, hidden=hp.hidden, n_heads=int(n_heads), vocab=int(embd.shape[0]),
                                 n_ctx_train=hp.n_ctx_train, norm_eps=hp.rms_eps,
-                                final_softcap=hp.final_logit_softcap, cache_heads=heads, cache_dim=piece)
+                                final_softcap=hp.final_logit_softcap, cache_heads=heads, cache_dim=piece,
+                                n_kv_layers=sum(s.kv_source == i for i, s in enumerate(shapes)),
+                                ple_dim=int(hp.stored(_L.EMBD_LENGTH_PER_LAYER_INP) or 0))
         self.dtype = dtype
         self.shapes = shapes
         self.embed = Linear(embd, dtype)
@@ -218,20 +256,38 @@ class Gemma4Model:
         self.blocks = [Gemma4Block(self.cfg, shapes[i], g, i, dtype) for i in range(self.cfg.n_layers)]
         self.norm = _norm(g, "output_norm.weight", dtype)
         self.lm_head = Linear(g.tensors["output.weight"], dtype) if "output.weight" in g.tensors else self.embed
+        self.ple_embed = self.ple_model_proj = None
+        if self.cfg.ple_dim:
+            self.ple_embed = Linear(g.tensor("per_layer_token_embd.weight"), dtype)
+            self.ple_model_proj = Linear(g.tensor("per_layer_model_proj.weight"), dtype)
+            self.ple_proj_norm = _norm(g, "per_layer_proj_norm.weight", dtype)
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:
-        return self.cfg.n_layers, self.cfg.cache_heads, self.cfg.cache_dim
+        return self.cfg.n_kv_layers, self.cfg.cache_heads, self.cfg.cache_dim
 
     def weights_nbytes(self) -> int:
-        return distinct_nbytes([self.embed, self.lm_head] + [lin for b in self.blocks for lin in b.linears()])
+        extra = [self.ple_embed, self.ple_model_proj] if self.ple_embed is not None else []
+        return distinct_nbytes([self.embed, self.lm_head, *extra] + [lin for b in self.blocks for lin in b.linears()])
+
+    def per_layer_inputs(self, tokens: mx.array, x: mx.array) -> mx.array:
+        """E2B/E4B's per-layer inputs ``[B, T, layers, ple_dim]``: the token's own per-layer embedding
+        (× √ple_dim) and a normalised projection of the scaled embedding ``x`` (× hidden^-½), averaged
+        with the factor 2^-½ as llama.cpp and transformers do."""
+        c = self.cfg
+        B, T = tokens.shape
+        own = self.ple_embed.rows(tokens).reshape(B, T, c.n_layers, c.ple_dim) * math.sqrt(c.ple_dim)
+        proj = (self.ple_model_proj(x) * (c.hidden ** -0.5)).reshape(B, T, c.n_layers, c.ple_dim)
+        return (rms_norm(proj, self.ple_proj_norm, c.norm_eps) + own) * (2 ** -0.5)
 
     def __call__(self, tokens: mx.array, fb: ForwardBatch, last_only: bool = True) -> mx.array:
         """``tokens [B, T]`` → float32 logits ``[B, vocab]`` of the last position (or all)."""
         x = self.embed.rows(tokens)
         x = x * mx.array(self.embed_scale, dtype=x.dtype)
-        for block in self.blocks:
-            x = block(x, fb)
+        ple = self.per_layer_inputs(tokens, x) if self.ple_embed is not None else None
+        kv: dict[int, tuple[mx.array, mx.array]] = {}
+        for i, block in enumerate(self.blocks):
+            x = block(x, fb, kv, None if ple is None else ple[:, :, i, :])
         if last_only:
             x = x[:, -1:, :]
         logits = self.lm_head(rms_norm(x, self.norm, self.cfg.norm_eps)).astype(mx.float32)
