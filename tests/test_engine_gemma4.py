@@ -1,4 +1,4 @@
-"""Gemma 4 dense and E2B-style (``gemma4``) against transformers' ``Gemma4ForCausalLM``.
+"""Gemma 4 (``gemma4``: dense, E2B-style, MoE) against transformers' ``Gemma4ForCausalLM``.
 
 The GGUFs are ``hf2q convert`` (byte-identical to llama.cpp's converter, ``test_convert_gemma4``) of the
 tiny random dense checkpoint (``tests/models/tiny.py``): two sliding layers (2 KV heads × 32, window 16,
@@ -6,7 +6,8 @@ rope base 1e4) and a global one (1 KV head × 64 whose keys double as values, pr
 quarter of the pairs rotated, base 1e6), layer output scales, soft-cap 30. The prompt is longer than the
 window and than one prefill chunk, then ten tokens are decoded; chunking and batching must not change
 the logits, and the GGUF check must pass exactly the tensors the engine reads. The E2B-style checkpoint
-adds per-layer embeddings, two KV-shared layers (no K/V of their own) and a double-wide MLP on them.
+adds per-layer embeddings, two KV-shared layers (no K/V of their own) and a double-wide MLP on them; the
+MoE one routed experts beside every dense MLP.
 """
 
 from __future__ import annotations
@@ -124,6 +125,23 @@ def test_e2b_batched_decode_and_tensors_read(e2b):
 
 
 @pytest.mark.slow
+def test_moe_logits_match_transformers(tiny_checkpoint, tmp_path):
+    """26B-A4B-style: the dense MLP beside 4 routed experts (top 2, per-expert output scale)."""
+    src = tiny_checkpoint("gemma4_moe")
+    runner = MlxModelRunner.load(convert_f32(src, tmp_path / "moe.gguf"))
+    assert all(b.experts is not None for b in runner.model.blocks)
+    tokens = random_tokens(PROMPT + DECODE, seed=7)
+    assert _max_error(runner, tokens, _reference(src, tokens)) < TOL_F32
+    _batched_equals_single(runner)
+    g = open_gguf(runner.gguf.path)
+    from hf2q.engine.models.gemma4 import build
+
+    g.tensors = _Reads(g.tensors)
+    build(g, mx.float32)
+    assert g.tensors.read == set(g.tensors)
+
+
+@pytest.mark.slow
 def test_f16_conversion_logits(gemma4, tmp_path, cli):
     src, _, tokens, ref = gemma4
     out = tmp_path / "f16.gguf"
@@ -200,7 +218,7 @@ class _Reads(dict):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("template,value,why", [
-    (Keys.LLM.EXPERT_COUNT, 4, "experts"),
+    (Keys.LLM.EXPERT_COUNT, 4, "missing GGUF metadata key 'gemma4.expert_used_count'"),
     (Keys.Attention.SHARED_KV_LAYERS, 1, "no earlier layer of its kind"),  # the global layer 2 shared: from what?
     (Keys.LLM.EMBD_LENGTH_PER_LAYER_INP, 8, "missing tensor 'per_layer_token_embd"),
     (Keys.LLM.FEED_FORWARD_LENGTH, [128, 256], "one feed-forward size per layer"),

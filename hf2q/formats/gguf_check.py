@@ -246,9 +246,10 @@ class _Checker:
                 raise self.fail(f"KV-shared layer {i} has no earlier layer of its kind to read K/V from")
             d["kv_source"].append(source[-1])
         d["ple"] = self.int_key(_L.EMBD_LENGTH_PER_LAYER_INP, lo=0, hi=MAX_DIM, default=0)
-        if self.int_key(_L.EXPERT_COUNT, lo=0, hi=MAX_EXPERTS, default=0):
-            raise self.fail(f"{self.hp.key(_L.EXPERT_COUNT)}: Gemma 4 with experts (26B-A4B) cannot be served "
-                            "yet (the engine runs the dense and E2B/E4B shapes)")
+        d["n_expert"] = self.int_key(_L.EXPERT_COUNT, lo=0, hi=MAX_EXPERTS, default=0)
+        if d["n_expert"]:  # 26B-A4B: routed experts beside the dense MLP
+            d["n_used"] = self.int_key(_L.EXPERT_USED_COUNT, hi=d["n_expert"], required=True)
+            d["n_ff_exp"] = self.int_key(_L.EXPERT_FEED_FORWARD_LENGTH, required=True)
 
     def yarn(self, rope_dims: int, head_k: int) -> None:
         """The YaRN variants the engine implements (``engine.models.llama``): llama.cpp's ramp with
@@ -462,7 +463,8 @@ def _qwen35(d: dict[str, Any], moe: bool = False) -> Table:
 
 def _gemma4(d: dict[str, Any]) -> Table:
     """Sliding and global layers of their own head size and KV heads; ``attn_v`` optional (K as V);
-    KV-shared layers without K/V; per-layer embeddings (E2B/E4B) when ``ple`` is set."""
+    KV-shared layers without K/V; per-layer embeddings (E2B/E4B) when ``ple`` is set; experts beside
+    the dense MLP (26B-A4B) when ``n_expert`` is."""
     t = _globals(d)
     h, heads, n, ple = d["hidden"], d["n_head"], d["n_layer"], d["ple"]
     if not all(d["swa"]):
@@ -485,6 +487,13 @@ def _gemma4(d: dict[str, Any]) -> Table:
         if ple:
             t.update({p + "inp_gate.weight": ((h, ple), True), p + "proj.weight": ((ple, h), True),
                       p + "post_norm.weight": ((h,), True)})
+        if d["n_expert"]:
+            e, fe = d["n_expert"], d["n_ff_exp"]
+            t.update({p + "ffn_gate_inp.weight": ((h, e), True), p + "ffn_gate_inp.scale": ((h,), True),
+                      p + "ffn_gate_up_exps.weight": ((h, 2 * fe, e), True),
+                      p + "ffn_down_exps.weight": ((fe, h, e), True), p + "ffn_down_exps.scale": ((e,), True)})
+            for norm in ("pre_ffw_norm_2", "post_ffw_norm_1", "post_ffw_norm_2"):
+                t[p + norm + ".weight"] = ((h,), True)
     return t
 
 

@@ -1,4 +1,4 @@
-"""Gemma 4 text (``gemma4``), the dense 31B-style and E2B/E4B shapes: Gemma 3's sandwich-norm decoder
+"""Gemma 4 text (``gemma4``: dense 31B-style, E2B/E4B, 26B-A4B MoE): Gemma 3's sandwich-norm decoder
 with layers of two shapes.
 
 What differs from Gemma 3 (``models/gemma3.py``):
@@ -28,7 +28,8 @@ different shapes are stored in it by splitting each head into ``head_dim``-sized
 head size of the model) and padding the piece count to the largest layer's. Sliding layers keep every
 position and mask the window (``ForwardBatch.mask``), like Gemma 3.
 
-Not served yet, refused by ``formats.gguf_check``: the MoE feed-forward (26B-A4B).
+* **Experts** (26B-A4B): :class:`Gemma4Experts` beside the dense MLP, each with its own post-norm,
+  summed before the block's feed-forward post-norm.
 """
 
 from __future__ import annotations
@@ -196,6 +197,45 @@ class Gemma4Attention:
         return self.o(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
+class Gemma4Experts:
+    """26B-A4B's routed experts beside the dense MLP.
+
+    The router reads the block's residual ``x`` through a weightless RMSNorm, × ``ffn_gate_inp.scale``
+    × hidden^-½; softmax over the experts, the top ``expert_used_count`` renormalised to sum to one and
+    each multiplied by its expert's ``ffn_down_exps.scale``. The experts (GeGLU-tanh, gate and up fused
+    in ``ffn_gate_up_exps`` as ``[gate; up]`` rows) read ``pre_ffw_norm_2(x)``; one ``gather_mm`` /
+    ``gather_qmm`` per projection."""
+
+    def __init__(self, g: GGUFFile, i: int, dtype, top_k: int, eps: float):
+        p = f"blk.{i}."
+        self.router = Linear(g.tensor(p + "ffn_gate_inp.weight"), dtype)
+        self.router_scale = _norm(g, p + "ffn_gate_inp.scale", dtype)
+        self.expert_scale = _norm(g, p + "ffn_down_exps.scale", mx.float32)
+        self.gate_up_exps = Linear(g.tensor(p + "ffn_gate_up_exps.weight"), dtype)
+        self.down_exps = Linear(g.tensor(p + "ffn_down_exps.weight"), dtype)
+        self.pre_norm = _norm(g, p + "pre_ffw_norm_2.weight", dtype)
+        self.top_k, self.eps = top_k, eps
+
+    def linears(self):
+        return (self.router, self.gate_up_exps, self.down_exps)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        routed = mx.fast.rms_norm(flat, None, self.eps) * self.router_scale * (shape[-1] ** -0.5)
+        probs = mx.softmax(self.router(routed).astype(mx.float32), axis=-1, precise=True)
+        k = self.top_k
+        idx = mx.stop_gradient(mx.argpartition(-probs, kth=k - 1, axis=-1)[:, :k])
+        weights = mx.take_along_axis(probs, idx, axis=-1)
+        weights = weights / weights.sum(axis=-1, keepdims=True) * self.expert_scale[idx]
+        xe = rms_norm(flat, self.pre_norm, self.eps)[:, None, None, :]
+        gate_up = self.gate_up_exps.gather(xe, idx)  # [N, k, 1, 2·ff]
+        ff = gate_up.shape[-1] // 2
+        h = gelu_tanh(gate_up[..., :ff]) * gate_up[..., ff:]
+        out = self.down_exps.gather(h, idx)[:, :, 0, :]  # [N, k, hidden]
+        return (out * weights[..., None].astype(out.dtype)).sum(axis=1).reshape(shape)
+
+
 class Gemma4Block:
     def __init__(self, cfg: Gemma4Config, shape: LayerShape, g: GGUFFile, i: int, dtype):
         p = f"blk.{i}."
@@ -206,6 +246,11 @@ class Gemma4Block:
         self.ffn_norm = _norm(g, p + "ffn_norm.weight", dtype)
         self.ffn = gated_mlp(g, i, dtype, act=gelu_tanh)
         self.post_ffn_norm = _norm(g, p + "post_ffw_norm.weight", dtype)
+        self.experts = None
+        if p + "ffn_gate_inp.weight" in g.tensors:  # 26B-A4B: routed experts beside the dense MLP
+            self.experts = Gemma4Experts(g, i, dtype, g.hparams.expert_used_count, cfg.norm_eps)
+            self.post_mlp_norm = _norm(g, p + "post_ffw_norm_1.weight", dtype)
+            self.post_experts_norm = _norm(g, p + "post_ffw_norm_2.weight", dtype)
         scale = p + "layer_output_scale.weight"
         self.out_scale = _norm(g, scale, dtype) if scale in g.tensors else None
         self.ple_gate = self.ple_proj = None
@@ -216,13 +261,21 @@ class Gemma4Block:
 
     def linears(self):
         ple = (self.ple_gate, self.ple_proj) if self.ple_gate is not None else ()
-        return (*self.attn.linears(), self.ffn.gate, self.ffn.up, self.ffn.down, *ple)
+        experts = self.experts.linears() if self.experts is not None else ()
+        return (*self.attn.linears(), self.ffn.gate, self.ffn.up, self.ffn.down, *ple, *experts)
+
+    def feed_forward(self, x: mx.array) -> mx.array:
+        eps = self.eps
+        h = self.ffn(rms_norm(x, self.ffn_norm, eps))
+        if self.experts is not None:
+            h = rms_norm(h, self.post_mlp_norm, eps) + rms_norm(self.experts(x), self.post_experts_norm, eps)
+        return rms_norm(h, self.post_ffn_norm, eps)
 
     def __call__(self, x: mx.array, fb: ForwardBatch, kv: dict, ple: mx.array | None) -> mx.array:
         """``ple``: this layer's per-layer input ``[B, T, ple_dim]`` (None without per-layer embeddings)."""
         eps = self.eps
         x = x + rms_norm(self.attn(rms_norm(x, self.attn_norm, eps), fb, kv), self.post_attn_norm, eps)
-        x = x + rms_norm(self.ffn(rms_norm(x, self.ffn_norm, eps)), self.post_ffn_norm, eps)
+        x = x + self.feed_forward(x)
         if ple is not None:
             x = x + rms_norm(self.ple_proj(gelu_tanh(self.ple_gate(x)) * ple), self.ple_norm, eps)
         return x * self.out_scale if self.out_scale is not None else x
