@@ -59,20 +59,32 @@ def runner(gemma4):
     return MlxModelRunner.load(gemma4[1])
 
 
-def _run(runner, tokens, chunk=CHUNK, n_prompt=PROMPT):
-    """Per-chunk last logits and per-step decode logits of ``tokens`` (prompt chunked, rest decoded)."""
-    seq = runner.new_sequence()
-    chunks = [(i, runner.prefill(seq, tokens[i:min(i + chunk, n_prompt)])) for i in range(0, n_prompt, chunk)]
-    steps = [runner.decode([seq], [t])[0] for t in tokens[n_prompt:]]
+def _forward(runner, tokens, chunk=CHUNK, n_prompt=PROMPT) -> tuple[list[int], np.ndarray]:
+    """``(positions, logits)``: the last logits of every prefill chunk of the prompt, then those of every
+    decoded token, each with the position it predicts from."""
+    seq, ends, out = runner.new_sequence(), [], []
+    for first in range(0, n_prompt, chunk):
+        piece = tokens[first:min(first + chunk, n_prompt)]
+        out.append(runner.prefill(seq, piece))
+        ends.append(first + len(piece) - 1)
+    for pos in range(n_prompt, len(tokens)):
+        out.append(runner.decode([seq], [tokens[pos]])[0])
+        ends.append(pos)
     assert seq.length == len(tokens)
-    return chunks, steps
+    return ends, np.stack(out)
 
 
 def _max_error(runner, tokens, ref) -> float:
-    chunks, steps = _run(runner, tokens)
-    errs = [np.abs(out - ref[min(i + CHUNK, PROMPT) - 1]).max() for i, out in chunks]
-    errs += [np.abs(out - ref[PROMPT + j]).max() for j, out in enumerate(steps)]
-    return float(max(errs))
+    ends, logits = _forward(runner, tokens)
+    return float(np.abs(logits - ref[ends]).max())
+
+
+def _assert_chunking_invariant(runner, tokens, chunks=(7, WINDOW, CHUNK)):
+    """The prompt's last logits and every decode step's are those of a one-shot prefill."""
+    tail = len(tokens) - PROMPT + 1
+    want = _forward(runner, tokens, chunk=PROMPT)[1][-tail:]
+    for chunk in chunks:
+        np.testing.assert_allclose(_forward(runner, tokens, chunk=chunk)[1][-tail:], want, atol=1e-4, rtol=0)
 
 
 @pytest.mark.slow  # the module fixture converts the checkpoint and runs transformers (~15 s)
@@ -105,10 +117,7 @@ def test_e2b_logits_match_transformers(e2b):
     ref = _reference(src, tokens)
     assert float(np.std(ref)) > 0.5
     assert _max_error(runner, tokens, ref) < TOL_F32
-    one_chunk, one_steps = _run(runner, tokens, chunk=PROMPT)
-    chunks, steps = _run(runner, tokens, chunk=7)
-    np.testing.assert_allclose(chunks[-1][1], one_chunk[0][1], atol=1e-4, rtol=0)
-    np.testing.assert_allclose(np.stack(steps), np.stack(one_steps), atol=1e-4, rtol=0)
+    _assert_chunking_invariant(runner, tokens, chunks=(7,))
 
 
 @pytest.mark.slow
@@ -153,12 +162,7 @@ def test_f16_conversion_logits(gemma4, tmp_path, cli):
 
 @pytest.mark.slow
 def test_chunked_prefill_equals_one_shot(runner, gemma4):
-    tokens = gemma4[2]
-    one_chunk, one_steps = _run(runner, tokens, chunk=PROMPT)
-    for chunk in (7, WINDOW, CHUNK):
-        chunks, steps = _run(runner, tokens, chunk=chunk)
-        np.testing.assert_allclose(chunks[-1][1], one_chunk[0][1], atol=1e-4, rtol=0)
-        np.testing.assert_allclose(np.stack(steps), np.stack(one_steps), atol=1e-4, rtol=0)
+    _assert_chunking_invariant(runner, gemma4[2])
 
 
 @pytest.mark.slow
@@ -166,16 +170,21 @@ def test_batched_decode_equals_single_decodes(runner):
     _batched_equals_single(runner)
 
 
-def _batched_equals_single(runner):
-    prompts = [random_tokens(n, seed=n) for n in (5, 37, 12)]  # inside and beyond the window
-    batch, tok = prefill_each(runner, prompts)
-    alone, _ = prefill_each(runner, prompts)
-    for _ in range(8):
-        got = runner.decode(batch, tok)
-        want = np.stack([runner.decode([s], [t])[0] for s, t in zip(alone, tok)])
-        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
-        tok = [int(t) for t in np.argmax(got, -1)]
-    assert [s.length for s in batch] == [len(p) + 8 for p in prompts]
+def _batched_equals_single(runner, steps: int = 8):
+    """Three sequences (inside and beyond the window) decoded greedily as one batch, then each alone on
+    the batch's tokens: the same logits at every step."""
+    prompts = [random_tokens(n, seed=n) for n in (5, 37, 12)]
+    batch, first = prefill_each(runner, prompts)
+    fed, batched = [first], []
+    for _ in range(steps):
+        batched.append(runner.decode(batch, fed[-1]))
+        fed.append([int(t) for t in np.argmax(batched[-1], -1)])
+    assert [s.length for s in batch] == [len(p) + steps for p in prompts]
+    for row, prompt in enumerate(prompts):
+        seq = runner.new_sequence()
+        runner.prefill(seq, prompt)
+        alone = np.stack([runner.decode([seq], [fed[j][row]])[0] for j in range(steps)])
+        np.testing.assert_allclose(alone, np.stack([b[row] for b in batched]), atol=1e-4, rtol=0)
 
 
 @pytest.mark.slow
