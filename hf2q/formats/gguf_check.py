@@ -40,7 +40,7 @@ VECTOR_TYPES = frozenset({T.F32, T.F16, T.BF16})
 #: tokenizer models the text layer builds
 TOKENIZER_MODELS = ("gpt2", "llama", "bert", "gemma4")
 #: the architectures with a checker here (``engine.models.FAMILIES`` must be a subset)
-CHECKED_ARCHS = frozenset({"llama", "qwen3", "qwen3moe", "gemma3", "bert", "qwen35", "qwen35moe"})
+CHECKED_ARCHS = frozenset({"llama", "qwen3", "qwen3moe", "gemma3", "gemma4", "bert", "qwen35", "qwen35moe"})
 
 # sane upper bounds: far above any released model, far below what overflows a C int index
 MAX_DIM = 1 << 20
@@ -146,10 +146,13 @@ class _Checker:
         d["hidden"] = self.int_key(_L.EMBEDDING_LENGTH, required=True)
         for name, template in (("n_head", _A.HEAD_COUNT), ("n_kv", _A.HEAD_COUNT_KV)):
             key, v = self._raw(template)
-            if isinstance(v, list):
+            if isinstance(v, list) and not (name == "n_kv" and self.arch == "gemma4"):
                 raise self.fail(f"{key}: per-layer head counts are not supported")
         d["n_head"] = self.int_key(_A.HEAD_COUNT, hi=MAX_HEADS, required=True)
-        d["n_kv"] = self.int_key(_A.HEAD_COUNT_KV, hi=MAX_HEADS, default=d["n_head"])
+        if self.arch == "gemma4":
+            self.gemma4(d)
+        d["n_kv"] = self.int_key(_A.HEAD_COUNT_KV, hi=MAX_HEADS, default=d["n_head"]) \
+            if self.arch != "gemma4" else max(d["n_kv_layer"])
         if d["n_head"] % d["n_kv"]:
             raise self.fail(f"{self.hp.key(_A.HEAD_COUNT)} {d['n_head']} is not a multiple of "
                             f"{self.hp.key(_A.HEAD_COUNT_KV)} {d['n_kv']}")
@@ -172,7 +175,7 @@ class _Checker:
         else:
             self.float_key(_A.LAYERNORM_RMS_EPS)
             self.rope(d)
-        if self.arch not in ("qwen3moe", "qwen35moe"):
+        if self.arch not in ("qwen3moe", "qwen35moe", "gemma4"):
             key, v = self._raw(_L.FEED_FORWARD_LENGTH)
             if isinstance(v, list):
                 raise self.fail(f"{key}: per-layer feed-forward sizes are not supported")
@@ -208,6 +211,45 @@ class _Checker:
         if self._raw(_A.SLIDING_WINDOW)[1] is not None:
             self.int_key(_A.SLIDING_WINDOW, lo=0, hi=MAX_CONTEXT)
         d["rope_dims"] = rope_dims
+
+    def gemma4(self, d: dict[str, Any]) -> None:
+        """Gemma 4's two layer kinds: per-layer KV heads, the sliding flags, the sliding layers' own head
+        size and rotary dims (``engine.models.gemma4``); the shapes the engine does not run yet refused."""
+        n = d["n_layer"]
+        key, kv = self._raw(_A.HEAD_COUNT_KV)
+        kv = kv if isinstance(kv, list) else [self.int_key(_A.HEAD_COUNT_KV, hi=MAX_HEADS, required=True)] * n
+        if len(kv) != n or any(isinstance(h, bool) or not isinstance(h, int) or not 1 <= h <= MAX_HEADS
+                                or d["n_head"] % h for h in kv):
+            raise self.fail(f"{key} needs one KV head count per layer ({n}), each dividing "
+                            f"{self.hp.key(_A.HEAD_COUNT)} {d['n_head']}; found {_show(kv)}")
+        d["n_kv_layer"] = kv
+        key, flags = self._raw(_A.SLIDING_WINDOW_PATTERN)
+        if not isinstance(flags, list) or len(flags) != n or not all(isinstance(f, bool) for f in flags):
+            raise self.fail(f"{key} needs one sliding flag per layer ({n}), found {_show(flags)}")
+        d["swa"] = flags
+        d["head_swa"] = self.int_key(_A.KEY_LENGTH_SWA, required=True)
+        if self.int_key(_A.VALUE_LENGTH_SWA, required=True) != d["head_swa"]:
+            raise self.fail(f"{self.hp.key(_A.VALUE_LENGTH_SWA)} must equal {self.hp.key(_A.KEY_LENGTH_SWA)}")
+        rot = self.int_key(_R.DIMENSION_COUNT_SWA, lo=2, hi=d["head_swa"], default=d["head_swa"])
+        if rot % 2:
+            raise self.fail(f"{self.hp.key(_R.DIMENSION_COUNT_SWA)} must be even, found {rot}")
+        key, ff = self._raw(_L.FEED_FORWARD_LENGTH)
+        ff = ff if isinstance(ff, list) else [self.int_key(_L.FEED_FORWARD_LENGTH, required=True)] * n
+        if len(ff) != n or any(isinstance(f, bool) or not isinstance(f, int) or not 1 <= f <= MAX_DIM for f in ff):
+            raise self.fail(f"{key} needs one feed-forward size per layer ({n}), found {_show(ff)}")
+        d["n_ff_layer"] = ff
+        shared = self.int_key(_A.SHARED_KV_LAYERS, lo=0, hi=n - 1, default=0)
+        d["kv_source"] = list(range(n - shared))
+        for i in range(n - shared, n):  # a KV-shared layer reads the last earlier layer of its kind
+            source = [j for j in range(n - shared) if flags[j] == flags[i]]
+            if not source:
+                raise self.fail(f"KV-shared layer {i} has no earlier layer of its kind to read K/V from")
+            d["kv_source"].append(source[-1])
+        d["ple"] = self.int_key(_L.EMBD_LENGTH_PER_LAYER_INP, lo=0, hi=MAX_DIM, default=0)
+        d["n_expert"] = self.int_key(_L.EXPERT_COUNT, lo=0, hi=MAX_EXPERTS, default=0)
+        if d["n_expert"]:  # 26B-A4B: routed experts beside the dense MLP
+            d["n_used"] = self.int_key(_L.EXPERT_USED_COUNT, hi=d["n_expert"], required=True)
+            d["n_ff_exp"] = self.int_key(_L.EXPERT_FEED_FORWARD_LENGTH, required=True)
 
     def yarn(self, rope_dims: int, head_k: int) -> None:
         """The YaRN variants the engine implements (``engine.models.llama``): llama.cpp's ramp with
@@ -419,6 +461,42 @@ def _qwen35(d: dict[str, Any], moe: bool = False) -> Table:
     return t
 
 
+def _gemma4(d: dict[str, Any]) -> Table:
+    """Sliding and global layers of their own head size and KV heads; ``attn_v`` optional (K as V);
+    KV-shared layers without K/V; per-layer embeddings (E2B/E4B) when ``ple`` is set; experts beside
+    the dense MLP (26B-A4B) when ``n_expert`` is."""
+    t = _globals(d)
+    h, heads, n, ple = d["hidden"], d["n_head"], d["n_layer"], d["ple"]
+    if not all(d["swa"]):
+        t["rope_freqs.weight"] = ((d["rope_dims"] // 2,), True)
+    if ple:
+        t.update({"per_layer_token_embd.weight": ((ple * n, d["vocab"]), True),
+                  "per_layer_model_proj.weight": ((h, ple * n), True), "per_layer_proj_norm.weight": ((ple,), True)})
+    for i in range(n):
+        p = f"blk.{i}."
+        hd, kv, ff = (d["head_swa"] if d["swa"][i] else d["head_k"]), d["n_kv_layer"][i], d["n_ff_layer"][i]
+        t.update({p + "attn_q.weight": ((h, heads * hd), True), p + "attn_output.weight": ((heads * hd, h), True),
+                  p + "attn_q_norm.weight": ((hd,), True), p + "layer_output_scale.weight": ((1,), False),
+                  p + "ffn_gate.weight": ((h, ff), True), p + "ffn_up.weight": ((h, ff), True),
+                  p + "ffn_down.weight": ((ff, h), True)})
+        if d["kv_source"][i] == i:
+            t.update({p + "attn_k.weight": ((h, kv * hd), True), p + "attn_v.weight": ((h, kv * hd), False),
+                      p + "attn_k_norm.weight": ((hd,), True)})
+        for norm in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
+            t[p + norm + ".weight"] = ((h,), True)
+        if ple:
+            t.update({p + "inp_gate.weight": ((h, ple), True), p + "proj.weight": ((ple, h), True),
+                      p + "post_norm.weight": ((h,), True)})
+        if d["n_expert"]:
+            e, fe = d["n_expert"], d["n_ff_exp"]
+            t.update({p + "ffn_gate_inp.weight": ((h, e), True), p + "ffn_gate_inp.scale": ((h,), True),
+                      p + "ffn_gate_up_exps.weight": ((h, 2 * fe, e), True),
+                      p + "ffn_down_exps.weight": ((fe, h, e), True), p + "ffn_down_exps.scale": ((e,), True)})
+            for norm in ("pre_ffw_norm_2", "post_ffw_norm_1", "post_ffw_norm_2"):
+                t[p + norm + ".weight"] = ((h,), True)
+    return t
+
+
 def _bert(d: dict[str, Any]) -> Table:
     h, ff = d["hidden"], d["n_ff"]
     t: Table = {"token_embd.weight": ((h, d["vocab"]), True), "position_embd.weight": ((h, None), True),
@@ -441,6 +519,7 @@ _FAMILY_TABLES: dict[str, Callable[[dict[str, Any]], Table]] = {
     "qwen3": lambda d: _decoder(d, qk_norm=True),
     "qwen3moe": lambda d: _decoder(d, qk_norm=True, moe=True),
     "gemma3": lambda d: _decoder(d, qk_norm=True, sandwich=True),
+    "gemma4": _gemma4,
     "bert": _bert,
     "qwen35": _qwen35,
     "qwen35moe": lambda d: _qwen35(d, moe=True),

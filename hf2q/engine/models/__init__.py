@@ -16,6 +16,7 @@ FAMILIES = {
     "qwen35": "hf2q.engine.models.qwen35",
     "qwen35moe": "hf2q.engine.models.qwen35_moe",
     "gemma3": "hf2q.engine.models.gemma3",
+    "gemma4": "hf2q.engine.models.gemma4",
     "bert": "hf2q.engine.models.bert",
 }
 
