@@ -189,7 +189,7 @@ _SPECS["qwen35_moe"] = {
                "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                "shared_expert_intermediate_size": 48},
 }
-# Gemma 4 (engine: hf2q/engine/models/gemma4.py; not in FAMILIES, whose sanity checks assume one head shape). 31B-style dense: sliding layers with 2 KV heads × 32 and
+# Gemma 4 (engine: hf2q/engine/models/gemma4.py; its own tests, tests/test_engine_gemma4.py). 31B-style dense: sliding layers with 2 KV heads × 32 and
 # full layers with global_head_dim 64, one KV head whose K doubles as V (attention_k_eq_v), proportional
 # rope (a quarter of the global head rotated) and both rope bases; plain w norms (no 1 + w), a layer
 # scalar per layer, final soft-cap 30.
