@@ -174,6 +174,33 @@ class MlxModelRunner:
         self.stats["prefill_s"] += time.perf_counter() - t0
         return out
 
+    def verify(self, seq: SequenceCache, tokens: Sequence[int]) -> np.ndarray:
+        """Append ``tokens`` (the last accepted token and a draft) to ``seq`` in one forward and return
+        float32 logits ``[len(tokens), vocab]`` of every position, for speculative decoding.
+
+        The caller then keeps the accepted length with ``seq.trim``; a hybrid-recurrent sequence can
+        only go back to the length before this call (``hf2q.engine.speculative`` re-feeds from there).
+        Counted as one decode step.
+        """
+        tokens = list(tokens)
+        if not tokens:
+            raise ValueError("verify needs at least one token")
+        self._check_room(seq, len(tokens))
+        self._check_tokens(tokens)
+        t0 = time.perf_counter()
+        ids = np.asarray(tokens, dtype=np.int32)
+        if self._host_rows(len(tokens)):
+            out = self.host_decoder._advance(ids, [seq] * len(tokens), logits_from=0)
+        else:
+            fb = ForwardBatch([seq], len(tokens))
+            logits = self.model(mx.array(ids[None]), fb, last_only=False)
+            mx.eval(logits, fb.eval_state())
+            fb.finish()
+            out = np.array(logits[0])
+        self.stats["decode_steps"] += 1
+        self.stats["decode_s"] += time.perf_counter() - t0
+        return out
+
     def _host_rows(self, n_tokens: int) -> bool:
         """Whether a prefill chunk of ``n_tokens`` runs as rows of the CPU host step."""
         return self.host_decoder is not None and n_tokens <= HOST_PREFILL_ROWS
