@@ -87,11 +87,12 @@ def _params(args):
 
 
 def generate_once(runner, prompt: list[int], params, on_token=None, ignore_eos: bool = False,
-                  draft_tokens: int = 0) -> dict:
+                  draft_tokens: int = 0, drafter=None) -> dict:
     """Prefill + decode one request; returns counts and timings (seconds).
 
     ``draft_tokens`` > 0 decodes speculatively with n-gram drafts of up to that many tokens; the
-    result then also counts ``drafted_tokens`` and ``accepted_tokens``.
+    result then also counts ``drafted_tokens`` and ``accepted_tokens``. ``drafter`` replaces the
+    n-gram drafter: anything with its ``append(token)`` / ``propose(k)`` (fed the prompt first).
 
     ``ignore_eos`` treats end-of-generation tokens as ordinary ones, so a decode benchmark runs the
     whole ``max_tokens`` budget on the same (pipelined or host) path instead of stopping early.
@@ -112,7 +113,14 @@ def generate_once(runner, prompt: list[int], params, on_token=None, ignore_eos: 
     stops = frozenset() if ignore_eos else frozenset(runner.eos_token_ids)
     spec = {"drafted_tokens": 0, "accepted_tokens": 0, "forwards": 0}
     if draft_tokens > 0:
-        reason = _decode_speculative(runner, seq, logits, params, budget, generated, on_token, stops, prompt,
+        if drafter is None:
+            from hf2q.engine.speculative import NgramDrafter
+
+            drafter = NgramDrafter(prompt)
+        else:
+            for t in prompt:
+                drafter.append(t)
+        reason = _decode_speculative(runner, seq, logits, params, budget, generated, on_token, stops, drafter,
                                      draft_tokens, spec)
     else:
         pipelined = device_capable(params) and getattr(runner, "pipelines_decode", False)
@@ -130,14 +138,13 @@ def generate_once(runner, prompt: list[int], params, on_token=None, ignore_eos: 
     return out
 
 
-def _decode_speculative(runner, seq, logits, params, budget, generated, on_token, stops, prompt, k, spec) -> str:
-    """Decode with n-gram drafts: one ``runner.verify`` forward per step over the pending token and
-    the draft (a plain decode step when nothing recurs), keeping the accepted tokens."""
+def _decode_speculative(runner, seq, logits, params, budget, generated, on_token, stops, drafter, k, spec) -> str:
+    """Decode with drafts: one ``runner.verify`` forward per step over the pending token and the
+    draft (a plain decode step when there is none), keeping the accepted tokens."""
     from hf2q.engine.sampling import Sampler
-    from hf2q.engine.speculative import NgramDrafter, accept_draft
+    from hf2q.engine.speculative import accept_draft
 
     sampler = Sampler(params)
-    drafter = NgramDrafter(prompt)
     emitted = [sampler.sample(logits, generated)[0]]
     while True:
         for token in emitted:
