@@ -10,6 +10,8 @@ one thread, because MLX streams are per thread):
   one bounded transaction; callers chunk long prompts (``--prefill-chunk``).
 * ``decode(seqs, tokens)`` → float32 ``[N, vocab]``: every sequence advances one token
   in a single batched forward, whatever their lengths.
+* ``verify(seq, tokens)`` → float32 ``[len(tokens), vocab]``: one sequence advances by several
+  tokens in one forward with every position's logits (speculative decoding; trim back after).
 * ``decode_async(seqs, tokens, samplers)`` → :class:`PendingTokens`: the same step with the
   next tokens sampled on the device (``hf2q.engine.sampling.device``) and evaluated
   asynchronously; ``tokens`` may be the previous step's ``PendingTokens``, so step *n+1* is
