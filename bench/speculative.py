@@ -61,25 +61,29 @@ def bench_hf2q(model: Path, text: str, draft_list: list[int], max_tokens: int, r
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     generate_once(runner, prompt, SamplingParams(max_tokens=4, temperature=0.0))  # warm caches and kernels
 
-    def runs(k: int) -> tuple[dict, list[int]]:
-        got = [generate_once(runner, prompt, params, draft_tokens=k) for _ in range(reps)]
-        tps = statistics.median(r["decode_tokens_per_sec"] for r in got)
-        row = {"decode_tokens_per_sec": round(tps, 2), "generated_tokens": got[-1]["generated_tokens"],
-               "finish_reason": got[-1]["finish_reason"]}
-        if k:
-            r = got[-1]
-            row.update(draft_tokens=k, drafted=r["drafted_tokens"], accepted=r["accepted_tokens"],
-                       acceptance_rate=round(r["accepted_tokens"] / max(r["drafted_tokens"], 1), 4),
-                       tokens_per_forward=round(r["decode_steps"] / max(r["decode_forwards"], 1), 3))
-        return row, got[-1]["tokens"]
+    configs = [0] + draft_list
+    got: dict[int, list[dict]] = {k: [] for k in configs}
+    for _ in range(reps):  # interleaved, so a load change on a shared machine hits every config alike
+        for k in configs:
+            got[k].append(generate_once(runner, prompt, params, draft_tokens=k))
 
-    plain, reference = runs(0)
+    def row(k: int) -> dict:
+        r = got[k][-1]
+        out = {"decode_tokens_per_sec": round(statistics.median(x["decode_tokens_per_sec"] for x in got[k]), 2),
+               "generated_tokens": r["generated_tokens"], "finish_reason": r["finish_reason"]}
+        if k:
+            out.update(draft_tokens=k, drafted=r["drafted_tokens"], accepted=r["accepted_tokens"],
+                       acceptance_rate=round(r["accepted_tokens"] / max(r["drafted_tokens"], 1), 4),
+                       tokens_per_forward=round(r["decode_steps"] / max(r["decode_forwards"], 1), 3),
+                       identical=r["tokens"] == got[0][-1]["tokens"])
+        return out
+
+    plain = row(0)
     out = {"prompt_tokens": len(prompt), "plain": plain, "ngram": []}
     for k in draft_list:
-        row, tokens = runs(k)
-        row["identical"] = tokens == reference
-        row["speedup"] = round(row["decode_tokens_per_sec"] / plain["decode_tokens_per_sec"], 3)
-        out["ngram"].append(row)
+        r = row(k)
+        r["speedup"] = round(r["decode_tokens_per_sec"] / plain["decode_tokens_per_sec"], 3)
+        out["ngram"].append(r)
     return out
 
 
