@@ -134,6 +134,10 @@ def _add_generate(sub) -> None:
     p.add_argument("--json", action="store_true", help="with --benchmark: last line is one JSON object")
     p.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past end-of-generation tokens up to --max-tokens (for benchmarks)")
+    p.add_argument("--speculative", choices=["ngram", "off"], default="off",
+                   help="ngram: draft from earlier context (prompt lookup) and verify several tokens per forward")
+    p.add_argument("--draft-tokens", type=_positive_int, default=None, metavar="K",
+                   help="with --speculative ngram: most tokens drafted per forward (default 6)")
 
 
 def _add_chat(sub) -> None:

@@ -5,6 +5,11 @@ chunks of ``PREFILL_CHUNK`` tokens and decoded with the shared ``Sampler``; text
 streamed to stdout as it is produced. ``--benchmark`` repeats the whole generation
 ``BENCH_RUNS`` times on fresh caches and reports median and p95 prefill / decode
 throughput; with ``--json`` the last line is one JSON object of the medians.
+
+``--speculative ngram`` decodes with prompt-lookup drafts (``hf2q.engine.speculative``): each
+step feeds the last token plus up to ``--draft-tokens`` drafted ones to ``runner.verify`` and
+keeps what the acceptance rule accepts, so the output is the one plain decoding gives (the same
+bytes at temperature 0, the same distribution above it).
 """
 
 from __future__ import annotations
@@ -81,8 +86,13 @@ def _params(args):
                           seed=args.seed)
 
 
-def generate_once(runner, prompt: list[int], params, on_token=None, ignore_eos: bool = False) -> dict:
+def generate_once(runner, prompt: list[int], params, on_token=None, ignore_eos: bool = False,
+                  draft_tokens: int = 0, drafter=None) -> dict:
     """Prefill + decode one request; returns counts and timings (seconds).
+
+    ``draft_tokens`` > 0 decodes speculatively with n-gram drafts of up to that many tokens; the
+    result then also counts ``drafted_tokens`` and ``accepted_tokens``. ``drafter`` replaces the
+    n-gram drafter: anything with its ``append(token)`` / ``propose(k)`` (fed the prompt first).
 
     ``ignore_eos`` treats end-of-generation tokens as ordinary ones, so a decode benchmark runs the
     whole ``max_tokens`` budget on the same (pipelined or host) path instead of stopping early.
@@ -100,16 +110,76 @@ def generate_once(runner, prompt: list[int], params, on_token=None, ignore_eos: 
     generated: list[int] = []
     budget = min(params.max_tokens, runner.n_ctx - len(prompt))
 
-    pipelined = device_capable(params) and getattr(runner, "pipelines_decode", False)
-    decode = _decode_pipelined if pipelined else _decode_host
     stops = frozenset() if ignore_eos else frozenset(runner.eos_token_ids)
-    reason = decode(runner, seq, logits, params, budget, generated, on_token, stops)
+    spec = {"drafted_tokens": 0, "accepted_tokens": 0, "forwards": 0}
+    if draft_tokens > 0:
+        if drafter is None:
+            from hf2q.engine.speculative import NgramDrafter
+
+            drafter = NgramDrafter(prompt)
+        else:
+            for t in prompt:
+                drafter.append(t)
+        reason = _decode_speculative(runner, seq, logits, params, budget, generated, on_token, stops, drafter,
+                                     draft_tokens, spec)
+    else:
+        pipelined = device_capable(params) and getattr(runner, "pipelines_decode", False)
+        decode = _decode_pipelined if pipelined else _decode_host
+        reason = decode(runner, seq, logits, params, budget, generated, on_token, stops)
     t2 = time.perf_counter()
-    steps = max(len(generated) - 1, 0)  # decode steps after the first (prefill-sampled) token
-    return {"prompt_tokens": len(prompt), "generated_tokens": len(generated), "finish_reason": reason,
-            "prefill_s": t1 - t0, "decode_s": t2 - t1, "decode_steps": steps,
-            "prefill_tokens_per_sec": len(prompt) / (t1 - t0) if t1 > t0 else 0.0,
-            "decode_tokens_per_sec": steps / (t2 - t1) if steps and t2 > t1 else 0.0}
+    steps = max(len(generated) - 1, 0)  # tokens decoded after the first (prefill-sampled) one
+    out = {"prompt_tokens": len(prompt), "generated_tokens": len(generated), "finish_reason": reason,
+           "prefill_s": t1 - t0, "decode_s": t2 - t1, "decode_steps": steps,
+           "prefill_tokens_per_sec": len(prompt) / (t1 - t0) if t1 > t0 else 0.0,
+           "decode_tokens_per_sec": steps / (t2 - t1) if steps and t2 > t1 else 0.0, "tokens": generated}
+    if draft_tokens > 0:
+        out.update(drafted_tokens=spec["drafted_tokens"], accepted_tokens=spec["accepted_tokens"],
+                   decode_forwards=spec["forwards"])
+    return out
+
+
+def _decode_speculative(runner, seq, logits, params, budget, generated, on_token, stops, drafter, k, spec) -> str:
+    """Decode with drafts: one ``runner.verify`` forward per step over the pending token and the
+    draft (a plain decode step when there is none), keeping the accepted tokens."""
+    from hf2q.engine.sampling import Sampler
+    from hf2q.engine.speculative import accept_draft
+
+    sampler = Sampler(params)
+    emitted = [sampler.sample(logits, generated)[0]]
+    while True:
+        for token in emitted:
+            reason = _accept(stops, token, generated, budget, on_token)
+            drafter.append(token)
+            if reason is not None:
+                return reason
+        pending = emitted[-1]  # sampled, not yet fed to the model
+        room = min(k, budget - len(generated) - 1, runner.n_ctx - seq.length - 1)
+        draft = drafter.propose(room)
+        spec["forwards"] += 1
+        if not draft:
+            emitted = [sampler.sample(runner.decode([seq], [pending])[0], generated)[0]]
+            continue
+        start = seq.length
+        rows = runner.verify(seq, [pending] + draft)
+        emitted = accept_draft(sampler, draft, rows, generated)
+        spec["drafted_tokens"] += len(draft)
+        spec["accepted_tokens"] += len(emitted) - 1
+        _keep(runner, seq, start, [pending] + draft[:len(emitted) - 1])
+
+
+def _keep(runner, seq, start: int, fed: list[int]) -> None:
+    """Cut ``seq`` back to ``start + len(fed)`` after a verify forward from ``start``. A hybrid-
+    recurrent sequence cannot stop inside that forward, so it goes back to ``start`` (the state
+    the forward began from) and the accepted tokens are fed again."""
+    keep = start + len(fed)
+    if keep == seq.length:
+        return
+    points = seq.reuse_points()
+    if points is None or keep in points:
+        seq.trim(keep)
+        return
+    seq.trim(start)
+    runner.prefill(seq, fed)
 
 
 def _decode_host(runner, seq, logits, params, budget, generated, on_token, stops) -> str:
@@ -193,6 +263,7 @@ def run(args) -> int:
         raise InputError(f"{model_path.name} is an embedding model; generate needs a chat/text model")
     params = _params(args)
     ignore_eos = getattr(args, "ignore_eos", False)
+    draft_tokens = _draft_tokens(args, runner)
 
     if not args.benchmark:
         detok = IncrementalDetokenizer(tokenizer)
@@ -202,22 +273,62 @@ def run(args) -> int:
             out.write(detok.push(token))
             out.flush()
 
-        stats = generate_once(runner, prompt, params, on_token=emit, ignore_eos=ignore_eos)
+        stats = generate_once(runner, prompt, params, on_token=emit, ignore_eos=ignore_eos,
+                              draft_tokens=draft_tokens)
         out.write(detok.flush() + "\n")
         out.flush()
         log.info("prompt %d tokens, generated %d; prefill %.1f tok/s, decode %.1f tok/s", stats["prompt_tokens"],
                  stats["generated_tokens"], stats["prefill_tokens_per_sec"], stats["decode_tokens_per_sec"])
+        if draft_tokens:
+            log.info("speculative: %s", _acceptance_text(stats))
         return 0
 
-    runs = [generate_once(runner, prompt, params, ignore_eos=ignore_eos) for _ in range(BENCH_RUNS)]
+    runs = [generate_once(runner, prompt, params, ignore_eos=ignore_eos, draft_tokens=draft_tokens)
+            for _ in range(BENCH_RUNS)]
     pre = np.array([r["prefill_tokens_per_sec"] for r in runs])
     dec = np.array([r["decode_tokens_per_sec"] for r in runs])
     gen = int(np.median([r["generated_tokens"] for r in runs]))
     print(f"model: {model_path.name}  prompt: {len(prompt)} tokens  generated: {gen} tokens  runs: {BENCH_RUNS}")
     print(f"prefill: median {np.median(pre):.1f} tok/s  p95 {np.percentile(pre, 95):.1f} tok/s")
     print(f"decode:  median {np.median(dec):.1f} tok/s  p95 {np.percentile(dec, 95):.1f} tok/s")
+    summary = {"prompt_tokens": len(prompt), "generated_tokens": gen,
+               "prefill_tokens_per_sec": round(float(np.median(pre)), 3),
+               "decode_tokens_per_sec": round(float(np.median(dec)), 3)}
+    if draft_tokens:
+        print(f"speculative: {_acceptance_text(runs[-1])}")
+        summary.update(speculative="ngram", draft_tokens=draft_tokens,
+                       acceptance_rate=round(_acceptance_rate(runs[-1]), 4),
+                       tokens_per_forward=round(_tokens_per_forward(runs[-1]), 3))
     if args.json:
-        print(json.dumps({"prompt_tokens": len(prompt), "generated_tokens": gen,
-                          "prefill_tokens_per_sec": round(float(np.median(pre)), 3),
-                          "decode_tokens_per_sec": round(float(np.median(dec)), 3)}))
+        print(json.dumps(summary))
     return 0
+
+
+def _draft_tokens(args, runner) -> int:
+    """The draft length ``--speculative`` asks for (0: off); a usage error where it cannot apply."""
+    from hf2q.errors import UsageError
+
+    mode = getattr(args, "speculative", "off") or "off"
+    k = getattr(args, "draft_tokens", None)
+    if mode == "off":
+        if k is not None:
+            raise UsageError("--draft-tokens needs --speculative ngram")
+        return 0
+    if not hasattr(runner, "verify"):
+        raise UsageError(f"--speculative {mode} is not supported by this engine ({type(runner).__name__})")
+    from hf2q.engine.speculative import DEFAULT_DRAFT_TOKENS
+
+    return DEFAULT_DRAFT_TOKENS if k is None else k
+
+
+def _acceptance_rate(stats: dict) -> float:
+    return stats["accepted_tokens"] / stats["drafted_tokens"] if stats["drafted_tokens"] else 0.0
+
+
+def _tokens_per_forward(stats: dict) -> float:
+    return stats["decode_steps"] / stats["decode_forwards"] if stats["decode_forwards"] else 0.0
+
+
+def _acceptance_text(stats: dict) -> str:
+    return (f"accepted {stats['accepted_tokens']} of {stats['drafted_tokens']} drafted tokens "
+            f"({100 * _acceptance_rate(stats):.1f} %), {_tokens_per_forward(stats):.2f} tokens per forward")

@@ -10,6 +10,8 @@ one thread, because MLX streams are per thread):
   one bounded transaction; callers chunk long prompts (``--prefill-chunk``).
 * ``decode(seqs, tokens)`` → float32 ``[N, vocab]``: every sequence advances one token
   in a single batched forward, whatever their lengths.
+* ``verify(seq, tokens)`` → float32 ``[len(tokens), vocab]``: one sequence advances by several
+  tokens in one forward with every position's logits (speculative decoding; trim back after).
 * ``decode_async(seqs, tokens, samplers)`` → :class:`PendingTokens`: the same step with the
   next tokens sampled on the device (``hf2q.engine.sampling.device``) and evaluated
   asynchronously; ``tokens`` may be the previous step's ``PendingTokens``, so step *n+1* is
@@ -156,23 +158,44 @@ class MlxModelRunner:
             raise InputError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
 
     def prefill(self, seq: SequenceCache, tokens: Sequence[int]) -> np.ndarray:
-        tokens = list(tokens)
-        if not tokens:
-            raise ValueError("prefill needs at least one token")
-        self._check_room(seq, len(tokens))
-        self._check_tokens(tokens)
         t0 = time.perf_counter()
-        if self._host_rows(len(tokens)):
-            out = self.host_decoder.prefill(seq, np.asarray(tokens, dtype=np.int32))
-        else:
-            fb = ForwardBatch([seq], len(tokens))
-            logits = self.model(mx.array(np.asarray([tokens], dtype=np.int32)), fb)
-            mx.eval(logits, fb.eval_state())
-            fb.finish()
-            out = np.array(logits[0])
+        out = self._forward(seq, tokens, "prefill", every_position=False)
         self.stats["prefill_tokens"] += len(tokens)
         self.stats["prefill_s"] += time.perf_counter() - t0
         return out
+
+    def verify(self, seq: SequenceCache, tokens: Sequence[int]) -> np.ndarray:
+        """Append ``tokens`` (the last accepted token and a draft) to ``seq`` in one forward and return
+        float32 logits ``[len(tokens), vocab]`` of every position, for speculative decoding.
+
+        The caller then keeps the accepted length with ``seq.trim``; a hybrid-recurrent sequence can
+        only go back to the length before this call (``hf2q.engine.speculative`` re-feeds from there).
+        Counted as one decode step.
+        """
+        t0 = time.perf_counter()
+        out = self._forward(seq, tokens, "verify", every_position=True)
+        self.stats["decode_steps"] += 1
+        self.stats["decode_s"] += time.perf_counter() - t0
+        return out
+
+    def _forward(self, seq: SequenceCache, tokens: Sequence[int], what: str, every_position: bool) -> np.ndarray:
+        """``tokens`` appended to ``seq`` in one forward; the last position's logits ``[vocab]`` or
+        every position's ``[len(tokens), vocab]``."""
+        tokens = list(tokens)
+        if not tokens:
+            raise ValueError(f"{what} needs at least one token")
+        self._check_room(seq, len(tokens))
+        self._check_tokens(tokens)
+        ids = np.asarray(tokens, dtype=np.int32)
+        if self._host_rows(len(tokens)):
+            if every_position:
+                return self.host_decoder._advance(ids, [seq] * len(ids), logits_from=0)
+            return self.host_decoder.prefill(seq, ids)
+        fb = ForwardBatch([seq], len(tokens))
+        logits = self.model(mx.array(ids[None]), fb, last_only=not every_position)
+        mx.eval(logits, fb.eval_state())
+        fb.finish()
+        return np.array(logits[0])
 
     def _host_rows(self, n_tokens: int) -> bool:
         """Whether a prefill chunk of ``n_tokens`` runs as rows of the CPU host step."""

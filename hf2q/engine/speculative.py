@@ -1,0 +1,108 @@
+"""Prompt-lookup (n-gram) drafting and the acceptance rule of speculative decoding.
+
+Agentic work repeats its context: a model asked to rewrite a file emits long runs of that file.
+The last few tokens generated then usually occur earlier in the context, and the tokens that
+followed them there are a good guess at what comes next. :class:`NgramDrafter` proposes those
+tokens; the engine feeds the last accepted token plus the draft to the target model in one
+forward (``runner.verify``), and :func:`accept_draft` decides how much of the draft stands.
+
+The rule keeps the target's output distribution exactly. The draft is deterministic (its
+proposal puts probability 1 on one token), so standard speculative sampling reduces to: accept
+draft token ``d`` with probability ``p(d)`` under the target's sampling distribution at that
+position; on rejection draw from ``p`` with ``d`` removed and renormalised; when every draft
+token stands, draw one more from the last row. At temperature 0, ``p`` is one-hot on the greedy
+token, so this is "accept while the draft equals the greedy token, then take the greedy token":
+the output is the one plain greedy decoding gives.
+
+Pure logic on token lists and numpy rows; nothing here touches the model.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from hf2q.engine.sampling import plain_greedy
+
+#: longest and shortest suffix the drafter looks up (longer matches are tried first)
+MAX_NGRAM = 4
+MIN_NGRAM = 1
+#: draft tokens proposed per verify forward unless told otherwise
+DEFAULT_DRAFT_TOKENS = 6
+
+
+class NgramDrafter:
+    """An index of every n-gram (``min_n..max_n``) of a growing token list to its latest start that
+    has at least one token after it, so a lookup costs O(max_n) however long the context is."""
+
+    def __init__(self, tokens: Sequence[int] = (), max_n: int = MAX_NGRAM, min_n: int = MIN_NGRAM):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n (got {min_n}, {max_n})")
+        self.max_n, self.min_n = max_n, min_n
+        self.tokens: list[int] = []
+        self._latest: dict[tuple[int, ...], int] = {}
+        self.extend(tokens)
+
+    def append(self, token: int) -> None:
+        # the n-grams ending just before the new token now have a follower: record where they start
+        p = len(self.tokens)
+        for n in range(self.min_n, min(self.max_n, p) + 1):
+            self._latest[tuple(self.tokens[p - n:p])] = p - n
+        self.tokens.append(int(token))
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for t in tokens:
+            self.append(t)
+
+    def propose(self, k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the longest suffix of the context seen earlier in it
+        (its latest occurrence); empty when no suffix of ``min_n`` or more tokens recurs."""
+        if k <= 0:
+            return []
+        toks = self.tokens
+        for n in range(min(self.max_n, len(toks) - 1), self.min_n - 1, -1):
+            start = self._latest.get(tuple(toks[len(toks) - n:]))
+            if start is not None:
+                return toks[start + n:start + n + k]
+        return []
+
+
+def accept_draft(sampler, draft: Sequence[int], rows: np.ndarray, history: Sequence[int]) -> list[int]:
+    """The tokens a verify forward yields: the accepted prefix of ``draft`` and one token of the
+    target's own (at the first rejection, or after the whole draft).
+
+    ``rows [len(draft) + 1, vocab]`` are the target's logits at the last accepted token and at
+    each draft token; ``history`` is what the sampler's penalties see before the first of them.
+    ``sampler`` is the request's host :class:`~hf2q.engine.sampling.Sampler` (its RNG is drawn
+    from only at temperature > 0).
+    """
+    if len(rows) != len(draft) + 1:
+        raise ValueError(f"{len(draft)} draft tokens need {len(draft) + 1} rows of logits, got {len(rows)}")
+    greedy = plain_greedy(sampler, None)
+    hist = list(history)
+    out: list[int] = []
+    for i, d in enumerate(draft):
+        if greedy:
+            target = int(np.argmax(rows[i]))
+        elif sampler.params.temperature == 0.0:
+            target = sampler.sample(rows[i], hist)[0]
+        else:
+            target = _accept_or_resample(sampler, rows[i], hist, int(d))
+        out.append(target)
+        if target != d:
+            return out
+        hist.append(target)
+    out.append(int(np.argmax(rows[-1])) if greedy else sampler.sample(rows[-1], hist)[0])
+    return out
+
+
+def _accept_or_resample(sampler, row: np.ndarray, history: Sequence[int], d: int) -> int:
+    """``d`` with probability p(d); otherwise a draw from p without ``d``, renormalised."""
+    p = sampler.truncated_probs(sampler.process(row, history))
+    if sampler.rng.random() < p[d]:
+        return d
+    p[d] = 0.0
+    ids = np.flatnonzero(p)  # not empty: p(d) < 1 when this line is reached
+    cdf = np.cumsum(p[ids])
+    return int(ids[min(int(np.searchsorted(cdf, sampler.rng.random() * cdf[-1], side="right")), ids.size - 1)])
