@@ -412,11 +412,15 @@ class ForwardBatch:
     through it; otherwise each sequence's own buffers are used.
     """
 
-    def __init__(self, caches: Sequence[SequenceCache], n_new: int, stack: StackedDecode | None = None):
+    def __init__(self, caches: Sequence[SequenceCache], n_new: int, stack: StackedDecode | None = None,
+                 end_point: bool = True):
         if n_new > 1 and len(caches) != 1:
             raise ValueError("multi-token steps advance exactly one sequence")
         self.caches = list(caches)
         self.n_new = n_new
+        #: a multi-token forward keeps a recurrent reuse point at its end (a prefill transaction);
+        #: a speculative verify does not, so drafts do not push the prompt's points out
+        self.end_point = end_point
         self.offsets = [c.length for c in self.caches]
         self.total = max(self.offsets) + n_new  # keys attended over (padded)
         if stack is not None and not (n_new == 1 and stack.holds(self.caches)):
@@ -524,7 +528,7 @@ class ForwardBatch:
                 for layer, (conv, ssm) in self._staged.items():
                     rec.conv[layer], rec.ssm[layer] = conv[b], ssm[b]
                 end = c.length + self.n_new
-                if self.n_new > 1 or end % rec.interval == 0:  # a transaction's end, or a multiple
+                if (self.n_new > 1 and self.end_point) or end % rec.interval == 0:  # a transaction's end, or a multiple
                     rec.add_point(end, rec.conv, rec.ssm)
             c.advance(self.n_new)
             if c.recurrent is not None:

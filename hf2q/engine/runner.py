@@ -191,7 +191,7 @@ class MlxModelRunner:
             if every_position:
                 return self.host_decoder._advance(ids, [seq] * len(ids), logits_from=0)
             return self.host_decoder.prefill(seq, ids)
-        fb = ForwardBatch([seq], len(tokens))
+        fb = ForwardBatch([seq], len(tokens), end_point=not every_position)
         logits = self.model(mx.array(ids[None]), fb, last_only=not every_position)
         mx.eval(logits, fb.eval_state())
         fb.finish()
