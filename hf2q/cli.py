@@ -173,6 +173,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--embedding-model", help="GGUF of an embedding model (e.g. MiniLM) for /v1/embeddings")
     p.add_argument("--kv-persist", help="directory of the persistent prefix KV cache")
     p.add_argument("--kv-persist-budget", type=parse_size, default=None, help="disk budget, e.g. 20G")
+    p.add_argument("--kv-persist-payload", choices=["kv", "kv-f16", "kv-q8"], default="kv",
+                   help="how blocks are stored: kv (as the engine holds them; restores bit-exact), kv-f16 (half "
+                        "the disk of a float32 CPU cache; restores within float16 rounding), kv-q8 (8-bit rows)")
     p.add_argument("--operator-ui", choices=["auto", "dashboard", "plain"], default="auto")
     p.add_argument("--prefill-chunk", type=_positive_int, default=2048, help="tokens per prefill transaction")
     p.add_argument("--gpu-deadline", type=_positive_seconds, default=120.0,

@@ -37,8 +37,8 @@ def model_file(tmp_path):
     return path
 
 
-def _args(kv_dir, budget=None):
-    return argparse.Namespace(kv_persist=str(kv_dir), kv_persist_budget=budget)
+def _args(kv_dir, budget=None, payload="kv"):
+    return argparse.Namespace(kv_persist=str(kv_dir), kv_persist_budget=budget, kv_persist_payload=payload)
 
 
 def test_fingerprint_folds_in_the_engine_identity(model_file):
@@ -112,3 +112,22 @@ def test_opener_checks_the_directory_before_any_model_loads(tmp_path, model_file
     with pytest.raises(InputError, match="must not be negative"):
         kv_store_opener(_args(tmp_path / "kv", budget=-1), model_file, None)
     assert kv_store_opener(argparse.Namespace(kv_persist=None, kv_persist_budget=None), model_file, None) is None
+
+
+async def test_serve_stores_blocks_in_the_payload_it_is_told(tmp_path, model_file):
+    """``serve --kv-persist-payload kv-f16`` reaches the store: new block files carry that payload and
+    a restart restores from them."""
+    from hf2q.cli import build_parser
+    from hf2q.kvstore.blockfile import BLOCK_SUFFIX, read_block
+
+    args = build_parser().parse_args(["serve", "--kv-persist", str(tmp_path / "kv"), "--kv-persist-payload", "kv-f16"])
+    assert args.kv_persist_payload == "kv-f16"
+    opener = kv_store_opener(args, model_file, None)
+    prompt = _prompt(2 * BLOCK_TOKENS + 9)
+    _, store, ev, counters = await _serve_once(opener, CPU, prompt, "a")
+    assert counters["kv_blocks_saved"] == 2 and store.payload_kind == "kv-f16"
+    files = sorted((tmp_path / "kv").rglob("*" + BLOCK_SUFFIX))
+    assert len(files) == 2 and all(read_block(f)[0].payload_kind == "kv-f16" for f in files)
+    runner, _, ev2, c2 = await _serve_once(opener, CPU, prompt, "b")
+    assert ev2[0].cached_tokens == 2 * BLOCK_TOKENS and c2["kv_blocks_restored"] == 2
+    assert tokens_of(ev2) == greedy(runner, prompt, 4)

@@ -136,7 +136,8 @@ def kv_store_opener(args, model_path: Path, chat_template: str | None):
 
     def open_store(kv_identity: str):
         fp = model_fingerprint(model_path, None, chat_template, FORMAT_VERSION, kv_identity=kv_identity)
-        return BlockStore.open(root, fp, args.kv_persist_budget)
+        return BlockStore.open(root, fp, args.kv_persist_budget,
+                               payload_kind=getattr(args, "kv_persist_payload", None) or "kv")
     return open_store
 
 
