@@ -22,11 +22,14 @@ def prepare_mlx() -> str:
 
 
 def load_runner(path: str | Path, ctx: int | None = None):
-    """An ``MlxModelRunner`` for the GGUF at ``path``: the file checked first, then the process
-    readied for MLX."""
-    from hf2q.formats.gguf_check import open_servable
+    """An ``MlxModelRunner`` for the GGUF at ``path``: the file's weights checked first, then the
+    process readied for MLX. The tokenizer is the callers' to check (serve's preflight and generate
+    run the whole check `hf2q info` reports); an engine-only copy may leave the vocabulary out."""
+    from hf2q.formats.gguf_check import check_weights
+    from hf2q.formats.gguf_file import open_gguf
 
-    g = open_servable(path)  # the check `hf2q info` reports, before MLX or a kernel is touched
+    g = open_gguf(path)
+    check_weights(g)  # before MLX or a kernel is touched
     prepare_mlx()
     from hf2q.engine.runner import MlxModelRunner
 
