@@ -15,7 +15,7 @@ from typing import Any
 from hf2q.errors import EXIT_INPUT, EXIT_OK, InputError
 from hf2q.formats.gguf_check import problem, unserved
 from hf2q.formats.gguf_file import open_gguf
-from hf2q.formats.gguf_hparams import ENCODER_ARCHS, RECURRENT_ARCHS
+from hf2q.formats.gguf_hparams import ENCODER_ARCHS
 from hf2q.formats.gguf_keys import Keys
 
 EMBEDDING_ARCHS = ENCODER_ARCHS
@@ -96,17 +96,15 @@ def recurrent_state(hp, elem: int = 4) -> dict[str, int]:
     qwen35moe), beside its KV: per layer the conv window ``(conv kernel − 1) × conv channels``
     in the engine's activation type (``elem`` bytes, as the KV) and the delta-rule matrix
     ``value heads × value dim × key dim`` in float32. Zeros for other families."""
-    from hf2q.engine.kv_cache import CHECKPOINTS_KEPT
+    from hf2q.engine.recurrent_policy import CHECKPOINTS_KEPT
 
-    layers = sum(hp.recurrent_layers) if hp is not None and hp.arch in RECURRENT_ARCHS else 0
-    if not layers:
+    conv, ssm = hp.recurrent_state_parts(elem) if hp is not None else (0, 0)
+    if not conv + ssm:
         return {"recurrent_layers": 0, "recurrent_conv_bytes_per_slot": 0, "recurrent_ssm_bytes_per_slot": 0,
                 "recurrent_state_bytes_per_slot": 0, "recurrent_reuse_points_per_slot": 0}
-    key_dim = hp.ssm_state_size * hp.ssm_group_count
-    conv = layers * (hp.ssm_conv_kernel - 1) * (2 * key_dim + hp.ssm_inner_size) * elem
-    ssm = layers * hp.ssm_inner_size * hp.ssm_state_size * 4
-    return {"recurrent_layers": layers, "recurrent_conv_bytes_per_slot": conv, "recurrent_ssm_bytes_per_slot": ssm,
-            "recurrent_state_bytes_per_slot": conv + ssm, "recurrent_reuse_points_per_slot": CHECKPOINTS_KEPT}
+    return {"recurrent_layers": sum(hp.recurrent_layers), "recurrent_conv_bytes_per_slot": conv,
+            "recurrent_ssm_bytes_per_slot": ssm, "recurrent_state_bytes_per_slot": conv + ssm,
+            "recurrent_reuse_points_per_slot": CHECKPOINTS_KEPT}
 
 
 def _recurrent_line(info: dict) -> str:

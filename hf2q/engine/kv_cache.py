@@ -32,6 +32,8 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
+from hf2q.engine.recurrent_policy import CHECKPOINT_INTERVAL, CHECKPOINTS_KEPT
+
 GROW = 256
 
 
@@ -47,10 +49,6 @@ class PrefixNotReusable(ValueError):
     """A prefix operation a recurrent state cannot honour (trim to an earlier position, KV export/import)."""
 
 
-#: tokens between two kept recurrent-state checkpoints (a diverging prompt recomputes at most this many)
-CHECKPOINT_INTERVAL = 256
-#: most checkpoints one sequence keeps (the oldest go first)
-CHECKPOINTS_KEPT = 16
 
 
 class RecurrentState:

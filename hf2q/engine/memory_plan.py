@@ -21,6 +21,7 @@ import attrs
 from gguf import GGMLQuantizationType as T
 
 from hf2q.engine.device_probe import DeviceFacts, probe
+from hf2q.engine.recurrent_policy import STATES_PER_SEQUENCE
 from hf2q.errors import InputError
 from hf2q.formats.gguf_file import GGUFFile, GGUFTensor
 
@@ -110,8 +111,9 @@ def check_model(path, size: int, *, ctx: int | None, slots: int, kv_budget: int 
     elem = device.activation_bytes()
     if kv_budget is None:
         hp = g.hparams
-        # hybrid models: each slot's recurrent state and the checkpoint it keeps (docs/ENGINE.md)
-        kv_budget = slots * ((ctx or hp.n_ctx_train) * hp.kv_bytes_per_token(elem) + 2 * hp.recurrent_state_bytes())
+        # hybrid models: each slot's recurrent state, its rollback copy and its reuse points (docs/ENGINE.md)
+        kv_budget = slots * ((ctx or hp.n_ctx_train) * hp.kv_bytes_per_token(elem)
+                             + STATES_PER_SEQUENCE * hp.recurrent_state_bytes(elem))
     if limit is None:
         limit = int(device.memory * DEFAULT_FRACTION)
     return check_fits(g, size, kv_budget, limit, float_bytes=elem, scale_bytes=device.scale_bytes())

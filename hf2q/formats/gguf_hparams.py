@@ -284,18 +284,21 @@ class GGUFHparams:
         """Value heads × value head size."""
         return int(self.require(_S.INNER_SIZE))
 
-    def recurrent_state_bytes(self) -> int:
-        """Bytes of recurrent state one sequence holds over all linear-attention layers: the conv
-        window ``(conv_kernel − 1) × conv channels`` and the float32 delta-rule matrix
-        ``value heads × value head size × key head size`` (0 without recurrent layers)."""
-        n = sum(self.recurrent_layers)
+    def recurrent_state_parts(self, elem_bytes: int = 4) -> tuple[int, int]:
+        """``(conv, ssm)`` bytes of recurrent state one sequence holds over all linear-attention layers:
+        the conv window ``(conv_kernel − 1) × conv channels`` in the activation type (``elem_bytes``)
+        and the float32 delta-rule matrix ``value heads × value head size × key head size`` ((0, 0)
+        without recurrent layers)."""
+        n = sum(self.recurrent_layers) if self.arch in RECURRENT_ARCHS else 0
         if not n:
-            return 0
+            return 0, 0
         k_dim = self.ssm_state_size * self.ssm_group_count
-        v_heads, inner = self.ssm_time_step_rank, self.ssm_inner_size
-        conv = (self.ssm_conv_kernel - 1) * (2 * k_dim + inner)
-        ssm = inner * self.ssm_state_size
-        return n * (conv + ssm) * 4
+        inner = self.ssm_inner_size
+        return n * (self.ssm_conv_kernel - 1) * (2 * k_dim + inner) * elem_bytes, n * inner * self.ssm_state_size * 4
+
+    def recurrent_state_bytes(self, elem_bytes: int = 4) -> int:
+        """One copy of a sequence's recurrent state (:meth:`recurrent_state_parts`, summed)."""
+        return sum(self.recurrent_state_parts(elem_bytes))
 
     @property
     def is_encoder(self) -> bool:
