@@ -179,7 +179,7 @@ def _keep(runner, seq, start: int, fed: list[int]) -> None:
         seq.trim(keep)
         return
     seq.trim(start)
-    runner.prefill(seq, fed)
+    runner.verify(seq, fed)  # not prefill: a re-feed is no transaction, so it keeps no reuse point
 
 
 def _decode_host(runner, seq, logits, params, budget, generated, on_token, stops) -> str:
