@@ -279,7 +279,7 @@ class GGUFChatModel:
         kwargs = dict(req.chat_template_kwargs)
         if req.reasoning_effort is not None:
             kwargs.setdefault("reasoning_effort", req.reasoning_effort)
-            kwargs.setdefault("enable_thinking", req.reasoning_effort not in ("none", "minimal"))
+            kwargs.setdefault("enable_thinking", _thinking(req))
         try:
             return self.template.render(messages, tools=tools, add_generation_prompt=True, **kwargs)
         except InputError as e:
@@ -330,7 +330,7 @@ class GGUFChatModel:
             stop_token_ids=frozenset(tok.eos_ids),
             constraint=_constraint(tok, req, self.tool_syntax if req.tools_active else None, max_tokens,
                                    opening=closing))
-        thinking = bool(req.chat_template_kwargs.get("enable_thinking", True)) and req.reasoning_effort != "none"
+        thinking = _thinking(req)
         tools = list(req.tools) if req.tools_active else None
         syntax = self.tool_syntax if tools else None
 
@@ -526,3 +526,9 @@ class ChatOutputDecoder:
     def _end_calls(self, cause: str) -> None:
         self._calls_ended = True
         self.stop_hit, self.stop_cause = True, cause
+
+
+def _thinking(req) -> bool:
+    """Whether the reply opens with reasoning: ``chat_template_kwargs.enable_thinking`` when given,
+    else off for ``reasoning_effort`` none/minimal — one rule for the rendered prompt and the reader."""
+    return bool(req.chat_template_kwargs.get("enable_thinking", req.reasoning_effort not in ("none", "minimal")))
