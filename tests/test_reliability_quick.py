@@ -40,4 +40,3 @@ def test_quick_suite_counts_nothing_wrong_but_the_planted_case(tmp_path):
     assert "planted" in details["http"]["wrong_status"][0]
     assert report["parts"]["http"]["cases"] >= 150  # the corpus itself, before the fuzz
     assert report["cases"] >= 300 and report["peak_rss_bytes"] > 0
-    assert report["seconds"] <= 90, report["seconds"]
