@@ -264,10 +264,10 @@ class LocalBackend:
         from hf2q.engine.factory import load_runner
         from hf2q.engine.generate import check_generative_model
 
-        check_generative_model(model_path)
+        header = check_generative_model(model_path)
         self.model_path = model_path
         self.chat_model = GGUFChatModel.from_gguf(model_path, model_path.stem)
-        self.runner = load_runner(model_path, ctx=ctx)
+        self.runner = load_runner(header, ctx=ctx)
         if self.runner.is_embedding_model:
             raise InputError(f"{model_path.name} is an embedding model; chat needs a chat model")
 

@@ -11,8 +11,6 @@ plans memory keeps its environment and its loaded libraries untouched.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 
 def prepare_mlx() -> str:
     """Load the fast CPU BLAS before MLX (idempotent); returns ``cpu_blas.status()``."""
@@ -21,15 +19,14 @@ def prepare_mlx() -> str:
     return cpu_blas.preload()
 
 
-def load_runner(path: str | Path, ctx: int | None = None):
-    """An ``MlxModelRunner`` for the GGUF at ``path``: the file's weights checked first, then the
-    process readied for MLX. The tokenizer is the callers' to check (serve's preflight and generate
-    run the whole check `hf2q info` reports); an engine-only copy may leave the vocabulary out."""
-    from hf2q.formats.gguf_check import check_weights
-    from hf2q.formats.gguf_file import open_gguf
+def load_runner(path, ctx: int | None = None):
+    """An ``MlxModelRunner`` for the GGUF at ``path`` (a path, or the ``GGUFFile`` a caller already
+    opened and checked), the process readied for MLX first. The model build checks the weights
+    before any kernel sees them; the tokenizer is the callers' to check (serve's preflight and
+    generate run the whole check `hf2q info` reports), since an engine-only copy may leave it out."""
+    from hf2q.formats.gguf_file import GGUFFile, open_gguf
 
-    g = open_gguf(path)
-    check_weights(g)  # before MLX or a kernel is touched
+    g = path if isinstance(path, GGUFFile) else open_gguf(path)
     prepare_mlx()
     from hf2q.engine.runner import MlxModelRunner
 

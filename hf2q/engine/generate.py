@@ -227,8 +227,9 @@ def _decode_pipelined(runner, seq, logits, params, budget, generated, on_token, 
         pending = ahead
 
 
-def check_generative_model(model_path: Path) -> None:
-    """The checks `info` runs (a servable GGUF of a known family, with a tokenizer), before anything heavy."""
+def check_generative_model(model_path: Path):
+    """The checks `info` runs (a servable GGUF of a known family, with a tokenizer), before anything
+    heavy; returns the opened file for :func:`hf2q.engine.factory.load_runner`."""
     from hf2q.engine.models import FAMILIES
     from hf2q.formats.gguf_check import open_servable
     from hf2q.formats.gguf_keys import Keys
@@ -239,6 +240,7 @@ def check_generative_model(model_path: Path) -> None:
                          f"(supported: {', '.join(sorted(FAMILIES))})")
     if not header.get(Keys.Tokenizer.MODEL) or not header.get(Keys.Tokenizer.LIST):
         raise InputError(f"{model_path.name}: no tokenizer metadata ({Keys.Tokenizer.MODEL} / tokens)")
+    return header
 
 
 def run(args) -> int:
@@ -255,10 +257,10 @@ def run(args) -> int:
         from hf2q.fetch import default_chat_model
 
         model_path = default_chat_model()
-    check_generative_model(model_path)
+    header = check_generative_model(model_path)
     tokenizer = GGUFTokenizer.from_gguf(model_path)
     prompt = render_prompt(args, model_path, tokenizer)
-    runner = load_runner(model_path, ctx=getattr(args, "ctx", None))
+    runner = load_runner(header, ctx=getattr(args, "ctx", None))
     if runner.is_embedding_model:
         raise InputError(f"{model_path.name} is an embedding model; generate needs a chat/text model")
     params = _params(args)
