@@ -93,6 +93,9 @@ class GatedDeltaNet:
         self.dt_bias = float_array(g.tensor(p + "ssm_dt.bias"), mx.float32)
         self.a = float_array(g.tensor(p + "ssm_a"), mx.float32)  # −exp(A_log)
         self.norm = _norm(g, p + "ssm_norm.weight", dtype)
+        #: the recurrence (and the traced preparation) on CUDA: our kernel takes these head shapes
+        self.on_cuda = cuda_gated_delta.available() and cuda_gated_delta.takes(shape.k_dim, shape.k_heads,
+                                                                               shape.v_heads)
 
     def linears(self):
         return (self.qkv, self.z, self.beta, self.alpha, self.out)
@@ -101,19 +104,17 @@ class GatedDeltaNet:
         s = self.shape
         B, L, _ = x.shape
         conv_in, ssm_state = fb.recurrent_state(self.index)
-        qkv = self.qkv(x)
-        on_cuda = cuda_gated_delta.available() and cuda_gated_delta.takes(s.k_dim, s.k_heads, s.v_heads)
+        on_cuda = self.on_cuda
         prepare = _prepare_compiled if on_cuda else _prepare  # fused elementwise work where launches cost most
-        q, k, v, gamma, beta, conv_state = prepare(qkv, conv_in, self.conv_w, self.beta(x), self.alpha(x),
-                                                   self.dt_bias, self.a, s.k_heads, s.k_dim, s.v_heads, s.v_dim,
-                                                   self.eps)
+        q, k, v, gamma, beta, window = prepare(self.qkv(x), conv_in, self.conv_w, self.beta(x), self.alpha(x),
+                                               self.dt_bias, self.a, s.k_heads, s.k_dim, s.v_heads, s.v_dim, self.eps)
+        conv_state = window[:, L:, :]  # the conv inputs the next forward continues
         if not on_cuda and s.v_heads != s.k_heads:  # tiled value heads: head j·k_heads + g reads key head g
             reps = (1, 1, s.v_heads // s.k_heads, 1)
             q, k = mx.tile(q, reps), mx.tile(k, reps)
         recurrence = cuda_gated_delta.gated_delta if on_cuda else mx.fast.gated_delta_update
         cuts = fb.recurrent_cuts()
         if cuts:  # reuse points inside this chunk: run the recurrence piecewise and hand each state in
-            window = mx.concatenate([conv_in.astype(qkv.dtype), qkv], axis=1)  # conv inputs, K − 1 before
             K, ys, start = s.conv_kernel, [], 0
             for end in (*cuts, L):
                 part = slice(start, end)
@@ -137,7 +138,8 @@ def _prepare(qkv: mx.array, conv_state: mx.array, conv_w: mx.array, beta_raw: mx
     """Everything between the input projections and the recurrence: the causal depthwise conv of
     ``qkv [B, L, C]`` continuing ``conv_state [B, K − 1, C]`` (then SiLU), the q/k/v split with
     L2-normalised q (also scaled by ``k_dim^-½``) and k, and the per-head rates β and decays γ.
-    Returns ``(q, k, v, gamma, beta, next conv state)``; q/k keep the key heads."""
+    Returns ``(q, k, v, gamma, beta, window)``: q/k keep the key heads; ``window [B, K − 1 + L, C]`` is
+    the conv input (the state, then ``qkv``), whose last ``K − 1`` rows are the next conv state."""
     B, L, _ = qkv.shape
     K = conv_w.shape[0]
     window = mx.concatenate([conv_state.astype(qkv.dtype), qkv], axis=1)  # [B, K − 1 + L, C]
@@ -151,7 +153,7 @@ def _prepare(qkv: mx.array, conv_state: mx.array, conv_w: mx.array, beta_raw: mx
     v = mixed[..., 2 * kd:].reshape(B, L, v_heads, v_dim).astype(mx.float32)
     beta = mx.sigmoid(beta_raw.astype(mx.float32))
     gamma = mx.exp(_softplus(alpha_raw.astype(mx.float32) + dt_bias) * a)
-    return q, k, v, gamma, beta, window[:, L:, :]
+    return q, k, v, gamma, beta, window
 
 
 #: :func:`_prepare` traced once per shape into fused kernels (the head counts and eps are constants of a layer)
