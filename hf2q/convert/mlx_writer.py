@@ -95,10 +95,10 @@ def _check_against_config(cfg: dict[str, Any], src: Path, ckpt) -> None:
     from hf2q.convert.pipeline import plan_checked
     from hf2q.sources.hf_config import architecture_name
 
-    check_config(cfg, ckpt)
     try:
         family_cls = family_class(architecture_name(cfg))
     except InputError:  # mlx_policy knows the family by model_type; the GGUF table may not
+        check_config(cfg, ckpt)  # plan_checked runs it for the families it knows
         return
     from hf2q.sources.tokenizer_meta import release_tokenizer_cache
     try:

@@ -39,8 +39,6 @@ SUPPORTED_TYPES = frozenset({T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_
 VECTOR_TYPES = frozenset({T.F32, T.F16, T.BF16})
 #: tokenizer models the text layer builds
 TOKENIZER_MODELS = ("gpt2", "llama", "bert", "gemma4")
-#: the architectures with a checker here (``engine.models.FAMILIES`` must be a subset)
-CHECKED_ARCHS = frozenset({"llama", "qwen3", "qwen3moe", "gemma3", "gemma4", "bert", "qwen35", "qwen35moe"})
 
 # sane upper bounds: far above any released model, far below what overflows a C int index
 MAX_DIM = 1 << 20
@@ -325,7 +323,7 @@ class _Checker:
     # ---- tensors ---------------------------------------------------------------------
 
     def run(self, tokenizer: bool) -> None:
-        if self.arch not in CHECKED_ARCHS:
+        if self.arch not in _FAMILY_TABLES:  # the architectures with a checker here
             raise self.fail(unserved(self.arch))
         unsupported = [t for t in self.g.tensors.values() if t.qtype not in SUPPORTED_TYPES]
         if unsupported:
