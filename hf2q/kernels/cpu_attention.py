@@ -32,7 +32,7 @@ import threading
 import mlx.core as mx
 import numpy as np
 
-from hf2q.kernels.cpu_build import KernelLibrary, switched_off
+from hf2q.kernels.cpu_build import KernelDimsError, KernelLibrary, switched_off
 
 #: keys per tile; query rows per tile are ``TILE_ROWS`` (all heads of a group stacked)
 TILE_K = 128
@@ -143,7 +143,7 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
 
     cpu_blas.run_shared(n_tasks, work)
     if refused:
-        raise ValueError(f"attention kernel refused dims B={B} H={H} Hkv={Hkv} T={T} D={D} Dv={Dv}")
+        raise KernelDimsError(f"attention kernel refused dims B={B} H={H} Hkv={Hkv} T={T} D={D} Dv={Dv}")
     return mx.array(out).transpose(0, 2, 1, 3)
 
 

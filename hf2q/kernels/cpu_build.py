@@ -138,6 +138,14 @@ def compile_library(name: str, source: Path) -> Path:
     return lib
 
 
+#: what a C entry point returns when its dims cannot describe the buffers (nothing was touched)
+BAD_DIMS = -2
+
+
+class KernelDimsError(ValueError):
+    """A host kernel refused its dimensions before reading or writing any buffer."""
+
+
 class KernelLibrary:
     """One C kernel library: compiled on first use, loaded once per process, thread-safe.
 

@@ -20,18 +20,10 @@ from __future__ import annotations
 import ctypes
 
 from hf2q.kernels import cpu_pool
-from hf2q.kernels.cpu_build import KernelLibrary
+from hf2q.kernels.cpu_build import BAD_DIMS, KernelDimsError, KernelLibrary
 from hf2q.kernels.cpu_qmatvec import kernel
 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-
-
-#: what an entry point returns when its dims cannot describe the buffers (nothing was touched)
-BAD_DIMS = -2
-
-
-class KernelDimsError(ValueError):
-    """A host kernel refused its dimensions before reading or writing any buffer."""
 
 
 def _checked(result: int, func, args) -> int:

@@ -39,12 +39,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from hf2q.kernels import cpu_pool
-from hf2q.kernels.cpu_build import KernelLibrary, switched_off
+from hf2q.kernels.cpu_build import BAD_DIMS, KernelDimsError, KernelLibrary, switched_off
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
-#: ``qmv_group``'s status for dims it refused without reading a byte
-BAD_DIMS = -2
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -119,7 +117,7 @@ class QMatrixGroup:
         status = self._qmv_group(self._count, w, s, b, rows, bits, cols, x_ptr, y_ptr, self.n, batch, self.rows)
         if status:
             if status == BAD_DIMS:
-                raise ValueError(f"qmv_group refused its dims: {self._count} matrices of width {self.n}, "
+                raise KernelDimsError(f"qmv_group refused its dims: {self._count} matrices of width {self.n}, "
                                  f"batch {batch}, output width {self.rows}")
             raise MemoryError("qmv_group: out of memory")
 
