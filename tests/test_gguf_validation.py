@@ -194,8 +194,6 @@ def test_qmv_group_refuses_columns_outside_the_output_row():
     g = QMatrixGroup([(packed, scales, biases, 8)])
     with pytest.raises(ValueError, match="refused its dims"):
         g.run(_ptr(x), _ptr(y), 0)
-    with pytest.raises(ValueError, match="C-contiguous float32"):
-        g.check_buffers(x, np.zeros((1, rows + 1), np.float32))
     with pytest.raises(ValueError, match="inconsistent quantized matrix"):
         QMatrixGroup([(packed[:, :32], scales, biases, 8)])
 

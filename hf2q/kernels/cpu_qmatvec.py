@@ -121,15 +121,6 @@ class QMatrixGroup:
                                  f"batch {batch}, output width {self.rows}")
             raise MemoryError("qmv_group: out of memory")
 
-    def check_buffers(self, x: np.ndarray, y: np.ndarray) -> None:
-        """Raise unless ``x`` / ``y`` can be the input and output of :meth:`run` for their rows:
-        float32, C-contiguous, ``[≥1, n]`` and ``[rows(x), Σ rows]``. What a caller that keeps
-        preallocated buffers checks once, when it sets them up."""
-        for what, a, width in (("input", x, self.n), ("output", y, self.rows)):
-            if a.dtype != np.float32 or not a.flags.c_contiguous or a.ndim != 2 or a.shape[1] != width:
-                raise ValueError(f"qmv_group {what} must be C-contiguous float32 [rows, {width}], "
-                                 f"found {a.dtype} {a.shape}")
-
 
 def qmatvec(packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, x: np.ndarray, bits: int) -> np.ndarray:
     """``x [batch, n] float32`` → ``[batch, rows]``; packed is the MLX uint32 layout as bytes ``[rows, n*bits/8]``.
