@@ -185,12 +185,13 @@ def _copy_data(src: Path, start: int, out) -> None:
             out.write(chunk)
 
 
-def patch(path: Path, output: Path, sets: dict[str, tuple[VT, Any]], drops: list[str]) -> None:
-    """Write ``path`` with ``sets``/``drops`` applied to ``output`` (which may be ``path``).
+def patch(path: Path, output: Path, sets: dict[str, tuple[VT, Any]], drops: list[str], parsed=None) -> None:
+    """Write ``path`` with ``sets``/``drops`` applied to ``output`` (which may be ``path``);
+    ``parsed`` is ``layout(path)`` when the caller already has it.
 
     In place, a symlink's target is what gets replaced (a Hub cache's link keeps pointing at the
     patched blob), and the file keeps its permission bits."""
-    metadata, lay, version, mm = layout(path)
+    metadata, lay, version, mm = parsed if parsed is not None else layout(path)
     try:
         header = _header_bytes(mm, lay, version, metadata[ExtraKeys.GGUF_TENSOR_COUNT], sets, drops)
     finally:
@@ -207,8 +208,8 @@ def patch(path: Path, output: Path, sets: dict[str, tuple[VT, Any]], drops: list
 def run(args) -> int:
     path = Path(args.file)
     open_gguf(path)  # the container check: every defect is one InputError line (exit 3)
-    metadata, lay, _version, mm = layout(path)
-    del mm
+    parsed = layout(path)
+    metadata, lay = parsed[0], parsed[1]
     existing = {key: VT(vtype) for key, vtype, _s, _e in lay.kv_spans}
     sets, drops = plan_changes(args, existing)
     lines = diff_lines(metadata, sets, drops)
@@ -223,6 +224,6 @@ def run(args) -> int:
     output = Path(args.output) if args.output else path
     if output.exists() and output.is_dir():
         raise UsageError(f"-o {output} is a directory")
-    patch(path, output, sets, drops)
+    patch(path, output, sets, drops, parsed)
     print(f"wrote {output} ({os.path.getsize(output)} bytes)", file=sys.stderr)
     return 0
