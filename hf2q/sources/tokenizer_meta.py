@@ -122,6 +122,7 @@ def _looks_special(token: str) -> bool:
 def release_tokenizer_cache() -> None:
     """Drop parsed tokenizer files (hundreds of MB of Python objects for a 262k vocabulary)."""
     _parse_json.cache_clear()
+    _CHECKED_TOKENIZERS.clear()
 
 
 def load_tokenizer_json(src: Path) -> dict:
@@ -129,6 +130,20 @@ def load_tokenizer_json(src: Path) -> dict:
     file is one line naming it, not a ``TypeError`` deep in the vocabulary code."""
     path = src / "tokenizer.json"
     tj = _load_json(path)
+    st = path.stat()
+    key = (str(path), st.st_mtime_ns, st.st_size)
+    if key in _CHECKED_TOKENIZERS:  # the same parse already passed: its vocabulary is not walked again
+        return tj
+    _check_tokenizer_json(path, tj)
+    _CHECKED_TOKENIZERS.add(key)
+    return tj
+
+
+#: (path, mtime, size) of tokenizer.json parses :func:`load_tokenizer_json` has checked (cleared with the parses)
+_CHECKED_TOKENIZERS: set[tuple[str, int, int]] = set()
+
+
+def _check_tokenizer_json(path: Path, tj: Any) -> None:
     if not isinstance(tj, dict):
         raise InputError(f"{path}: expected a JSON object, got {type(tj).__name__}")
     model = tj.get("model")
@@ -154,7 +169,6 @@ def load_tokenizer_json(src: Path) -> dict:
             isinstance(m, str) or isinstance(m, list) and len(m) == 2 and all(isinstance(x, str) for x in m)
             for m in merges)):
         raise InputError(f"{path}: model.merges must be a list of \"a b\" strings or [a, b] pairs")
-    return tj
 
 
 def _tokenizer_config(src: Path) -> dict | None:
