@@ -1,0 +1,1 @@
+"""Measuring what a conversion costs: calibration corpora, importance matrices, quality scores."""
