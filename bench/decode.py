@@ -147,7 +147,8 @@ def bench_mlx_lm(mlx_dir: Path, prefill: list[int], tg: int, reps: int) -> dict:
     return out
 
 
-def bench_llama_cpp(gguf: Path, prefill: list[int], tg: int, reps: int, threads: int) -> dict | None:
+def bench_llama_cpp(gguf: Path, prefill: list[int], tg: int, reps: int, threads: int,
+                    extra: list[str] = ()) -> dict | None:
     from tests.tools import llama_cpp
 
     exe = llama_cpp.tool("llama-bench")
@@ -155,7 +156,7 @@ def bench_llama_cpp(gguf: Path, prefill: list[int], tg: int, reps: int, threads:
         return None
     env = {**os.environ, **llama_cpp.env(), "OMP_WAIT_POLICY": "PASSIVE"}
     cmd = [str(exe), "-m", str(gguf), "-p", ",".join(map(str, prefill)), "-n", str(tg), "-r", str(reps),
-           "-t", str(threads), "-o", "json"]
+           "-t", str(threads), "-o", "json", *extra]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
         print(f"llama-bench failed: {r.stderr.strip()[-300:]}", file=sys.stderr)
@@ -173,7 +174,8 @@ def bench_files(paths: list[Path], args) -> int:
     results = {"device": str(mx.default_device()), "prefill": prefill, "tg": args.tg, "reps": args.reps, "runs": {}}
     for path in paths:
         row = {"hf2q": bench_hf2q(path, prefill, args.tg, args.reps, args.chunk),
-               "llama.cpp": bench_llama_cpp(path, prefill, args.tg, args.reps, args.threads)}
+               "llama.cpp": bench_llama_cpp(path, prefill, args.tg, args.reps, args.threads,
+                                            args.llama_args.split())}
         if row["llama.cpp"]:
             row["hf2q/llama.cpp"] = {k: round(row["hf2q"][k] / v, 3) for k, v in row["llama.cpp"].items()
                                      if k in row["hf2q"] and v}
@@ -196,6 +198,7 @@ def main(argv=None) -> int:
     p.add_argument("--work", default=None, help="where converted models are kept (default: hf2q cache/bench)")
     p.add_argument("--gguf", action="append", default=[],
                    help="time these GGUF files instead (hf2q and llama.cpp on each; e.g. bench/synth_gguf.py shapes)")
+    p.add_argument("--llama-args", default="", help="extra llama-bench flags, e.g. '-fa 1' on a GPU")
     p.add_argument("--out", default="bench-decode.json")
     args = p.parse_args(argv)
     if args.gguf:

@@ -5,8 +5,10 @@
    2048-token transactions, tg128) with ``bench/decode.py``'s ``bench_hf2q``.
 2. Prints those next to the peer figures measured on the same GPU model
    (llama.cpp CUDA and mlx-lm 0.32.2, measured earlier on one H200), with ratios.
-3. Correctness: for each small GGUF given with ``--check``, last-token logits on the GPU vs
-   the CPU backend (subprocess with ``HF2Q_DEVICE=cpu``), max-abs and greedy agreement.
+3. Correctness: for each small GGUF given with ``--check``, the logits of a 40-token prompt's last
+   token and of 8 decode steps after it (the CPU's greedy tokens, forced on both), GPU vs the CPU
+   backend in float32 (subprocess with ``HF2Q_DEVICE=cpu``), beside the same CPU run in the GPU's
+   compute dtype: the GPU's deviation should be of the size its precision alone gives.
 
     python bench/gpu_engine.py --vocab-gguf V.gguf --mixes q4_k_m,q8_0 --check tiny.gguf
 """
@@ -33,18 +35,64 @@ PEERS = {
 }
 
 
-def logits_probe(path: str) -> list[float]:
+DECODE_STEPS = 8
+
+
+def logits_probe(path: str, forced: list[int] | None = None, dtype: str | None = None) -> dict:
+    """Logits of a 40-token prompt's last token and of DECODE_STEPS decode steps after it.
+
+    ``forced``: the tokens to decode (another run's greedy choices), so two backends are compared
+    on the same sequence instead of diverging after the first near-tie; ``dtype`` runs the engine
+    in that compute dtype (the CPU run in the GPU's precision is the yardstick for its rounding)."""
     import mlx.core as mx
     import numpy as np
 
-    from hf2q.engine.runner import MlxModelRunner
+    import hf2q.engine.runner as runner_mod
 
     if os.environ.get("HF2Q_DEVICE") == "cpu":
         mx.set_default_device(mx.cpu)
-    r = MlxModelRunner.load(path)
+    if dtype:
+        os.environ["HF2Q_NO_HOST_DECODE"] = "1"  # the host decoder is float32 only
+        runner_mod.compute_dtype = lambda arch: getattr(mx, dtype)
+    r = runner_mod.MlxModelRunner.load(path)
     s = r.new_sequence()
     toks = [int(t) for t in np.random.default_rng(1).integers(1, min(r.vocab_size, 1000), 40)]
-    return r.prefill(s, toks).astype("float64").tolist()
+    rows = [r.prefill(s, toks)]
+    chosen = []
+    for i in range(DECODE_STEPS):  # a prompt longer than a tiny sliding window, then decode steps
+        chosen.append(forced[i] if forced else int(np.argmax(rows[-1])))
+        rows.append(r.decode([s], [chosen[-1]])[0])
+    return {"logits": np.stack(rows).astype("float64").tolist(), "tokens": chosen}
+
+
+def _probe_subprocess(path: str, forced: list[int] | None, dtype: str | None) -> dict:
+    cmd = [sys.executable, __file__, "--probe", path]
+    if forced:
+        cmd += ["--forced", json.dumps(forced)]
+    if dtype:
+        cmd += ["--probe-dtype", dtype]
+    env = {**os.environ, "HF2Q_DEVICE": "cpu"}
+    return json.loads(subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout)
+
+
+def compare_backends(path: str) -> dict:
+    """GPU vs CPU float32 on the CPU's greedy sequence, beside CPU-in-the-GPU's-dtype vs CPU float32."""
+    import numpy as np
+
+    from hf2q.engine.runner import compute_dtype
+    from hf2q.formats.gguf_file import open_gguf
+
+    gpu_dtype = str(compute_dtype(open_gguf(path).arch)).split(".")[-1]
+    ref = _probe_subprocess(path, None, None)
+    cpu = np.array(ref["logits"])
+    gpu = np.array(logits_probe(path, ref["tokens"])["logits"])
+    yard = np.array(_probe_subprocess(path, ref["tokens"], gpu_dtype)["logits"])
+    return {"dtype": gpu_dtype, "scale": float(np.abs(cpu).max()),
+            "gpu_max_abs": float(np.abs(gpu - cpu).max()),
+            "cpu_same_dtype_max_abs": float(np.abs(yard - cpu).max()),
+            "gpu_argmax_agree": int((gpu.argmax(1) == cpu.argmax(1)).sum()),
+            "cpu_same_dtype_argmax_agree": int((yard.argmax(1) == cpu.argmax(1)).sum()),
+            "steps": int(cpu.shape[0])}
 
 
 def main() -> int:
@@ -56,28 +104,24 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--check", action="append", default=[])
     ap.add_argument("--probe", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--forced", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--probe-dtype", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.probe:
-        print(json.dumps(logits_probe(a.probe)))
+        print(json.dumps(logits_probe(a.probe, json.loads(a.forced) if a.forced else None, a.probe_dtype)))
         return 0
     import mlx.core as mx
     import numpy as np
 
     result = {"device": str(mx.default_device()), "mlx": mx.__version__, "shape": a.shape, "runs": {}, "checks": {}}
     for path in a.check:
-        gpu = np.array(logits_probe(path))
-        env = {**os.environ, "HF2Q_DEVICE": "cpu"}
-        cpu = np.array(json.loads(subprocess.run([sys.executable, __file__, "--probe", path], env=env,
-                                                 capture_output=True, text=True, check=True).stdout))
-        result["checks"][Path(path).name] = {"max_abs": float(np.abs(gpu - cpu).max()),
-                                             "scale": float(np.abs(cpu).max()),
-                                             "argmax_equal": bool(gpu.argmax() == cpu.argmax())}
+        result["checks"][Path(path).name] = compare_backends(path)
         print(json.dumps({"check": Path(path).name, **result["checks"][Path(path).name]}), flush=True)
     from bench.decode import bench_hf2q
 
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
-    for mix in a.mixes.split(","):
+    for mix in [m for m in a.mixes.split(",") if m]:
         out = work / f"{a.shape}-{mix}.gguf"
         if not out.exists():
             cmd = [sys.executable, str(ROOT / "bench/synth_gguf.py"), "--shape", a.shape, "--mix", mix, "-o", str(out)]

@@ -6,11 +6,16 @@ model takes seconds instead of the minutes a full quantization would. The tokeni
 metadata is copied from a vocab GGUF (llama.cpp's ggml-vocab-qwen2.gguf) when given.
 
     python bench/synth_gguf.py --shape qwen3-8b --mix q4_k_m -o /tmp/q8b.gguf [--vocab-gguf V.gguf]
+    python bench/synth_gguf.py --skeleton /tmp/g31-skel -o /tmp/g31.gguf   # a plan from bench/synth_plan.py
+
+``--skeleton`` takes the header and tensor list that ``bench/synth_plan.py`` planned with hf2q's own
+converter (every family, every metadata key, the converter's type mix) and only fills the data.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 import time
@@ -57,14 +62,56 @@ def tiled_tensor(rows: int, cols: int, qtype, rng) -> np.ndarray:
     return np.tile(q, (reps, 1))[:rows]
 
 
+FULL_RANDOM_ELEMENTS = 1 << 25  # smaller tensors get distinct rows (no tied logits in correctness checks)
+
+
+def fill_skeleton(skeleton: Path, output: Path) -> dict:
+    """Write ``skeleton``'s header (``header.bin``, or gzipped as ``header.bin.gz`` for transfer), then each tensor as tiled random rows of its planned type.
+
+    Matrices get random values (a router of ones would send every token to the same experts);
+    vectors (norms, scales, rope factors) are ones. Big tensors repeat a 64-row tile."""
+    plan = json.loads((skeleton / "tensors.json").read_text())
+    rng = np.random.default_rng(0)
+    align = 32
+    with output.open("wb") as f:
+        head = skeleton / "header.bin"
+        f.write(head.read_bytes() if head.exists() else gzip.decompress((skeleton / "header.bin.gz").read_bytes()))
+        for t in plan["tensors"]:
+            qt = T[t["type"]]
+            ne = t["ne"]
+            cols, rows = ne[0], int(np.prod(ne[1:], dtype=np.int64)) if len(ne) > 1 else 1
+            if rows == 1 and qt in (T.F32, T.F16):
+                data = np.ones(cols, dtype=np.float32 if qt == T.F32 else np.float16)
+            elif qt in (T.F32, T.F16):
+                tile = (rng.standard_normal((min(rows, 64), cols)) * 0.02).astype(
+                    np.float32 if qt == T.F32 else np.float16)
+                data = np.tile(tile, (-(-rows // tile.shape[0]), 1))[:rows]
+            elif rows * cols <= FULL_RANDOM_ELEMENTS:
+                data = codec.quantize((rng.standard_normal((rows, cols)) * 0.02).astype(np.float32), qt)
+            else:
+                data = tiled_tensor(rows, cols, qt, rng)
+            buf = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+            if buf.nbytes != t["nbytes"]:
+                raise SystemExit(f"{t['name']}: {buf.nbytes} bytes, planned {t['nbytes']}")
+            f.write(buf)
+            f.write(b"\0" * (-buf.nbytes % align))
+    return {"output": str(output), "shape": plan["shape"], "mix": plan["quant"], "bytes": output.stat().st_size}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--skeleton", default=None, help="fill a skeleton from bench/synth_plan.py instead of --shape")
     ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
     ap.add_argument("--mix", default="q4_k_m", choices=sorted(MIXES))
     ap.add_argument("--layers", type=int, default=None, help="override the layer count")
     ap.add_argument("--vocab-gguf", default=None, help="copy tokenizer.* metadata from this GGUF")
     ap.add_argument("-o", "--output", required=True)
     a = ap.parse_args()
+    if a.skeleton:
+        t0 = time.time()
+        rep = fill_skeleton(Path(a.skeleton), Path(a.output))
+        print(json.dumps({**rep, "seconds": round(time.time() - t0, 1)}))
+        return 0
     s = dict(SHAPES[a.shape])
     if a.layers:
         s["layers"] = a.layers

@@ -97,3 +97,21 @@ def test_real_gemma_k_quant_tensors(gemma3_gguf):
         else:
             assert np.abs(got - ref).max() <= np.abs(ref).max() / 255.0, t.name
     assert {T.Q4_K, T.Q5_0, T.Q6_K, T.Q8_0} <= seen
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+def test_banded_repack_equals_one_piece(qtype, monkeypatch):
+    """A big tensor is repacked in row bands on a thread pool; the bands must join to the same bytes."""
+    import hf2q.engine.quant_repack as repack
+
+    w = _weights(rows=37, cols=512, seed=3)
+    raw = _raw(w, qtype)
+    whole = repack._to_affine_rows(raw, qtype, 37, 512)
+    monkeypatch.setattr(repack, "PARALLEL_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(repack, "_POOL", None)
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    assert len(repack._bands(37, 512)) > 1
+    banded = to_affine(raw, qtype, w.shape)
+    for a, b in ((whole.packed, banded.packed), (whole.scales, banded.scales), (whole.biases, banded.biases)):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    assert (whole.bits, whole.exact) == (banded.bits, banded.exact)

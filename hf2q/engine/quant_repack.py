@@ -160,9 +160,46 @@ def to_affine(raw: np.ndarray, qtype: T, shape: tuple[int, ...]) -> AffineWeight
     """GGUF block bytes of a 2-D (or stacked 3-D) tensor → :class:`AffineWeight`.
 
     ``shape`` is numpy order; leading dims are flattened into rows and restored by the caller.
+    A big tensor is split into row bands repacked on a thread pool (numpy's element-wise work
+    releases the GIL), so loading a many-gigabyte model uses every core.
     """
     n = shape[-1]
     rows = int(np.prod(shape[:-1]))
+    bands = _bands(rows, n)
+    if len(bands) > 1:
+        flat = np.ascontiguousarray(raw).reshape(rows, -1)
+        parts = list(_pool().map(lambda b: _to_affine_rows(flat[b[0]:b[1]], qtype, b[1] - b[0], n), bands))
+        return AffineWeight(np.concatenate([p.packed for p in parts]), np.concatenate([p.scales for p in parts]),
+                            np.concatenate([p.biases for p in parts]), parts[0].bits, parts[0].exact)
+    return _to_affine_rows(raw, qtype, rows, n)
+
+
+PARALLEL_MIN_ELEMENTS = 1 << 22  # below this a tensor is repacked in one piece
+
+
+def _bands(rows: int, n: int) -> list[tuple[int, int]]:
+    workers = _pool()._max_workers
+    if workers < 2 or rows * n < PARALLEL_MIN_ELEMENTS or rows < 2 * workers:
+        return [(0, rows)]
+    k = min(4 * workers, rows)
+    edges = np.linspace(0, rows, k + 1).astype(int)
+    return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:]) if b > a]
+
+
+_POOL = None
+
+
+def _pool():
+    global _POOL
+    if _POOL is None:
+        import os
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL = ThreadPoolExecutor(max_workers=max(1, min(16, os.cpu_count() or 1)), thread_name_prefix="hf2q-repack")
+    return _POOL
+
+
+def _to_affine_rows(raw: np.ndarray, qtype: T, rows: int, n: int) -> AffineWeight:
     if qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0):
         q, s, bias, bits = _legacy(raw, rows, qtype)
         exact = True
