@@ -228,3 +228,20 @@ def test_sigterm_right_after_a_long_request_keeps_every_complete_block(tmp_path,
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == full * BLOCK_TOKENS
     assert m2["hf2q_kv_persist_blocks"] == full and m2["hf2q_kv_persist_blocks_not_written_total"] == 0
     assert second["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+
+
+async def test_next_turn_sent_at_once_reuses_the_slot_still_saving_its_blocks(tmp_path):
+    """An agent sends turn 2 as soon as turn 1's last event arrives, while turn 1's slot is still
+    exporting its blocks to the store: turn 2 waits for that slot instead of starting cold elsewhere."""
+    turn1 = _prompt(2 * BLOCK_TOKENS + 40)
+    fake = FakeModelRunner()
+    store = BlockStore.open(tmp_path, FP, None)
+    async with open_runtime(fake.factory(), RuntimeConfig(slots=2, prefill_chunk=128), kv_store=store) as rt:
+        await rt.wait_ready()
+        first = await collect(await rt.submit(GenerationRequest("a", tuple(turn1), SamplingParams(max_tokens=5))))
+        turn2 = turn1 + tokens_of(first) + [7, 8, 9]
+        ev = await collect(await rt.submit(GenerationRequest("b", tuple(turn2), SamplingParams(max_tokens=5))))
+        assert ev[0].slot == first[0].slot
+        assert ev[0].cached_tokens == len(turn1) + len(tokens_of(first)) - 1
+        assert tokens_of(ev) == greedy(fake, turn2, 5)
+    store.close()

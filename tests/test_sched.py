@@ -130,6 +130,29 @@ def test_decide_waits_for_slots():
     assert _budget(1000).decide(led, {0: 10}, [1, 2, 3], 5) == Wait("slots")
 
 
+def test_next_turn_waits_for_its_finishing_slot_rather_than_starting_cold():
+    """An agent sends turn 2 the moment turn 1's last event arrives, before its slot reports back."""
+    led = SlotLedger(2)
+    b = _budget(10_000, ctx=1000)
+    turn1 = list(range(100, 200))
+    led.acquire(0, 0)
+    led.extend(0, turn1)
+    turn2 = turn1 + [5, 6, 7] * 10
+    assert b.decide(led, {0: 120}, turn2, 20) == Admit(1, 0)  # still running: the idle slot it is
+    led.mark_finishing(0, turn1)
+    assert b.decide(led, {0: 120}, turn2, 20) == Wait("slots")  # ended: wait for the 99 reusable tokens
+    assert b.decide(led, {0: 120}, [9] * 50, 20) == Admit(1, 0)  # an unrelated prompt does not wait
+    led.mark_finishing(0, [1, 2, 3])  # only the first mark counts
+    assert led.entries[0].finishing == tuple(turn1)
+    led.release(0)
+    assert led.entries[0].finishing is None
+    assert b.decide(led, {}, turn2, 20) == Admit(0, 100)
+    # a finishing slot that saves less than the threshold over the best idle one is not waited for
+    led.acquire(0, 100)
+    led.mark_finishing(0, turn1 + [1] * 4)
+    assert led.worth_waiting_for(turn2 + [1], 99, 16) is None
+
+
 def test_cached_after_restore_takes_longer_prefix():
     assert cached_after_restore([1, 2], [1, 2, 3, 4, 5], 4) == 4
     assert cached_after_restore([1, 2, 3, 4], [1, 2, 3, 4, 5], 2) == 4

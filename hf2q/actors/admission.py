@@ -51,6 +51,7 @@ class Admission:
         self.queue: collections.deque[RequestHandle] = collections.deque()
         self.ledger = SlotLedger(len(slot_inboxes))
         self.reservations: dict[int, int] = {}
+        self.assigned: dict[int, RequestHandle] = {}  # slot → the request it runs
         self.budget: KvBudget | None = None
         self.facts: ModelFacts | None = None
         self.counters: collections.Counter[str] = collections.Counter()
@@ -134,6 +135,9 @@ class Admission:
         self.admit_ready()  # assign at once when possible, so the next offer sees the true state
 
     def _decide(self, h: RequestHandle):
+        for slot, running in self.assigned.items():  # ended, not yet released: worth waiting for?
+            if running.done:
+                self.ledger.mark_finishing(slot, running.req.prompt_tokens)
         return self.budget.decide(self.ledger, self.reservations, h.req.prompt_tokens, h.req.params.max_tokens)
 
     def _drop_gone(self) -> None:
@@ -164,6 +168,7 @@ class Admission:
             self.ledger.replace(msg.slot, msg.tokens, msg.points)
             self.ledger.release(msg.slot)
             self.reservations.pop(msg.slot, None)
+            self.assigned.pop(msg.slot, None)
             self.activity.set()
             self.activity = trio.Event()
         elif not isinstance(msg, Wake):
@@ -191,6 +196,7 @@ class Admission:
             params = h.req.params
             self.ledger.acquire(decision.slot, decision.cached_tokens)
             self.reservations[decision.slot] = self.budget.reservation(len(h.req.prompt_tokens), params.max_tokens)
+            self.assigned[decision.slot] = h
             self.counters["admitted"] += 1
             limits = DecodeLimits(self.facts.eos_token_ids, params.stop_token_ids, params.max_tokens, self.facts.ctx)
             self._slots[decision.slot].send_nowait(Assignment(h, decision.cached_tokens, limits))

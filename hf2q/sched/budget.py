@@ -7,8 +7,9 @@ drops the least recently used idle caches when the newcomer would not fit otherw
 
 - can never fit (prompt longer than the context, or its reservation larger than the
   whole budget) → ``Never`` (the API answers 400);
-- cannot fit now (no idle slot, or the running reservations leave too little) → ``Wait``
-  (queue, or 429 when the queue is full);
+- cannot fit now (no idle slot, a finishing slot about to offer much more reuse than any idle
+  one, or the running reservations leave too little) → ``Wait`` (queue, or 429 when the queue
+  is full);
 - otherwise ``Admit(slot, cached_tokens, evict)``.
 """
 
@@ -19,6 +20,9 @@ from typing import Mapping, Sequence
 import attrs
 
 from hf2q.sched.ledger import SlotLedger, reusable_prefix
+
+#: prompt tokens a finishing slot must save over the best idle one before a request waits for it
+FINISHING_MIN_GAIN = 16
 
 
 @attrs.frozen
@@ -70,7 +74,7 @@ class KvBudget:
         if never is not None:
             return never
         route = ledger.route(prompt)
-        if route is None:
+        if route is None or ledger.worth_waiting_for(prompt, route.cached_tokens, FINISHING_MIN_GAIN) is not None:
             return Wait("slots")
         need = self.reservation(len(prompt), max_tokens)
         busy = sum(reservations.get(s, ledger.resident_tokens(s)) for s in ledger.busy_slots())

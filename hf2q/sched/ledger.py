@@ -4,6 +4,11 @@ A slot keeps its ledger (and its KV) after a request ends, so the next request w
 prompt starts with the same tokens skips that much prefill. Routing is pure
 bookkeeping: longest exact prefix among idle slots, else an empty slot, else the least
 recently used one. No trio, no MLX.
+
+A slot whose request has ended but that has not reported back yet is *finishing*: an agent
+client sends its next turn the moment it reads the last event, often before the slot is free.
+:meth:`SlotLedger.worth_waiting_for` says when such a slot will offer that turn more reuse than
+any idle one, so admission waits for it instead of starting the turn cold elsewhere.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ class SlotEntry:
     last_used: int = 0
     #: the lengths the slot's cache can be trimmed back to (hybrid models), None = any
     points: tuple[int, ...] | None = None
+    #: busy, but its request has ended: the prompt it is known to hold once it reports back
+    finishing: tuple[int, ...] | None = None
 
 
 @attrs.frozen
@@ -96,6 +103,23 @@ class SlotLedger:
             return None
         return Route(best[1], best[2])
 
+    def mark_finishing(self, slot: int, prompt: Sequence[int]) -> None:
+        """The busy slot's request has ended; it will soon be idle holding at least ``prompt``."""
+        e = self.entries[slot]
+        if e.busy and e.finishing is None:
+            e.finishing = tuple(prompt)
+
+    def worth_waiting_for(self, prompt: Sequence[int], cached: int, min_gain: int) -> int | None:
+        """A finishing slot that will reuse at least ``min_gain`` more prompt tokens than ``cached``
+        (what the best idle slot offers now), or None."""
+        best: tuple[int, int] | None = None
+        for i, e in enumerate(self.entries):
+            if e.busy and e.finishing is not None:
+                gain = min(common_prefix(e.finishing, prompt), max(len(prompt) - 1, 0)) - cached
+                if gain >= min_gain and (best is None or gain > best[0]):
+                    best = (gain, i)
+        return None if best is None else best[1]
+
     def acquire(self, slot: int, keep_tokens: int) -> None:
         """Mark ``slot`` busy; its ledger keeps only the first ``keep_tokens`` ids."""
         e = self.entries[slot]
@@ -127,6 +151,7 @@ class SlotLedger:
         if not e.busy:
             raise RuntimeError(f"slot {slot} released twice")
         e.busy = False
+        e.finishing = None
         self._touch(e)
 
     def evict(self, slot: int) -> int:
