@@ -134,6 +134,10 @@ def _add_generate(sub) -> None:
     p.add_argument("--json", action="store_true", help="with --benchmark: last line is one JSON object")
     p.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past end-of-generation tokens up to --max-tokens (for benchmarks)")
+    _add_speculative(p)
+
+
+def _add_speculative(p) -> None:
     p.add_argument("--speculative", choices=["ngram", "off"], default="off",
                    help="ngram: draft from earlier context (prompt lookup) and verify several tokens per forward")
     p.add_argument("--draft-tokens", type=_positive_int, default=None, metavar="K",
@@ -185,6 +189,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--memory-limit", type=parse_size, default=None,
                    help="memory one rank may use for weights + KV, e.g. 40G (default: 90%% of the device)")
     p.add_argument("--model-name", default=None, help="id reported by /v1/models (default: file stem)")
+    _add_speculative(p)  # a request decoding alone verifies drafts; concurrent requests decode batched
 
 
 def _add_diagrams(sub) -> None:

@@ -606,3 +606,51 @@ async def test_dead_peer_fails_closed_before_the_deadline():
             assert rt.snapshot().state == "poisoned"
     finally:
         fake.hang_release.set()
+
+
+def _cycle4(history) -> int:
+    """A model that repeats its last four tokens: what it says next always occurred earlier."""
+    return history[-4] if len(history) >= 4 else 5
+
+
+def _rule_greedy(rule, prompt, n: int) -> list[int]:
+    hist = list(prompt)
+    for _ in range(n):
+        hist.append(rule(hist))
+    return hist[len(prompt):]
+
+
+async def test_a_lone_request_decodes_speculatively_and_exactly():
+    fake = FakeModelRunner(next_token=_cycle4)
+    prompt = [11, 12, 13, 14, 11, 12, 13, 14, 11, 12]
+    async with open_runtime(fake.factory(), RuntimeConfig(slots=2, draft_tokens=4, gpu_deadline_s=None)) as rt:
+        await rt.wait_ready()
+        ev = await collect(await rt.submit(req("a", prompt, max_tokens=21)))
+        counters = rt.snapshot().counters
+    assert tokens_of(ev) == _rule_greedy(_cycle4, prompt, 21)
+    assert terminal(ev).reason == "length" and terminal(ev).completion_tokens == 21
+    verifies = [n for k, n in fake.calls if k == "verify"]
+    assert verifies and all(2 <= n <= 5 for n in verifies)
+    # every draft of a perfectly repetitive model stands: ~5 tokens per forward instead of one
+    assert counters["accepted_draft_tokens"] == counters["drafted_tokens"] > 0
+    assert len(verifies) + fake.decode_batch_sizes.count(1) <= 21 // 4 + 2
+
+
+async def test_speculation_steps_aside_for_batched_decoding_and_stops_where_it_should():
+    fake = FakeModelRunner(next_token=lambda h: 2 if len(h) >= 30 else _cycle4(h))  # EOS (2) at length 30
+    a = [21, 22, 23, 24] * 3
+    b = [31, 32, 33, 34] * 2
+    async with open_runtime(fake.factory(), RuntimeConfig(slots=2, draft_tokens=6, gpu_deadline_s=None)) as rt:
+        await rt.wait_ready()
+        async with trio.open_nursery() as n:
+            res = {}
+
+            async def run(name, p, k):
+                res[name] = await collect(await rt.submit(req(name, p, max_tokens=k)))
+            n.start_soon(run, "a", a, 40)
+            n.start_soon(run, "b", b, 9)
+    # a: ends at the model's EOS inside a verified draft; nothing after it is sent
+    assert tokens_of(res["a"]) == _rule_greedy(_cycle4, a, 30 - len(a))
+    assert terminal(res["a"]).reason == "stop"
+    assert tokens_of(res["b"]) == _rule_greedy(_cycle4, b, 9) and terminal(res["b"]).reason == "length"
+    assert 2 in fake.decode_batch_sizes  # while both decoded, they shared batched steps

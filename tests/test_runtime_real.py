@@ -125,3 +125,28 @@ async def test_runtime_on_the_real_engine():
         assert len(ends) == 1 and isinstance(ends[0], Failed) and ends[0].code == "engine_unhealthy"
     assert not ready and "Metal command buffer" in detail
     assert (e.value.status, e.value.code) == (503, "engine_unhealthy")
+
+
+async def test_speculative_serving_on_the_real_engine():
+    """An edit request (the answer repeats the prompt's code): drafts from the prompt are accepted,
+    fewer forwards run, and the T=0 output is plain greedy decoding's, token for token."""
+    from hf2q.fetch import SMOLLM2, fetch
+    from hf2q.text.tokenizer import GGUFTokenizer
+
+    code = ("def merge_intervals(intervals):\n    merged = []\n    for start, end in sorted(intervals):\n"
+            "        if merged and start <= merged[-1][1]:\n            merged[-1][1] = max(merged[-1][1], end)\n"
+            "        else:\n            merged.append([start, end])\n    return merged\n")
+    tok = GGUFTokenizer.from_gguf(str(fetch(SMOLLM2)))
+    prompt = tok.encode("<|im_start|>user\nRewrite this function, renaming merged to out:\n" + code
+                        + "<|im_end|>\n<|im_start|>assistant\n", add_special=False)
+    n = 48
+    async with open_runtime(_build, RuntimeConfig(slots=1, ctx=CTX, draft_tokens=6, gpu_deadline_s=300)) as rt:
+        assert await rt.wait_ready(), rt.readiness()
+        ch = await rt.submit(GenerationRequest("edit", tuple(prompt), SamplingParams(max_tokens=n)))
+        async with ch:
+            events = [e async for e in ch]
+        counters = rt.snapshot().counters
+    reference = (await trio.to_thread.run_sync(_direct_greedy, [prompt], n))[0]
+    assert _tokens(events) == reference
+    assert counters["accepted_draft_tokens"] >= len(reference) // 3
+    assert counters["gpu_steps"] < len(reference) * 2 // 3

@@ -32,7 +32,8 @@ from hf2q.actors.supervisor import EnginePoisoned
 from hf2q.engine.decode_pipeline import DecodePipeline
 from hf2q.engine.sampling import Sampler
 from hf2q.engine.sampling.rows import Sampled, SampleError
-from hf2q.engine.step import run_step
+from hf2q.engine.speculative import NgramDrafter
+from hf2q.engine.step import Drafted, run_step
 from hf2q.sched.contracts import Failed, PrefillProgress, Token
 from hf2q.sched.planner import StepPlanner
 from hf2q.statemachines.base import Lifecycle
@@ -66,6 +67,7 @@ class RunningRequest:
     resident: int = 0  # tokens in the slot's KV
     emitted: int = 0
     token: int | None = None
+    drafter: NgramDrafter | None = None  # prompt + tokens so far, when it decodes speculatively
 
     @property
     def slot(self) -> int:
@@ -93,7 +95,7 @@ class _Pending:
 
 
 class GpuOwner:
-    def __init__(self, runner_factory: Callable[[], Any], supervisor, n_slots: int):
+    def __init__(self, runner_factory: Callable[[], Any], supervisor, n_slots: int, draft_tokens: int = 0):
         self.fsm = Lifecycle(GPU_OWNER)
         self._factory = runner_factory
         self._supervisor = supervisor
@@ -107,6 +109,7 @@ class GpuOwner:
         # touched only by jobs in the engine thread; HF2Q_NO_DECODE_PIPELINE=1 keeps blocking steps
         self.pipeline = None if os.environ.get("HF2Q_NO_DECODE_PIPELINE") else DecodePipeline()
         self.dead_peer: Callable[[], str | None] | None = None
+        self.draft_tokens = draft_tokens  # set to 0 at load when the runner cannot verify drafts
 
     # ---- loading and single transactions ----------------------------------------------
 
@@ -141,7 +144,12 @@ class GpuOwner:
         self.fsm.fire("loaded")
         # a runner over several processes says when one of them died (polled from trio: thread-safe)
         self.dead_peer = getattr(box[0].value, "dead_peer", None)
-        return box[0].value
+        runner = box[0].value
+        if self.draft_tokens and not (hasattr(runner, "verify") and getattr(runner, "trims_prefix", True)):
+            # a recurrent state cannot be cut back inside a verified draft (nor a runner without verify)
+            log.warning("speculative decoding is off: %s cannot verify drafts in the server", type(runner).__name__)
+            self.draft_tokens = 0
+        return runner
 
     async def transact(self, job: Callable[[Any], Any], what: str, then: Callable[[], None] | None = None) -> Any:
         """Run ``job(runner)`` in the engine thread as one guarded GPU transaction.
@@ -250,20 +258,19 @@ class GpuOwner:
             step = self.planner.plan(decoding, prefill)
             batch = [decoding[s] for s in step.decode]
             tokens = [r.token for r in batch]
+            draft = self._draft(batch[0]) if len(batch) == 1 else None
             chunk = prefill.pop(step.prefill) if step.prefill is not None else None
             first = starting.pop(chunk.slot) if chunk is not None and chunk.final else None
             if chunk is not None and chunk.on_picked is not None:
                 chunk.on_picked()
             # ---- run
             results = await self.transact(
-                lambda runner, batch=batch, tokens=tokens, chunk=chunk, first=first: run_step(
-                    runner, batch, tokens, chunk, self.pipeline, first), "step", self._notify)
+                lambda runner, batch=batch, tokens=tokens, chunk=chunk, first=first, draft=draft: run_step(
+                    runner, batch, tokens, chunk, self.pipeline, first, draft), "step", self._notify)
             self._count(batch, chunk)
             # ---- postprocess: book-keeping only, no checkpoint until the next step is submitted
             for run in batch:
-                run.resident += 1  # the fed token is in the KV now
-                run.gen.progress.resident_tokens = run.resident
-                if not self._postprocess(run, results[run.slot]):
+                if not self._postprocess_step(run, results[run.slot]):
                     del decoding[run.slot]
             if chunk is not None:
                 self._prefilled(chunk)
@@ -271,9 +278,37 @@ class GpuOwner:
                     decoding[chunk.slot] = first
 
     def _start(self, work: PrefillWork) -> RunningRequest:
-        params = work.generation.handle.req.params
+        req = work.generation.handle.req
+        params = req.params
+        # drafts are verified only where the acceptance rule is all there is: no constraint to
+        # advance token by token, no per-token logprobs to report
+        drafter = (NgramDrafter(req.prompt_tokens) if self.draft_tokens and params.constraint is None
+                   and not params.logprobs else None)
         return RunningRequest(work.generation, work.seq, make_sampler(params), params.constraint,
-                              resident=work.generation.prompt_len)  # once its last chunk is in
+                              resident=work.generation.prompt_len, drafter=drafter)  # once its last chunk is in
+
+    def _draft(self, run: RunningRequest) -> list[int] | None:
+        """The tokens to verify after ``run``'s fed token this step, if any."""
+        if run.drafter is None:
+            return None
+        lim = run.gen.limits
+        room = min(self.draft_tokens, lim.max_tokens - run.emitted - 1, lim.ctx - run.resident - 2)
+        return (run.drafter.propose(room) or None) if room > 0 else None
+
+    def _postprocess_step(self, run: RunningRequest, result) -> bool:
+        """A decode run's step result: one sampled token, or a verified draft's accepted tokens."""
+        if not isinstance(result, Drafted):
+            run.resident += 1  # the fed token is in the KV now
+            run.gen.progress.resident_tokens = run.resident
+            return self._postprocess(run, result)
+        self.counters["drafted_tokens"] += result.drafted
+        self.counters["accepted_draft_tokens"] += len(result.tokens) - 1
+        for tok in result.tokens:  # each was fed (or is the next to feed) in this order
+            run.resident += 1
+            run.gen.progress.resident_tokens = run.resident
+            if not self._postprocess(run, Sampled(tok, None, ())):
+                return False
+        return True
 
     def _count(self, batch: list, chunk) -> None:
         self.counters["gpu_steps"] += 1
@@ -311,6 +346,8 @@ class GpuOwner:
         if verdict == "length":  # max_tokens, or no room left in the context
             return self._end(run, "length")
         run.history.append(tok)
+        if run.drafter is not None:
+            run.drafter.append(tok)
         run.token = tok
         return True
 

@@ -38,7 +38,7 @@ class ActorSystem:
         self.config = config
         self.supervisor = Supervisor(config.gpu_deadline_s)
         self.supervisor.on_poisoned = self._poisoned
-        self.gpu = GpuOwner(runner_factory, self.supervisor, config.slots)
+        self.gpu = GpuOwner(runner_factory, self.supervisor, config.slots, config.draft_tokens)
         self.kv_prefix = KvPrefixActor(self.gpu.transact, kv_store)
         inboxes = [trio.open_memory_channel(float("inf")) for _ in range(config.slots)]
         self.admission = Admission(config, [send for send, _ in inboxes], self.supervisor.refusal)

@@ -203,6 +203,7 @@ async def _serve(args, model_path: Path, chat_model, embed_path, embed_model, kv
         run_status_lines,
     )
     from hf2q.api.server import serve
+    from hf2q.engine.speculative import draft_tokens_arg
 
     mode = choose_mode(args.operator_ui, log_format())
     # the operator needs to see serving events even without -v (the dashboard replaces them on a TTY)
@@ -213,7 +214,7 @@ async def _serve(args, model_path: Path, chat_model, embed_path, embed_model, kv
 
     config = RuntimeConfig(slots=args.slots, ctx=args.ctx, kv_budget_bytes=args.kv_cache_budget,
                            queue_capacity=args.queue_capacity, prefill_chunk=args.prefill_chunk,
-                           gpu_deadline_s=args.gpu_deadline)
+                           gpu_deadline_s=args.gpu_deadline, draft_tokens=draft_tokens_arg(args))
     failure: list[str] = []
     async with AsyncExitStack() as stack:
         runtime = await stack.enter_async_context(

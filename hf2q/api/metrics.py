@@ -42,6 +42,8 @@ class _SnapshotCollector:
         batches = CounterMetricFamily("hf2q_decode_batches", "GPU steps that ran a batched decode")
         batch_tokens = CounterMetricFamily("hf2q_decode_batch_tokens",
                                            "decode rows over all batched decodes (/ batches = mean batch size)")
+        drafted = CounterMetricFamily("hf2q_drafted_tokens", "speculative draft tokens verified (--speculative)")
+        accepted = CounterMetricFamily("hf2q_accepted_draft_tokens", "speculative draft tokens accepted")
         ready.add_metric([], 1 if self._readiness() else 0)
         if snap is None:
             state.add_metric(["starting"], 1)
@@ -65,10 +67,12 @@ class _SnapshotCollector:
             gpu_busy.add_metric([], c.get("gpu_busy_s", 0.0))
             batches.add_metric([], c.get("decode_batches", 0))
             batch_tokens.add_metric([], c.get("decode_batch_tokens", 0))
+            drafted.add_metric([], c.get("drafted_tokens", 0))
+            accepted.add_metric([], c.get("accepted_draft_tokens", 0))
         disk.add_metric([], self._disk_bytes())
         yield from (ready, state, active, total, queued, kv, budget, disk, ratio, phases)
         if snap is not None:
-            yield from (steps, gpu_busy, batches, batch_tokens)
+            yield from (steps, gpu_busy, batches, batch_tokens, drafted, accepted)
 
 
 class LazyKVStoreCollector:

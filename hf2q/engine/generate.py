@@ -308,19 +308,13 @@ def run(args) -> int:
 
 def _draft_tokens(args, runner) -> int:
     """The draft length ``--speculative`` asks for (0: off); a usage error where it cannot apply."""
+    from hf2q.engine.speculative import draft_tokens_arg
     from hf2q.errors import UsageError
 
-    mode = getattr(args, "speculative", "off") or "off"
-    k = getattr(args, "draft_tokens", None)
-    if mode == "off":
-        if k is not None:
-            raise UsageError("--draft-tokens needs --speculative ngram")
-        return 0
-    if not hasattr(runner, "verify"):
-        raise UsageError(f"--speculative {mode} is not supported by this engine ({type(runner).__name__})")
-    from hf2q.engine.speculative import DEFAULT_DRAFT_TOKENS
-
-    return DEFAULT_DRAFT_TOKENS if k is None else k
+    k = draft_tokens_arg(args)
+    if k and not hasattr(runner, "verify"):
+        raise UsageError(f"--speculative {args.speculative} is not supported by this engine ({type(runner).__name__})")
+    return k
 
 
 def _acceptance_rate(stats: dict) -> float:

@@ -106,3 +106,16 @@ def _accept_or_resample(sampler, row: np.ndarray, history: Sequence[int], d: int
     ids = np.flatnonzero(p)  # not empty: p(d) < 1 when this line is reached
     cdf = np.cumsum(p[ids])
     return int(ids[min(int(np.searchsorted(cdf, sampler.rng.random() * cdf[-1], side="right")), ids.size - 1)])
+
+
+def draft_tokens_arg(args) -> int:
+    """The draft length the ``--speculative`` / ``--draft-tokens`` flags ask for (0: off)."""
+    from hf2q.errors import UsageError
+
+    mode = getattr(args, "speculative", "off") or "off"
+    k = getattr(args, "draft_tokens", None)
+    if mode == "off":
+        if k is not None:
+            raise UsageError("--draft-tokens needs --speculative ngram")
+        return 0
+    return DEFAULT_DRAFT_TOKENS if k is None else k

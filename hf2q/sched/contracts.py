@@ -41,6 +41,9 @@ class RuntimeConfig:
     token_buffer: int = 1024
     #: called for every event (metrics); see ``EventHook``
     on_event: EventHook | None = None
+    #: most prompt-lookup (n-gram) draft tokens verified per forward for a lone decoding request
+    #: (``hf2q.engine.speculative``); 0 = plain decoding
+    draft_tokens: int = 0
 
     def check(self) -> None:
         """Raise ``ValueError`` for knobs no runtime can start with."""
@@ -48,6 +51,8 @@ class RuntimeConfig:
             raise ValueError("RuntimeConfig.slots must be at least 1")
         if self.prefill_chunk < 1 or self.token_buffer < 1 or self.queue_capacity < 0:
             raise ValueError("prefill_chunk and token_buffer must be positive, queue_capacity non-negative")
+        if self.draft_tokens < 0:
+            raise ValueError("RuntimeConfig.draft_tokens must be non-negative")
 
 
 class AdmissionRejected(Exception):

@@ -63,7 +63,7 @@ class FakeModelRunner:
     def __init__(self, *, vocab_size: int = 97, n_ctx_train: int = 4096, kv_bytes_per_token: int = 64,
                  eos_token_id: int = 2, eos_at_length: int | None = None, step_latency_s: float = 0.0,
                  prefill_latency_per_token_s: float = 0.0, is_embedding_model: bool = False,
-                 embedding_dim: int = 8, kv_identity: str = "fake-cpu-float32"):
+                 embedding_dim: int = 8, kv_identity: str = "fake-cpu-float32", next_token=None):
         self.vocab_size = vocab_size
         self.n_ctx_train = n_ctx_train
         self.kv_bytes_per_token = kv_bytes_per_token
@@ -75,6 +75,7 @@ class FakeModelRunner:
         self.is_embedding_model = is_embedding_model
         self.embedding_dim = embedding_dim
         self.kv_identity = kv_identity  # what the persistent KV store keys blocks by, besides the model
+        self.next_token = next_token  # history → the model's greedy token, instead of expected_next_token
         self.calls: list[tuple[str, int]] = []  # ("prefill", n_tokens) | ("decode", batch) | ...
         self.spans: list[tuple[str, float, float]] = []  # (kind, perf_counter at entry, at return)
         self.prefill_log: list[tuple[int, int]] = []  # (sequence serial, n_tokens) per prefill call
@@ -143,7 +144,8 @@ class FakeModelRunner:
         return seq
 
     def _logits(self, history: Sequence[int]) -> np.ndarray:
-        target = expected_next_token(history, self.vocab_size, self.eos_token_id, self.eos_at_length)
+        target = (self.next_token(history) if self.next_token is not None else
+                  expected_next_token(history, self.vocab_size, self.eos_token_id, self.eos_at_length))
         logits = np.full(self.vocab_size, -4.0, dtype=np.float32)
         logits[(target + 1) % self.vocab_size] = 2.0
         logits[target] = 6.0
@@ -175,6 +177,18 @@ class FakeModelRunner:
             out[i] = self._logits(seq.tokens)
         self.spans.append(("decode", t0, time.perf_counter()))
         return out
+
+    def verify(self, seq: FakeSequence, tokens: Sequence[int]) -> np.ndarray:
+        """Append ``tokens`` and return the logits after each of them (speculative decoding)."""
+        if not tokens:
+            raise ValueError("verify needs at least one token")
+        self._enter("verify", len(tokens))
+        time.sleep(self.step_latency_s)
+        rows = []
+        for tok in tokens:
+            seq.tokens.append(int(tok))
+            rows.append(self._logits(seq.tokens))
+        return np.stack(rows)
 
     def embed(self, batch: Sequence[Sequence[int]]) -> np.ndarray:
         self._enter("embed", len(batch))
