@@ -110,6 +110,7 @@ def test_writer_layout_and_round_trip(tmp_path):
                              "blk.1.ffn_down_exps.weight.in_sum2", "blk.1.ffn_down_exps.weight.counts"]
     assert tensors["blk.1.ffn_down_exps.weight.in_sum2"][0] == (16, 4)  # ne = [n_per_row, n_mat]
     assert tensors["blk.1.ffn_down_exps.weight.counts"][0] == (1, 4)
+    assert tensors["blk.0.attn_q.weight.in_sum2"][0] == (32,) and tensors["blk.0.attn_q.weight.counts"][0] == (1,)
     assert keys[gguf.Keys.General.TYPE] == "imatrix"
     assert keys[gguf.Keys.IMatrix.DATASETS] == ["calibration"]
     assert (keys[gguf.Keys.IMatrix.CHUNK_COUNT], keys[gguf.Keys.IMatrix.CHUNK_SIZE]) == (3, 128)

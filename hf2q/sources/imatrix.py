@@ -215,11 +215,20 @@ def _read_gguf(path: Path) -> ImatrixFile:
 # ------------------------------------------------------------------------- writing
 
 
+def _ggml_ne(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """ggml's dims of a numpy shape, trailing 1s dropped as ggml's GGUF writer does (``ggml_n_dims``):
+    a single matrix's ``[1, n]`` sums are stored 1-D, as llama-imatrix's are."""
+    ne = list(shape[::-1])
+    while len(ne) > 1 and ne[-1] == 1:
+        ne.pop()
+    return tuple(ne)
+
+
 def write_imatrix(path, entries: dict[str, tuple[np.ndarray, np.ndarray]], *, datasets: tuple[str, ...],
                   chunk_count: int, chunk_size: int) -> Path:
     """Write ``{name: (in_sum2 [n_mat, n_per_row], counts [n_mat])}`` as llama.cpp's GGUF imatrix
     (temp file, fsync, rename): per entry ``<name>.in_sum2`` F32 ne = [n_per_row, n_mat] and
-    ``<name>.counts`` F32 ne = [1, n_mat], in name order, plus the provenance keys."""
+    ``<name>.counts`` F32 ne = [1, n_mat] (trailing 1s dropped), in name order, plus the provenance keys."""
     import gguf
 
     from ..atomic import atomic_output
@@ -238,7 +247,7 @@ def write_imatrix(path, entries: dict[str, tuple[np.ndarray, np.ndarray]], *, da
         counts = np.ascontiguousarray(counts, dtype=np.float32).reshape(-1)
         sums = np.ascontiguousarray(sums, dtype=np.float32).reshape(counts.size, -1)
         arrays += [(name + SUM_SUFFIX, sums), (name + COUNT_SUFFIX, counts.reshape(-1, 1))]
-    tensors = layout([(n, a.shape[::-1], F32) for n, a in arrays])
+    tensors = layout([(n, _ggml_ne(a.shape), F32) for n, a in arrays])
     path = Path(path)
     with atomic_output(path) as f:
         stream = GGUFStream(f, metadata, tensors)
