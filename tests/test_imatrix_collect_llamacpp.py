@@ -12,6 +12,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 
@@ -21,6 +22,7 @@ from tests.test_imatrix_collect import raw_entries
 from tests.test_llamacpp_parity import compare_gguf, llamacpp_reference
 
 pytestmark = pytest.mark.slow
+IM = gguf.Keys.IMatrix
 N_CTX, CHUNKS = "128", "3"
 
 
@@ -57,7 +59,7 @@ def relative_errors(a: Path, b: Path) -> dict[str, tuple[float, float]]:
     checking that both files hold the same entries, shapes, counts and provenance keys."""
     (ta, ka), (tb, kb) = raw_entries(a), raw_entries(b)
     assert sorted(ta) == sorted(tb)
-    for key in ("imatrix.datasets", "imatrix.chunk_count", "imatrix.chunk_size", "general.type"):
+    for key in (IM.DATASETS, IM.CHUNK_COUNT, IM.CHUNK_SIZE, gguf.Keys.General.TYPE):
         assert ka[key] == kb[key], key
     out = {}
     for name in ta:
@@ -105,8 +107,8 @@ def test_their_values_through_our_writer_read_back_bit_for_bit(smollm2_f32_pair)
     tensors, keys = raw_entries(theirs)
     entries = {name.removesuffix(".in_sum2"): (vals.reshape(ne[::-1]), tensors[name.replace(".in_sum2", ".counts")][1])
                for name, (ne, vals) in tensors.items() if name.endswith(".in_sum2")}
-    rewritten = write_imatrix(d / "rewritten.gguf", entries, datasets=tuple(keys["imatrix.datasets"]),
-                              chunk_count=keys["imatrix.chunk_count"], chunk_size=keys["imatrix.chunk_size"])
+    rewritten = write_imatrix(d / "rewritten.gguf", entries, datasets=tuple(keys[IM.DATASETS]),
+                              chunk_count=keys[IM.CHUNK_COUNT], chunk_size=keys[IM.CHUNK_SIZE])
     a, b = read_imatrix(rewritten), read_imatrix(theirs)
     assert (a.datasets, a.chunk_count, a.chunk_size) == (b.datasets, b.chunk_count, b.chunk_size)
     assert a.weights.keys() == b.weights.keys()
