@@ -36,6 +36,7 @@ def _check_imatrix_flags(args: argparse.Namespace) -> None:
 def _computed_imatrix(src: Path, args: argparse.Namespace, output: Path):
     """``--imatrix-corpus``: compute the matrix from ``src`` with our engine (kept at --imatrix-out,
     else in a temporary file beside the output) and read it back as ``--imatrix FILE`` would be."""
+    import dataclasses
     import tempfile
 
     from hf2q.quality.corpus import load_corpus
@@ -50,7 +51,10 @@ def _computed_imatrix(src: Path, args: argparse.Namespace, output: Path):
         imatrix = read_imatrix(out)
     log.info("computed imatrix over %s: %d entries, %d chunks of %d tokens", corpus.name, summary.entries,
              summary.chunks, n_ctx)
-    return imatrix, str(out) if args.imatrix_out else corpus.name
+    if args.imatrix_out:
+        return imatrix, str(out)
+    # the temporary file is gone: the report and metadata name the corpus it came from instead
+    return dataclasses.replace(imatrix, path=Path(corpus.name)), corpus.name
 
 
 def run(args: argparse.Namespace) -> int:
