@@ -82,6 +82,11 @@ def _add_convert(sub) -> None:
     p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
     p.add_argument("--dry-run", action="store_true", help="print the tensor → type → bytes plan and exit")
     p.add_argument("--imatrix", help="importance matrix (llama.cpp .imatrix / .gguf)")
+    p.add_argument("--imatrix-corpus", metavar="FILE|NAME",
+                   help="compute the importance matrix first, over this text file or shipped corpus (calibration)")
+    p.add_argument("--imatrix-out", metavar="PATH", help="with --imatrix-corpus: keep the computed matrix here")
+    p.add_argument("--imatrix-n-ctx", type=_int_at_least(16, "must be at least 16"), default=None, metavar="N",
+                   help="with --imatrix-corpus: tokens per chunk (default 512)")
     m = p.add_mutually_exclusive_group()
     m.add_argument("--no-mtp", action="store_true", help="leave out the multi-token-prediction head (Qwen 3.5)")
     m.add_argument("--mtp", action="store_true",
@@ -240,6 +245,21 @@ def _add_gguf_patch(sub) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the changes (key: old → new); write nothing")
 
 
+def _add_imatrix(sub) -> None:
+    p = sub.add_parser("imatrix", help="compute an importance matrix (llama.cpp .imatrix.gguf) by running a model "
+                       "over calibration text")
+    p.set_defaults(handler="hf2q.quality.imatrix_command:run")
+    p.add_argument("model", help="a GGUF file, or an HF checkpoint directory (converted to a temporary F16 GGUF)")
+    p.add_argument("--corpus", default="calibration", metavar="FILE|NAME",
+                   help="calibration text: a UTF-8 file or a shipped corpus name (default: calibration)")
+    p.add_argument("-o", "--output", required=True, help="where to write the .imatrix.gguf")
+    p.add_argument("--n-ctx", type=_int_at_least(16, "must be at least 16"), default=512,
+                   help="tokens per chunk; each chunk starts a fresh context (default 512)")
+    p.add_argument("--chunks", type=_positive_int, default=None, help="use only the first N chunks")
+    p.add_argument("--threads", type=_positive_int, default=None, help="converter threads for an HF checkpoint")
+    p.add_argument("--json", action="store_true", help="print one JSON summary object")
+
+
 def _add_completions(sub) -> None:
     p = sub.add_parser("completions", help="print a shell completion script")
     p.set_defaults(handler="hf2q.completions:run")
@@ -269,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     for add in (_add_convert, _add_info, _add_generate, _add_chat, _add_serve, _add_diagrams, _add_doctor, _add_cache,
-                _add_gguf_patch, _add_completions):
+                _add_gguf_patch, _add_imatrix, _add_completions):
         add(sub)
     return p
 

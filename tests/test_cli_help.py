@@ -9,7 +9,8 @@ import sys
 from hf2q.cli import build_parser
 from hf2q.convert.quant_names import GGUF_QUANTS, MLX_QUANTS
 
-COMMANDS = ["convert", "info", "generate", "chat", "serve", "diagrams", "doctor", "cache", "gguf-patch", "completions"]
+COMMANDS = ["convert", "info", "generate", "chat", "serve", "diagrams", "doctor", "cache", "gguf-patch", "imatrix",
+            "completions"]
 
 
 def _help(*argv: str) -> str:

@@ -22,7 +22,43 @@ def _wants_gguf(args: argparse.Namespace) -> bool:
     return bool(args.output) and str(args.output).lower().endswith(".gguf")
 
 
+def _check_imatrix_flags(args: argparse.Namespace) -> None:
+    corpus = getattr(args, "imatrix_corpus", None)
+    if corpus and args.imatrix:
+        raise UsageError("give --imatrix FILE or --imatrix-corpus, not both")
+    for flag in ("imatrix_out", "imatrix_n_ctx"):
+        if getattr(args, flag, None) is not None and not corpus:
+            raise UsageError(f"--{flag.replace('_', '-')} needs --imatrix-corpus")
+    if corpus and (args.format == "mlx" or getattr(args, "batch", None)):
+        raise UsageError("--imatrix-corpus applies to a single GGUF conversion (not --format mlx or --batch)")
+
+
+def _computed_imatrix(src: Path, args: argparse.Namespace, output: Path):
+    """``--imatrix-corpus``: compute the matrix from ``src`` with our engine (kept at --imatrix-out,
+    else in a temporary file beside the output) and read it back as ``--imatrix FILE`` would be."""
+    import dataclasses
+    import tempfile
+
+    from hf2q.quality.corpus import load_corpus
+    from hf2q.quality.imatrix_run import DEFAULT_N_CTX, compute_imatrix
+    from hf2q.sources.imatrix import read_imatrix
+
+    corpus = load_corpus(args.imatrix_corpus)
+    n_ctx = args.imatrix_n_ctx or DEFAULT_N_CTX
+    with tempfile.TemporaryDirectory(prefix=".hf2q-imatrix-", dir=output.parent) as tmp:
+        out = Path(args.imatrix_out) if args.imatrix_out else Path(tmp) / f"{src.name}.imatrix.gguf"
+        summary = compute_imatrix(src, corpus, out, n_ctx=n_ctx, threads=args.threads)
+        imatrix = read_imatrix(out)
+    log.info("computed imatrix over %s: %d entries, %d chunks of %d tokens", corpus.name, summary.entries,
+             summary.chunks, n_ctx)
+    if args.imatrix_out:
+        return imatrix, str(out)
+    # the temporary file is gone: the report and metadata name the corpus it came from instead
+    return dataclasses.replace(imatrix, path=Path(corpus.name)), corpus.name
+
+
 def run(args: argparse.Namespace) -> int:
+    _check_imatrix_flags(args)
     if getattr(args, "batch", None):
         from hf2q.convert.batch import run_batch
         return run_batch(args)
@@ -53,20 +89,29 @@ def run(args: argparse.Namespace) -> int:
         from hf2q.sources.imatrix import read_imatrix
         imatrix = read_imatrix(args.imatrix)  # read once; bad files stop here with exit 3
         log.info("imatrix %s: %d entries, %d chunks", args.imatrix, len(imatrix.weights), imatrix.chunk_count)
+    elif getattr(args, "imatrix_corpus", None):  # computed once the output's directory is known
+        from hf2q.quality.corpus import load_corpus
+        load_corpus(args.imatrix_corpus)  # a missing corpus stops here, before any work
     elif q.needs_imatrix and args.dry_run:  # llama-quantize --dry-run also only warns
         log.warning("%s will need an importance matrix (--imatrix FILE) to actually convert", q.name)
     elif q.needs_imatrix:
         raise InputError(f"{q.name} needs an importance matrix (--imatrix FILE); try q2_k or q3_k_s")
 
     mtp = "drop" if getattr(args, "no_mtp", False) else "only" if getattr(args, "mtp", False) else "keep"
+    wants_corpus = bool(getattr(args, "imatrix_corpus", None))
     if args.dry_run:
-        for line in dry_run(src, q, has_imatrix=imatrix is not None, mtp=mtp):
+        for line in dry_run(src, q, has_imatrix=imatrix is not None or wants_corpus, mtp=mtp):
             print(line)
         return 0
     output = Path(args.output) if args.output else default_output(src, q.name)
+    imatrix_arg = args.imatrix
+    if wants_corpus:
+        if not output.parent.is_dir():
+            raise InputError(f"output directory {output.parent} does not exist")
+        imatrix, imatrix_arg = _computed_imatrix(src, args, output)
     rep = convert_gguf(src, output, q, threads=args.threads, integrity=not args.no_integrity,
                        report_path=Path(args.json_report) if args.json_report else None,
-                       imatrix=imatrix, imatrix_arg=args.imatrix, mtp=mtp)
+                       imatrix=imatrix, imatrix_arg=imatrix_arg, mtp=mtp)
     t = rep["timings_s"]
     print(f"wrote {output} ({rep['output_bytes'] / 2**20:.1f} MiB, {rep['tensor_count']} tensors, "
           f"{rep['bits_per_weight']:.2f} bpw) in {t['total_s']:.1f}s")

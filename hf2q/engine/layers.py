@@ -34,6 +34,23 @@ from hf2q.kernels import cuda_qmv
 
 DENSE_ROWS = 8
 
+#: the importance-matrix collector of an ``hf2q imatrix`` run (``hf2q.quality.imatrix_run``), told the
+#: input of every matrix product; None — always, outside such a run — costs one test per product
+_observer = None
+
+
+def set_observer(observer) -> None:
+    """Install (or, with None, remove) the object whose ``dense(name, x)`` / ``experts(name, x, ids,
+    n_expert)`` receive each product's input as float32 numpy."""
+    global _observer
+    _observer = observer
+
+
+def _observe_dense(name: str, x) -> None:
+    if isinstance(x, mx.array):
+        x = np.array(x.astype(mx.float32))
+    _observer.dense(name, x)
+
 
 def on_cpu() -> bool:
     return mx.default_device() == mx.cpu
@@ -88,6 +105,7 @@ class Linear:
     """``y = x @ W.T (+ b)`` with W either float or MLX-affine quantized (leading expert dims allowed)."""
 
     def __init__(self, t: GGUFTensor, dtype, bias: mx.array | None = None):
+        self.name = t.name
         self.shape = t.shape  # (..., out, in)
         self.qtype = t.qtype
         self.bias = bias
@@ -173,6 +191,8 @@ class Linear:
 
     def __call__(self, x: mx.array) -> mx.array:
         rows = math.prod(x.shape[:-1])
+        if _observer is not None:
+            _observe_dense(self.name, x)
         if self.on_host(rows) and x.dtype == mx.float32:
             return mx.array(self.host_matmul(host_rows(x))).reshape(*x.shape[:-1], self.shape[0])
         if not self.quantized:
@@ -199,6 +219,9 @@ class Linear:
     def gather(self, x: mx.array, indices: mx.array) -> mx.array:
         """Expert-stacked weight ``[E, out, in]``: ``x [N, 1, 1, in]`` through experts ``indices [N, k]``
         → ``[N, k, 1, out]`` (one fused gather-matmul, as in a SwitchGLU)."""
+        if _observer is not None:
+            _observer.experts(self.name, np.array(x.astype(mx.float32)).reshape(x.shape[0], x.shape[1], -1),
+                              np.array(indices), self.shape[0])
         if self.quantized:
             return mx.gather_qmm(x, self.weight, self.scales, self.biases, rhs_indices=indices, transpose=True,
                                  group_size=self.group_size, bits=self.bits)
@@ -249,6 +272,9 @@ class GatedMLP:
             xh = host_rows(x)
             g, u = self.gate.host_matmul(xh), self.up.host_matmul(xh)
             (cpu_ops.silu_mul_inplace if self.act is silu else cpu_ops.gelu_tanh_mul_inplace)(g, u)
+            if _observer is not None:
+                for lin, inp in ((self.gate, xh), (self.up, xh), (self.down, g)):
+                    _observe_dense(lin.name, inp)
             return mx.array(self.down.host_matmul(g)).reshape(*x.shape[:-1], self.down.shape[0])
         if self.act is silu:
             h = cpu_ops.silu_mul(self.gate(x), self.up(x))

@@ -12,6 +12,9 @@ Two file formats exist (llama.cpp ``tools/imatrix/imatrix.cpp``, ``common/imatri
   values (already ``mean · ncall``); optionally int32 chunk count, int32 length and the
   dataset name.  The weight is ``value / ncall`` (the raw value when ``ncall`` ≤ 0).
 
+``write_imatrix(path, entries, ...)`` writes the GGUF format as ``llama-imatrix`` does (entries
+sorted by name, ``general.type = imatrix``), atomically; ``read_imatrix`` reads it back.
+
 ``load_imatrix(path)`` returns ``{tensor name: float32 weights}`` — ``[n_per_row]`` for a plain
 matrix, ``[n_expert, n_per_row]`` for an expert tensor in the GGUF format (the legacy format
 stores experts concatenated in one flat vector).  ``weights_for_tensor`` turns an entry
@@ -209,4 +212,48 @@ def _read_gguf(path: Path) -> ImatrixFile:
                        chunk_size=_scalar(fields.get(KEY_CHUNK_SIZE)) or 0, path=path)
 
 
-__all__ = ["ImatrixFile", "load_imatrix", "read_imatrix", "weights_for_tensor"]
+# ------------------------------------------------------------------------- writing
+
+
+def _ggml_ne(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """ggml's dims of a numpy shape, trailing 1s dropped as ggml's GGUF writer does (``ggml_n_dims``):
+    a single matrix's ``[1, n]`` sums are stored 1-D, as llama-imatrix's are."""
+    ne = list(shape[::-1])
+    while len(ne) > 1 and ne[-1] == 1:
+        ne.pop()
+    return tuple(ne)
+
+
+def write_imatrix(path, entries: dict[str, tuple[np.ndarray, np.ndarray]], *, datasets: tuple[str, ...],
+                  chunk_count: int, chunk_size: int) -> Path:
+    """Write ``{name: (in_sum2 [n_mat, n_per_row], counts [n_mat])}`` as llama.cpp's GGUF imatrix
+    (temp file, fsync, rename): per entry ``<name>.in_sum2`` F32 ne = [n_per_row, n_mat] and
+    ``<name>.counts`` F32 ne = [1, n_mat] (trailing 1s dropped), in name order, plus the provenance keys."""
+    import gguf
+
+    from ..atomic import atomic_output
+    from ..convert.gguf_writer import GGUFStream, layout
+
+    V, F32 = gguf.GGUFValueType, gguf.GGMLQuantizationType.F32
+    metadata = {
+        Keys.General.TYPE: (gguf.GGUFType.IMATRIX, V.STRING, None),
+        KEY_DATASETS: (list(datasets), V.ARRAY, V.STRING),
+        KEY_CHUNK_COUNT: (int(chunk_count), V.UINT32, None),
+        KEY_CHUNK_SIZE: (int(chunk_size), V.UINT32, None),
+    }
+    arrays = []
+    for name in sorted(entries):
+        sums, counts = entries[name]
+        counts = np.ascontiguousarray(counts, dtype=np.float32).reshape(-1)
+        sums = np.ascontiguousarray(sums, dtype=np.float32).reshape(counts.size, -1)
+        arrays += [(name + SUM_SUFFIX, sums), (name + COUNT_SUFFIX, counts.reshape(-1, 1))]
+    tensors = layout([(n, _ggml_ne(a.shape), F32) for n, a in arrays])
+    path = Path(path)
+    with atomic_output(path) as f:
+        stream = GGUFStream(f, metadata, tensors)
+        for _, a in arrays:
+            stream.write(a)
+    return path
+
+
+__all__ = ["ImatrixFile", "load_imatrix", "read_imatrix", "weights_for_tensor", "write_imatrix"]
