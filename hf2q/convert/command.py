@@ -64,10 +64,20 @@ def run(args: argparse.Namespace) -> int:
             print(line)
         return 0
     output = Path(args.output) if args.output else default_output(src, q.name)
+    if getattr(args, "quality", False):  # a bad corpus stops here, before the conversion
+        from hf2q.quality.corpus import load_corpus
+        load_corpus(args.quality_corpus)
     rep = convert_gguf(src, output, q, threads=args.threads, integrity=not args.no_integrity,
                        report_path=Path(args.json_report) if args.json_report else None,
                        imatrix=imatrix, imatrix_arg=args.imatrix, mtp=mtp)
+    quality = None
+    if getattr(args, "quality", False):
+        from hf2q.quality.quality_command import add_to_report
+        quality = add_to_report(rep, src, output, args.quality_corpus, args.quality_n_ctx,
+                                Path(args.json_report) if args.json_report else None)
     t = rep["timings_s"]
     print(f"wrote {output} ({rep['output_bytes'] / 2**20:.1f} MiB, {rep['tensor_count']} tensors, "
           f"{rep['bits_per_weight']:.2f} bpw) in {t['total_s']:.1f}s")
+    if quality:
+        print(quality)
     return 0
