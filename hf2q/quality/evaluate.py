@@ -78,6 +78,11 @@ class ReferenceRun:
     def targets(self, i: int) -> np.ndarray:
         return self.windows[i, self.first + 1:]
 
+    def perplexity(self) -> dict:
+        """The reference's own perplexity on the scored tokens."""
+        nll = [-self.logprobs[i, np.arange(len(self.targets(i))), self.targets(i)] for i in range(len(self.windows))]
+        return scores.perplexity(np.concatenate(nll))
+
     def score(self, converted) -> scores.TokenScores:
         """Per-token scores of ``converted`` (a logit source) against this reference."""
         parts = []

@@ -34,19 +34,24 @@ class GGUFLogits:
         return self.runner.verify(self.runner.new_sequence(), [int(t) for t in window])
 
 
+def _import_mlx_lm():
+    from hf2q.engine.factory import prepare_mlx
+
+    prepare_mlx()
+    try:
+        import mlx_lm
+    except ImportError:
+        raise InputError(MLX_LM_HINT) from None
+    return mlx_lm
+
+
 class MlxLmLogits:
     """An mlx-lm directory through ``mlx_lm.load`` — the tool that directory is made for."""
 
     kind = "mlx"
 
     def __init__(self, path: Path):
-        from hf2q.engine.factory import prepare_mlx
-
-        prepare_mlx()
-        try:
-            import mlx_lm
-        except ImportError:
-            raise InputError(MLX_LM_HINT) from None
+        mlx_lm = _import_mlx_lm()
         import mlx.core as mx
 
         self._mx = mx
@@ -74,15 +79,24 @@ def is_gguf(path: Path) -> bool:
         return False
 
 
-def open_converted(path: Path, n_ctx: int):
-    """The scorer's view of CONVERTED: a GGUF file or an mlx-lm directory."""
+def converted_kind(path: Path) -> str:
+    """``"gguf"`` or ``"mlx"`` — checked before any model runs, so a wrong path or a missing
+    mlx-lm is reported before the reference has been scored."""
     path = Path(path)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise InputError(f"{path} is a directory without config.json (not an mlx-lm directory)")
-        return MlxLmLogits(path)
+        _import_mlx_lm()
+        return "mlx"
     if not path.exists():
         raise InputError(f"no such file or directory: {path}")
     if not is_gguf(path):
         raise InputError(f"{path} is neither a GGUF file nor an mlx-lm directory")
-    return GGUFLogits(path, n_ctx)
+    return "gguf"
+
+
+def open_converted(path: Path, n_ctx: int):
+    """The scorer's view of CONVERTED: a GGUF file or an mlx-lm directory."""
+    if converted_kind(path) == "mlx":
+        return MlxLmLogits(Path(path))
+    return GGUFLogits(Path(path), n_ctx)

@@ -41,7 +41,9 @@ def tensor_errors(converted: Path) -> dict:
 def score(converted: Path, reference: Path, corpus_spec: str | None, n_ctx: int, chunks: int | None) -> dict:
     """Scores of CONVERTED against SOURCE on the corpus (the dict ``--json`` prints)."""
     from hf2q.quality.evaluate import reference_run, score_converted
+    from hf2q.quality.logit_sources import converted_kind
 
+    converted_kind(converted)
     corpus = load_corpus(corpus_spec)
     with reference_run(reference, corpus, n_ctx, chunks) as run:
         figures = score_converted(run, converted)
