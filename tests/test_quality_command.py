@@ -115,6 +115,15 @@ def test_quality_errors_are_one_line(cli, converted, argv, code, message):
     assert message in r.err and len(r.err.strip().splitlines()) == 1 and "Traceback" not in r.err
 
 
+def test_convert_quality_is_for_gguf_output(cli, tiny_llama, tmp_path):
+    r = cli("convert", tiny_llama, "--format", "mlx", "-q", "mlx-4", "-o", tmp_path / "m", "--quality")
+    assert r.code == 2 and "hf2q quality DIR --reference SRC" in r.err
+    assert not (tmp_path / "m").exists()
+    r = cli("convert", tiny_llama, "-q", "q8_0", "-o", tmp_path / "m.gguf", "--quality", "--quality-corpus", "nope")
+    assert r.code == 3 and "no corpus file or shipped corpus named 'nope'" in r.err
+    assert not (tmp_path / "m.gguf").exists()  # the corpus is checked before the conversion
+
+
 def test_quality_refuses_what_is_not_a_model(cli, converted, tmp_path):
     junk = tmp_path / "notes.txt"
     junk.write_text("hello")

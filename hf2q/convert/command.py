@@ -32,6 +32,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--quant {args.quant} is an mlx quantization (use --format mlx, or for GGUF one of "
                          f"{', '.join(GGUF_QUANTS)})")
     if args.format == "mlx" or quant.startswith("mlx"):
+        if getattr(args, "quality", False):
+            raise UsageError("--quality scores GGUF output; for an mlx directory run hf2q quality DIR --reference SRC")
         from hf2q.convert.mlx_writer import convert_mlx
         return convert_mlx(args)
 
