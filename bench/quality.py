@@ -12,6 +12,7 @@ JSON on stdout; ``--plot`` draws KL against bits/weight for both tools (needs ma
     python bench/quality.py [--models smollm2,gemma3] [--quants q8_0,q4_k_m] [--quant dynamic-q4]
                             [--imatrix FILE] [--n-ctx 256] [--chunks 4] [--corpus NAME|FILE]
                             [--threads 2] [--plot kl.png] [--table table.md] [-o results.json]
+    python bench/quality.py --from-json a.json --from-json b.json --plot kl.png --table table.md
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ sys.path.insert(0, str(ROOT))
 from bench.common import emit  # noqa: E402
 
 MODELS = {"smollm2": "smollm2_hf_dir", "gemma3": "gemma3_hf_dir"}
+#: float types (16 and 32 bits) stay in the table but off the plot, whose interest is below 9 bits
+PLOT_MAX_BPW = 12
 FIGURES = ("ppl", "kld_mean", "kld_p99", "kld_max", "same_top")
 
 
@@ -114,9 +117,11 @@ def plot(results: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(results), figsize=(7 * len(results), 5), squeeze=False)
     for ax, res in zip(axes[0], results):
-        rows = [r for r in res["rows"] if "hf2q" in r and r["hf2q"]["kld_mean"] > 0]
+        rows = [r for r in res["rows"] if "hf2q" in r and r["bits_per_weight"] < PLOT_MAX_BPW]
+        rows = [r for r in rows if r["hf2q"]["kld_mean"] > 0]
         for tool, marker in (("hf2q", "o"), ("llama_cpp", "x")):
-            ax.scatter([r["bits_per_weight"] for r in rows], [r[tool]["kld_mean"] for r in rows], marker=marker,
+            pts = [(r["bits_per_weight"], r[tool]["kld_mean"]) for r in rows if r[tool]["kld_mean"] > 0]
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=marker,
                        label="hf2q quality" if tool == "hf2q" else "llama-perplexity")
         for r in rows:
             ax.annotate(r["quant"], (r["bits_per_weight"], r["hf2q"]["kld_mean"]), fontsize=7,
@@ -164,8 +169,17 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--plot", default=None, help="write the KL vs bits/weight PNG here")
     ap.add_argument("--table", default=None, help="write the Markdown table here")
+    ap.add_argument("--from-json", action="append", default=[], metavar="FILE",
+                    help="draw --plot / --table from earlier runs' JSON instead of running (repeatable)")
     ap.add_argument("-o", "--output", default=None)
     args = ap.parse_args()
+    if args.from_json:
+        results = [res for f in args.from_json for res in json.loads(Path(f).read_text())["results"]]
+        if args.plot:
+            plot(results, Path(args.plot))
+        if args.table:
+            Path(args.table).write_text(table(results))
+        return 0
     from hf2q.engine.factory import prepare_mlx
 
     prepare_mlx()
