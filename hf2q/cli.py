@@ -99,6 +99,12 @@ def _add_convert(sub) -> None:
     p.add_argument("--jobs", type=_positive_int, default=1, help="parallel conversions in --batch mode")
     p.add_argument("--keep-going", action="store_true", help="in --batch mode, continue after a failure")
     p.add_argument("--cache-dir", help="model cache for --repo (default ~/.cache/hf2q)")
+    p.add_argument("--quality", action="store_true",
+                   help="after a GGUF conversion, score it against the source (hf2q quality) into the report")
+    p.add_argument("--quality-corpus", metavar="FILE|NAME", default=None,
+                   help="text for --quality (default: the shipped calibration corpus)")
+    p.add_argument("--quality-n-ctx", type=_int_at_least(4, "must be at least 4"), default=512, metavar="N",
+                   help="tokens per chunk for --quality (default 512)")
 
 
 def _add_info(sub) -> None:
@@ -260,6 +266,20 @@ def _add_imatrix(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON summary object")
 
 
+def _add_quality(sub) -> None:
+    p = sub.add_parser("quality", help="perplexity, KL divergence and top-1 agreement of a conversion against its source")
+    p.set_defaults(handler="hf2q.quality.quality_command:run")
+    p.add_argument("converted", metavar="CONVERTED", help="the converted model: a GGUF or an mlx-lm directory")
+    p.add_argument("--reference", required=True, metavar="SOURCE",
+                   help="the reference: an HF checkpoint directory (run as a temporary F16 GGUF) or a GGUF")
+    p.add_argument("--corpus", metavar="FILE|NAME", default=None,
+                   help="evaluation text: a UTF-8 file or a shipped corpus name (default: calibration)")
+    p.add_argument("--n-ctx", type=_int_at_least(4, "must be at least 4"), default=512,
+                   help="tokens per chunk; the second half of each is scored (default 512)")
+    p.add_argument("--chunks", type=_positive_int, default=None, help="score at most this many chunks (default all)")
+    p.add_argument("--json", action="store_true", help="print every figure as JSON")
+
+
 def _add_completions(sub) -> None:
     p = sub.add_parser("completions", help="print a shell completion script")
     p.set_defaults(handler="hf2q.completions:run")
@@ -289,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     for add in (_add_convert, _add_info, _add_generate, _add_chat, _add_serve, _add_diagrams, _add_doctor, _add_cache,
-                _add_gguf_patch, _add_imatrix, _add_completions):
+                _add_gguf_patch, _add_imatrix, _add_quality, _add_completions):
         add(sub)
     return p
 

@@ -68,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--quant {args.quant} is an mlx quantization (use --format mlx, or for GGUF one of "
                          f"{', '.join(GGUF_QUANTS)})")
     if args.format == "mlx" or quant.startswith("mlx"):
+        if getattr(args, "quality", False):
+            raise UsageError("--quality scores GGUF output; for an mlx directory run hf2q quality DIR --reference SRC")
         from hf2q.convert.mlx_writer import convert_mlx
         return convert_mlx(args)
 
@@ -105,6 +107,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     output = Path(args.output) if args.output else default_output(src, q.name)
     imatrix_arg = args.imatrix
+    if getattr(args, "quality", False):  # a bad corpus stops here, before the conversion
+        from hf2q.quality.corpus import load_corpus
+        load_corpus(args.quality_corpus)
     if wants_corpus:
         if not output.parent.is_dir():
             raise InputError(f"output directory {output.parent} does not exist")
@@ -112,7 +117,14 @@ def run(args: argparse.Namespace) -> int:
     rep = convert_gguf(src, output, q, threads=args.threads, integrity=not args.no_integrity,
                        report_path=Path(args.json_report) if args.json_report else None,
                        imatrix=imatrix, imatrix_arg=imatrix_arg, mtp=mtp)
+    quality = None
+    if getattr(args, "quality", False):
+        from hf2q.quality.quality_command import add_to_report
+        quality = add_to_report(rep, src, output, args.quality_corpus, args.quality_n_ctx,
+                                Path(args.json_report) if args.json_report else None)
     t = rep["timings_s"]
     print(f"wrote {output} ({rep['output_bytes'] / 2**20:.1f} MiB, {rep['tensor_count']} tensors, "
           f"{rep['bits_per_weight']:.2f} bpw) in {t['total_s']:.1f}s")
+    if quality:
+        print(quality)
     return 0
