@@ -99,13 +99,17 @@ def test_dwq_output_is_mlx_layout_with_fitted_scales(tiny_checkpoint, tmp_path, 
     from hf2q.convert.dwq_matmul import native_linear
 
     src = tiny_checkpoint("qwen3")
-    plain, dwq = tmp_path / "plain", tmp_path / "dwq"
+    work = tmp_path / "work"
+    work.mkdir()
+    corpus = tmp_path / "corpus.txt"  # a short text keeps the held-out scoring cheap
+    corpus.write_text(" ".join(f"Line {i} of a small calibration text about rivers, bread and clocks." for i in range(12)))
+    plain, dwq = work / "plain", work / "dwq"
     assert cli("convert", src, "-q", "mlx-4", "--group-size", "32", "-o", plain).code == 0
     r = cli("convert", src, "--format", "mlx", "-q", "dwq-4", "--group-size", "32", "--dwq-steps", "3",
-            "--dwq-seq-len", "24", "--dwq-lr", "1e-3", "-o", dwq)
+            "--dwq-seq-len", "24", "--dwq-lr", "1e-3", "--dwq-corpus", corpus, "-o", dwq)
     assert r.code == 0, r.err
     assert "held-out KL" in r.out
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["dwq", "dwq.report.json", "plain", "plain.report.json"]
+    assert sorted(p.name for p in work.iterdir()) == ["dwq", "dwq.report.json", "plain", "plain.report.json"]
     a, b = _weights(plain), _weights(dwq)
     assert sorted(a) == sorted(b)
     moved = 0
@@ -119,9 +123,9 @@ def test_dwq_output_is_mlx_layout_with_fitted_scales(tiny_checkpoint, tmp_path, 
     assert moved == len([k for k in a if k.endswith((".scales", ".biases"))])
     ca, cb = (json.loads((d / "config.json").read_text()) for d in (plain, dwq))
     assert ca == cb
-    rep = json.loads((tmp_path / "dwq.report.json").read_text())
+    rep = json.loads((work / "dwq.report.json").read_text())
     assert rep["quant"] == "dwq-4" and rep["dwq"]["steps"] == 3 and len(rep["dwq"]["loss"]["points"]) == 3
-    assert {"kl_mean", "perplexity"} <= set(rep["dwq"]["heldout_before"]) and rep["dwq"]["corpus"] == "calibration"
+    assert {"kl_mean", "perplexity"} <= set(rep["dwq"]["heldout_before"]) and rep["dwq"]["corpus"] == str(corpus)
 
     model, tok = mlx_lm.load(str(dwq))
     ids = tok.encode(PROMPT)
