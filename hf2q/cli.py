@@ -75,7 +75,7 @@ def _add_convert(sub) -> None:
     p.add_argument("src", nargs="?", help="HF model directory (config.json + *.safetensors)")
     p.add_argument("--quant", "-q", help="quantization: f32 f16 bf16 q4_0 q4_1 q5_0 q5_1 q8_0 q2_k q2_k_s q3_k_s q3_k_m q3_k_l "
                    "q4_k_s q4_k_m q5_k_s q5_k_m q6_k; with --format mlx: mlx-2 … mlx-8, "
-                   "mlx-mixed-2-6|3-4|3-6|4-6")
+                   "mlx-mixed-2-6|3-4|3-6|4-6, dwq-3|dwq-4 (distilled)")
     p.add_argument("-o", "--output", help="output GGUF path or mlx directory")
     p.add_argument("--format", choices=["gguf", "mlx"], default=None, help="output format (default gguf)")
     p.add_argument("--repo", help="Hub model id to fetch into the cache instead of SRC")
@@ -95,6 +95,10 @@ def _add_convert(sub) -> None:
     p.add_argument("--json-report", help="write the conversion report here (default: OUTPUT.report.json)")
     p.add_argument("--no-integrity", action="store_true", help="skip sha256 hashing of inputs")
     p.add_argument("--group-size", type=int, choices=[32, 64, 128], default=None, help="mlx group size (64)")
+    p.add_argument("--dwq-corpus", help="DWQ calibration text: a file or a shipped corpus name (calibration)")
+    p.add_argument("--dwq-steps", type=int, default=None, help="DWQ optimizer steps (64)")
+    p.add_argument("--dwq-lr", type=float, default=None, help="DWQ Adam learning rate (1e-4)")
+    p.add_argument("--dwq-seq-len", type=int, default=None, help="DWQ tokens per training row (64)")
     p.add_argument("--batch", help="TOML/JSON plan of sources × quants × formats")
     p.add_argument("--jobs", type=_positive_int, default=1, help="parallel conversions in --batch mode")
     p.add_argument("--keep-going", action="store_true", help="in --batch mode, continue after a failure")

@@ -63,6 +63,14 @@ def run(args: argparse.Namespace) -> int:
         from hf2q.convert.batch import run_batch
         return run_batch(args)
     quant = (args.quant or "").lower()
+    if quant.startswith("dwq"):
+        if _wants_gguf(args):
+            raise InputError(f"--quant {args.quant} (distilled weight quantization) needs --format mlx: "
+                             "it fits mlx-lm's affine scales and biases")
+        from hf2q.convert.dwq_convert import convert_dwq
+        return convert_dwq(args)
+    from hf2q.convert.dwq_convert import check_flags_unused
+    check_flags_unused(args)
     if quant.startswith("mlx") and _wants_gguf(args):
         from hf2q.convert.quant_names import GGUF_QUANTS
         raise UsageError(f"--quant {args.quant} is an mlx quantization (use --format mlx, or for GGUF one of "

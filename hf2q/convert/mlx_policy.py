@@ -28,6 +28,9 @@ BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
 MIXED = {"2-6": (2, 6), "3-4": (3, 4), "3-6": (3, 6), "4-6": (4, 6)}
 MLX_QUANT_NAMES = tuple([f"mlx-{b}" for b in BITS] + [f"mlx-mixed-{m}" for m in MIXED])
+# distilled weight quantization (hf2q.convert.dwq_fit): mlx-N's layout with fitted scales and biases
+DWQ_BITS = (3, 4)
+DWQ_QUANT_NAMES = tuple(f"dwq-{b}" for b in DWQ_BITS)
 
 # HF model_type → does mlx-lm have a graph for it (among the families hf2q converts)
 MLX_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe", "gemma3_text")
@@ -44,6 +47,10 @@ class MlxQuant:
     @property
     def mixed(self) -> bool:
         return self.high_bits is not None
+
+    @property
+    def distilled(self) -> bool:
+        return self.name in DWQ_QUANT_NAMES
 
 
 @attrs.frozen
@@ -64,15 +71,20 @@ class TensorPlan:
 def parse_mlx_quant(name: str | None) -> MlxQuant:
     """``mlx-4`` / ``mlx-mixed-3-6`` → MlxQuant; anything else is a one-line InputError."""
     n = (name or "").strip().lower()
+    choices = MLX_QUANT_NAMES + DWQ_QUANT_NAMES
     if not n:
-        raise InputError("--quant is required for --format mlx (choices: " + ", ".join(MLX_QUANT_NAMES) + ")")
+        raise InputError("--quant is required for --format mlx (choices: " + ", ".join(choices) + ")")
+    if n in DWQ_QUANT_NAMES:
+        return MlxQuant(n, int(n.removeprefix("dwq-")))
+    if n == "dwq":
+        raise InputError("--quant dwq needs a bit width: dwq-4 or dwq-3")
     if n.startswith("mlx-mixed-") and n.removeprefix("mlx-mixed-") in MIXED:
         low, high = MIXED[n.removeprefix("mlx-mixed-")]
         return MlxQuant(n, low, high)
     if n.startswith("mlx-") and n.removeprefix("mlx-").isdigit() and int(n.removeprefix("mlx-")) in BITS:
         return MlxQuant(n, int(n.removeprefix("mlx-")))
-    raise InputError(f"unknown mlx quantization {name!r} (choices: {', '.join(MLX_QUANT_NAMES)})"
-                     + did_you_mean(n, MLX_QUANT_NAMES))
+    raise InputError(f"unknown mlx quantization {name!r} (choices: {', '.join(choices)})"
+                     + did_you_mean(n, choices))
 
 
 def check_group_size(group_size: int | None) -> int:

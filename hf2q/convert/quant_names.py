@@ -61,6 +61,6 @@ def parse_gguf_quant(name: str | None) -> QuantName:
     key = name.strip().lower()
     if key in GGUF_QUANTS:
         return GGUF_QUANTS[key]
-    if key in MLX_QUANTS:
+    if key in MLX_QUANTS or key.startswith("dwq"):
         raise InputError(f"--quant {name} is an mlx quantization; add --format mlx")
     raise InputError(f"unknown quantization {name!r}" + did_you_mean(key, list(GGUF_QUANTS) + list(MLX_QUANTS)))
