@@ -69,30 +69,41 @@ class BertModel:
         self.layers = [BertLayer(g, i, dtype) for i in range(cfg.n_layers)]
 
     def embed(self, batch: Sequence[Sequence[int]]) -> mx.array:
-        if not batch or any(len(t) == 0 for t in batch):
-            raise InputError("every embedding input needs at least one token")
-        B, L = len(batch), max(len(t) for t in batch)
-        ids = np.zeros((B, L), dtype=np.int32)
-        valid = np.zeros((B, L), dtype=bool)
-        for i, t in enumerate(batch):
-            ids[i, : len(t)] = t
-            valid[i, : len(t)] = True
-        x = self.tok[mx.array(ids)] + self.pos[:L][None]
+        ids, valid = padded_batch(batch)
+        x = self.tok[mx.array(ids)] + self.pos[: ids.shape[1]][None]
         if self.types is not None:
             x = x + self.types[0]
         x = layer_norm(x, *self.ln, self.cfg.eps)
         mask = mx.array(valid[:, None, None, :])
         for layer in self.layers:
             x = layer(x, mask, self.cfg.n_heads, self.cfg.eps)
-        x = x.astype(mx.float32)
-        if self.cfg.pooling == 2:
-            pooled = x[:, 0, :]
-        else:
-            w = mx.array(valid.astype(np.float32))[..., None]
-            pooled = (x * w).sum(axis=1) / w.sum(axis=1)
-        out = pooled / mx.maximum(mx.linalg.norm(pooled, axis=-1, keepdims=True), 1e-12)
-        mx.eval(out)
-        return out
+        return pooled_unit_vectors(x, valid, self.cfg.pooling)
+
+
+def padded_batch(batch: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids right-padded to the longest input, and which positions are real tokens."""
+    if not batch or any(len(t) == 0 for t in batch):
+        raise InputError("every embedding input needs at least one token")
+    B, L = len(batch), max(len(t) for t in batch)
+    ids = np.zeros((B, L), dtype=np.int32)
+    valid = np.zeros((B, L), dtype=bool)
+    for i, t in enumerate(batch):
+        ids[i, : len(t)] = t
+        valid[i, : len(t)] = True
+    return ids, valid
+
+
+def pooled_unit_vectors(x: mx.array, valid: np.ndarray, pooling: int) -> mx.array:
+    """The mean of the real tokens' states (pooling 1) or the first token's (2), L2-normalised."""
+    x = x.astype(mx.float32)
+    if pooling == 2:
+        pooled = x[:, 0, :]
+    else:
+        w = mx.array(valid.astype(np.float32))[..., None]
+        pooled = (x * w).sum(axis=1) / w.sum(axis=1)
+    out = pooled / mx.maximum(mx.linalg.norm(pooled, axis=-1, keepdims=True), 1e-12)
+    mx.eval(out)
+    return out
 
 
 def build(g: GGUFFile, dtype) -> BertModel:

@@ -1,0 +1,91 @@
+"""Nomic-BERT encoders (nomic-embed-text v1 / v1.5) for ``/v1/embeddings``.
+
+BERT's post-LayerNorm encoder with three changes: no learned positions but rotary ones (NeoX
+halves over the whole head, base ``rope.freq_base``) applied to Q and K, one fused QKV
+projection, and a SwiGLU MLP (``down(silu(gate·x) * up·x)``); no biases in the projections.
+Attention is bidirectional; the sentence vector is pooled and normalised as in ``bert``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import attrs
+import mlx.core as mx
+
+from hf2q.engine.layers import GatedMLP, Linear, float_array, layer_norm
+from hf2q.engine.models.bert import padded_batch, pooled_unit_vectors
+from hf2q.errors import InputError
+from hf2q.formats.gguf_file import GGUFFile
+
+
+@attrs.define
+class NomicBertConfig:
+    n_layers: int
+    hidden: int
+    n_heads: int
+    vocab: int
+    n_ctx_train: int
+    eps: float
+    rope_base: float
+    pooling: int
+
+
+class NomicBertLayer:
+    def __init__(self, g: GGUFFile, i: int, dtype):
+        p = f"blk.{i}."
+
+        def lin(name):
+            return Linear(g.tensor(p + name + ".weight"), dtype)
+
+        def norm(name):
+            return float_array(g.tensor(p + name + ".weight"), dtype), float_array(g.tensor(p + name + ".bias"), dtype)
+
+        self.qkv, self.o = lin("attn_qkv"), lin("attn_output")
+        self.mlp = GatedMLP(lin("ffn_gate"), lin("ffn_up"), lin("ffn_down"))
+        self.ln1, self.ln2 = norm("attn_output_norm"), norm("layer_output_norm")
+
+    def __call__(self, x: mx.array, mask: mx.array, cfg: NomicBertConfig) -> mx.array:
+        B, L, D = x.shape
+        hd = D // cfg.n_heads
+        qkv = self.qkv(x).reshape(B, L, 3, cfg.n_heads, hd).transpose(2, 0, 3, 1, 4)
+        q, k = (mx.fast.rope(t, hd, traditional=False, base=cfg.rope_base, scale=1.0, offset=0) for t in qkv[:2])
+        a = mx.fast.scaled_dot_product_attention(q, k, qkv[2], scale=hd ** -0.5, mask=mask)
+        x = layer_norm(x + self.o(a.transpose(0, 2, 1, 3).reshape(B, L, D)), *self.ln1, cfg.eps)
+        return layer_norm(x + self.mlp(x), *self.ln2, cfg.eps)
+
+
+class NomicBertModel:
+    is_embedding_model = True
+
+    def __init__(self, cfg: NomicBertConfig, g: GGUFFile, dtype):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.tok = float_array(g.tensor("token_embd.weight"), dtype)
+        self.types = float_array(g.tensor("token_types.weight"), dtype) if "token_types.weight" in g.tensors else None
+        self.ln = (float_array(g.tensor("token_embd_norm.weight"), dtype),
+                   float_array(g.tensor("token_embd_norm.bias"), dtype))
+        self.layers = [NomicBertLayer(g, i, dtype) for i in range(cfg.n_layers)]
+
+    def embed(self, batch: Sequence[Sequence[int]]) -> mx.array:
+        ids, valid = padded_batch(batch)
+        x = self.tok[mx.array(ids)]
+        if self.types is not None:
+            x = x + self.types[0]
+        x = layer_norm(x, *self.ln, self.cfg.eps)
+        mask = mx.array(valid[:, None, None, :])
+        for layer in self.layers:
+            x = layer(x, mask, self.cfg)
+        return pooled_unit_vectors(x, valid, self.cfg.pooling)
+
+
+def build(g: GGUFFile, dtype) -> NomicBertModel:
+    hp = g.hparams
+    pooling = hp.pooling_type
+    if pooling not in (1, 2):
+        raise InputError(f"{g.path.name}: pooling type {pooling} is not supported (mean or CLS)")
+    n_heads, _ = hp.uniform_heads()
+    cfg = NomicBertConfig(n_layers=hp.n_layers, hidden=hp.hidden, n_heads=n_heads,
+                          vocab=int(g.tensor("token_embd.weight").shape[0]), n_ctx_train=hp.n_ctx_train,
+                          eps=hp.norm_eps, rope_base=hp.rope_base, pooling=pooling)
+    return NomicBertModel(cfg, g, dtype)
