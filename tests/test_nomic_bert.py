@@ -91,6 +91,19 @@ def test_embeddings_match_transformers(nomic_hf, nomic_gguf):
     assert np.abs(_engine(nomic_gguf("f32"), TEXTS[2:3])[1][0] - got[2]).max() < 1e-5
 
 
+def test_a_large_batch_comes_back_in_input_order(nomic_gguf):
+    """More inputs than one padded group, lengths interleaved: each vector is its own text's."""
+    from hf2q.engine.models.bert import GROUP_ROWS
+
+    texts = [TEXTS[i % len(TEXTS)] + " again" * (i % 7) for i in range(GROUP_ROWS + 9)]
+    _, together = _engine(nomic_gguf("f32"), texts)
+    _, alone = _engine(nomic_gguf("f32"), texts[:1] + texts[GROUP_ROWS + 8:])
+    assert np.abs(together[0] - alone[0]).max() < 1e-5 and np.abs(together[-1] - alone[1]).max() < 1e-5
+    distinct = {t: v for t, v in zip(texts, together)}
+    for text, vec in zip(texts, together):
+        assert np.abs(vec - distinct[text]).max() < 1e-5
+
+
 @pytest.mark.llamacpp
 @pytest.mark.parametrize("quant", ["f32", "q8_0"])
 def test_embeddings_match_llama_embedding(quant, nomic_gguf, llama_cpp_bin):

@@ -3,8 +3,8 @@
 Post-LayerNorm encoder with biased projections and erf-GELU, bidirectional attention;
 the sentence vector is the mean (``pooling_type`` 1) or the CLS token (2) of the last
 hidden states, L2-normalised — what sentence-transformers does for these models. A
-batch of inputs of different lengths is padded; padding is masked out of attention
-and of the mean.
+batch is sorted by length and run in groups of similar lengths, each padded to its
+longest input; padding is masked out of attention and of the mean.
 """
 
 from __future__ import annotations
@@ -69,6 +69,9 @@ class BertModel:
         self.layers = [BertLayer(g, i, dtype) for i in range(cfg.n_layers)]
 
     def embed(self, batch: Sequence[Sequence[int]]) -> mx.array:
+        return embed_by_length(batch, self._forward)
+
+    def _forward(self, batch: Sequence[Sequence[int]]) -> mx.array:
         ids, valid = padded_batch(batch)
         x = self.tok[mx.array(ids)] + self.pos[: ids.shape[1]][None]
         if self.types is not None:
@@ -80,10 +83,26 @@ class BertModel:
         return pooled_unit_vectors(x, valid, self.cfg.pooling)
 
 
-def padded_batch(batch: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids right-padded to the longest input, and which positions are real tokens."""
+#: inputs per padded forward pass: a batch is sorted by length and cut into groups of this many, so a
+#: short text of a large batch is not padded to the longest one
+GROUP_ROWS = 32
+
+
+def embed_by_length(batch: Sequence[Sequence[int]], forward) -> mx.array:
+    """``forward(group)`` over groups of similar-length inputs; the vectors come back in input order."""
     if not batch or any(len(t) == 0 for t in batch):
         raise InputError("every embedding input needs at least one token")
+    order = sorted(range(len(batch)), key=lambda i: len(batch[i]))
+    parts = [forward([batch[i] for i in order[s: s + GROUP_ROWS]]) for s in range(0, len(order), GROUP_ROWS)]
+    inverse = np.empty(len(order), dtype=np.int32)
+    inverse[order] = np.arange(len(order), dtype=np.int32)
+    out = mx.concatenate(parts)[mx.array(inverse)]
+    mx.eval(out)
+    return out
+
+
+def padded_batch(batch: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids right-padded to the longest input, and which positions are real tokens."""
     B, L = len(batch), max(len(t) for t in batch)
     ids = np.zeros((B, L), dtype=np.int32)
     valid = np.zeros((B, L), dtype=bool)

@@ -14,7 +14,7 @@ import attrs
 import mlx.core as mx
 
 from hf2q.engine.layers import GatedMLP, Linear, float_array, layer_norm
-from hf2q.engine.models.bert import padded_batch, pooled_unit_vectors
+from hf2q.engine.models.bert import embed_by_length, padded_batch, pooled_unit_vectors
 from hf2q.errors import InputError
 from hf2q.formats.gguf_file import GGUFFile
 
@@ -68,6 +68,9 @@ class NomicBertModel:
         self.layers = [NomicBertLayer(g, i, dtype) for i in range(cfg.n_layers)]
 
     def embed(self, batch: Sequence[Sequence[int]]) -> mx.array:
+        return embed_by_length(batch, self._forward)
+
+    def _forward(self, batch: Sequence[Sequence[int]]) -> mx.array:
         ids, valid = padded_batch(batch)
         x = self.tok[mx.array(ids)]
         if self.types is not None:
