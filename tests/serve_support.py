@@ -41,10 +41,10 @@ def chat_and_embedding_server(chat: Path, embedding: Path, log_dir: Path):
             time.sleep(0.5)
         yield url
     finally:
-        proc.terminate()
-        try:
+        proc.terminate()  # a clean drain first; SIGKILL only if it takes over 30 s
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(30)
-        except subprocess.TimeoutExpired:
+        if proc.poll() is None:
             proc.kill()
             proc.wait()
         log.close()

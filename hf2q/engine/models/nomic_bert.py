@@ -8,14 +8,11 @@ Attention is bidirectional; the sentence vector is pooled and normalised as in `
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import attrs
 import mlx.core as mx
 
-from hf2q.engine.layers import GatedMLP, Linear, float_array, layer_norm
-from hf2q.engine.models.bert import embed_by_length, padded_batch, pooled_unit_vectors
-from hf2q.errors import InputError
+from hf2q.engine.layers import GatedMLP, Linear, layer_norm
+from hf2q.engine.models.bert import EncoderModel, check_pooling, norm_pair
 from hf2q.formats.gguf_file import GGUFFile
 
 
@@ -38,12 +35,9 @@ class NomicBertLayer:
         def lin(name):
             return Linear(g.tensor(p + name + ".weight"), dtype)
 
-        def norm(name):
-            return float_array(g.tensor(p + name + ".weight"), dtype), float_array(g.tensor(p + name + ".bias"), dtype)
-
         self.qkv, self.o = lin("attn_qkv"), lin("attn_output")
         self.mlp = GatedMLP(lin("ffn_gate"), lin("ffn_up"), lin("ffn_down"))
-        self.ln1, self.ln2 = norm("attn_output_norm"), norm("layer_output_norm")
+        self.ln1, self.ln2 = norm_pair(g, p + "attn_output_norm", dtype), norm_pair(g, p + "layer_output_norm", dtype)
 
     def __call__(self, x: mx.array, mask: mx.array, cfg: NomicBertConfig) -> mx.array:
         B, L, D = x.shape
@@ -55,40 +49,10 @@ class NomicBertLayer:
         return layer_norm(x + self.mlp(x), *self.ln2, cfg.eps)
 
 
-class NomicBertModel:
-    is_embedding_model = True
-
-    def __init__(self, cfg: NomicBertConfig, g: GGUFFile, dtype):
-        self.cfg = cfg
-        self.dtype = dtype
-        self.tok = float_array(g.tensor("token_embd.weight"), dtype)
-        self.types = float_array(g.tensor("token_types.weight"), dtype) if "token_types.weight" in g.tensors else None
-        self.ln = (float_array(g.tensor("token_embd_norm.weight"), dtype),
-                   float_array(g.tensor("token_embd_norm.bias"), dtype))
-        self.layers = [NomicBertLayer(g, i, dtype) for i in range(cfg.n_layers)]
-
-    def embed(self, batch: Sequence[Sequence[int]]) -> mx.array:
-        return embed_by_length(batch, self._forward)
-
-    def _forward(self, batch: Sequence[Sequence[int]]) -> mx.array:
-        ids, valid = padded_batch(batch)
-        x = self.tok[mx.array(ids)]
-        if self.types is not None:
-            x = x + self.types[0]
-        x = layer_norm(x, *self.ln, self.cfg.eps)
-        mask = mx.array(valid[:, None, None, :])
-        for layer in self.layers:
-            x = layer(x, mask, self.cfg)
-        return pooled_unit_vectors(x, valid, self.cfg.pooling)
-
-
-def build(g: GGUFFile, dtype) -> NomicBertModel:
+def build(g: GGUFFile, dtype) -> EncoderModel:
     hp = g.hparams
-    pooling = hp.pooling_type
-    if pooling not in (1, 2):
-        raise InputError(f"{g.path.name}: pooling type {pooling} is not supported (mean or CLS)")
     n_heads, _ = hp.uniform_heads()
     cfg = NomicBertConfig(n_layers=hp.n_layers, hidden=hp.hidden, n_heads=n_heads,
                           vocab=int(g.tensor("token_embd.weight").shape[0]), n_ctx_train=hp.n_ctx_train,
-                          eps=hp.norm_eps, rope_base=hp.rope_base, pooling=pooling)
-    return NomicBertModel(cfg, g, dtype)
+                          eps=hp.norm_eps, rope_base=hp.rope_base, pooling=check_pooling(g))
+    return EncoderModel(cfg, g, dtype, [NomicBertLayer(g, i, dtype) for i in range(cfg.n_layers)])
