@@ -12,20 +12,13 @@ import attrs
 import mlx.core as mx
 
 from hf2q.engine.layers import GatedMLP, Linear, layer_norm
-from hf2q.engine.models.bert import EncoderModel, check_pooling, norm_pair
+from hf2q.engine.models.bert import BertConfig, EncoderModel, check_pooling, norm_pair
 from hf2q.formats.gguf_file import GGUFFile
 
 
 @attrs.define
-class NomicBertConfig:
-    n_layers: int
-    hidden: int
-    n_heads: int
-    vocab: int
-    n_ctx_train: int
-    eps: float
+class NomicBertConfig(BertConfig):
     rope_base: float
-    pooling: int
 
 
 class NomicBertLayer:
