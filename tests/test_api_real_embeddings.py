@@ -8,14 +8,10 @@ vector), transformers' MiniLM (mean pooling, L2 norm) and the model card's simil
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
-import time
-
-import httpx
 import numpy as np
 import pytest
+
+from tests.serve_support import chat_and_embedding_server
 
 pytestmark = [pytest.mark.slow]
 
@@ -31,41 +27,10 @@ def minilm_gguf(tmp_path_factory, minilm_hf):
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(minilm_gguf, smollm2_gguf, tmp_path_factory):
-    port = _free_port()
-    log = (tmp_path_factory.mktemp("serve") / "serve.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "hf2q", "serve", "--model", str(smollm2_gguf),
-                             "--embedding-model", str(minilm_gguf), "--port", str(port), "--slots", "1",
-                             "--ctx", "2048", "--operator-ui", "plain"], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:  # ready = the chat model answers /readyz and the embedding model answers a request
-            assert proc.poll() is None, "hf2q serve exited before it was ready"
-            assert time.monotonic() < deadline, "hf2q serve not ready after 300 s"
-            try:
-                if (httpx.get(url + "/readyz", timeout=2).status_code == 200
-                        and httpx.post(url + "/v1/embeddings", json={"input": "x"}, timeout=30).status_code == 200):
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+    with chat_and_embedding_server(smollm2_gguf, minilm_gguf, tmp_path_factory.mktemp("serve")) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 def test_embeddings_over_http_equal_the_engine_and_transformers(server, minilm_gguf, minilm_hf):

@@ -3,6 +3,7 @@
 The pooler and MLM heads are dropped (embeddings only), ``gamma``/``beta`` are renamed to
 ``weight``/``bias``, position and token-type embeddings stay F32, and the sentence-transformers
 pooling mode (mean for MiniLM) becomes ``bert.pooling_type``. Tokenizer: WordPiece.
+Nomic-BERT (``nomic-bert``) is the same encoder with rotary positions, fused QKV and a gated MLP.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import gguf
 
 from hf2q.arch.base import MT, Family, Metadata
 from hf2q.arch.pooling import add_pooling_type
+from hf2q.errors import InputError
 from hf2q.formats.gguf_keys import Keys
+from hf2q.sources.hf_config import require
 
 _DROP = ("embeddings.position_ids", "pooler.dense.weight", "pooler.dense.bias")
 
@@ -46,3 +49,76 @@ class Bert(Family):
         a = self.arch_name
         md.boolean(Keys.Attention.CAUSAL.format(arch=a), False)
         add_pooling_type(self.src, self.cfg, md, a)
+
+
+class NomicBert(Bert):
+    """nomic-embed-text v1 / v1.5 (``NomicBertModel``, Hub layout) → GGUF arch ``nomic-bert``.
+
+    The Hub checkpoint keeps its fused QKV and gated MLP (``fc11`` up, ``fc12`` gate) as they are, has no
+    biases and no learned positions (rotary, NeoX halves, base ``rotary_emb_base``). Its config has the
+    GPT-2 style keys (n_embd, n_head, n_inner, n_layer); they are read first. v1/v1.5 declare 8192
+    positions but were trained on 2048, which is the context llama.cpp's converter writes. Every setting
+    its graph does not model (pre-norm, partial or interleaved rotary, biases, a causal mask) is refused.
+    The MoE v2 (``moe_every_n_layers``, Unigram tokenizer) is refused: its tokenizer is not built here.
+    """
+
+    hf_architectures = ("NomicBertModel",)
+    gguf_arch = gguf.MODEL_ARCH.NOMIC_BERT
+    block_tensors = (MT.ATTN_QKV, MT.ATTN_OUT, MT.ATTN_OUT_NORM, MT.FFN_UP, MT.FFN_GATE, MT.FFN_DOWN,
+                     MT.LAYER_OUT_NORM)
+
+    #: (setting, the value the nomic-bert graph implements)
+    _FIXED = (("activation_function", "swiglu"), ("causal", False), ("qkv_proj_bias", False),
+              ("mlp_fc1_bias", False), ("mlp_fc2_bias", False), ("prenorm", False), ("rotary_emb_fraction", 1.0),
+              ("rotary_emb_interleaved", False), ("rotary_emb_scale_base", None))
+
+    def __init__(self, cfg, src, mtp: str = "keep"):
+        super().__init__(cfg, src, mtp=mtp)
+        if cfg.get("moe_every_n_layers"):
+            raise InputError("config.json: nomic-bert-moe (nomic-embed-text-v2-moe) is not supported: its Unigram "
+                             "tokenizer with a precompiled charsmap is not built by hf2q")
+        for key, want in self._FIXED:
+            if key not in cfg or cfg[key] != want:
+                raise InputError(f"config.json: nomic-bert needs {key} = {want!r}, found {cfg.get(key, '(none)')!r}")
+
+    @property
+    def hidden_size(self) -> int:
+        return int(require(self.cfg, "n_embd", "hidden_size", kind=int))
+
+    @property
+    def n_head(self) -> int:
+        return int(require(self.cfg, "n_head", "num_attention_heads", kind=int))
+
+    @property
+    def n_head_kv(self) -> int:
+        return self.n_head
+
+    def context_length(self) -> int:
+        """v1/v1.5 declare 8192 positions over 2048 trained ones; llama.cpp's converter writes the trained."""
+        npos, trained = self.cfg.get("n_positions"), self.cfg.get("max_trained_positions", 2048)
+        if (npos, trained) != (8192, 2048):
+            raise InputError(f"config.json: nomic-bert with n_positions {npos} and max_trained_positions {trained} "
+                             "is not a known model (v1/v1.5: 8192 and 2048)")
+        return 2048
+
+    def hparams(self, md: Metadata) -> None:
+        a, c = self.arch_name, self.cfg
+        ff = int(require(c, "n_inner", "intermediate_size", kind=int))
+        md.u32(Keys.LLM.BLOCK_COUNT.format(arch=a), self.block_count)
+        md.u32(Keys.LLM.CONTEXT_LENGTH.format(arch=a), self.context_length())
+        md.u32(Keys.LLM.EMBEDDING_LENGTH.format(arch=a), self.hidden_size)
+        md.u32(Keys.LLM.FEED_FORWARD_LENGTH.format(arch=a), ff)
+        md.u32(Keys.Attention.HEAD_COUNT.format(arch=a), self.n_head)
+        md.f32(Keys.Rope.FREQ_BASE.format(arch=a), require(c, "rotary_emb_base", kind=(int, float)))
+        md.f32(Keys.Attention.LAYERNORM_EPS.format(arch=a),
+               require(c, "layer_norm_epsilon", "layer_norm_eps", kind=(int, float)))
+        md.u32(Keys.Attention.KEY_LENGTH.format(arch=a), self.head_dim)
+        md.u32(Keys.Attention.VALUE_LENGTH.format(arch=a), self.head_dim)
+        md.boolean(Keys.Attention.CAUSAL.format(arch=a), False)
+        add_pooling_type(self.src, self.cfg, md, a)
+
+    def expected_dims(self):
+        d, ff = self.hidden_size, int(require(self.cfg, "n_inner", "intermediate_size", kind=int))
+        dims = super().expected_dims()
+        dims.update({MT.ATTN_QKV: (3 * d, d), MT.FFN_UP: (ff, d), MT.FFN_GATE: (ff, d), MT.FFN_DOWN: (d, ff)})
+        return dims

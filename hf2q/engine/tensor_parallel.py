@@ -276,7 +276,7 @@ def load_shard(model: str | Path | GGUFFile, rank: int, size: int, group, ctx: i
     from hf2q.formats.gguf_file import open_gguf
 
     g = model if isinstance(model, GGUFFile) else open_gguf(model)
-    if g.arch == "bert":
+    if g.hparams.is_encoder:
         raise InputError(f"{g.path.name}: tensor parallelism serves decoder (chat) models only")
     from hf2q.formats.gguf_check import check_weights
 

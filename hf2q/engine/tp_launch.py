@@ -92,7 +92,7 @@ def plan_split(model, size: int):
     from hf2q.formats.gguf_file import GGUFFile, open_gguf
 
     g = model if isinstance(model, GGUFFile) else open_gguf(model)
-    if g.arch == "bert":
+    if g.hparams.is_encoder:
         raise InputError(f"{g.path.name}: tensor parallelism serves decoder (chat) models only")
     n_heads, n_kv = g.hparams.uniform_heads(" with tensor parallelism")
     plans = []

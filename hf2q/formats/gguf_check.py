@@ -27,7 +27,7 @@ from gguf import GGMLQuantizationType as T
 
 from hf2q.errors import InputError
 from hf2q.formats.gguf_file import GGUFFile, open_gguf
-from hf2q.formats.gguf_hparams import DEFAULTS, RECURRENT_ARCHS
+from hf2q.formats.gguf_hparams import DEFAULTS, ENCODER_ARCHS, RECURRENT_ARCHS
 from hf2q.formats.gguf_keys import ExtraKeys, Keys
 
 _A, _L, _R, _S, _TK = Keys.Attention, Keys.LLM, Keys.Rope, Keys.SSM, Keys.Tokenizer
@@ -162,7 +162,7 @@ class _Checker:
         d["head_k"] = self.int_key(_A.KEY_LENGTH, default=default_head)
         d["head_v"] = self.int_key(_A.VALUE_LENGTH, default=default_head)
         d["n_ctx"] = self.int_key(_L.CONTEXT_LENGTH, hi=MAX_CONTEXT)
-        if self.arch == "bert":
+        if self.arch in ENCODER_ARCHS:
             self.float_key(_A.LAYERNORM_EPS)
             pooling = self.int_key(_L.POOLING_TYPE, lo=0, hi=16)
             if pooling not in (1, 2):
@@ -170,6 +170,8 @@ class _Checker:
             if d["head_k"] * d["n_head"] != d["hidden"]:
                 raise self.fail(f"BERT needs heads × head size = {self.hp.key(_L.EMBEDDING_LENGTH)} "
                                 f"({d['n_head']} × {d['head_k']} ≠ {d['hidden']})")
+            if self.arch == "nomic-bert":
+                self.rope(d)
         else:
             self.float_key(_A.LAYERNORM_RMS_EPS)
             self.rope(d)
@@ -512,6 +514,22 @@ def _bert(d: dict[str, Any]) -> Table:
     return t
 
 
+def _nomic_bert(d: dict[str, Any]) -> Table:
+    """BERT without learned positions or biases: fused QKV, SwiGLU MLP, post-norms with biases."""
+    h, ff = d["hidden"], d["n_ff"]
+    t: Table = {"token_embd.weight": ((h, d["vocab"]), True), "token_types.weight": ((h, 2), False),
+                "token_embd_norm.weight": ((h,), True), "token_embd_norm.bias": ((h,), True)}
+    for i in range(d["n_layer"]):
+        p = f"blk.{i}."
+        for name, dims in (("attn_qkv", (h, 3 * h)), ("attn_output", (h, h)), ("ffn_gate", (h, ff)),
+                           ("ffn_up", (h, ff)), ("ffn_down", (ff, h))):
+            t[p + name + ".weight"] = (dims, True)
+        for norm in ("attn_output_norm", "layer_output_norm"):
+            t[p + norm + ".weight"] = ((h,), True)
+            t[p + norm + ".bias"] = ((h,), True)
+    return t
+
+
 _FAMILY_TABLES: dict[str, Callable[[dict[str, Any]], Table]] = {
     "llama": _llama,
     "qwen3": lambda d: _decoder(d, qk_norm=True),
@@ -519,6 +537,7 @@ _FAMILY_TABLES: dict[str, Callable[[dict[str, Any]], Table]] = {
     "gemma3": lambda d: _decoder(d, qk_norm=True, sandwich=True),
     "gemma4": _gemma4,
     "bert": _bert,
+    "nomic-bert": _nomic_bert,
     "qwen35": _qwen35,
     "qwen35moe": lambda d: _qwen35(d, moe=True),
 }

@@ -352,3 +352,72 @@ def _build_multimodal_gemma4(out: Path) -> None:
     for f in src.iterdir():
         if f.name not in ("model.safetensors", "config.json"):
             shutil.copy2(f, out / f.name)
+
+
+# nomic-embed-text-v1.5 as nomic-ai publishes it: the Hub checkpoint runs custom code (``NomicBertModel``,
+# ``auto_map``) whose config keys are GPT-2 style (n_embd, n_head, n_inner, n_positions, rotary_emb_base …)
+# and whose tensors are fused (``encoder.layers.N.attn.Wqkv``, ``mlp.fc11`` up / ``fc12`` gate / ``fc2``,
+# ``norm1``/``norm2``, ``emb_ln``). transformers' own ``nomic_bert`` saves other names (split q/k/v,
+# ``layers.N.self_attn``, hidden_size …) and reads the Hub tensors only through its load-time renaming;
+# llama.cpp's converter reads the Hub tensors. So the fixture is the Hub layout: transformers' initialisation
+# of a small ``NomicBertConfig`` (+ ``_perturb``) saved under the Hub names, the Hub config's keys and values
+# (n_positions 8192 with max_trained_positions 2048, as v1.5), MiniLM's WordPiece files (v1.5 uses
+# bert-base-uncased's vocabulary, padded to 30528 rows) and mean pooling. hidden 64 ≠ ff 96 ≠ 2·ff.
+# The config also carries transformers' names for the shape (hidden_size …): llama.cpp's converter loads the
+# config through transformers' ``NomicBertConfig``, whose defaults (768 wide, 12 layers, 3072 ff) it prefers
+# to the Hub keys — right for the real v1.5 by coincidence, a 12-block header over 2 blocks for a tiny one.
+NOMIC_VERSION = "v1"
+NOMIC_SHAPE = {"n_embd": 64, "n_head": 4, "n_inner": 96, "n_layer": 2, "vocab_size": 30528, "rotary_emb_base": 1000,
+               "layer_norm_epsilon": 1e-12}
+_NOMIC_TRANSFORMERS_KEYS = {"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 96,
+                            "num_hidden_layers": 2, "max_position_embeddings": 2048, "layer_norm_eps": 1e-12}
+
+
+def nomic_bert() -> Path:
+    """Path of the tiny nomic-embed-text-v1.5-shaped checkpoint (Hub layout; built on first use)."""
+    return build_once(f"tiny-nomic_bert-{NOMIC_VERSION}", _build_nomic_bert)
+
+
+def _build_nomic_bert(out: Path) -> None:
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    torch.manual_seed(SEED)
+    config = transformers.NomicBertConfig(vocab_size=NOMIC_SHAPE["vocab_size"], hidden_act="silu", type_vocab_size=2,
+                                          pad_token_id=0, **_NOMIC_TRANSFORMERS_KEYS,
+                                          rope_parameters={"rope_type": "default",
+                                                           "rope_theta": float(NOMIC_SHAPE["rotary_emb_base"])})
+    model = transformers.NomicBertModel(config).eval()
+    _perturb(model, SEED + 1, 1.0, 2.0)
+    sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    hub = {"embeddings.word_embeddings.weight": sd["embeddings.word_embeddings.weight"],
+           "embeddings.token_type_embeddings.weight": sd["embeddings.token_type_embeddings.weight"],
+           "emb_ln.weight": sd["embeddings.LayerNorm.weight"], "emb_ln.bias": sd["embeddings.LayerNorm.bias"]}
+    for i in range(NOMIC_SHAPE["n_layer"]):
+        src, dst = f"layers.{i}.", f"encoder.layers.{i}."
+        hub[dst + "attn.Wqkv.weight"] = torch.cat([sd[src + f"self_attn.{p}_proj.weight"] for p in "qkv"]).contiguous()
+        hub[dst + "attn.out_proj.weight"] = sd[src + "self_attn.o_proj.weight"]
+        hub[dst + "mlp.fc11.weight"] = sd[src + "mlp.up_proj.weight"]
+        hub[dst + "mlp.fc12.weight"] = sd[src + "mlp.gate_proj.weight"]
+        hub[dst + "mlp.fc2.weight"] = sd[src + "mlp.down_proj.weight"]
+        for norm, ours in (("norm1", "post_attention_layernorm"), ("norm2", "post_mlp_layernorm")):
+            hub[dst + norm + ".weight"] = sd[src + ours + ".weight"]
+            hub[dst + norm + ".bias"] = sd[src + ours + ".bias"]
+    save_file(hub, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = {"architectures": ["NomicBertModel"], "model_type": "nomic_bert", **NOMIC_SHAPE, **_NOMIC_TRANSFORMERS_KEYS,
+           "auto_map": {"AutoConfig": "nomic-ai/nomic-bert-2048--configuration_hf_nomic_bert.NomicBertConfig",
+                        "AutoModel": "nomic-ai/nomic-bert-2048--modeling_hf_nomic_bert.NomicBertModel"},
+           "activation_function": "swiglu", "attn_pdrop": 0.0, "bos_token_id": None, "causal": False,
+           "dense_seq_output": True, "embd_pdrop": 0.0, "eos_token_id": None, "fused_bias_fc": True,
+           "fused_dropout_add_ln": True, "initializer_range": 0.02, "max_trained_positions": 2048,
+           "mlp_fc1_bias": False, "mlp_fc2_bias": False, "n_positions": 8192, "pad_vocab_size_multiple": 64,
+           "parallel_block": False, "parallel_block_tied_norm": False, "prenorm": False, "qkv_proj_bias": False,
+           "reorder_and_upcast_attn": False, "resid_pdrop": 0.0, "rotary_emb_fraction": 1.0,
+           "rotary_emb_interleaved": False, "rotary_emb_scale_base": None, "rotary_scaling_factor": None,
+           "scale_attn_by_inverse_layer_idx": False, "scale_attn_weights": True, "torch_dtype": "float32",
+           "type_vocab_size": 2, "use_cache": True, "use_flash_attn": True, "use_rms_norm": False,
+           "use_xentropy": True}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    copy_tokenizer("bert", out)
+    _write_sentence_transformers_files(out, NOMIC_SHAPE["n_embd"])

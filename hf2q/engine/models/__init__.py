@@ -18,6 +18,7 @@ FAMILIES = {
     "gemma3": "hf2q.engine.models.gemma3",
     "gemma4": "hf2q.engine.models.gemma4",
     "bert": "hf2q.engine.models.bert",
+    "nomic-bert": "hf2q.engine.models.nomic_bert",
 }
 
 

@@ -1,0 +1,50 @@
+"""A real ``hf2q serve`` process with a chat model and an embedding model, for HTTP tests."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def chat_and_embedding_server(chat: Path, embedding: Path, log_dir: Path):
+    """Yield the base URL of ``hf2q serve --model CHAT --embedding-model EMBEDDING`` once both answer."""
+    port = free_port()
+    log = (log_dir / "serve.log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "hf2q", "serve", "--model", str(chat),
+                             "--embedding-model", str(embedding), "--port", str(port), "--slots", "1",
+                             "--ctx", "2048", "--operator-ui", "plain"], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:  # ready = the chat model answers /readyz and the embedding model answers a request
+            assert proc.poll() is None, "hf2q serve exited before it was ready"
+            assert time.monotonic() < deadline, "hf2q serve not ready after 300 s"
+            try:
+                if (httpx.get(url + "/readyz", timeout=2).status_code == 200
+                        and httpx.post(url + "/v1/embeddings", json={"input": "x"}, timeout=30).status_code == 200):
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()  # a clean drain first; SIGKILL only if it takes over 30 s
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(30)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
