@@ -103,7 +103,7 @@ def test_quality_text_of_an_mlx_directory_and_a_missing_report(cli, tiny_llama, 
 
 @pytest.mark.parametrize("argv, code, message", [
     (["--reference", "/nonexistent/ref"], 3, "--reference /nonexistent/ref: no such file"),
-    (["--reference", "{gguf}", "--n-ctx", "1024"], 3, "needs at least 2048"),
+    (["--reference", "{gguf}", "--n-ctx", "8192"], 3, "needs at least 16384"),
     (["--reference", "{gguf}", "--corpus", "no-such-corpus"], 3, "no corpus file or shipped corpus"),
     (["--reference", "{gguf}", "--n-ctx", "2"], 2, "must be at least 4"),
     ([], 2, "--reference"),
