@@ -60,7 +60,7 @@ def _cosines(a, b):
 
 
 @pytest.mark.llamacpp
-@pytest.mark.parametrize("quant", ["f32", "f16", "q8_0"])
+@pytest.mark.parametrize("quant", ["f32", "f16", "bf16", "q8_0", "q4_k_m"])
 def test_conversion_matches_llamacpp(quant, nomic_hf, nomic_gguf, llama_cpp_bin):
     from tests.test_llamacpp_parity import compare_gguf, llamacpp_reference
 
