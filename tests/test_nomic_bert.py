@@ -60,7 +60,7 @@ def _cosines(a, b):
 
 
 @pytest.mark.llamacpp
-@pytest.mark.parametrize("quant", ["f32", "f16", "q8_0"])
+@pytest.mark.parametrize("quant", ["f32", "f16", "bf16", "q8_0", "q4_k_m"])
 def test_conversion_matches_llamacpp(quant, nomic_hf, nomic_gguf, llama_cpp_bin):
     from tests.test_llamacpp_parity import compare_gguf, llamacpp_reference
 
@@ -168,3 +168,11 @@ def test_unsupported_settings_are_refused(key, value, words, nomic_hf, tmp_path,
     (src / "config.json").write_text(json.dumps(cfg))
     r = cli("convert", src, "-q", "f16", "-o", tmp_path / "out.gguf", "--no-integrity")
     assert r.code == 3 and words in r.err and "Traceback" not in r.err, r.err
+
+
+def test_tensor_parallelism_refuses_nomic_as_an_encoder(nomic_gguf):
+    from hf2q.engine.tp_launch import plan_split
+    from hf2q.errors import InputError
+
+    with pytest.raises(InputError, match="decoder"):
+        plan_split(nomic_gguf("f16"), 2)
