@@ -150,7 +150,7 @@ def test_dwq_output_is_mlx_layout_with_fitted_scales(tiny_checkpoint, tmp_path, 
     (["-q", "mlx-4", "--dwq-steps", "5"], 2, "dwq-3 / dwq-4 only"),
     (["-q", "q4_k_m", "--dwq-corpus", "calibration"], 2, "dwq-3 / dwq-4 only"),
     (["-q", "dwq-4", "--dwq-corpus", "no-such-corpus"], 3, "no corpus file"),
-    (["-q", "dwq-4", "--dwq-seq-len", "4096"], 3, "too few"),
+    (["-q", "dwq-4", "--dwq-seq-len", "65536"], 3, "too few"),
 ])
 def test_bad_dwq_flags(argv, code, needle, tiny_checkpoint, tmp_path, cli):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
