@@ -93,7 +93,8 @@ class Distiller:
         self.stored_dtype = {m: student[f"{m}.scales"].dtype for m in modules}
         self.start = {m: (student[f"{m}.scales"].astype(mx.float32), student[f"{m}.biases"].astype(mx.float32))
                       for m in modules}
-        self.frozen = {k: v for k, v in student.items() if not k.endswith((".scales", ".biases"))}
+        self.frozen = {k: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v
+                       for k, v in student.items() if not k.endswith((".scales", ".biases"))}  # codes stay packed
         self.params = {m: {"ds": mx.zeros_like(s0), "db": mx.zeros_like(s0)} for m, (s0, _) in self.start.items()}
 
     def _scales_biases(self, params) -> dict[str, Any]:
