@@ -102,7 +102,8 @@ def test_dwq_output_is_mlx_layout_with_fitted_scales(tiny_checkpoint, tmp_path, 
     work = tmp_path / "work"
     work.mkdir()
     corpus = tmp_path / "corpus.txt"  # a short text keeps the held-out scoring cheap
-    corpus.write_text(" ".join(f"Line {i} of a small calibration text about rivers, bread and clocks." for i in range(12)))
+    corpus.write_text(" ".join(f"Line {i} of a small calibration text about rivers, bread and clocks."
+                               for i in range(12)))
     plain, dwq = work / "plain", work / "dwq"
     assert cli("convert", src, "-q", "mlx-4", "--group-size", "32", "-o", plain).code == 0
     r = cli("convert", src, "--format", "mlx", "-q", "dwq-4", "--group-size", "32", "--dwq-steps", "3",
@@ -130,8 +131,8 @@ def test_dwq_output_is_mlx_layout_with_fitted_scales(tiny_checkpoint, tmp_path, 
     model, tok = mlx_lm.load(str(dwq))
     ids = tok.encode(PROMPT)
     theirs = np.asarray(model(mx.array([ids]))[0].astype(mx.float32))
-    ours = np.asarray(logits(decoder(cb), b, mx.array([ids]), native_linear(QuantLayout.from_config(cb["quantization"])),
-                             QuantLayout.from_config(cb["quantization"]))[0])
+    layout = QuantLayout.from_config(cb["quantization"])
+    ours = np.asarray(logits(decoder(cb), b, mx.array([ids]), native_linear(layout), layout)[0])
     np.testing.assert_allclose(ours, theirs, atol=1e-3 * np.abs(theirs).max())
     text = mlx_lm.generate(model, tok, PROMPT, max_tokens=5)
     assert len(tok.encode(text, add_special_tokens=False)) >= 2

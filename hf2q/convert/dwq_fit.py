@@ -2,8 +2,9 @@
 
 The student starts as the plain mlx-lm quantization (round-to-nearest codes with min/max scales).
 The codes stay frozen; every quantized module's per-group ``scales`` and ``biases`` are trained (as
-offsets relative to the quantization step, see ``Distiller._scales_biases``) with Adam to minimise KL(teacher ‖ student) of the next-token distributions on calibration text, the
-teacher being the full-precision checkpoint. The loss is computed on the parameters rounded to the
+offsets relative to the quantization step, see ``Distiller._scales_biases``) with Adam to minimise
+KL(teacher ‖ student) of the next-token distributions on calibration text, the teacher being the
+full-precision checkpoint. The loss is computed on the parameters rounded to the
 dtype they are stored in (gradients pass straight through the rounding), so what is measured is
 what is written.
 
@@ -34,8 +35,8 @@ TARGET_CACHE_BYTES = 2 << 30  # teacher distributions for training rows are kept
 
 @attrs.frozen
 class DwqSettings:
-    """The defaults are where DWQ measurably wins on SmolLM2 at 3 and 4 bits (docs/QUALITY.md, "DWQ");
-    a learning rate ten times larger made held-out KL worse."""
+    """The defaults are where DWQ measurably wins on SmolLM2 at 3 and 4 bits; docs/QUALITY.md ("DWQ") has
+    the sweep they were read from, including the larger learning rates that made held-out KL worse."""
 
     steps: int = 32
     lr: float = 1e-4  # Adam, on offsets measured in quantization steps
@@ -188,7 +189,8 @@ class Distiller:
 
     def fitted(self) -> dict[str, Any]:
         """The trained scales and biases, in the dtype they are stored in."""
-        return {k: v.astype(self.stored_dtype[k.rsplit(".", 1)[0]]) for k, v in self._scales_biases(self.params).items()}
+        return {k: v.astype(self.stored_dtype[k.rsplit(".", 1)[0]])
+                for k, v in self._scales_biases(self.params).items()}
 
 
 def teacher_perplexity(rows: np.ndarray, teacher_lp) -> float:
