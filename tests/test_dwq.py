@@ -208,3 +208,12 @@ def test_help_states_the_defaults(cli):
     for flag, value in (("--dwq-steps", d.steps), ("--dwq-lr", d.lr), ("--dwq-seq-len", d.seq_len)):
         text = body.split(f"{flag} ", 1)[1].split(" --", 1)[0]
         assert float(re.search(r"\(([^)]+)\)$", text).group(1)) == value, flag
+
+
+def test_dry_run_prints_the_mlx_plan(tiny_checkpoint, tmp_path, cli, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    src = tiny_checkpoint("llama")
+    r = cli("convert", src, "-q", "dwq-3", "--dry-run")
+    assert r.code == 0, r.err
+    assert r.out == cli("convert", src, "-q", "mlx-3", "--dry-run").out and "3b/g64" in r.out
+    assert list(tmp_path.iterdir()) == []
