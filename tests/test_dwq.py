@@ -138,21 +138,22 @@ def test_dwq_output_is_mlx_layout_with_fitted_scales(tiny_checkpoint, tmp_path, 
     assert len(tok.encode(text, add_special_tokens=False)) >= 2
 
 
-@pytest.mark.parametrize("argv,code,needle", [
-    (["--format", "gguf", "-q", "dwq-4"], 3, "needs --format mlx"),
-    (["-q", "dwq-3", "-o", "{tmp}/x.gguf"], 3, "needs --format mlx"),
-    (["--format", "mlx", "-q", "dwq"], 3, "bit width"),
-    (["--format", "mlx", "-q", "dwq-5"], 3, "unknown mlx quantization"),
-    (["-q", "dwq-4", "--dwq-steps", "-1"], 2, "--dwq-steps"),
-    (["-q", "dwq-4", "--dwq-lr", "0"], 2, "--dwq-lr"),
-    (["-q", "dwq-4", "--dwq-lr", "nan"], 2, "--dwq-lr"),
-    (["-q", "dwq-4", "--dwq-seq-len", "1"], 2, "--dwq-seq-len"),
-    (["-q", "dwq-4", "--dwq-steps", "two"], 2, "invalid int"),
-    (["-q", "mlx-4", "--dwq-steps", "5"], 2, "dwq-3 / dwq-4 only"),
-    (["-q", "q4_k_m", "--dwq-corpus", "calibration"], 2, "dwq-3 / dwq-4 only"),
-    (["-q", "dwq-4", "--dwq-corpus", "no-such-corpus"], 3, "no corpus file"),
-    (["-q", "dwq-4", "--dwq-seq-len", "4096"], 3, "too few"),
-])
+_BAD_VALUES = {"--dwq-steps": ("-1", "two"), "--dwq-lr": ("0", "nan", "-inf"), "--dwq-seq-len": ("1",)}
+_BAD_FLAG_CASES = (
+    [(["-q", "dwq-4", flag, v], 2, flag) for flag, values in _BAD_VALUES.items() for v in values]
+    + [(["-q", q, flag, v], 2, "dwq-3 / dwq-4 only")
+       for q, flag, v in (("mlx-4", "--dwq-steps", "5"), ("q4_k_m", "--dwq-corpus", "calibration"))]
+    + [(["-q", "dwq-4", flag, v], 3, needle)
+       for flag, v, needle in (("--dwq-corpus", "no-such-corpus", "no corpus file"),
+                               ("--dwq-seq-len", "4096", "too few"))]
+    + [(["--format", "gguf", "-q", "dwq-4"], 3, "needs --format mlx"),
+       (["-q", "dwq-3", "-o", "{tmp}/x.gguf"], 3, "needs --format mlx"),
+       (["--format", "mlx", "-q", "dwq"], 3, "bit width"),
+       (["--format", "mlx", "-q", "dwq-5"], 3, "unknown mlx quantization")]
+)
+
+
+@pytest.mark.parametrize("argv,code,needle", _BAD_FLAG_CASES)
 def test_bad_dwq_flags(argv, code, needle, tiny_checkpoint, tmp_path, cli):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     r = cli("convert", tiny_checkpoint("llama"), *argv, *([] if "-o" in argv else ["-o", tmp_path / "o"]))
