@@ -112,6 +112,9 @@ def write_dwq(src: Path, out: Path, quant: mlx_policy.MlxQuant, group_size: int,
               corpus: str | None = None, integrity: bool = True, report_path: Path | None = None,
               make_linear=None) -> dict:
     """Write the DWQ-fitted mlx-lm directory ``out``; returns the report (also written to disk)."""
+    from hf2q.engine.factory import prepare_mlx
+
+    prepare_mlx()  # OpenBLAS for the fit's products, loaded before MLX (docs/ENGINE.md, "CPU backend")
     import mlx.core as mx
 
     from hf2q.convert import mlx_writer
