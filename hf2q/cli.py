@@ -271,7 +271,8 @@ def _add_imatrix(sub) -> None:
 
 
 def _add_quality(sub) -> None:
-    p = sub.add_parser("quality", help="perplexity, KL divergence and top-1 agreement of a conversion against its source")
+    p = sub.add_parser("quality",
+                       help="perplexity, KL divergence and top-1 agreement of a conversion against its source")
     p.set_defaults(handler="hf2q.quality.quality_command:run")
     p.add_argument("converted", metavar="CONVERTED", help="the converted model: a GGUF or an mlx-lm directory")
     p.add_argument("--reference", required=True, metavar="SOURCE",
