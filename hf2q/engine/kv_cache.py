@@ -32,14 +32,10 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from hf2q.engine.recurrent_policy import CHECKPOINT_INTERVAL, CHECKPOINTS_KEPT
+from hf2q.engine.recurrent_policy import (CHECKPOINT_INTERVAL, CHECKPOINTS_KEPT, KV_GROW, WINDOW_POINTS_KEPT,
+                                          ReusePoints, room_for)
 
-GROW = 256
-
-
-def room_for(n_tokens: int) -> int:
-    """The capacity that holds ``n_tokens`` positions: buffers grow in whole steps of ``GROW``."""
-    return ((n_tokens + GROW - 1) // GROW) * GROW
+GROW = KV_GROW
 
 
 _VERSIONS = itertools.count(1)  # unique across all caches, so (cache, version) never repeats
@@ -74,7 +70,7 @@ class RecurrentState:
         #: (length, conv, ssm) before the last forward, or None
         self._checkpoint: tuple[int, list, list] | None = None
         #: length → (conv, ssm) per layer at that length
-        self.points: dict[int, tuple[list, list]] = {}
+        self.points = ReusePoints(interval, keep)
 
     @property
     def state_nbytes(self) -> int:
@@ -98,7 +94,7 @@ class RecurrentState:
     def restore(self) -> None:
         length, self.conv, self.ssm = self._checkpoint
         self._checkpoint = None
-        self._drop_points_after(length)
+        self.points.drop_after(length)
 
     def reset(self) -> None:
         self.conv, self.ssm = [None] * self.n_layers, [None] * self.n_layers
@@ -107,25 +103,16 @@ class RecurrentState:
 
     def add_point(self, length: int, conv: list, ssm: list) -> None:
         """Keep the state at ``length`` as a reuse point (the oldest beyond ``keep`` is dropped)."""
-        self.points[length] = (list(conv), list(ssm))
-        while len(self.points) > self.keep:
-            del self.points[min(self.points)]
+        self.points.add(length, (list(conv), list(ssm)))
 
     def due_points(self, start: int, n_new: int) -> list[int]:
-        """Positions strictly inside a forward of ``n_new`` tokens from ``start`` where a reuse point
-        falls (multiples of ``interval``); relative to ``start``."""
-        first = (start // self.interval + 1) * self.interval
-        return [p - start for p in range(first, start + n_new, self.interval)]
+        return self.points.due(start, n_new)
 
     def restore_point(self, length: int) -> None:
         conv, ssm = self.points[length]
         self.conv, self.ssm = list(conv), list(ssm)
         self._checkpoint = None
-        self._drop_points_after(length)
-
-    def _drop_points_after(self, length: int) -> None:
-        for p in [p for p in self.points if p > length]:
-            del self.points[p]
+        self.points.drop_after(length)
 
     def batched(self, caches: Sequence["SequenceCache"], layer: int) -> tuple[mx.array, mx.array]:
         """Layer ``layer``'s states of ``caches`` stacked: conv ``[B, K − 1, C]``, ssm ``[B, Hv, Dv, Dk]``."""
@@ -141,9 +128,40 @@ class RecurrentState:
         return [a for a in self.conv + self.ssm if a is not None]
 
 
+class SlidingWindow:
+    """Where a sequence's sliding-window layers keep their K/V: only the positions a later query or a
+    kept reuse point can still see.
+
+    Their buffers ``[kv_heads, capacity, head_dim]`` hold positions ``[base, base + capacity)``;
+    ``base`` moves forward in whole ``GROW`` steps (before a forward, :meth:`SequenceCache.reserve`)
+    to the first position the window of the oldest of ``min(points)`` and ``length − 1`` needs, so a
+    slot's window K/V stays bounded (``recurrent_policy.window_positions``) however long its context.
+    Keys are stored after RoPE at their absolute positions, so attention over the kept positions is
+    exact; the mask gives each kept key its position (``ForwardBatch.mask_np``).
+    """
+
+    def __init__(self, size: int, layers: frozenset[int], interval: int = CHECKPOINT_INTERVAL,
+                 keep: int = WINDOW_POINTS_KEPT):
+        self.size = size
+        self.layers = frozenset(layers)
+        self.base = 0
+        self.capacity = 0
+        self.points = ReusePoints(interval, keep)
+
+    def first_needed(self, length: int) -> int:
+        """The first position the buffer must keep at ``length``: the window of ``length − 1`` (the
+        decode pipeline's one-position rollback) and of every kept point."""
+        oldest = min([max(length - 1, 0), *self.points])
+        return max(0, oldest - self.size + 1)
+
+    def reachable(self, length: int) -> bool:
+        """Whether the next query at ``length`` finds every key of its window still kept."""
+        return max(0, length - self.size + 1) >= self.base
+
+
 class SequenceCache:
     def __init__(self, n_layers: int, kv_heads: int, head_dim: int, dtype, v_head_dim: int | None = None,
-                 recurrent: RecurrentState | None = None):
+                 recurrent: RecurrentState | None = None, window: SlidingWindow | None = None):
         self.n_layers = n_layers
         self.kv_heads = kv_heads
         self.head_dim = head_dim
@@ -151,6 +169,7 @@ class SequenceCache:
         self.dtype = dtype
         self._keys: list[mx.array | None] = [None] * n_layers
         self._values: list[mx.array | None] = [None] * n_layers
+        #: positions the layers that keep every position have room for
         self.capacity = 0
         self._length = 0
         #: changes whenever a K/V buffer array is replaced (grown, trimmed, written through MLX), so
@@ -160,9 +179,11 @@ class SequenceCache:
         self._stack: StackedDecode | None = None
         #: the recurrent layers' state (hybrid models), None for pure attention models
         self.recurrent = recurrent
+        #: the sliding-window layers' K/V (kept to the window), None when every layer keeps every position
+        self.window = window
         #: :meth:`reuse_points` as of the last forward or trim: an immutable copy the serving runtime's
         #: trio side may read while the engine thread runs the next step
-        self.published_points: tuple[int, ...] | None = None if recurrent is None else (0,)
+        self.published_points: tuple[int, ...] | None = None if recurrent is None and window is None else (0,)
 
     @property
     def length(self) -> int:
@@ -170,7 +191,8 @@ class SequenceCache:
 
     @property
     def keys(self) -> list[mx.array | None]:
-        """Per layer ``[kv_heads, capacity, head_dim]`` (taking the sequence out of a stacked batch first)."""
+        """Per layer ``[kv_heads, capacity, head_dim]`` (taking the sequence out of a stacked batch first);
+        a sliding-window layer's buffer starts at position ``window.base``."""
         self.unstack()
         return self._keys
 
@@ -188,23 +210,44 @@ class SequenceCache:
         if self._stack is not None:
             self._stack.dissolve()
 
+    def _full_layers(self) -> range | list[int]:
+        if self.window is None:
+            return range(self.n_layers)
+        return [i for i in range(self.n_layers) if i not in self.window.layers]
+
+    @property
+    def position_bytes(self) -> int:
+        """K/V bytes of one position in one layer."""
+        return self.kv_heads * (self.head_dim + self.v_head_dim) * self.dtype.size
+
     @property
     def bytes_per_token(self) -> int:
-        return self.n_layers * self.kv_heads * (self.head_dim + self.v_head_dim) * self.dtype.size
+        """K/V bytes one more token of context costs: the layers that keep every position."""
+        return len(self._full_layers()) * self.position_bytes
+
+    @property
+    def window_nbytes(self) -> int:
+        """K/V allocated for the sliding-window layers (bounded, whatever the length)."""
+        if self.window is None:
+            return 0
+        return len(self.window.layers) * self.window.capacity * self.position_bytes
 
     @property
     def nbytes(self) -> int:
         """K/V allocated, plus the recurrent state once it exists (its checkpoint shares its arrays)."""
         rec = self.recurrent.nbytes if self.recurrent is not None and self._length else 0
-        return self.capacity * self.bytes_per_token + rec
+        return self.capacity * self.bytes_per_token + self.window_nbytes + rec
 
     def reserve(self, n_tokens: int) -> None:
-        """Make room for at least ``n_tokens`` positions (keeps the contents)."""
+        """Make room for at least ``n_tokens`` positions (keeps the contents); a window's buffer first
+        lets go of the positions no query or kept point needs any more."""
         self.unstack()
+        if self.window is not None:
+            self._reserve_window(n_tokens)
         if n_tokens <= self.capacity:
             return
         new_cap = room_for(n_tokens)
-        for i in range(self.n_layers):
+        for i in self._full_layers():
             for store, d in ((self._keys, self.head_dim), (self._values, self.v_head_dim)):
                 grown = mx.zeros((self.kv_heads, new_cap, d), dtype=self.dtype)
                 if store[i] is not None and self._length:
@@ -213,22 +256,60 @@ class SequenceCache:
         self.capacity = new_cap
         self.version = next(_VERSIONS)
 
+    def _reserve_window(self, n_tokens: int) -> None:
+        w = self.window
+        base = max(w.base, (w.first_needed(self._length) // GROW) * GROW)
+        if base == w.base and n_tokens - base <= w.capacity:
+            return
+        new_cap = room_for(n_tokens - base)
+        kept = self._length - base  # positions [base, length) move to the front
+        for i in w.layers:
+            for store, d in ((self._keys, self.head_dim), (self._values, self.v_head_dim)):
+                moved = mx.zeros((self.kv_heads, new_cap, d), dtype=self.dtype)
+                if store[i] is not None and kept > 0:
+                    moved[:, :kept, :] = store[i][:, base - w.base: self._length - w.base, :]
+                store[i] = moved
+        mx.eval([a for i in w.layers for a in (self._keys[i], self._values[i])])
+        w.base, w.capacity = base, new_cap
+        self.version = next(_VERSIONS)
+
     def trim(self, n_tokens: int) -> None:
         if n_tokens < 0 or n_tokens > self._length:
             raise ValueError(f"cannot trim a cache of {self._length} tokens to {n_tokens}")
+        if self.window is not None and n_tokens and n_tokens != self._length \
+                and not self.window.reachable(n_tokens):
+            raise PrefixNotReusable(
+                f"cannot trim a sliding-window cache of {self._length} tokens to {n_tokens}: its window layers "
+                f"keep positions from {self.window.base} on only; it can return to {self.reuse_points()} tokens")
         if self.recurrent is not None:
             self._trim_recurrent(n_tokens)
         self._length = n_tokens
-        if self.recurrent is not None:
+        if self.window is not None:
+            self._trim_window(n_tokens)
+        if self.recurrent is not None or self.window is not None:
             self.published_points = self.reuse_points()
         if self._stack is not None:  # a row of a stacked batch keeps its (padded) room; positions
             return  # past the length are never attended, and the next write overwrites them
         keep = room_for(n_tokens)
         if keep < self.capacity:
             for store in (self._keys, self._values):
-                for i in range(self.n_layers):
+                for i in self._full_layers():
                     store[i] = mx.array(store[i][:, :keep, :]) if keep else None
             self.capacity = keep
+            self.version = next(_VERSIONS)
+
+    def _trim_window(self, n_tokens: int) -> None:
+        w = self.window
+        w.points.drop_after(n_tokens)
+        if n_tokens == 0:
+            w.points.clear()
+            w.base = 0
+        keep = room_for(n_tokens - w.base)
+        if keep < w.capacity:
+            for store in (self._keys, self._values):
+                for i in w.layers:
+                    store[i] = mx.array(store[i][:, :keep, :]) if keep else None
+            w.capacity = keep
             self.version = next(_VERSIONS)
 
     def _trim_recurrent(self, n_tokens: int) -> None:
@@ -250,20 +331,43 @@ class SequenceCache:
 
     def reuse_points(self) -> tuple[int, ...] | None:
         """The lengths this sequence can be trimmed back to, ascending (0 and its length included);
-        None when it can be trimmed anywhere (no recurrent state)."""
-        if self.recurrent is None:
+        None when it can be trimmed anywhere (no recurrent state, no sliding window)."""
+        if self.recurrent is None and self.window is None:
             return None
-        rec = self.recurrent
-        rollback = () if rec.checkpoint_length() is None else (rec.checkpoint_length(),)
-        return tuple(sorted({0, self._length, *rollback, *(p for p in rec.points if p <= self._length)}))
+        points = {0, self._length}
+        if self.recurrent is not None:
+            rec = self.recurrent
+            rollback = () if rec.checkpoint_length() is None else (rec.checkpoint_length(),)
+            points |= {p for p in (*rollback, *rec.points) if p <= self._length}
+        if self.window is not None:
+            w = self.window
+            held = {p for p in w.points if p <= self._length and w.reachable(p)}
+            points = held | {0, self._length} if self.recurrent is None else \
+                {p for p in points if p in (0, self._length) or w.reachable(p)}
+        return tuple(sorted(points))
+
+    def add_window_points(self, start: int, n_new: int, transaction: bool) -> None:
+        """The reuse points a forward of ``n_new`` tokens from ``start`` reached (its tokens are all
+        in the window buffer until the next forward moves the buffer's first position)."""
+        w = self.window
+        for cut in w.points.due(start, n_new):
+            w.points.add(start + cut)
+        if w.points.ends_at(start + n_new, n_new, transaction):
+            w.points.add(start + n_new)
 
     def advance(self, n: int) -> None:
         self._length += n
 
-    def export(self, start: int, end: int) -> dict[str, np.ndarray]:
+    def _refuse_transfer(self, what: str) -> None:
         if self.recurrent is not None:
-            raise PrefixNotReusable("KV export of a hybrid-recurrent sequence is not supported: its recurrent state "
-                                    "is not part of the exported K/V")
+            raise PrefixNotReusable(f"KV {what} of a hybrid-recurrent sequence is not supported: its recurrent "
+                                    "state is not part of the K/V blocks")
+        if self.window is not None:
+            raise PrefixNotReusable(f"KV {what} of a sliding-window sequence is not supported: its window layers "
+                                    "keep only the last positions, so the K/V blocks of a prefix are incomplete")
+
+    def export(self, start: int, end: int) -> dict[str, np.ndarray]:
+        self._refuse_transfer("export")
         out = {}
         for i in range(self.n_layers):
             out[f"k.{i}"] = np.array(self.keys[i][:, start:end, :].astype(mx.float32))
@@ -271,9 +375,7 @@ class SequenceCache:
         return out
 
     def import_(self, arrays: dict[str, np.ndarray], n_tokens: int) -> None:
-        if self.recurrent is not None:
-            raise PrefixNotReusable("KV import into a hybrid-recurrent sequence is not supported: K/V alone cannot "
-                                    "rebuild its recurrent state")
+        self._refuse_transfer("import")
         start = self._length
         self.reserve(start + n_tokens)
         for i in range(self.n_layers):
@@ -345,6 +447,8 @@ class StackedDecode:
         if len(caches) < 2 or len({id(c) for c in caches}) != len(caches):
             return False
         first = caches[0]
+        if first.window is not None:  # rows whose window buffers start at different positions
+            return False
         if any(c.stacked or c.capacity == 0 or (c.n_layers, c.kv_heads, c.head_dim, c.v_head_dim, c.dtype)
                != (first.n_layers, first.kv_heads, first.head_dim, first.v_head_dim, first.dtype) for c in caches):
             return False
@@ -431,6 +535,11 @@ class ForwardBatch:
             for c, off in zip(self.caches, self.offsets):
                 c.reserve(off + n_new)  # each cache grows only for its own tokens
                 c.version = next(_VERSIONS)  # update()'s slice assignments give every buffer a new array
+        #: the sliding-window layers' part of the caches (one model: the same layers in every cache)
+        self.window = self.caches[0].window
+        if self.window is not None:
+            self._bases = [c.window.base for c in self.caches]
+            self.window_total = max(off + n_new - b for off, b in zip(self.offsets, self._bases))
         self._masks: dict[int | None, mx.array | str | None] = {}
         self._np_masks: dict[int | None, np.ndarray | None] = {}
         self._staged: dict[int, tuple[mx.array, mx.array]] = {}
@@ -470,6 +579,8 @@ class ForwardBatch:
         T, L = self.n_new, self.total
         q_pos = (np.asarray(self.offsets)[:, None] + np.arange(T)[None, :])[:, :, None]  # [B,T,1]
         k_pos = np.arange(L)[None, None, :]
+        if self._windowed(window):  # each row's kept keys start at its own first kept position
+            k_pos = np.asarray(self._bases)[:, None, None] + np.arange(self.window_total)[None, None, :]
         allowed = k_pos <= q_pos
         if window is not None:
             allowed &= k_pos > q_pos - window
@@ -493,12 +604,20 @@ class ForwardBatch:
         return self._masks[window]
 
     def _plain_causal(self, window: int | None) -> bool:
+        if self._windowed(window):
+            return window >= self.window_total
         return window is None or window >= self.total
+
+    def _windowed(self, window: int | None) -> bool:
+        """Whether layers masked by ``window`` keep only their window (``SlidingWindow``)."""
+        return window is not None and self.window is not None and window == self.window.size
 
     def update(self, layer: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         """Store new ``k, v`` ``[B, kv_heads, n_new, d]``; return all keys/values ``[B, kv_heads, total, d]``."""
         if self.stack is not None:
             return self.stack.write(layer, k, v, self._offsets_mx, self.total)
+        if self.window is not None and layer in self.window.layers:
+            return self._update_window(layer, k, v)
         T = self.n_new
         if len(self.caches) == 1:
             c, off = self.caches[0], self.offsets[0]
@@ -513,6 +632,22 @@ class ForwardBatch:
             vs.append(_padded(c.values[layer], self.total))
         return mx.stack(ks), mx.stack(vs)
 
+    def _update_window(self, layer: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        """``update`` for a sliding-window layer: position ``p`` lives at ``p − base`` of its row."""
+        T = self.n_new
+        if len(self.caches) == 1:
+            c, at = self.caches[0], self.offsets[0] - self._bases[0]
+            c.keys[layer][:, at:at + T, :] = k[0]
+            c.values[layer][:, at:at + T, :] = v[0]
+            return c.keys[layer][None, :, :at + T, :], c.values[layer][None, :, :at + T, :]
+        ks, vs = [], []
+        for i, (c, off, base) in enumerate(zip(self.caches, self.offsets, self._bases)):
+            c.keys[layer][:, off - base:off - base + T, :] = k[i]
+            c.values[layer][:, off - base:off - base + T, :] = v[i]
+            ks.append(_padded(c.keys[layer], self.window_total))
+            vs.append(_padded(c.values[layer], self.window_total))
+        return mx.stack(ks), mx.stack(vs)
+
     def finish(self) -> None:
         for b, c in enumerate(self.caches):
             if self._staged:
@@ -525,11 +660,12 @@ class ForwardBatch:
                                       [layers[i][1][b] for i in order])
                 for layer, (conv, ssm) in self._staged.items():
                     rec.conv[layer], rec.ssm[layer] = conv[b], ssm[b]
-                end = c.length + self.n_new
-                if (self.n_new > 1 and self.end_point) or end % rec.interval == 0:  # a transaction's end, or a multiple
-                    rec.add_point(end, rec.conv, rec.ssm)
+                if rec.points.ends_at(c.length + self.n_new, self.n_new, self.end_point):
+                    rec.add_point(c.length + self.n_new, rec.conv, rec.ssm)
+            if c.window is not None:
+                c.add_window_points(c.length, self.n_new, self.end_point)
             c.advance(self.n_new)
-            if c.recurrent is not None:
+            if c.recurrent is not None or c.window is not None:
                 c.published_points = c.reuse_points()
 
     def eval_state(self) -> list[mx.array]:

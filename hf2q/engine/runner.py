@@ -34,7 +34,7 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from hf2q.engine.kv_cache import ForwardBatch, SequenceCache, StackedDecode
+from hf2q.engine.kv_cache import ForwardBatch, SequenceCache, SlidingWindow, StackedDecode
 from hf2q.engine.models import build_model
 from hf2q.errors import InputError
 from hf2q.formats.gguf_file import GGUFFile, open_gguf
@@ -99,6 +99,10 @@ class MlxModelRunner:
         self.n_ctx = int(ctx or cfg.n_ctx_train)
         self.eos_token_ids = eos_ids(gguf)
         self.kv_bytes_per_token = 0 if self.is_embedding_model else gguf.hparams.kv_bytes_per_token(dtype.size)
+        #: K/V a slot holds whatever its length: its sliding-window layers (``SlidingWindow``) at their bound
+        self.kv_bytes_per_slot = 0
+        if getattr(model, "sliding_window_layers", None):  # the sliding layers do not grow with the context
+            self.kv_bytes_per_token, self.kv_bytes_per_slot = model.kv_bytes(dtype.size)
         self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_steps": 0, "decode_s": 0.0}
         #: batched graph decodes keep their sequences' K/V stacked (kv_cache.StackedDecode) while
         #: the same sequences decode together; HF2Q_NO_STACKED_DECODE=1 keeps per-sequence buffers
@@ -130,8 +134,9 @@ class MlxModelRunner:
     @property
     def trims_prefix(self) -> bool:
         """Whether a sequence can be trimmed to any earlier position (prefix reuse); a hybrid model's
-        recurrent state exists only at its reuse points (``seq.reuse_points()``)."""
-        return not hasattr(self.model, "new_recurrent_state")
+        recurrent state, and a sliding-window model's window layers, only at its reuse points
+        (``seq.reuse_points()``)."""
+        return not hasattr(self.model, "new_recurrent_state") and not getattr(self.model, "sliding_window_layers", None)
 
     @property
     def pipelines_decode(self) -> bool:
@@ -146,7 +151,9 @@ class MlxModelRunner:
             raise InputError(f"{self.gguf.path.name} is an embedding model; it cannot generate")
         n_layers, kv_heads, head_dim = self.model.kv_shape
         recurrent = self.model.new_recurrent_state() if hasattr(self.model, "new_recurrent_state") else None
-        return SequenceCache(n_layers, kv_heads, head_dim, self.dtype, recurrent=recurrent)
+        windowed = getattr(self.model, "sliding_window_layers", None)
+        window = SlidingWindow(*windowed) if windowed else None
+        return SequenceCache(n_layers, kv_heads, head_dim, self.dtype, recurrent=recurrent, window=window)
 
     def _check_room(self, seq: SequenceCache, n_new: int) -> None:
         if seq.length + n_new > self.n_ctx:
