@@ -176,3 +176,37 @@ def test_batched_decode_of_windows_at_different_positions(shape):
         _prefill(runner, seq, prompt)
         alone = np.stack([runner.decode([seq], [fed[j][i]])[0] for j in range(6)])
         np.testing.assert_allclose(alone, np.stack([r[i] for r in rows]), atol=1e-4, rtol=0)
+
+
+def _tight_sequence(runner, interval: int, keep: int):
+    """A sequence like ``runner.new_sequence()`` whose window keeps points every ``interval`` tokens, the
+    newest ``keep``: the same engine code, reaching the ageing of points in fewer decode steps."""
+    from hf2q.engine.kv_cache import SequenceCache, SlidingWindow
+
+    n_layers, heads, dim = runner.model.kv_shape
+    window, layers = runner.model.sliding_window_layers
+    return SequenceCache(n_layers, heads, dim, runner.dtype,
+                         window=SlidingWindow(window, layers, interval=interval, keep=keep))
+
+
+def test_a_long_answer_keeps_its_prompt_end_as_a_snapshot(shape):
+    """An answer long enough to push the prompt's end out of the kept points (and its window out of the
+    buffer); the prompt end stays a reuse point as a snapshot of its window, so a next prompt that drops
+    the answer (a template that strips reasoning) reuses the whole first prompt and continues exactly
+    like a cold one."""
+    runner = shape[0]
+    first = random_tokens(PROMPT, seed=16)
+    slot = _tight_sequence(runner, interval=32, keep=2)
+    answer, _ = _greedy(runner, slot, _prefill(runner, slot, first), n=400)
+    w = slot.window
+    assert PROMPT not in w.points and PROMPT in w.snapshots and not w.reachable(PROMPT)
+    prompt = first + random_tokens(200, seed=17)
+    reuse = reusable_prefix(first + answer, prompt, points=slot.published_points)
+    assert reuse == PROMPT
+    slot.trim(reuse)
+    assert w.base == PROMPT - w.size + 1 and list(w.snapshots) == [1280]  # an older prompt-chunk end stays
+    got_ids, got = _greedy(runner, slot, _prefill(runner, slot, prompt[reuse:]))
+    cold = runner.new_sequence()
+    want_ids, want = _greedy(runner, cold, _prefill(runner, cold, prompt))
+    assert got_ids == want_ids
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)

@@ -33,7 +33,7 @@ import mlx.core as mx
 import numpy as np
 
 from hf2q.engine.recurrent_policy import (CHECKPOINT_INTERVAL, CHECKPOINTS_KEPT, KV_GROW, WINDOW_POINTS_KEPT,
-                                          ReusePoints, room_for)
+                                          WINDOW_SNAPSHOTS_KEPT, ReusePoints, room_for)
 
 GROW = KV_GROW
 
@@ -138,15 +138,28 @@ class SlidingWindow:
     slot's window K/V stays bounded (``recurrent_policy.window_positions``) however long its context.
     Keys are stored after RoPE at their absolute positions, so attention over the kept positions is
     exact; the mask gives each kept key its position (``ForwardBatch.mask_np``).
+
+    A transaction end (a prompt's end) that ages out of ``points`` is kept as a *snapshot*: a copy of
+    the window before it, ``snapshots[length] = (first position, keys, values)`` per window layer, the
+    newest ``snapshots_kept``; ``trim`` to it puts the copy back as the buffer.
     """
 
+    #: the payload marking a point that ends a prefill transaction
+    TRANSACTION_END = "end"
+
     def __init__(self, size: int, layers: frozenset[int], interval: int = CHECKPOINT_INTERVAL,
-                 keep: int = WINDOW_POINTS_KEPT):
+                 keep: int = WINDOW_POINTS_KEPT, snapshots_kept: int = WINDOW_SNAPSHOTS_KEPT):
         self.size = size
         self.layers = frozenset(layers)
         self.base = 0
         self.capacity = 0
         self.points = ReusePoints(interval, keep)
+        self.snapshots: dict[int, tuple[int, dict[int, mx.array], dict[int, mx.array]]] = {}
+        self.snapshots_kept = snapshots_kept
+
+    @property
+    def snapshot_positions(self) -> int:
+        return sum(n - first for n, (first, _, _) in self.snapshots.items())
 
     def first_needed(self, length: int) -> int:
         """The first position the buffer must keep at ``length``: the window of ``length − 1`` (the
@@ -230,7 +243,7 @@ class SequenceCache:
         """K/V allocated for the sliding-window layers (bounded, whatever the length)."""
         if self.window is None:
             return 0
-        return len(self.window.layers) * self.window.capacity * self.position_bytes
+        return len(self.window.layers) * (self.window.capacity + self.window.snapshot_positions) * self.position_bytes
 
     @property
     def nbytes(self) -> int:
@@ -277,7 +290,7 @@ class SequenceCache:
         if n_tokens < 0 or n_tokens > self._length:
             raise ValueError(f"cannot trim a cache of {self._length} tokens to {n_tokens}")
         if self.window is not None and n_tokens and n_tokens != self._length \
-                and not self.window.reachable(n_tokens):
+                and not self.window.reachable(n_tokens) and n_tokens not in self.window.snapshots:
             raise PrefixNotReusable(
                 f"cannot trim a sliding-window cache of {self._length} tokens to {n_tokens}: its window layers "
                 f"keep positions from {self.window.base} on only; it can return to {self.reuse_points()} tokens")
@@ -301,9 +314,22 @@ class SequenceCache:
     def _trim_window(self, n_tokens: int) -> None:
         w = self.window
         w.points.drop_after(n_tokens)
+        for p in [p for p in w.snapshots if p > n_tokens or not n_tokens]:
+            del w.snapshots[p]
         if n_tokens == 0:
             w.points.clear()
             w.base = 0
+        elif not w.reachable(n_tokens):  # back to a snapshot: its copy becomes the buffer
+            first, keys, values = w.snapshots.pop(n_tokens)
+            w.base, w.capacity = first, room_for(n_tokens - first)
+            for store, saved in ((self._keys, keys), (self._values, values)):
+                for i in w.layers:
+                    store[i] = mx.concatenate([saved[i], mx.zeros(
+                        (self.kv_heads, w.capacity - saved[i].shape[1], saved[i].shape[2]), dtype=self.dtype)], axis=1)
+            w.points.clear()
+            w.points.add(n_tokens, SlidingWindow.TRANSACTION_END)
+            self.version = next(_VERSIONS)
+            return
         keep = room_for(n_tokens - w.base)
         if keep < w.capacity:
             for store in (self._keys, self._values):
@@ -342,6 +368,7 @@ class SequenceCache:
         if self.window is not None:
             w = self.window
             held = {p for p in w.points if p <= self._length and w.reachable(p)}
+            held |= {p for p in w.snapshots if p <= self._length}
             points = held | {0, self._length} if self.recurrent is None else \
                 {p for p in points if p in (0, self._length) or w.reachable(p)}
         return tuple(sorted(points))
@@ -350,10 +377,28 @@ class SequenceCache:
         """The reuse points a forward of ``n_new`` tokens from ``start`` reached (its tokens are all
         in the window buffer until the next forward moves the buffer's first position)."""
         w = self.window
+        aged = {}
         for cut in w.points.due(start, n_new):
-            w.points.add(start + cut)
+            aged |= w.points.add(start + cut)
         if w.points.ends_at(start + n_new, n_new, transaction):
-            w.points.add(start + n_new)
+            aged |= w.points.add(start + n_new, SlidingWindow.TRANSACTION_END if n_new > 1 and transaction else None)
+        for p, kind in aged.items():
+            if kind == SlidingWindow.TRANSACTION_END and w.reachable(p):
+                self._snapshot_window(p)
+
+    def _snapshot_window(self, length: int) -> None:
+        """Copy the window before ``length`` out of the buffers (still there: the first position moves
+        only at the next ``reserve``) as the snapshot ``trim`` can return to."""
+        w = self.window
+        first = max(0, length - w.size + 1)
+        cut = slice(first - w.base, length - w.base)
+        zero = mx.zeros((), dtype=self.dtype)  # "+ 0": a copy, not a view that would keep the whole buffer
+        keys = {i: self._keys[i][:, cut, :] + zero for i in w.layers}
+        values = {i: self._values[i][:, cut, :] + zero for i in w.layers}
+        mx.eval(list(keys.values()) + list(values.values()))
+        w.snapshots[length] = (first, keys, values)
+        while len(w.snapshots) > w.snapshots_kept:
+            del w.snapshots[min(w.snapshots)]
 
     def advance(self, n: int) -> None:
         self._length += n

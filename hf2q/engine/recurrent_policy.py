@@ -22,6 +22,10 @@ STATES_PER_SEQUENCE = 2 + CHECKPOINTS_KEPT
 #: most reuse points a sliding-window sequence keeps: each holds the positions since it in every
 #: window layer, so fewer than the recurrent state's (whose points cost one state each)
 WINDOW_POINTS_KEPT = 4
+#: transaction ends (prompt ends) a sliding-window sequence still keeps once they are older than its
+#: kept points, each as a snapshot of its window: a reply longer than those points must not cost the
+#: next turn its whole prompt (a template that drops the reply's reasoning diverges right there)
+WINDOW_SNAPSHOTS_KEPT = 2
 #: KV buffers grow, and a window buffer moves its first position, in steps of this many positions
 KV_GROW = 256
 
@@ -34,8 +38,9 @@ def room_for(n_tokens: int) -> int:
 def window_positions(window: int, new_tokens: int = 1) -> int:
     """Most positions one sliding-window layer of a sequence holds while a forward of ``new_tokens``
     runs: the window, the ``WINDOW_POINTS_KEPT`` intervals back to the oldest kept point, the step the
-    first position moves by, and the forward's own tokens (a decode step: 1)."""
-    return room_for(WINDOW_POINTS_KEPT * CHECKPOINT_INTERVAL + window + KV_GROW + new_tokens)
+    first position moves by, the forward's own tokens (a decode step: 1), and a window per snapshot."""
+    live = room_for(WINDOW_POINTS_KEPT * CHECKPOINT_INTERVAL + window + KV_GROW + new_tokens)
+    return live + WINDOW_SNAPSHOTS_KEPT * window
 
 
 class ReusePoints:
@@ -61,11 +66,14 @@ class ReusePoints:
     def __getitem__(self, length: int):
         return self._at[length]
 
-    def add(self, length: int, payload: object = None) -> None:
-        """Keep a point at ``length`` (the oldest beyond ``keep`` is dropped)."""
+    def add(self, length: int, payload: object = None) -> dict[int, object]:
+        """Keep a point at ``length``; the oldest beyond ``keep`` are dropped (and returned)."""
         self._at[length] = payload
+        dropped = {}
         while len(self._at) > self.keep:
-            del self._at[min(self._at)]
+            oldest = min(self._at)
+            dropped[oldest] = self._at.pop(oldest)
+        return dropped
 
     def due(self, start: int, n_new: int) -> list[int]:
         """Positions strictly inside a forward of ``n_new`` tokens from ``start`` where a point falls
