@@ -21,6 +21,11 @@ last forward (the decode pipeline's one-position rollback) and reuse points: the
 that diverges inside the history restarts from the last point before the divergence.
 ``trim`` to any other earlier position raises :class:`PrefixNotReusable`, and K/V
 export/import is refused, rather than leaving K/V and recurrent state out of step.
+
+Sliding-window models (gemma4) give each sequence a :class:`SlidingWindow`: its window layers keep
+only the positions a later query or a kept reuse point can see, so their K/V stays bounded. The
+points are placed by the same :class:`~hf2q.engine.recurrent_policy.ReusePoints`; a prompt end that
+ages out of them keeps a copy of its window (docs/ENGINE.md, "Sliding-window layers").
 """
 
 from __future__ import annotations
