@@ -62,10 +62,11 @@ def inspect(path, ctx: int | None = None, slots: int = 4, kv_budget: int | None 
     elem = kv_dtype_bytes()
     per_token, kv = 0, None
     if not reasons:  # sizes only from hyper-parameters the check passed (a block_count of 10^9 is not one)
+        from hf2q.engine.device_probe import probe
         from hf2q.engine.memory_plan import kv_need
 
         try:
-            kv = kv_need(hp, elem)
+            kv = kv_need(hp, elem, on_cpu=probe().on_cpu)
             per_token = kv.per_token
         except InputError as e:
             reasons.append(str(e).split(": ", 1)[-1])

@@ -74,3 +74,22 @@ def test_gemma3_keeps_every_position(tiny_checkpoint, tmp_path, cli):
     runner = MlxModelRunner.load(gguf)
     assert runner.new_sequence().window is None and runner.trims_prefix
     assert runner.kv_bytes_per_token == got["kv_bytes_per_token"]
+
+
+def test_swa_full_keeps_every_position_and_counts_it(tiny_checkpoint, tmp_path, cli, monkeypatch):
+    """``HF2Q_SWA_FULL=1``: the window layers keep every position (prefix reuse anywhere, the persistent
+    store allowed), and ``info`` counts them per token again — what the engine then allocates."""
+    from hf2q.engine.runner import MlxModelRunner
+
+    src = tiny_checkpoint("gemma4")
+    gguf = convert_f32(src, tmp_path / "f32.gguf")
+    monkeypatch.setenv("HF2Q_SWA_FULL", "1")
+    got = json.loads(cli("info", gguf, "--json").out)
+    per_token, window_bytes, window = _expected(src, got["kv_dtype_bytes"])
+    position = window_bytes // (2 * window_positions(window))  # the tiny dense model: 2 window layers
+    assert got["kv_window_layers"] == 0 and got["kv_bytes_per_token"] == per_token + 2 * position
+    runner = MlxModelRunner.load(gguf)
+    seq = runner.new_sequence()
+    assert seq.window is None and runner.trims_prefix and runner.kv_bytes_per_token == got["kv_bytes_per_token"]
+    runner.prefill(seq, list(range(5, 405)))
+    assert seq.nbytes == seq.capacity * got["kv_bytes_per_token"]

@@ -13,6 +13,8 @@ window, in whole ``KV_GROW`` steps.
 
 from __future__ import annotations
 
+import os
+
 #: tokens between two kept reuse points (a diverging prompt recomputes at most this many)
 CHECKPOINT_INTERVAL = 256
 #: most recurrent-state reuse points one sequence keeps (the oldest go first)
@@ -28,6 +30,13 @@ WINDOW_POINTS_KEPT = 4
 WINDOW_SNAPSHOTS_KEPT = 2
 #: KV buffers grow, and a window buffer moves its first position, in steps of this many positions
 KV_GROW = 256
+
+
+def swa_full() -> bool:
+    """``HF2Q_SWA_FULL=1``: sliding layers keep every position (and the model the persistent KV store
+    that windowed caches cannot feed), at the memory cost of a full cache; read by the runner, the
+    memory plan and ``info`` alike."""
+    return os.environ.get("HF2Q_SWA_FULL", "") not in ("", "0")
 
 
 def room_for(n_tokens: int) -> int:

@@ -36,6 +36,7 @@ import numpy as np
 
 from hf2q.engine.kv_cache import ForwardBatch, SequenceCache, SlidingWindow, StackedDecode
 from hf2q.engine.models import build_model
+from hf2q.engine.recurrent_policy import swa_full
 from hf2q.errors import InputError
 from hf2q.formats.gguf_file import GGUFFile, open_gguf
 from hf2q.formats.gguf_keys import Keys
@@ -99,10 +100,6 @@ class MlxModelRunner:
         self.n_ctx = int(ctx or cfg.n_ctx_train)
         self.eos_token_ids = eos_ids(gguf)
         self.kv_bytes_per_token = 0 if self.is_embedding_model else gguf.hparams.kv_bytes_per_token(dtype.size)
-        #: K/V a slot holds whatever its length: its sliding-window layers (``SlidingWindow``) at their bound
-        self.kv_bytes_per_slot = 0
-        if getattr(model, "sliding_window_layers", None):  # the sliding layers do not grow with the context
-            self.kv_bytes_per_token, self.kv_bytes_per_slot = model.kv_bytes(dtype.size)
         self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_steps": 0, "decode_s": 0.0}
         #: batched graph decodes keep their sequences' K/V stacked (kv_cache.StackedDecode) while
         #: the same sequences decode together; HF2Q_NO_STACKED_DECODE=1 keeps per-sequence buffers
@@ -114,6 +111,16 @@ class MlxModelRunner:
 
             if HostDecoder.supported(model):
                 self.host_decoder = HostDecoder(model)
+        #: ``(window, layers)`` whose K/V each sequence keeps to the window (``kv_cache.SlidingWindow``); not
+        #: with the CPU host decode step, whose kernels address every position (gemma3 on the CPU), nor
+        #: with ``HF2Q_SWA_FULL=1``
+        self.window_layers = None
+        if self.host_decoder is None and not swa_full():
+            self.window_layers = getattr(model, "sliding_window_layers", None)
+        #: K/V a slot holds whatever its length: its sliding-window layers at their bound
+        self.kv_bytes_per_slot = 0
+        if hasattr(model, "kv_bytes"):  # the model's own cache layout; windowed layers do not grow with the context
+            self.kv_bytes_per_token, self.kv_bytes_per_slot = model.kv_bytes(dtype.size, bool(self.window_layers))
 
     @classmethod
     def load(cls, gguf_path: str | Path | GGUFFile, ctx: int | None = None) -> "MlxModelRunner":
@@ -136,7 +143,7 @@ class MlxModelRunner:
         """Whether a sequence can be trimmed to any earlier position (prefix reuse); a hybrid model's
         recurrent state, and a sliding-window model's window layers, only at its reuse points
         (``seq.reuse_points()``)."""
-        return not hasattr(self.model, "new_recurrent_state") and not getattr(self.model, "sliding_window_layers", None)
+        return not hasattr(self.model, "new_recurrent_state") and not self.window_layers
 
     @property
     def pipelines_decode(self) -> bool:
@@ -151,8 +158,7 @@ class MlxModelRunner:
             raise InputError(f"{self.gguf.path.name} is an embedding model; it cannot generate")
         n_layers, kv_heads, head_dim = self.model.kv_shape
         recurrent = self.model.new_recurrent_state() if hasattr(self.model, "new_recurrent_state") else None
-        windowed = getattr(self.model, "sliding_window_layers", None)
-        window = SlidingWindow(*windowed) if windowed else None
+        window = SlidingWindow(*self.window_layers) if self.window_layers else None
         return SequenceCache(n_layers, kv_heads, head_dim, self.dtype, recurrent=recurrent, window=window)
 
     def _check_room(self, seq: SequenceCache, n_new: int) -> None:
