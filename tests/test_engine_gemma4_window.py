@@ -210,3 +210,29 @@ def test_a_long_answer_keeps_its_prompt_end_as_a_snapshot(shape):
     want_ids, want = _greedy(runner, cold, _prefill(runner, cold, prompt))
     assert got_ids == want_ids
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_stacked_batch_decode_across_window_moves(shape):
+    STEPS = 160  # the longest row's window moves at step 74
+    """Three rows decoded together for 160 steps hold their K/V in one stacked batch (``StackedDecode``),
+    which is rebuilt whenever a row's window moves on: the windows stay bounded and every row's greedy
+    tokens and logits are those it decodes alone."""
+    runner = shape[0]
+    assert runner.stack_decode
+    prompts = [random_tokens(n, seed=n) for n in (700, 820, 950)]  # close enough to stack (MAX_PADDING)
+    batch = [runner.new_sequence() for _ in prompts]
+    fed = [[int(np.argmax(_prefill(runner, s, p))) for s, p in zip(batch, prompts)]]
+    rows, stacked, held = [], 0, 0
+    before = [s.window.base for s in batch]
+    for _ in range(STEPS):
+        rows.append(runner.decode(batch, fed[-1]))
+        fed.append([int(t) for t in np.argmax(rows[-1], -1)])
+        stacked += runner._stack is not None
+        held = max(held, *(s.window_nbytes for s in batch))
+    assert stacked > STEPS - 20 and held <= runner.kv_bytes_per_slot
+    assert [s.window.base for s in batch] != before  # windows moved on while the rows decoded together
+    for i, prompt in enumerate(prompts):
+        seq = runner.new_sequence()
+        _prefill(runner, seq, prompt)
+        alone = np.stack([runner.decode([seq], [fed[j][i]])[0] for j in range(STEPS)])
+        np.testing.assert_allclose(alone, np.stack([r[i] for r in rows]), atol=1e-4, rtol=0)

@@ -172,6 +172,10 @@ class SlidingWindow:
         oldest = min([max(length - 1, 0), *self.points])
         return max(0, oldest - self.size + 1)
 
+    def wants_move(self, length: int) -> bool:
+        """Whether the buffer's first position would move forward at ``length`` (whole ``GROW`` steps)."""
+        return (self.first_needed(length) // GROW) * GROW > self.base
+
     def reachable(self, length: int) -> bool:
         """Whether the next query at ``length`` finds every key of its window still kept."""
         return max(0, length - self.size + 1) >= self.base
@@ -276,7 +280,7 @@ class SequenceCache:
 
     def _reserve_window(self, n_tokens: int) -> None:
         w = self.window
-        base = max(w.base, (w.first_needed(self._length) // GROW) * GROW)
+        base = (w.first_needed(self._length) // GROW) * GROW if w.wants_move(self._length) else w.base
         if base == w.base and n_tokens - base <= w.capacity:
             return
         new_cap = room_for(n_tokens - base)
@@ -299,6 +303,8 @@ class SequenceCache:
             raise PrefixNotReusable(
                 f"cannot trim a sliding-window cache of {self._length} tokens to {n_tokens}: its window layers "
                 f"keep positions from {self.window.base} on only; it can return to {self.reuse_points()} tokens")
+        if self.window is not None and (n_tokens == 0 or not self.window.reachable(n_tokens)):
+            self.unstack()  # the window buffer itself changes (emptied, or a snapshot put back)
         if self.recurrent is not None:
             self._trim_recurrent(n_tokens)
         self._length = n_tokens
@@ -336,7 +342,7 @@ class SequenceCache:
             self.version = next(_VERSIONS)
             return
         keep = room_for(n_tokens - w.base)
-        if keep < w.capacity:
+        if keep < w.capacity and self._stack is None:  # a stacked row keeps its padded room
             for store in (self._keys, self._values):
                 for i in w.layers:
                     store[i] = mx.array(store[i][:, :keep, :]) if keep else None
@@ -394,6 +400,7 @@ class SequenceCache:
     def _snapshot_window(self, length: int) -> None:
         """Copy the window before ``length`` out of the buffers (still there: the first position moves
         only at the next ``reserve``) as the snapshot ``trim`` can return to."""
+        self.unstack()
         w = self.window
         first = max(0, length - w.size + 1)
         cut = slice(first - w.base, length - w.base)
@@ -476,19 +483,36 @@ class StackedDecode:
         self.caches = list(caches)
         first = self.caches[0]
         self.n_layers = first.n_layers
+        #: sliding-window layers (their rows start at each sequence's ``window.base``, frozen while stacked)
+        self.window_layers = first.window.layers if first.window is not None else frozenset()
+        if self.window_layers:
+            for c in self.caches:  # let go of what the windows no longer need before copying
+                c.reserve(c.length + 1)
         self.capacity = max(c.capacity for c in self.caches)
+        self.window_capacity = max(c.window.capacity for c in self.caches) if self.window_layers else 0
         self.keys: list[mx.array] = []
         self.values: list[mx.array] = []
         for i in range(self.n_layers):  # layer by layer, so the copy never holds more than one extra layer
-            self.keys.append(mx.stack([_padded(c._keys[i], self.capacity) for c in self.caches]))
-            self.values.append(mx.stack([_padded(c._values[i], self.capacity) for c in self.caches]))
+            cap = self._capacity(i)
+            self.keys.append(mx.stack([_padded(c._keys[i], cap) for c in self.caches]))
+            self.values.append(mx.stack([_padded(c._values[i], cap) for c in self.caches]))
             mx.eval(self.keys[i], self.values[i])
             for c in self.caches:
                 c._keys[i] = c._values[i] = None
         for c in self.caches:
             c._stack = self
             c.capacity = self.capacity
+            if self.window_layers:
+                c.window.capacity = self.window_capacity
             c.version = next(_VERSIONS)
+
+    def _capacity(self, layer: int) -> int:
+        return self.window_capacity if layer in self.window_layers else self.capacity
+
+    def windows_move(self) -> bool:
+        """Whether a row's window buffer would now let go of positions (``SequenceCache.reserve``): the
+        stack is then dissolved and rebuilt, so a window stays bounded while its rows keep decoding."""
+        return any(c.window.wants_move(c.length) for c in self.caches) if self.window_layers else False
 
     @classmethod
     def fits(cls, caches: Sequence[SequenceCache], n_new: int = 1) -> bool:
@@ -497,8 +521,6 @@ class StackedDecode:
         if len(caches) < 2 or len({id(c) for c in caches}) != len(caches):
             return False
         first = caches[0]
-        if first.window is not None:  # rows whose window buffers start at different positions
-            return False
         if any(c.stacked or c.capacity == 0 or (c.n_layers, c.kv_heads, c.head_dim, c.v_head_dim, c.dtype)
                != (first.n_layers, first.kv_heads, first.head_dim, first.v_head_dim, first.dtype) for c in caches):
             return False
@@ -511,18 +533,26 @@ class StackedDecode:
         return (len(caches) == len(self.caches) and all(c._stack is self for c in self.caches)
                 and all(a is b for a, b in zip(caches, self.caches)))
 
-    def reserve(self, n_tokens: int) -> None:
-        """Room for ``n_tokens`` positions in every row (grown in steps of ``GROW``)."""
-        if n_tokens <= self.capacity:
-            return
+    def reserve(self, n_tokens: int, window_tokens: int = 0) -> None:
+        """Room for ``n_tokens`` positions in every row (grown in steps of ``GROW``), and for
+        ``window_tokens`` in the window layers' rows."""
+        if n_tokens > self.capacity:
+            self.capacity = self._grow([i for i in range(self.n_layers) if i not in self.window_layers], n_tokens)
+            for c in self.caches:
+                c.capacity = self.capacity
+        if window_tokens > self.window_capacity:
+            self.window_capacity = self._grow(sorted(self.window_layers), window_tokens)
+            for c in self.caches:
+                c.window.capacity = self.window_capacity
+
+    def _grow(self, layers: list[int], n_tokens: int) -> int:
         new_cap = room_for(n_tokens)
         for store in (self.keys, self.values):
-            for i, a in enumerate(store):
+            for i in layers:
+                a = store[i]
                 pad = mx.zeros((a.shape[0], a.shape[1], new_cap - a.shape[2], a.shape[3]), dtype=a.dtype)
                 store[i] = mx.concatenate([a, pad], axis=2)
-        self.capacity = new_cap
-        for c in self.caches:
-            c.capacity = new_cap
+        return new_cap
 
     def write(self, layer: int, k: mx.array, v: mx.array, offsets: mx.array, total: int) -> tuple[mx.array, mx.array]:
         """Store one new position per row (``k, v [B, kv_heads, 1, d]`` at ``offsets [B]``) with
@@ -540,15 +570,19 @@ class StackedDecode:
         if not self.caches:
             return
         own = [room_for(c.length) for c in self.caches]
+        own_window = [room_for(c.length - c.window.base) if self.window_layers else 0 for c in self.caches]
         for i in range(self.n_layers):  # layer by layer: the stack's layer is freed as its rows are copied out
             for b, c in enumerate(self.caches):
-                if own[b]:
-                    c._keys[i] = mx.array(self.keys[i][b, :, :own[b], :])
-                    c._values[i] = mx.array(self.values[i][b, :, :own[b], :])
+                n = own_window[b] if i in self.window_layers else own[b]
+                if n:
+                    c._keys[i] = mx.array(self.keys[i][b, :, :n, :])
+                    c._values[i] = mx.array(self.values[i][b, :, :n, :])
             mx.eval([a for c in self.caches for a in (c._keys[i], c._values[i]) if a is not None])
             self.keys[i] = self.values[i] = None
-        for c, n in zip(self.caches, own):
+        for c, n, n_window in zip(self.caches, own, own_window):
             c.capacity = n
+            if self.window_layers:
+                c.window.capacity = n_window
             c._stack = None
             c.version = next(_VERSIONS)
         self.caches, self.keys, self.values = [], [], []
@@ -590,6 +624,9 @@ class ForwardBatch:
         if self.window is not None:
             self._bases = [c.window.base for c in self.caches]
             self.window_total = max(off + n_new - b for off, b in zip(self.offsets, self._bases))
+            if stack is not None:
+                stack.reserve(self.total, self.window_total)
+                self._window_offsets_mx = mx.array([o - b for o, b in zip(self.offsets, self._bases)], dtype=mx.int32)
         self._masks: dict[int | None, mx.array | str | None] = {}
         self._np_masks: dict[int | None, np.ndarray | None] = {}
         self._staged: dict[int, tuple[mx.array, mx.array]] = {}
@@ -664,9 +701,12 @@ class ForwardBatch:
 
     def update(self, layer: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         """Store new ``k, v`` ``[B, kv_heads, n_new, d]``; return all keys/values ``[B, kv_heads, total, d]``."""
+        windowed = self.window is not None and layer in self.window.layers
         if self.stack is not None:
+            if windowed:
+                return self.stack.write(layer, k, v, self._window_offsets_mx, self.window_total)
             return self.stack.write(layer, k, v, self._offsets_mx, self.total)
-        if self.window is not None and layer in self.window.layers:
+        if windowed:
             return self._update_window(layer, k, v)
         T = self.n_new
         if len(self.caches) == 1:

@@ -224,8 +224,8 @@ class MlxModelRunner:
 
     def _graph_step(self, seqs: Sequence[SequenceCache], ids: mx.array) -> tuple[mx.array, ForwardBatch]:
         """The decode step through the MLX graph: lazy float32 logits ``[N, vocab]``; caches advanced."""
-        if self._stack is not None and not self._stack.holds(seqs):
-            self._stack.dissolve()  # the batch changed: every row back to its sequence
+        if self._stack is not None and (not self._stack.holds(seqs) or self._stack.windows_move()):
+            self._stack.dissolve()  # the batch changed, or a window moves on: every row back to its sequence
             self._stack = None
         if self._stack is None and self.stack_decode and StackedDecode.fits(seqs):
             self._stack = StackedDecode(seqs)
