@@ -123,6 +123,16 @@ def test_chunked_prefill_equals_one_shot_token_for_token(shape):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
 
+def _continues_like_a_cold_prompt(runner, slot, prompt: list[int], reuse: int) -> None:
+    """``slot`` trimmed to ``reuse`` and fed the rest of ``prompt`` gives a cold sequence's greedy tokens
+    and logits."""
+    got_ids, got = _greedy(runner, slot, _prefill(runner, slot, prompt[reuse:]))
+    cold = runner.new_sequence()
+    want_ids, want = _greedy(runner, cold, _prefill(runner, cold, prompt))
+    assert got_ids == want_ids
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("diverge", [1100, 1400 + 5])
 def test_reused_prefix_equals_a_cold_prompt(shape, diverge):
     """A slot holding a 1,400-token prompt and its 20-token answer; a new prompt shares its first
@@ -139,11 +149,7 @@ def test_reused_prefix_equals_a_cold_prompt(shape, diverge):
     reuse = reusable_prefix(held, prompt, points=slot.published_points)
     assert diverge - CHECKPOINT_INTERVAL < reuse <= diverge and reuse in slot.reuse_points()
     slot.trim(reuse)
-    got_ids, got = _greedy(runner, slot, _prefill(runner, slot, prompt[reuse:]))
-    cold = runner.new_sequence()
-    want_ids, want = _greedy(runner, cold, _prefill(runner, cold, prompt))
-    assert got_ids == want_ids
-    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    _continues_like_a_cold_prompt(runner, slot, prompt, reuse)
 
 
 def test_trim_before_the_kept_window_is_refused(shape):
@@ -205,19 +211,15 @@ def test_a_long_answer_keeps_its_prompt_end_as_a_snapshot(shape):
     assert reuse == PROMPT
     slot.trim(reuse)
     assert w.base == PROMPT - w.size + 1 and list(w.snapshots) == [1280]  # an older prompt-chunk end stays
-    got_ids, got = _greedy(runner, slot, _prefill(runner, slot, prompt[reuse:]))
-    cold = runner.new_sequence()
-    want_ids, want = _greedy(runner, cold, _prefill(runner, cold, prompt))
-    assert got_ids == want_ids
-    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    _continues_like_a_cold_prompt(runner, slot, prompt, reuse)
 
 
 def test_stacked_batch_decode_across_window_moves(shape):
-    STEPS = 160  # the longest row's window moves at step 74
     """Three rows decoded together for 160 steps hold their K/V in one stacked batch (``StackedDecode``),
     which is rebuilt whenever a row's window moves on: the windows stay bounded and every row's greedy
     tokens and logits are those it decodes alone."""
     runner = shape[0]
+    STEPS = 160  # the longest row's window moves at step 74
     assert runner.stack_decode
     prompts = [random_tokens(n, seed=n) for n in (700, 820, 950)]  # close enough to stack (MAX_PADDING)
     batch = [runner.new_sequence() for _ in prompts]

@@ -174,7 +174,8 @@ def check_model(path, size: int, *, ctx: int | None, slots: int, kv_budget: int 
         hp = g.hparams
         kv = kv_need(hp, elem, on_cpu=device.on_cpu)
         # hybrid models: each slot's recurrent state, its rollback copy and its reuse points (docs/ENGINE.md)
-        kv_budget = slots * (kv.slot_bytes(ctx or hp.n_ctx_train) + STATES_PER_SEQUENCE * hp.recurrent_state_bytes(elem))
+        kv_budget = slots * (kv.slot_bytes(ctx or hp.n_ctx_train)
+                             + STATES_PER_SEQUENCE * hp.recurrent_state_bytes(elem))
         kv_budget += kv.window_bytes(prefill_chunk) - kv.window_bytes()  # the one slot prefilling at a time
     if limit is None:
         limit = int(device.memory * DEFAULT_FRACTION)
