@@ -203,7 +203,7 @@ def test_a_long_answer_keeps_its_prompt_end_as_a_snapshot(shape):
     runner = shape[0]
     first = random_tokens(PROMPT, seed=16)
     slot = _tight_sequence(runner, interval=32, keep=2)
-    answer, _ = _greedy(runner, slot, _prefill(runner, slot, first), n=400)
+    answer, _ = _greedy(runner, slot, _prefill(runner, slot, first), n=220)
     w = slot.window
     assert PROMPT not in w.points and PROMPT in w.snapshots and not w.reachable(PROMPT)
     prompt = first + random_tokens(200, seed=17)
@@ -215,11 +215,11 @@ def test_a_long_answer_keeps_its_prompt_end_as_a_snapshot(shape):
 
 
 def test_stacked_batch_decode_across_window_moves(shape):
-    """Three rows decoded together for 160 steps hold their K/V in one stacked batch (``StackedDecode``),
+    """Three rows decoded together for 90 steps hold their K/V in one stacked batch (``StackedDecode``),
     which is rebuilt whenever a row's window moves on: the windows stay bounded and every row's greedy
     tokens and logits are those it decodes alone."""
     runner = shape[0]
-    STEPS = 160  # the longest row's window moves at step 74
+    STEPS = 90  # the longest row's window moves at step 74
     assert runner.stack_decode
     prompts = [random_tokens(n, seed=n) for n in (700, 820, 950)]  # close enough to stack (MAX_PADDING)
     batch = [runner.new_sequence() for _ in prompts]
