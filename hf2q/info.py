@@ -60,13 +60,18 @@ def inspect(path, ctx: int | None = None, slots: int = 4, kv_budget: int | None 
     ctx = int(ctx or n_ctx_train or 0)
     kind = "embedding" if arch in EMBEDDING_ARCHS else "chat"
     elem = kv_dtype_bytes()
-    per_token = 0
+    per_token, kv = 0, None
     if not reasons:  # sizes only from hyper-parameters the check passed (a block_count of 10^9 is not one)
+        from hf2q.engine.device_probe import probe
+        from hf2q.engine.memory_plan import kv_need
+
         try:
-            per_token = hp.kv_bytes_per_token(elem)
+            kv = kv_need(hp, elem, on_cpu=probe().on_cpu)
+            per_token = kv.per_token
         except InputError as e:
             reasons.append(str(e).split(": ", 1)[-1])
-    per_slot = per_token * ctx
+    window_bytes = kv.window_bytes() if kv is not None else 0
+    per_slot = per_token * ctx + window_bytes
     worst = per_slot * slots
     if kind == "chat" and ctx > n_ctx_train > 0:
         reasons.append(f"--ctx {ctx} exceeds the model's trained context {n_ctx_train}")
@@ -85,6 +90,8 @@ def inspect(path, ctx: int | None = None, slots: int = 4, kv_budget: int | None 
         "chat_template": bool(template),
         "kv_dtype_bytes": elem, "kv_bytes_per_token": per_token, "kv_bytes_per_slot": per_slot,
         "kv_bytes_worst_case": worst, "kv_cache_budget": kv_budget,
+        "kv_window": kv.window if kv is not None else None,
+        "kv_window_layers": kv.window_layers if kv is not None else 0, "kv_window_bytes_per_slot": window_bytes,
         **recurrent_state(None if reasons else hp, elem),
         "serve_support": "rejected" if reasons else "ready",
         "reject_reason": "; ".join(reasons) if reasons else None,
@@ -156,6 +163,10 @@ def run(args) -> int:
             f"per slot {_human(info['kv_bytes_per_slot'])}; worst case {info['slots']} slots "
             f"{_human(info['kv_bytes_worst_case'])}{budget}",
         ]
+        if info["kv_window_layers"]:
+            lines.append(f"KV window:      {info['kv_window_layers']} sliding layers keep only their "
+                         f"{info['kv_window']}-token window: {_human(info['kv_window_bytes_per_slot'])} per slot "
+                         f"whatever the context (included above)")
         if info["recurrent_layers"]:
             lines.append(_recurrent_line(info))
     print("\n".join(lines))

@@ -21,6 +21,11 @@ last forward (the decode pipeline's one-position rollback) and reuse points: the
 that diverges inside the history restarts from the last point before the divergence.
 ``trim`` to any other earlier position raises :class:`PrefixNotReusable`, and K/V
 export/import is refused, rather than leaving K/V and recurrent state out of step.
+
+Sliding-window models (gemma4) give each sequence a :class:`SlidingWindow`: its window layers keep
+only the positions a later query or a kept reuse point can see, so their K/V stays bounded. The
+points are placed by the same :class:`~hf2q.engine.recurrent_policy.ReusePoints`; a prompt end that
+ages out of them keeps a copy of its window (docs/ENGINE.md, "Sliding-window layers").
 """
 
 from __future__ import annotations
@@ -32,14 +37,10 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from hf2q.engine.recurrent_policy import CHECKPOINT_INTERVAL, CHECKPOINTS_KEPT
+from hf2q.engine.recurrent_policy import (CHECKPOINT_INTERVAL, CHECKPOINTS_KEPT, KV_GROW, WINDOW_POINTS_KEPT,
+                                          WINDOW_SNAPSHOTS_KEPT, ReusePoints, room_for)
 
-GROW = 256
-
-
-def room_for(n_tokens: int) -> int:
-    """The capacity that holds ``n_tokens`` positions: buffers grow in whole steps of ``GROW``."""
-    return ((n_tokens + GROW - 1) // GROW) * GROW
+GROW = KV_GROW
 
 
 _VERSIONS = itertools.count(1)  # unique across all caches, so (cache, version) never repeats
@@ -74,7 +75,7 @@ class RecurrentState:
         #: (length, conv, ssm) before the last forward, or None
         self._checkpoint: tuple[int, list, list] | None = None
         #: length → (conv, ssm) per layer at that length
-        self.points: dict[int, tuple[list, list]] = {}
+        self.points = ReusePoints(interval, keep)
 
     @property
     def state_nbytes(self) -> int:
@@ -98,7 +99,7 @@ class RecurrentState:
     def restore(self) -> None:
         length, self.conv, self.ssm = self._checkpoint
         self._checkpoint = None
-        self._drop_points_after(length)
+        self.points.drop_after(length)
 
     def reset(self) -> None:
         self.conv, self.ssm = [None] * self.n_layers, [None] * self.n_layers
@@ -107,25 +108,16 @@ class RecurrentState:
 
     def add_point(self, length: int, conv: list, ssm: list) -> None:
         """Keep the state at ``length`` as a reuse point (the oldest beyond ``keep`` is dropped)."""
-        self.points[length] = (list(conv), list(ssm))
-        while len(self.points) > self.keep:
-            del self.points[min(self.points)]
+        self.points.add(length, (list(conv), list(ssm)))
 
     def due_points(self, start: int, n_new: int) -> list[int]:
-        """Positions strictly inside a forward of ``n_new`` tokens from ``start`` where a reuse point
-        falls (multiples of ``interval``); relative to ``start``."""
-        first = (start // self.interval + 1) * self.interval
-        return [p - start for p in range(first, start + n_new, self.interval)]
+        return self.points.due(start, n_new)
 
     def restore_point(self, length: int) -> None:
         conv, ssm = self.points[length]
         self.conv, self.ssm = list(conv), list(ssm)
         self._checkpoint = None
-        self._drop_points_after(length)
-
-    def _drop_points_after(self, length: int) -> None:
-        for p in [p for p in self.points if p > length]:
-            del self.points[p]
+        self.points.drop_after(length)
 
     def batched(self, caches: Sequence["SequenceCache"], layer: int) -> tuple[mx.array, mx.array]:
         """Layer ``layer``'s states of ``caches`` stacked: conv ``[B, K − 1, C]``, ssm ``[B, Hv, Dv, Dk]``."""
@@ -141,9 +133,57 @@ class RecurrentState:
         return [a for a in self.conv + self.ssm if a is not None]
 
 
+class SlidingWindow:
+    """Where a sequence's sliding-window layers keep their K/V: only the positions a later query or a
+    kept reuse point can still see.
+
+    Their buffers ``[kv_heads, capacity, head_dim]`` hold positions ``[base, base + capacity)``;
+    ``base`` moves forward in whole ``GROW`` steps (before a forward, :meth:`SequenceCache.reserve`)
+    to the first position the window of the oldest of ``min(points)`` and ``length − 1`` needs, so a
+    slot's window K/V stays bounded (``recurrent_policy.window_positions``) however long its context.
+    Keys are stored after RoPE at their absolute positions, so attention over the kept positions is
+    exact; the mask gives each kept key its position (``ForwardBatch.mask_np``).
+
+    A transaction end (a prompt's end) that ages out of ``points`` is kept as a *snapshot*: a copy of
+    the window before it, ``snapshots[length] = (first position, keys, values)`` per window layer, the
+    newest ``snapshots_kept``; ``trim`` to it puts the copy back as the buffer.
+    """
+
+    #: the payload marking a point that ends a prefill transaction
+    TRANSACTION_END = "end"
+
+    def __init__(self, size: int, layers: frozenset[int], interval: int = CHECKPOINT_INTERVAL,
+                 keep: int = WINDOW_POINTS_KEPT, snapshots_kept: int = WINDOW_SNAPSHOTS_KEPT):
+        self.size = size
+        self.layers = frozenset(layers)
+        self.base = 0
+        self.capacity = 0
+        self.points = ReusePoints(interval, keep)
+        self.snapshots: dict[int, tuple[int, dict[int, mx.array], dict[int, mx.array]]] = {}
+        self.snapshots_kept = snapshots_kept
+
+    @property
+    def snapshot_positions(self) -> int:
+        return sum(n - first for n, (first, _, _) in self.snapshots.items())
+
+    def first_needed(self, length: int) -> int:
+        """The first position the buffer must keep at ``length``: the window of ``length − 1`` (the
+        decode pipeline's one-position rollback) and of every kept point."""
+        oldest = min([max(length - 1, 0), *self.points])
+        return max(0, oldest - self.size + 1)
+
+    def wants_move(self, length: int) -> bool:
+        """Whether the buffer's first position would move forward at ``length`` (whole ``GROW`` steps)."""
+        return (self.first_needed(length) // GROW) * GROW > self.base
+
+    def reachable(self, length: int) -> bool:
+        """Whether the next query at ``length`` finds every key of its window still kept."""
+        return max(0, length - self.size + 1) >= self.base
+
+
 class SequenceCache:
     def __init__(self, n_layers: int, kv_heads: int, head_dim: int, dtype, v_head_dim: int | None = None,
-                 recurrent: RecurrentState | None = None):
+                 recurrent: RecurrentState | None = None, window: SlidingWindow | None = None):
         self.n_layers = n_layers
         self.kv_heads = kv_heads
         self.head_dim = head_dim
@@ -151,6 +191,7 @@ class SequenceCache:
         self.dtype = dtype
         self._keys: list[mx.array | None] = [None] * n_layers
         self._values: list[mx.array | None] = [None] * n_layers
+        #: positions the layers that keep every position have room for
         self.capacity = 0
         self._length = 0
         #: changes whenever a K/V buffer array is replaced (grown, trimmed, written through MLX), so
@@ -160,9 +201,11 @@ class SequenceCache:
         self._stack: StackedDecode | None = None
         #: the recurrent layers' state (hybrid models), None for pure attention models
         self.recurrent = recurrent
+        #: the sliding-window layers' K/V (kept to the window), None when every layer keeps every position
+        self.window = window
         #: :meth:`reuse_points` as of the last forward or trim: an immutable copy the serving runtime's
         #: trio side may read while the engine thread runs the next step
-        self.published_points: tuple[int, ...] | None = None if recurrent is None else (0,)
+        self.published_points: tuple[int, ...] | None = None if recurrent is None and window is None else (0,)
 
     @property
     def length(self) -> int:
@@ -170,7 +213,8 @@ class SequenceCache:
 
     @property
     def keys(self) -> list[mx.array | None]:
-        """Per layer ``[kv_heads, capacity, head_dim]`` (taking the sequence out of a stacked batch first)."""
+        """Per layer ``[kv_heads, capacity, head_dim]`` (taking the sequence out of a stacked batch first);
+        a sliding-window layer's buffer starts at position ``window.base``."""
         self.unstack()
         return self._keys
 
@@ -188,23 +232,44 @@ class SequenceCache:
         if self._stack is not None:
             self._stack.dissolve()
 
+    def _full_layers(self) -> range | list[int]:
+        if self.window is None:
+            return range(self.n_layers)
+        return [i for i in range(self.n_layers) if i not in self.window.layers]
+
+    @property
+    def position_bytes(self) -> int:
+        """K/V bytes of one position in one layer."""
+        return self.kv_heads * (self.head_dim + self.v_head_dim) * self.dtype.size
+
     @property
     def bytes_per_token(self) -> int:
-        return self.n_layers * self.kv_heads * (self.head_dim + self.v_head_dim) * self.dtype.size
+        """K/V bytes one more token of context costs: the layers that keep every position."""
+        return len(self._full_layers()) * self.position_bytes
+
+    @property
+    def window_nbytes(self) -> int:
+        """K/V allocated for the sliding-window layers (bounded, whatever the length)."""
+        if self.window is None:
+            return 0
+        return len(self.window.layers) * (self.window.capacity + self.window.snapshot_positions) * self.position_bytes
 
     @property
     def nbytes(self) -> int:
         """K/V allocated, plus the recurrent state once it exists (its checkpoint shares its arrays)."""
         rec = self.recurrent.nbytes if self.recurrent is not None and self._length else 0
-        return self.capacity * self.bytes_per_token + rec
+        return self.capacity * self.bytes_per_token + self.window_nbytes + rec
 
     def reserve(self, n_tokens: int) -> None:
-        """Make room for at least ``n_tokens`` positions (keeps the contents)."""
+        """Make room for at least ``n_tokens`` positions (keeps the contents); a window's buffer first
+        lets go of the positions no query or kept point needs any more."""
         self.unstack()
+        if self.window is not None:
+            self._reserve_window(n_tokens)
         if n_tokens <= self.capacity:
             return
         new_cap = room_for(n_tokens)
-        for i in range(self.n_layers):
+        for i in self._full_layers():
             for store, d in ((self._keys, self.head_dim), (self._values, self.v_head_dim)):
                 grown = mx.zeros((self.kv_heads, new_cap, d), dtype=self.dtype)
                 if store[i] is not None and self._length:
@@ -213,22 +278,75 @@ class SequenceCache:
         self.capacity = new_cap
         self.version = next(_VERSIONS)
 
+    def _reserve_window(self, n_tokens: int) -> None:
+        w = self.window
+        base = (w.first_needed(self._length) // GROW) * GROW if w.wants_move(self._length) else w.base
+        if base == w.base and n_tokens - base <= w.capacity:
+            return
+        new_cap = room_for(n_tokens - base)
+        kept = self._length - base  # positions [base, length) move to the front
+        for i in w.layers:
+            for store, d in ((self._keys, self.head_dim), (self._values, self.v_head_dim)):
+                moved = mx.zeros((self.kv_heads, new_cap, d), dtype=self.dtype)
+                if store[i] is not None and kept > 0:
+                    moved[:, :kept, :] = store[i][:, base - w.base: self._length - w.base, :]
+                store[i] = moved
+        mx.eval([a for i in w.layers for a in (self._keys[i], self._values[i])])
+        w.base, w.capacity = base, new_cap
+        self.version = next(_VERSIONS)
+
     def trim(self, n_tokens: int) -> None:
         if n_tokens < 0 or n_tokens > self._length:
             raise ValueError(f"cannot trim a cache of {self._length} tokens to {n_tokens}")
+        if self.window is not None and n_tokens and n_tokens != self._length \
+                and not self.window.reachable(n_tokens) and n_tokens not in self.window.snapshots:
+            raise PrefixNotReusable(
+                f"cannot trim a sliding-window cache of {self._length} tokens to {n_tokens}: its window layers "
+                f"keep positions from {self.window.base} on only; it can return to {self.reuse_points()} tokens")
+        if self.window is not None and (n_tokens == 0 or not self.window.reachable(n_tokens)):
+            self.unstack()  # the window buffer itself changes (emptied, or a snapshot put back)
         if self.recurrent is not None:
             self._trim_recurrent(n_tokens)
         self._length = n_tokens
-        if self.recurrent is not None:
+        if self.window is not None:
+            self._trim_window(n_tokens)
+        if self.recurrent is not None or self.window is not None:
             self.published_points = self.reuse_points()
         if self._stack is not None:  # a row of a stacked batch keeps its (padded) room; positions
             return  # past the length are never attended, and the next write overwrites them
         keep = room_for(n_tokens)
         if keep < self.capacity:
             for store in (self._keys, self._values):
-                for i in range(self.n_layers):
+                for i in self._full_layers():
                     store[i] = mx.array(store[i][:, :keep, :]) if keep else None
             self.capacity = keep
+            self.version = next(_VERSIONS)
+
+    def _trim_window(self, n_tokens: int) -> None:
+        w = self.window
+        w.points.drop_after(n_tokens)
+        for p in [p for p in w.snapshots if p > n_tokens or not n_tokens]:
+            del w.snapshots[p]
+        if n_tokens == 0:
+            w.points.clear()
+            w.base = 0
+        elif not w.reachable(n_tokens):  # back to a snapshot: its copy becomes the buffer
+            first, keys, values = w.snapshots.pop(n_tokens)
+            w.base, w.capacity = first, room_for(n_tokens - first)
+            for store, saved in ((self._keys, keys), (self._values, values)):
+                for i in w.layers:
+                    store[i] = mx.concatenate([saved[i], mx.zeros(
+                        (self.kv_heads, w.capacity - saved[i].shape[1], saved[i].shape[2]), dtype=self.dtype)], axis=1)
+            w.points.clear()
+            w.points.add(n_tokens, SlidingWindow.TRANSACTION_END)
+            self.version = next(_VERSIONS)
+            return
+        keep = room_for(n_tokens - w.base)
+        if keep < w.capacity and self._stack is None:  # a stacked row keeps its padded room
+            for store in (self._keys, self._values):
+                for i in w.layers:
+                    store[i] = mx.array(store[i][:, :keep, :]) if keep else None
+            w.capacity = keep
             self.version = next(_VERSIONS)
 
     def _trim_recurrent(self, n_tokens: int) -> None:
@@ -250,20 +368,63 @@ class SequenceCache:
 
     def reuse_points(self) -> tuple[int, ...] | None:
         """The lengths this sequence can be trimmed back to, ascending (0 and its length included);
-        None when it can be trimmed anywhere (no recurrent state)."""
-        if self.recurrent is None:
+        None when it can be trimmed anywhere (no recurrent state, no sliding window)."""
+        if self.recurrent is None and self.window is None:
             return None
-        rec = self.recurrent
-        rollback = () if rec.checkpoint_length() is None else (rec.checkpoint_length(),)
-        return tuple(sorted({0, self._length, *rollback, *(p for p in rec.points if p <= self._length)}))
+        points = {0, self._length}
+        if self.recurrent is not None:
+            rec = self.recurrent
+            rollback = () if rec.checkpoint_length() is None else (rec.checkpoint_length(),)
+            points |= {p for p in (*rollback, *rec.points) if p <= self._length}
+        if self.window is not None:
+            w = self.window
+            held = {p for p in w.points if p <= self._length and w.reachable(p)}
+            held |= {p for p in w.snapshots if p <= self._length}
+            points = held | {0, self._length} if self.recurrent is None else \
+                {p for p in points if p in (0, self._length) or w.reachable(p)}
+        return tuple(sorted(points))
+
+    def add_window_points(self, start: int, n_new: int, transaction: bool) -> None:
+        """The reuse points a forward of ``n_new`` tokens from ``start`` reached (its tokens are all
+        in the window buffer until the next forward moves the buffer's first position)."""
+        w = self.window
+        aged = {}
+        for cut in w.points.due(start, n_new):
+            aged |= w.points.add(start + cut)
+        if w.points.ends_at(start + n_new, n_new, transaction):
+            aged |= w.points.add(start + n_new, SlidingWindow.TRANSACTION_END if n_new > 1 and transaction else None)
+        for p, kind in aged.items():
+            if kind == SlidingWindow.TRANSACTION_END and w.reachable(p):
+                self._snapshot_window(p)
+
+    def _snapshot_window(self, length: int) -> None:
+        """Copy the window before ``length`` out of the buffers (still there: the first position moves
+        only at the next ``reserve``) as the snapshot ``trim`` can return to."""
+        self.unstack()
+        w = self.window
+        first = max(0, length - w.size + 1)
+        cut = slice(first - w.base, length - w.base)
+        zero = mx.zeros((), dtype=self.dtype)  # "+ 0": a copy, not a view that would keep the whole buffer
+        keys = {i: self._keys[i][:, cut, :] + zero for i in w.layers}
+        values = {i: self._values[i][:, cut, :] + zero for i in w.layers}
+        mx.eval(list(keys.values()) + list(values.values()))
+        w.snapshots[length] = (first, keys, values)
+        while len(w.snapshots) > w.snapshots_kept:
+            del w.snapshots[min(w.snapshots)]
 
     def advance(self, n: int) -> None:
         self._length += n
 
-    def export(self, start: int, end: int) -> dict[str, np.ndarray]:
+    def _refuse_transfer(self, what: str) -> None:
         if self.recurrent is not None:
-            raise PrefixNotReusable("KV export of a hybrid-recurrent sequence is not supported: its recurrent state "
-                                    "is not part of the exported K/V")
+            raise PrefixNotReusable(f"KV {what} of a hybrid-recurrent sequence is not supported: its recurrent "
+                                    "state is not part of the K/V blocks")
+        if self.window is not None:
+            raise PrefixNotReusable(f"KV {what} of a sliding-window sequence is not supported: its window layers "
+                                    "keep only the last positions, so the K/V blocks of a prefix are incomplete")
+
+    def export(self, start: int, end: int) -> dict[str, np.ndarray]:
+        self._refuse_transfer("export")
         out = {}
         for i in range(self.n_layers):
             out[f"k.{i}"] = np.array(self.keys[i][:, start:end, :].astype(mx.float32))
@@ -271,9 +432,7 @@ class SequenceCache:
         return out
 
     def import_(self, arrays: dict[str, np.ndarray], n_tokens: int) -> None:
-        if self.recurrent is not None:
-            raise PrefixNotReusable("KV import into a hybrid-recurrent sequence is not supported: K/V alone cannot "
-                                    "rebuild its recurrent state")
+        self._refuse_transfer("import")
         start = self._length
         self.reserve(start + n_tokens)
         for i in range(self.n_layers):
@@ -324,19 +483,36 @@ class StackedDecode:
         self.caches = list(caches)
         first = self.caches[0]
         self.n_layers = first.n_layers
+        #: sliding-window layers (their rows start at each sequence's ``window.base``, frozen while stacked)
+        self.window_layers = first.window.layers if first.window is not None else frozenset()
+        if self.window_layers:
+            for c in self.caches:  # let go of what the windows no longer need before copying
+                c.reserve(c.length + 1)
         self.capacity = max(c.capacity for c in self.caches)
+        self.window_capacity = max(c.window.capacity for c in self.caches) if self.window_layers else 0
         self.keys: list[mx.array] = []
         self.values: list[mx.array] = []
         for i in range(self.n_layers):  # layer by layer, so the copy never holds more than one extra layer
-            self.keys.append(mx.stack([_padded(c._keys[i], self.capacity) for c in self.caches]))
-            self.values.append(mx.stack([_padded(c._values[i], self.capacity) for c in self.caches]))
+            cap = self._capacity(i)
+            self.keys.append(mx.stack([_padded(c._keys[i], cap) for c in self.caches]))
+            self.values.append(mx.stack([_padded(c._values[i], cap) for c in self.caches]))
             mx.eval(self.keys[i], self.values[i])
             for c in self.caches:
                 c._keys[i] = c._values[i] = None
         for c in self.caches:
             c._stack = self
             c.capacity = self.capacity
+            if self.window_layers:
+                c.window.capacity = self.window_capacity
             c.version = next(_VERSIONS)
+
+    def _capacity(self, layer: int) -> int:
+        return self.window_capacity if layer in self.window_layers else self.capacity
+
+    def windows_move(self) -> bool:
+        """Whether a row's window buffer would now let go of positions (``SequenceCache.reserve``): the
+        stack is then dissolved and rebuilt, so a window stays bounded while its rows keep decoding."""
+        return any(c.window.wants_move(c.length) for c in self.caches) if self.window_layers else False
 
     @classmethod
     def fits(cls, caches: Sequence[SequenceCache], n_new: int = 1) -> bool:
@@ -357,18 +533,26 @@ class StackedDecode:
         return (len(caches) == len(self.caches) and all(c._stack is self for c in self.caches)
                 and all(a is b for a, b in zip(caches, self.caches)))
 
-    def reserve(self, n_tokens: int) -> None:
-        """Room for ``n_tokens`` positions in every row (grown in steps of ``GROW``)."""
-        if n_tokens <= self.capacity:
-            return
+    def reserve(self, n_tokens: int, window_tokens: int = 0) -> None:
+        """Room for ``n_tokens`` positions in every row (grown in steps of ``GROW``), and for
+        ``window_tokens`` in the window layers' rows."""
+        if n_tokens > self.capacity:
+            self.capacity = self._grow([i for i in range(self.n_layers) if i not in self.window_layers], n_tokens)
+            for c in self.caches:
+                c.capacity = self.capacity
+        if window_tokens > self.window_capacity:
+            self.window_capacity = self._grow(sorted(self.window_layers), window_tokens)
+            for c in self.caches:
+                c.window.capacity = self.window_capacity
+
+    def _grow(self, layers: list[int], n_tokens: int) -> int:
         new_cap = room_for(n_tokens)
         for store in (self.keys, self.values):
-            for i, a in enumerate(store):
+            for i in layers:
+                a = store[i]
                 pad = mx.zeros((a.shape[0], a.shape[1], new_cap - a.shape[2], a.shape[3]), dtype=a.dtype)
                 store[i] = mx.concatenate([a, pad], axis=2)
-        self.capacity = new_cap
-        for c in self.caches:
-            c.capacity = new_cap
+        return new_cap
 
     def write(self, layer: int, k: mx.array, v: mx.array, offsets: mx.array, total: int) -> tuple[mx.array, mx.array]:
         """Store one new position per row (``k, v [B, kv_heads, 1, d]`` at ``offsets [B]``) with
@@ -386,15 +570,19 @@ class StackedDecode:
         if not self.caches:
             return
         own = [room_for(c.length) for c in self.caches]
+        own_window = [room_for(c.length - c.window.base) if self.window_layers else 0 for c in self.caches]
         for i in range(self.n_layers):  # layer by layer: the stack's layer is freed as its rows are copied out
             for b, c in enumerate(self.caches):
-                if own[b]:
-                    c._keys[i] = mx.array(self.keys[i][b, :, :own[b], :])
-                    c._values[i] = mx.array(self.values[i][b, :, :own[b], :])
+                n = own_window[b] if i in self.window_layers else own[b]
+                if n:
+                    c._keys[i] = mx.array(self.keys[i][b, :, :n, :])
+                    c._values[i] = mx.array(self.values[i][b, :, :n, :])
             mx.eval([a for c in self.caches for a in (c._keys[i], c._values[i]) if a is not None])
             self.keys[i] = self.values[i] = None
-        for c, n in zip(self.caches, own):
+        for c, n, n_window in zip(self.caches, own, own_window):
             c.capacity = n
+            if self.window_layers:
+                c.window.capacity = n_window
             c._stack = None
             c.version = next(_VERSIONS)
         self.caches, self.keys, self.values = [], [], []
@@ -431,6 +619,14 @@ class ForwardBatch:
             for c, off in zip(self.caches, self.offsets):
                 c.reserve(off + n_new)  # each cache grows only for its own tokens
                 c.version = next(_VERSIONS)  # update()'s slice assignments give every buffer a new array
+        #: the sliding-window layers' part of the caches (one model: the same layers in every cache)
+        self.window = self.caches[0].window
+        if self.window is not None:
+            self._bases = [c.window.base for c in self.caches]
+            self.window_total = max(off + n_new - b for off, b in zip(self.offsets, self._bases))
+            if stack is not None:
+                stack.reserve(self.total, self.window_total)
+                self._window_offsets_mx = mx.array([o - b for o, b in zip(self.offsets, self._bases)], dtype=mx.int32)
         self._masks: dict[int | None, mx.array | str | None] = {}
         self._np_masks: dict[int | None, np.ndarray | None] = {}
         self._staged: dict[int, tuple[mx.array, mx.array]] = {}
@@ -470,6 +666,8 @@ class ForwardBatch:
         T, L = self.n_new, self.total
         q_pos = (np.asarray(self.offsets)[:, None] + np.arange(T)[None, :])[:, :, None]  # [B,T,1]
         k_pos = np.arange(L)[None, None, :]
+        if self._windowed(window):  # each row's kept keys start at its own first kept position
+            k_pos = np.asarray(self._bases)[:, None, None] + np.arange(self.window_total)[None, None, :]
         allowed = k_pos <= q_pos
         if window is not None:
             allowed &= k_pos > q_pos - window
@@ -493,12 +691,23 @@ class ForwardBatch:
         return self._masks[window]
 
     def _plain_causal(self, window: int | None) -> bool:
+        if self._windowed(window):
+            return window >= self.window_total
         return window is None or window >= self.total
+
+    def _windowed(self, window: int | None) -> bool:
+        """Whether layers masked by ``window`` keep only their window (``SlidingWindow``)."""
+        return window is not None and self.window is not None and window == self.window.size
 
     def update(self, layer: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         """Store new ``k, v`` ``[B, kv_heads, n_new, d]``; return all keys/values ``[B, kv_heads, total, d]``."""
+        windowed = self.window is not None and layer in self.window.layers
         if self.stack is not None:
+            if windowed:
+                return self.stack.write(layer, k, v, self._window_offsets_mx, self.window_total)
             return self.stack.write(layer, k, v, self._offsets_mx, self.total)
+        if windowed:
+            return self._update_window(layer, k, v)
         T = self.n_new
         if len(self.caches) == 1:
             c, off = self.caches[0], self.offsets[0]
@@ -513,6 +722,22 @@ class ForwardBatch:
             vs.append(_padded(c.values[layer], self.total))
         return mx.stack(ks), mx.stack(vs)
 
+    def _update_window(self, layer: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        """``update`` for a sliding-window layer: position ``p`` lives at ``p − base`` of its row."""
+        T = self.n_new
+        if len(self.caches) == 1:
+            c, at = self.caches[0], self.offsets[0] - self._bases[0]
+            c.keys[layer][:, at:at + T, :] = k[0]
+            c.values[layer][:, at:at + T, :] = v[0]
+            return c.keys[layer][None, :, :at + T, :], c.values[layer][None, :, :at + T, :]
+        ks, vs = [], []
+        for i, (c, off, base) in enumerate(zip(self.caches, self.offsets, self._bases)):
+            c.keys[layer][:, off - base:off - base + T, :] = k[i]
+            c.values[layer][:, off - base:off - base + T, :] = v[i]
+            ks.append(_padded(c.keys[layer], self.window_total))
+            vs.append(_padded(c.values[layer], self.window_total))
+        return mx.stack(ks), mx.stack(vs)
+
     def finish(self) -> None:
         for b, c in enumerate(self.caches):
             if self._staged:
@@ -525,11 +750,12 @@ class ForwardBatch:
                                       [layers[i][1][b] for i in order])
                 for layer, (conv, ssm) in self._staged.items():
                     rec.conv[layer], rec.ssm[layer] = conv[b], ssm[b]
-                end = c.length + self.n_new
-                if (self.n_new > 1 and self.end_point) or end % rec.interval == 0:  # a transaction's end, or a multiple
-                    rec.add_point(end, rec.conv, rec.ssm)
+                if rec.points.ends_at(c.length + self.n_new, self.n_new, self.end_point):
+                    rec.add_point(c.length + self.n_new, rec.conv, rec.ssm)
+            if c.window is not None:
+                c.add_window_points(c.length, self.n_new, self.end_point)
             c.advance(self.n_new)
-            if c.recurrent is not None:
+            if c.recurrent is not None or c.window is not None:
                 c.published_points = c.reuse_points()
 
     def eval_state(self) -> list[mx.array]:

@@ -21,9 +21,10 @@ import attrs
 from gguf import GGMLQuantizationType as T
 
 from hf2q.engine.device_probe import DeviceFacts, probe
-from hf2q.engine.recurrent_policy import STATES_PER_SEQUENCE
+from hf2q.engine.recurrent_policy import STATES_PER_SEQUENCE, swa_full, window_positions
 from hf2q.errors import InputError
 from hf2q.formats.gguf_file import GGUFFile, GGUFTensor
+from hf2q.formats.gguf_keys import ExtraKeys
 
 #: bits per weight of the affine form each GGUF type is loaded as (``quant_repack.to_affine``)
 AFFINE_BITS = {T.Q4_0: 4, T.Q4_1: 4, T.Q4_K: 4, T.Q5_0: 5, T.Q5_1: 5, T.Q5_K: 5, T.Q8_0: 8,
@@ -51,6 +52,65 @@ class RankNeed:
     @property
     def total(self) -> int:
         return self.weights + self.kv
+
+
+@attrs.frozen
+class KvNeed:
+    """The K/V a slot holds, as the engine's cache (``engine/kv_cache.py``) allocates it."""
+
+    per_token: int  # bytes one more token of context costs (the layers that keep every position)
+    window: int | None = None  # the sliding window of the layers that keep only it (gemma4)
+    window_layers: int = 0
+    window_position: int = 0  # bytes of one position in one of those layers
+
+    def window_bytes(self, new_tokens: int = 1) -> int:
+        """Most bytes the window layers of one slot hold while a forward of ``new_tokens`` runs."""
+        if not self.window_layers:
+            return 0
+        return self.window_layers * window_positions(self.window, new_tokens) * self.window_position
+
+    def slot_bytes(self, ctx: int) -> int:
+        """One slot at ``ctx`` tokens, decoding."""
+        return ctx * self.per_token + self.window_bytes()
+
+
+def gemma3_local_layers(hp) -> list[bool]:
+    """Which gemma3 layers are local (sliding): the per-layer flags, or every layer but each
+    ``pattern``-th (llama.cpp's rule, period 6 unless the GGUF says otherwise)."""
+    pattern = hp.sliding_window_pattern
+    if isinstance(pattern, list):
+        return [bool(x) for x in pattern]
+    return [(i + 1) % pattern != 0 for i in range(hp.n_layers)]
+
+
+def kv_need(hp, elem: int, *, on_cpu: bool = False) -> KvNeed:
+    """The K/V layout of ``hp``'s model at ``elem`` bytes a value, from the header alone.
+
+    gemma4 stores every layer in one cache layout — heads split into pieces of the smallest head size,
+    padded to the widest layer (``models/gemma4.py::cache_layout``) — its KV-shared layers hold none,
+    and its sliding layers keep only their window. gemma3's local layers keep only theirs off the CPU
+    (``on_cpu``: the host decode step there keeps every position). With ``HF2Q_SWA_FULL=1`` sliding
+    layers count per token. Other families: ``kv_bytes_per_token``."""
+    from hf2q.formats.gguf_keys import Keys
+
+    windowed = hp.sliding_window and not swa_full()
+    if hp.arch == "gemma3" and windowed and not on_cpu and ExtraKeys.TENSOR_PARALLEL not in hp.metadata:
+        local = gemma3_local_layers(hp)
+        position = hp.kv_bytes_per_token(elem) // hp.n_layers
+        return KvNeed((len(local) - sum(local)) * position, hp.sliding_window, sum(local), position)
+    if hp.arch != "gemma4":
+        return KvNeed(hp.kv_bytes_per_token(elem))
+    a = Keys.Attention
+    n = hp.n_layers
+    sliding = [bool(x) for x in hp.stored(a.SLIDING_WINDOW_PATTERN)]
+    kv = hp.n_kv_heads if isinstance(hp.n_kv_heads, list) else [hp.n_kv_heads] * n
+    dims = [int(hp.require(a.KEY_LENGTH_SWA)) if s else int(hp.require(a.KEY_LENGTH)) for s in sliding]
+    piece = min(dims)
+    position = max(h * d // piece for h, d in zip(kv, dims)) * piece * 2 * elem
+    owners = range(n - int(hp.stored(a.SHARED_KV_LAYERS) or 0))
+    window = hp.sliding_window
+    n_window = sum(sliding[i] for i in owners) if windowed else 0
+    return KvNeed((len(owners) - n_window) * position, window if n_window else None, n_window, position)
 
 
 def rank_need(g: GGUFFile, size: int, kv_budget: int, *, float_bytes: int, scale_bytes: int) -> RankNeed:
@@ -96,13 +156,14 @@ def check_fits(g: GGUFFile, size: int, kv_budget: int, limit: int, *, float_byte
 
 
 def check_model(path, size: int, *, ctx: int | None, slots: int, kv_budget: int | None,
-                limit: int | None, device: DeviceFacts | None = None) -> RankNeed:
+                limit: int | None, device: DeviceFacts | None = None, prefill_chunk: int = 2048) -> RankNeed:
     """``check_fits`` for a GGUF (path or opened) with the server's settings, on ``device``
     (default: the one MLX will use, found without importing MLX — ``device_probe``).
 
-    The KV budget defaults to the scheduler's (``slots × ctx`` tokens, plus twice each slot's
-    recurrent state on hybrid models), the limit to
-    ``DEFAULT_FRACTION`` of the device's memory.
+    The KV budget defaults to the scheduler's (``slots × ctx`` tokens) plus what a slot holds whatever
+    its length: a hybrid model's recurrent states, a sliding-window model's window layers (one slot's
+    with a ``prefill_chunk`` transaction in flight); the limit to ``DEFAULT_FRACTION`` of the device's
+    memory.
     """
     from hf2q.formats.gguf_file import open_gguf
 
@@ -111,9 +172,11 @@ def check_model(path, size: int, *, ctx: int | None, slots: int, kv_budget: int 
     elem = device.activation_bytes()
     if kv_budget is None:
         hp = g.hparams
+        kv = kv_need(hp, elem, on_cpu=device.on_cpu)
         # hybrid models: each slot's recurrent state, its rollback copy and its reuse points (docs/ENGINE.md)
-        kv_budget = slots * ((ctx or hp.n_ctx_train) * hp.kv_bytes_per_token(elem)
+        kv_budget = slots * (kv.slot_bytes(ctx or hp.n_ctx_train)
                              + STATES_PER_SEQUENCE * hp.recurrent_state_bytes(elem))
+        kv_budget += kv.window_bytes(prefill_chunk) - kv.window_bytes()  # the one slot prefilling at a time
     if limit is None:
         limit = int(device.memory * DEFAULT_FRACTION)
     return check_fits(g, size, kv_budget, limit, float_bytes=elem, scale_bytes=device.scale_bytes())

@@ -34,8 +34,9 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from hf2q.engine.kv_cache import ForwardBatch, SequenceCache, StackedDecode
+from hf2q.engine.kv_cache import ForwardBatch, SequenceCache, SlidingWindow, StackedDecode
 from hf2q.engine.models import build_model
+from hf2q.engine.recurrent_policy import swa_full
 from hf2q.errors import InputError
 from hf2q.formats.gguf_file import GGUFFile, open_gguf
 from hf2q.formats.gguf_keys import Keys
@@ -110,6 +111,16 @@ class MlxModelRunner:
 
             if HostDecoder.supported(model):
                 self.host_decoder = HostDecoder(model)
+        #: ``(window, layers)`` whose K/V each sequence keeps to the window (``kv_cache.SlidingWindow``); not
+        #: with the CPU host decode step, whose kernels address every position (gemma3 on the CPU), nor
+        #: with ``HF2Q_SWA_FULL=1``
+        self.window_layers = None
+        if self.host_decoder is None and not swa_full():
+            self.window_layers = getattr(model, "sliding_window_layers", None)
+        #: K/V a slot holds whatever its length: its sliding-window layers at their bound
+        self.kv_bytes_per_slot = 0
+        if hasattr(model, "kv_bytes"):  # the model's own cache layout; windowed layers do not grow with the context
+            self.kv_bytes_per_token, self.kv_bytes_per_slot = model.kv_bytes(dtype.size, bool(self.window_layers))
 
     @classmethod
     def load(cls, gguf_path: str | Path | GGUFFile, ctx: int | None = None) -> "MlxModelRunner":
@@ -130,8 +141,9 @@ class MlxModelRunner:
     @property
     def trims_prefix(self) -> bool:
         """Whether a sequence can be trimmed to any earlier position (prefix reuse); a hybrid model's
-        recurrent state exists only at its reuse points (``seq.reuse_points()``)."""
-        return not hasattr(self.model, "new_recurrent_state")
+        recurrent state, and a sliding-window model's window layers, only at its reuse points
+        (``seq.reuse_points()``)."""
+        return not hasattr(self.model, "new_recurrent_state") and not self.window_layers
 
     @property
     def pipelines_decode(self) -> bool:
@@ -146,7 +158,8 @@ class MlxModelRunner:
             raise InputError(f"{self.gguf.path.name} is an embedding model; it cannot generate")
         n_layers, kv_heads, head_dim = self.model.kv_shape
         recurrent = self.model.new_recurrent_state() if hasattr(self.model, "new_recurrent_state") else None
-        return SequenceCache(n_layers, kv_heads, head_dim, self.dtype, recurrent=recurrent)
+        window = SlidingWindow(*self.window_layers) if self.window_layers else None
+        return SequenceCache(n_layers, kv_heads, head_dim, self.dtype, recurrent=recurrent, window=window)
 
     def _check_room(self, seq: SequenceCache, n_new: int) -> None:
         if seq.length + n_new > self.n_ctx:
@@ -211,8 +224,8 @@ class MlxModelRunner:
 
     def _graph_step(self, seqs: Sequence[SequenceCache], ids: mx.array) -> tuple[mx.array, ForwardBatch]:
         """The decode step through the MLX graph: lazy float32 logits ``[N, vocab]``; caches advanced."""
-        if self._stack is not None and not self._stack.holds(seqs):
-            self._stack.dissolve()  # the batch changed: every row back to its sequence
+        if self._stack is not None and (not self._stack.holds(seqs) or self._stack.windows_move()):
+            self._stack.dissolve()  # the batch changed, or a window moves on: every row back to its sequence
             self._stack = None
         if self._stack is None and self.stack_decode and StackedDecode.fits(seqs):
             self._stack = StackedDecode(seqs)

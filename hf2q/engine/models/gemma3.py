@@ -4,6 +4,10 @@
 llama.cpp's converter already folds Gemma's ``(1 + w)`` RMSNorm into the stored
 weights, so the plain RMSNorm applies. The sliding-window layout follows llama.cpp:
 layer ``i`` is local unless ``(i + 1) % pattern == 0`` (pattern 6, or the GGUF's).
+
+The local layers keep only their window (``kv_cache.SlidingWindow``) wherever the MLX graph runs the
+decode (the GPU); the CPU host decode step keeps every position (its kernels address absolute
+positions), so the runner windows only without it (``MlxModelRunner.window_layers``).
 """
 
 from __future__ import annotations
@@ -12,8 +16,32 @@ import math
 
 from hf2q.engine.layers import gelu_tanh
 from hf2q.engine.models.decoder import DecoderModel
+from hf2q.engine.memory_plan import gemma3_local_layers
 from hf2q.engine.models.llama import common_config, gated_mlp
 from hf2q.formats.gguf_file import GGUFFile
+from hf2q.formats.gguf_keys import ExtraKeys
+
+
+class Gemma3Model(DecoderModel):
+    """The shared decoder, naming the local layers whose K/V may keep only the window."""
+
+    windowed_kv = True  # False on a tensor-parallel rank (its runner does not forward the reuse points)
+
+    @property
+    def sliding_window_layers(self) -> tuple[int, frozenset[int]] | None:
+        c = self.cfg
+        layers = frozenset(i for i in range(c.n_layers) if c.is_local(i))
+        return (c.sliding_window, layers) if self.windowed_kv and c.sliding_window and layers else None
+
+    def kv_bytes(self, elem: int, windowed: bool = True) -> tuple[int, int]:
+        """``(per token, per slot)`` K/V bytes: global layers per token, local ones (``windowed``) at their bound."""
+        from hf2q.engine.recurrent_policy import window_positions
+
+        c = self.cfg
+        window, layers = (self.sliding_window_layers if windowed else None) or (0, frozenset())
+        position = c.n_kv_heads * c.head_dim * 2 * elem
+        per_slot = len(layers) * window_positions(window) * position if layers else 0
+        return (c.n_layers - len(layers)) * position, per_slot
 
 
 def build(g: GGUFFile, dtype) -> DecoderModel:
@@ -29,11 +57,10 @@ def build(g: GGUFFile, dtype) -> DecoderModel:
     cfg.final_softcap = hp.final_logit_softcap
     window = hp.sliding_window
     if window:
-        pattern = hp.sliding_window_pattern
-        if isinstance(pattern, list):  # per-layer booleans
-            cfg.is_local = lambda i: pattern[i]
-        else:
-            cfg.is_local = lambda i: (i + 1) % pattern != 0
+        local = gemma3_local_layers(hp)
+        cfg.is_local = lambda i: local[i]
         cfg.sliding_window = window
         cfg.rope_base_local = hp.rope_base_swa
-    return DecoderModel(cfg, g, dtype, lambda i: gated_mlp(g, i, dtype, act=gelu_tanh))
+    model = Gemma3Model(cfg, g, dtype, lambda i: gated_mlp(g, i, dtype, act=gelu_tanh))
+    model.windowed_kv = ExtraKeys.TENSOR_PARALLEL not in g.metadata
+    return model

@@ -25,8 +25,10 @@ What differs from Gemma 3 (``models/gemma3.py``):
 
 The slot KV cache is one ``[kv_heads, capacity, head_dim]`` layout for every layer; layers of
 different shapes are stored in it by splitting each head into ``head_dim``-sized pieces (the smallest
-head size of the model) and padding the piece count to the largest layer's. Sliding layers keep every
-position and mask the window (``ForwardBatch.mask``), like Gemma 3.
+head size of the model) and padding the piece count to the largest layer's. The sliding layers keep
+only their window (``kv_cache.SlidingWindow``, :attr:`Gemma4Model.sliding_window_layers`): a slot's K/V
+for them stays bounded however long its context, and prefix reuse returns to the reuse points the
+window buffer still covers (docs/ENGINE.md, "Sliding-window layers").
 
 * **Experts** (26B-A4B): :class:`Gemma4Experts` beside the dense MLP, each with its own post-norm,
   summed before the block's feed-forward post-norm.
@@ -318,6 +320,26 @@ class Gemma4Model:
     @property
     def kv_shape(self) -> tuple[int, int, int]:
         return self.cfg.n_kv_layers, self.cfg.cache_heads, self.cfg.cache_dim
+
+    @property
+    def sliding_window_layers(self) -> tuple[int, frozenset[int]] | None:
+        """``(window, layers)``: the cache layers that keep only the window (``kv_cache.SlidingWindow``),
+        the sliding layers that own K/V; None without a window."""
+        layers = frozenset(i for i, s in enumerate(self.shapes) if s.sliding and s.kv_source == i)
+        window = self.shapes[min(layers)].window if layers else None
+        return (window, layers) if window else None
+
+    def kv_bytes(self, elem: int, windowed: bool = True) -> tuple[int, int]:
+        """``(per token, per slot)`` K/V bytes at ``elem`` bytes a value: the global layers grow with the
+        context, the sliding ones (``windowed``) hold at most ``recurrent_policy.window_positions``
+        positions each."""
+        from hf2q.engine.recurrent_policy import window_positions
+
+        c = self.cfg
+        position = c.cache_heads * c.cache_dim * 2 * elem
+        window, layers = (self.sliding_window_layers if windowed else None) or (0, frozenset())
+        per_slot = len(layers) * window_positions(window) * position if layers else 0
+        return (c.n_kv_layers - len(layers)) * position, per_slot
 
     def weights_nbytes(self) -> int:
         extra = [self.ple_embed, self.ple_model_proj] if self.ple_embed is not None else []
