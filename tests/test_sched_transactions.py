@@ -41,3 +41,47 @@ def test_plans_cover_the_range_in_bounded_transactions(start, n, chunk, boundary
     assert all(b == c for (_, b), (c, _) in zip(plan, plan[1:]))
     if start < boundary < end:
         assert boundary in {b for _, b in plan}
+
+
+async def test_the_runtime_prefills_gemma4_in_its_own_transactions_cut_at_the_stable_prefix():
+    """Three cold prompts at once on a runner that reports ``gemma4``: every prompt is prefilled in
+    transactions of the family's 4,096 rows, one of them ending at its stable prefix, one transaction
+    per GPU step (so a step never computes more than 4,096 rows however many prompts wait); the greedy
+    tokens are the fake's, whatever the cuts."""
+    import trio
+
+    from hf2q.actors.runtime import open_runtime
+    from hf2q.sched.contracts import GenerationRequest, SamplingParams, Token
+    from tests.fakes import FakeModelRunner, expected_next_token
+
+    class Gemma4Fake(FakeModelRunner):
+        arch = "gemma4"
+
+    fake = Gemma4Fake(n_ctx_train=16384)
+    prompts = {f"r{k}": ([(i * (k + 3)) % 90 + 3 for i in range(9000 + 500 * k)], 5000 + 301 * k) for k in range(3)}
+    async with open_runtime(fake.factory(), RuntimeConfig(slots=3, gpu_deadline_s=None)) as rt:
+        assert await rt.wait_ready()
+        got: dict[str, list[int]] = {}
+
+        async def run(rid):
+            prompt, stable = prompts[rid]
+            ch = await rt.submit(GenerationRequest(rid, tuple(prompt), SamplingParams(max_tokens=3), stable))
+            async with ch:
+                got[rid] = [e.token_id async for e in ch if isinstance(e, Token)]
+
+        async with trio.open_nursery() as n:
+            for rid in prompts:
+                n.start_soon(run, rid)
+        steps = rt.snapshot().counters["gpu_steps"]
+    by_sequence: dict[int, list[int]] = {}
+    for serial, rows in fake.prefill_log:
+        by_sequence.setdefault(serial, []).append(rows)
+    expected = {tuple(b - a for a, b in plan_transactions(0, len(p), 4096, s)) for p, s in prompts.values()}
+    assert {tuple(rows) for rows in by_sequence.values()} == expected
+    assert len(fake.prefill_log) <= steps  # one transaction per step at most
+    for rid, (prompt, _) in prompts.items():
+        hist, want = list(prompt), []
+        for _ in range(3):
+            want.append(expected_next_token(hist, fake.vocab_size, fake.eos_token_id, None))
+            hist.append(want[-1])
+        assert got[rid] == want
