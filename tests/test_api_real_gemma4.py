@@ -27,15 +27,16 @@ openai = pytest.importorskip("openai")
 
 pytestmark = [pytest.mark.slow]
 
-EDIT = {"type": "function", "function": {"name": "edit_file", "description": "Replace lines of a file",
-                                         "parameters": {"type": "object", "properties": {
-                                             "path": {"type": "string", "maxLength": 16},
-                                             "start": {"type": "integer", "minimum": 1},
-                                             "dry_run": {"type": "boolean"},
-                                             "text": {"type": "string", "maxLength": 24}},
-                                             "required": ["path", "start", "dry_run", "text"]}}}
-RUN = {"type": "function", "function": {"name": "run", "parameters": {
-    "type": "object", "properties": {"cmd": {"type": "string", "enum": ["pytest", "make"]}}, "required": ["cmd"]}}}
+
+def _tool(name: str, required: list[str], **properties) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": properties, "required": required}}}
+
+
+EDIT = _tool("edit_file", ["path", "start", "dry_run", "text"], path={"type": "string", "maxLength": 16},
+             start={"type": "integer", "minimum": 1}, dry_run={"type": "boolean"},
+             text={"type": "string", "maxLength": 24})
+RUN = _tool("run", ["cmd"], cmd={"type": "string", "enum": ["pytest", "make"]})
 TOOLS = [EDIT, RUN]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 THINKING = {"on": {"chat_template_kwargs": {"enable_thinking": True}}, "off": {"reasoning_effort": "none"}}
