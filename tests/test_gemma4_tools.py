@@ -12,6 +12,8 @@ import functools
 import json
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hf2q.api.shapes import MessageAssembler
 from hf2q.api.validation import parse_chat_request
@@ -161,3 +163,29 @@ def test_the_interleaved_template_gets_tool_results_as_native_tool_responses():
     text = model.tokenizer.decode(list(prepared.prompt_tokens))
     assert "<|tool_response>response:read_file{n:3,text:<|\"|>print(1)<|\"|>}<tool_response|>" in text
     assert "<|turn>tool" not in text
+
+
+_KEYS = st.from_regex(r"[a-z_][a-z0-9_]{0,6}", fullmatch=True)
+_TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=12).filter(lambda s: '<|"|>' not in s)
+_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**6, 10**6) | _TEXT,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_KEYS, inner, max_size=3), max_leaves=8)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(_KEYS, _VALUES, max_size=4), st.randoms(use_true_random=False))
+def test_any_arguments_the_template_writes_parse_back(args, rng):
+    """Whatever arguments the official template writes in Gemma's notation (nested objects and arrays, bare
+    literals, strings with any character but the quote token) read back equal, however the text is cut."""
+    from hf2q.text.toolcalls import collect, make_parser
+
+    text = _model_turn("", [("edit", args)])
+    parser = make_parser("gemma4", TOOLS)
+    events, i = [], 0
+    while i < len(text):
+        j = i + rng.randint(1, 9)
+        events += parser.feed(text[i:j])
+        i = j
+    content, calls = collect(events + parser.finish())
+    assert content.strip() == ""
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [("edit", args)]
