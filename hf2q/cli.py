@@ -196,7 +196,8 @@ def _add_serve(sub) -> None:
                    help="how blocks are stored: kv (as the engine holds them; restores bit-exact), kv-f16 (half "
                         "the disk of a float32 CPU cache; restores within float16 rounding), kv-q8 (8-bit rows)")
     p.add_argument("--operator-ui", choices=["auto", "dashboard", "plain"], default="auto")
-    p.add_argument("--prefill-chunk", type=_positive_int, default=2048, help="tokens per prefill transaction")
+    p.add_argument("--prefill-chunk", type=_positive_int, default=None,
+                   help="tokens per prefill transaction (default: the model family's, 4096 for Gemma 4, else 2048)")
     p.add_argument("--gpu-deadline", type=_positive_seconds, default=120.0,
                    help="seconds before a GPU step is declared hung")
     p.add_argument("--max-request-bytes", type=_positive_size, default=64 << 20)

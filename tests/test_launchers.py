@@ -17,6 +17,7 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
+import attrs
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,51 +116,80 @@ def test_launcher_starts_server_and_config_works(tmp_path):
             bad.models.list()
 
 
-# ---- launchers/qwen36-opencode.sh ----------------------------------------------------------------
-
-QWEN36 = ROOT / "launchers" / "qwen36-opencode.sh"
+# ---- the per-family launchers: qwen36-opencode.sh, gemma4-opencode.sh -----------------------------
 
 
-def qwen36(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+def _qwen35_gguf():
+    from tests.models.qwen35_chat import qwen35_chat_gguf
+
+    return qwen35_chat_gguf()
+
+
+def _gemma4_gguf():
+    from tests.models.gemma4_chat import gemma4_chat_gguf
+
+    return gemma4_chat_gguf()
+
+
+@attrs.frozen
+class Family:
+    script: str
+    port: int
+    arches: str  # the --model line's words
+    named: str  # how the refusal names the family
+    gguf: object  # () -> Path of a tiny GGUF of the family
+    other: object  # () -> Path of another family's GGUF (also refused)
+
+
+FAMILIES = {
+    "qwen36": Family("qwen36-opencode", 8081, "a qwen35 or qwen35moe GGUF", "Qwen 3.5 / 3.6 (qwen35, qwen35moe)",
+                     _qwen35_gguf, _gemma4_gguf),
+    "gemma4": Family("gemma4-opencode", 8082, "a gemma4 GGUF", "Gemma 4 (gemma4)", _gemma4_gguf, _qwen35_gguf),
+}
+
+
+def family_launcher(f: Family, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF2Q_PYTHON": sys.executable}
-    return subprocess.run(["bash", str(QWEN36), *args], check=False, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(["bash", str(ROOT / "launchers" / f"{f.script}.sh"), *args], check=False,
+                          capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def test_qwen36_launcher_needs_a_qwen35_model(smollm2_gguf, tmp_path):
-    r = qwen36()
-    assert (r.returncode, r.stdout) == (2, "") and "--model PATH.gguf is required" in r.stderr
-    r = qwen36("--model", str(smollm2_gguf))
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_launcher_needs_a_model_of_its_family(name, smollm2_gguf, tmp_path):
+    f = FAMILIES[name]
+    r = family_launcher(f)
+    assert (r.returncode, r.stdout) == (2, "") and f"--model PATH.gguf is required ({f.arches})" in r.stderr
+    r = family_launcher(f, "--model", str(smollm2_gguf))
     assert (r.returncode, r.stdout) == (3, "")
-    assert r.stderr.strip() == f"qwen36-opencode: error: {smollm2_gguf} is a 'llama' GGUF, not Qwen 3.5 / 3.6 " \
-                               "(qwen35, qwen35moe)"
-    r = qwen36("--model", str(tmp_path / "absent.gguf"))
+    assert r.stderr.strip() == f"{f.script}: error: {smollm2_gguf} is a 'llama' GGUF, not {f.named}"
+    assert family_launcher(f, "--model", str(f.other())).returncode == 3  # another family's launcher file
+    r = family_launcher(f, "--model", str(tmp_path / "absent.gguf"))
     assert r.returncode == 3 and r.stderr.strip() == f"serve_agent: error: model not found: {tmp_path / 'absent.gguf'}"
 
 
-def test_qwen36_launcher_defaults_to_port_8081():
-    from tests.models.qwen35_chat import qwen35_chat_gguf
-
-    with socket.socket() as s:  # 8081 busy, by us or by someone else: the launcher must say so
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_launcher_defaults_to_its_port(name):
+    f = FAMILIES[name]
+    with socket.socket() as s:  # the port busy, by us or by someone else: the launcher must say so
         try:
-            s.bind(("127.0.0.1", 8081))
+            s.bind(("127.0.0.1", f.port))
             s.listen()
         except OSError:
             pass
-        r = qwen36("--model", str(qwen35_chat_gguf()))
+        r = family_launcher(f, "--model", str(f.gguf()))
     assert r.returncode == 1 and r.stdout == ""
-    assert "port 8081 on 127.0.0.1 is busy" in r.stderr
+    assert f"port {f.port} on 127.0.0.1 is busy" in r.stderr
 
 
 @pytest.mark.slow
-def test_qwen36_launcher_serves_four_slots_and_prints_the_config():
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_launcher_serves_four_slots_and_forced_tool_calls(name):
     import openai
 
-    from tests.models.qwen35_chat import qwen35_chat_gguf
-
+    f = FAMILIES[name]
     port = _free_port()
-    with launched(["bash", str(QWEN36), "--model", str(qwen35_chat_gguf()), "--port", str(port), "--ctx", "2048"],
-                  env={**os.environ, "HF2Q_PYTHON": sys.executable}) as proc:
+    with launched(["bash", str(ROOT / "launchers" / f"{f.script}.sh"), "--model", str(f.gguf()), "--port", str(port),
+                   "--ctx", "2048"], env={**os.environ, "HF2Q_PYTHON": sys.executable}) as proc:
         cfg = printed_config(proc)
         prov = cfg["provider"]["hf2q"]
         assert prov["npm"] == "@ai-sdk/openai-compatible"
@@ -169,12 +199,13 @@ def test_qwen36_launcher_serves_four_slots_and_prints_the_config():
         client = openai.OpenAI(base_url=prov["options"]["baseURL"], api_key=prov["options"]["apiKey"], max_retries=0)
         tools = [{"type": "function", "function": {"name": "read_file", "parameters": {
             "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
+        # one call: random weights would go on writing parallel calls until max_tokens
         r = client.chat.completions.create(model=model_id, max_tokens=128, temperature=0, tools=tools,
-                                           tool_choice="required", messages=[{"role": "user", "content": "Open a.py"}])
+                                           tool_choice="required", parallel_tool_calls=False,
+                                           messages=[{"role": "user", "content": "Open a.py"}])
         assert r.choices[0].finish_reason == "tool_calls"
         assert isinstance(json.loads(r.choices[0].message.tool_calls[0].function.arguments)["path"], str)
         import urllib.request
         req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics",
                                      headers={"Authorization": f"Bearer {prov['options']['apiKey']}"})
-        metrics = urllib.request.urlopen(req, timeout=10).read().decode()
-        assert "hf2q_slots_total 4.0" in metrics
+        assert "hf2q_slots_total 4.0" in urllib.request.urlopen(req, timeout=10).read().decode()

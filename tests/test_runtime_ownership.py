@@ -86,8 +86,7 @@ async def test_a_slot_never_reaches_admission_or_its_ledger():
             kinds = {type(o) for o in _reachable(slot)}
             assert not kinds & {Admission, ActorSystem, SlotLedger, KvBudget}, kinds
             assert not hasattr(slot, "system")
-        assert {f.name for f in attrs.fields(SlotEnv)} == {"transact", "gpu_inbox", "kv_prefix", "released",
-                                                           "prefill_chunk"}
+        assert {f.name for f in attrs.fields(SlotEnv)} == {"transact", "gpu_inbox", "kv_prefix", "released"}
         # the ledger learnt what the slot's KV holds from the slot's Released message
         assert system.admission.ledger.tokens(0) == system.slots[0].kv_tokens
         assert len(system.slots[0].kv_tokens) == 3 + 2  # the prompt and the two tokens fed back

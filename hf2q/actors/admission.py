@@ -25,6 +25,7 @@ from hf2q.sched.contracts import AdmissionRejected, Failed, Finished, Generation
 from hf2q.sched.decoding import DecodeLimits
 from hf2q.sched.intake import check_generation
 from hf2q.sched.ledger import SlotLedger
+from hf2q.sched.transactions import transaction_tokens
 from hf2q.statemachines.admission import ADMISSION
 from hf2q.statemachines.base import Lifecycle
 
@@ -54,6 +55,7 @@ class Admission:
         self.assigned: dict[int, RequestHandle] = {}  # slot → the request it runs
         self.budget: KvBudget | None = None
         self.facts: ModelFacts | None = None
+        self.prefill_chunk = transaction_tokens(None, config.prefill_chunk)  # the family's, once loaded
         self.counters: collections.Counter[str] = collections.Counter()
         self.hooks: list[Callable] = [self._count] + ([config.on_event] if config.on_event else [])
         self.live: list[RequestHandle] = []
@@ -79,6 +81,7 @@ class Admission:
         self.facts = facts
         self.ledger.whole_history_only = not facts.trims_prefix
         self.budget = KvBudget(facts.kv_bytes_per_token, facts.budget_bytes(self.config), facts.ctx)
+        self.prefill_chunk = transaction_tokens(facts.arch, self.config.prefill_chunk)
 
     # ---- the front door -------------------------------------------------------------------
 
@@ -199,7 +202,8 @@ class Admission:
             self.assigned[decision.slot] = h
             self.counters["admitted"] += 1
             limits = DecodeLimits(self.facts.eos_token_ids, params.stop_token_ids, params.max_tokens, self.facts.ctx)
-            self._slots[decision.slot].send_nowait(Assignment(h, decision.cached_tokens, limits))
+            self._slots[decision.slot].send_nowait(Assignment(h, decision.cached_tokens, limits,
+                                                                      self.prefill_chunk))
 
     def drain_requested(self) -> None:
         if self.fsm.state == "accepting":

@@ -8,8 +8,8 @@ the request (see ``hf2q.actors.messages``); the slot waits for that, persists th
 KV, and reports ``Released`` to admission — exactly once per request.
 
 What it is given is narrow (``SlotEnv``): the GPU owner's transaction call and inbox, the
-KV prefix actor, admission's inbox and the prefill chunk size. It never sees admission's
-ledger or budget: it tracks the tokens its own KV holds and reports them.
+KV prefix actor and admission's inbox; the transaction size comes with each assignment. It
+never sees admission's ledger or budget: it tracks the tokens its own KV holds and reports them.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from hf2q.actors.prefill import PrefillTransaction
 from hf2q.actors.progress import SlotProgress
 from hf2q.actors.supervisor import EnginePoisoned
 from hf2q.sched.contracts import Admitted, Failed, Finished
-from hf2q.sched.planner import prefill_chunks
+from hf2q.sched.transactions import plan_transactions
 from hf2q.statemachines.base import Lifecycle
 from hf2q.statemachines.slot import SLOT
 
@@ -35,7 +35,6 @@ class SlotEnv:
     gpu_inbox: trio.MemorySendChannel  # PrefillWork
     kv_prefix: Any  # the KV prefix actor (``enabled``, ``inbox_send``)
     released: trio.MemorySendChannel  # admission's inbox
-    prefill_chunk: int
 
 
 class SlotActor:
@@ -129,7 +128,8 @@ class SlotActor:
         h.emit(Admitted(self.index, len(prompt), cached))
         gen = Generation(self.index, h, a.limits, p, len(prompt))
         self.fsm.fire("prefill_started")
-        for i, (start, end) in enumerate(prefill_chunks(cached, len(prompt), env.prefill_chunk)):
+        plan = plan_transactions(cached, len(prompt), a.prefill_chunk, h.req.stable_prefix)
+        for i, (start, end) in enumerate(plan):
             if h.gone:
                 return p.finished("cancelled", trio.current_time())
             work = PrefillWork(self.index, self.seq, cached if i == 0 else None, list(prompt[start:end]),

@@ -42,8 +42,7 @@ class ActorSystem:
         self.kv_prefix = KvPrefixActor(self.gpu.transact, kv_store)
         inboxes = [trio.open_memory_channel(float("inf")) for _ in range(config.slots)]
         self.admission = Admission(config, [send for send, _ in inboxes], self.supervisor.refusal)
-        env = SlotEnv(self.gpu.transact, self.gpu.inbox_send, self.kv_prefix, self.admission.inbox_send,
-                      config.prefill_chunk)
+        env = SlotEnv(self.gpu.transact, self.gpu.inbox_send, self.kv_prefix, self.admission.inbox_send)
         self.slots = [SlotActor(i, env, inbox) for i, (_, inbox) in enumerate(inboxes)]
         self.hooks = self.admission.hooks
         self._kv_store_opener = kv_store_opener  # (runner's kv_identity) -> store, called once loaded

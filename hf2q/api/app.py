@@ -312,7 +312,8 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         prepared = await off_loop(ctx.chat_model.prepare, creq, info.get("ctx"))  # render + tokenize
         rid = g.request_id
         try:
-            events = await ctx.runtime.submit(GenerationRequest(rid, prepared.prompt_tokens, prepared.params))
+            events = await ctx.runtime.submit(GenerationRequest(rid, prepared.prompt_tokens, prepared.params,
+                                                                prepared.stable_prefix))
         except AdmissionRejected as e:
             raise _reject_from_runtime(e) from None
         flow = ChatFlow(events, prepared.new_decoder(), ctx.model_id, len(prepared.prompt_tokens),

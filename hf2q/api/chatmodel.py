@@ -40,6 +40,8 @@ class PreparedChat:
     prompt_tokens: tuple[int, ...]
     params: SamplingParams
     new_decoder: Callable[[], OutputDecoder]
+    #: prompt tokens the conversation's next request repeats (0: unknown; ``GenerationRequest.stable_prefix``)
+    stable_prefix: int = 0
 
 
 class ChatModel(Protocol):

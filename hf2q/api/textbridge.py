@@ -272,16 +272,21 @@ class GGUFChatModel:
                         pass
                     calls.append(call)
                 m["tool_calls"] = calls
+        if self.tool_syntax == "gemma4":
+            from hf2q.text.gemma4_turns import fold_tool_responses, reads_only_native_responses
+
+            if reads_only_native_responses(self.template.source):
+                messages = fold_tool_responses(messages)
         return messages, tools
 
-    def render(self, req: ChatRequest) -> str:
+    def render(self, req: ChatRequest, add_generation_prompt: bool = True) -> str:
         messages, tools = self._messages_for_template(req)
         kwargs = dict(req.chat_template_kwargs)
         if req.reasoning_effort is not None:
             kwargs.setdefault("reasoning_effort", req.reasoning_effort)
             kwargs.setdefault("enable_thinking", _thinking(req))
         try:
-            return self.template.render(messages, tools=tools, add_generation_prompt=True, **kwargs)
+            return self.template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs)
         except InputError as e:
             msg = str(e) if str(e).startswith("chat template") else f"chat template: {e}"
             raise ApiError(400, msg, code="invalid_value", param="messages") from None
@@ -295,6 +300,22 @@ class GGUFChatModel:
         except ApiError:
             return None
         return "".join(piece for piece, _ in fence.spans(rendered)) if fence is not None else rendered
+
+    def _stable_prefix(self, req: ChatRequest, fence: _Fence | None, text: str, ids: Sequence[int]) -> int:
+        """Prompt tokens before the generation prompt: the rendered history, which the conversation's
+        next request repeats (a prefill transaction ends there, ``hf2q.sched.transactions``). 0 when
+        the history does not lead the prompt or the generation prompt does not tokenize on its own."""
+        try:
+            history = self.render(req, add_generation_prompt=False)
+        except ApiError:
+            return 0
+        if fence is not None:
+            history = "".join(piece for piece, _ in fence.spans(history))
+        if not history or len(history) >= len(text) or not text.startswith(history):
+            return 0
+        tail = self.tokenizer.encode(text[len(history):], add_special=False, parse_special=True)
+        n = len(ids) - len(tail)
+        return n if n > 0 and tuple(ids[n:]) == tuple(tail) else 0
 
     def prepare(self, req: ChatRequest, max_context: int | None):
         from hf2q.api.chatmodel import PreparedChat
@@ -340,7 +361,7 @@ class GGUFChatModel:
                 tool_parser=_tool_parser(syntax, tools) if tools else None,
                 reasoning=_reasoning_splitter(self.template, text) if thinking else None,
                 parallel_calls=req.parallel_tool_calls)
-        return PreparedChat(ids, params, new_decoder)
+        return PreparedChat(ids, params, new_decoder, self._stable_prefix(fenced, fence, text, ids))
 
     def decode_tokens(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids))

@@ -33,8 +33,9 @@ class RuntimeConfig:
     kv_budget_bytes: int | None = None
     #: requests allowed to wait for a slot; beyond this ``submit`` raises 429
     queue_capacity: int = 32
-    #: tokens per prefill transaction (one bounded GPU step)
-    prefill_chunk: int = 2048
+    #: tokens per prefill transaction (one bounded GPU step); None = the model family's candidate
+    #: (``hf2q.sched.transactions``)
+    prefill_chunk: int | None = None
     #: seconds one GPU transaction may run before the engine is declared hung; None = no deadline
     gpu_deadline_s: float | None = 120.0
     #: undelivered events a request channel may hold before its reader counts as too slow
@@ -49,7 +50,8 @@ class RuntimeConfig:
         """Raise ``ValueError`` for knobs no runtime can start with."""
         if self.slots < 1:
             raise ValueError("RuntimeConfig.slots must be at least 1")
-        if self.prefill_chunk < 1 or self.token_buffer < 1 or self.queue_capacity < 0:
+        if (self.prefill_chunk is not None and self.prefill_chunk < 1) or self.token_buffer < 1 \
+                or self.queue_capacity < 0:
             raise ValueError("prefill_chunk and token_buffer must be positive, queue_capacity non-negative")
         if self.draft_tokens < 0:
             raise ValueError("RuntimeConfig.draft_tokens must be non-negative")
@@ -87,6 +89,8 @@ class ModelFacts:
     #: False when a cache cannot be trimmed to any earlier position (hybrid recurrent models):
     #: prefix reuse then goes back only to the reuse points a slot reports when it is released
     trims_prefix: bool = True
+    #: GGUF ``general.architecture`` (the family's policies key on it: ``hf2q.sched.transactions``)
+    arch: str | None = None
 
     @classmethod
     def of(cls, runner, config: RuntimeConfig) -> "ModelFacts":
@@ -96,7 +100,8 @@ class ModelFacts:
             ctx = min(ctx, int(hard))
         return cls(int(runner.vocab_size), int(runner.n_ctx_train), int(runner.kv_bytes_per_token),
                    frozenset(int(t) for t in runner.eos_token_ids), bool(runner.is_embedding_model), ctx,
-                   bool(getattr(runner, "trims_prefix", True)))
+                   bool(getattr(runner, "trims_prefix", True)),
+                   getattr(runner, "arch", None))
 
     def budget_bytes(self, config: RuntimeConfig) -> int:
         """The shared KV budget: the configured one, else every slot at full context."""
@@ -170,6 +175,8 @@ class GenerationRequest:
     request_id: str
     prompt_tokens: tuple[int, ...]
     params: SamplingParams = SamplingParams()
+    #: prompt tokens the conversation's next request repeats (0: unknown); a prefill transaction ends there
+    stable_prefix: int = 0
 
 
 @attrs.frozen
