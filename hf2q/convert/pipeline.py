@@ -388,19 +388,18 @@ def dry_run(src: Path, quant: QuantName, has_imatrix: bool = False, mtp: str = "
         lines = [f"{'tensor':<{width}}  {'shape':<20} {'type':<5} {'bpw':>6} {'bytes':>12}"
                  + ("  why" if plan.tier else "")]
         n_elem = 0
+        whys = plan.tier.descriptions() if plan.tier else {}
         for t, q, lay in zip(plan.tensors, plan.types, plan.layouts):
             shape = "[" + ", ".join(str(d) for d in lay.ne) + "]"
             bpw = 8 * lay.nbytes / max(1, t.n_elements)
-            why = f"  {plan.tier.describe(t.name)}" if plan.tier else ""
+            why = f"  {whys.get(t.name, '')}" if plan.tier else ""
             lines.append(f"{t.name:<{width}}  {shape:<20} {q.name:<5} {bpw:>6.2f} {lay.nbytes:>12}{why}".rstrip())
             n_elem += t.n_elements
         total = plan.total_bytes
         lines.append(f"total: {len(plan.tensors)} tensors, {total} bytes ({total / 2**20:.2f} MiB, "
                      f"{8 * total / max(1, n_elem):.2f} bits/weight) — {plan.family.arch_name} {quant.name}")
         if plan.tier is not None and plan.tier.budget_bytes is not None:
-            spent = sum(lay.nbytes for lay, t in zip(plan.layouts, plan.tensors)
-                        if plan.tier.describe(t.name) and lay.qtype != T.F16)
-            lines.append(f"tier {quant.name}: {spent} of {plan.tier.budget_bytes} budget bytes "
+            lines.append(f"tier {quant.name}: {plan.tier.planned_bytes()} of {plan.tier.budget_bytes} budget bytes "
                          f"({plan.tier.reference}'s quantized tensors), "
                          f"{'imatrix-weighted' if plan.tier.imatrix_weighted else 'unweighted'} errors")
         if summary := plan.family.layer_summary():

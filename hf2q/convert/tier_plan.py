@@ -31,6 +31,7 @@ class TierEntry:
     qtype: T
     role: str
     band: str
+    n_elements: int
     importance: float | None = None  # dynamic tiers only
     errors: dict[T, float] | None = None  # measured relative error per candidate (dynamic tiers)
 
@@ -44,18 +45,19 @@ class TierPlan:
     imatrix_weighted: bool
     entries: tuple[TierEntry, ...]  # the planned (quantizable) tensors
 
-    def describe(self, name: str) -> str:
-        """A short why for the dry-run's line of ``name`` ('' for tensors the tier does not plan)."""
-        e = self._by_name().get(name)
-        if e is None:
-            return ""
-        if e.errors is None:
-            return f"{e.role}/{e.band}"
-        err = e.errors.get(e.qtype)
-        return f"{e.role}/{e.band} w={e.importance:.3g} err={err:.3g}" if err is not None else e.role
+    def descriptions(self) -> dict[str, str]:
+        """Per planned tensor, the dry-run's short why: role/band, and for a dynamic tier the
+        tensor's weight and its measured error at the chosen type."""
+        out = {}
+        for e in self.entries:
+            err = e.errors.get(e.qtype) if e.errors else None
+            out[e.name] = (f"{e.role}/{e.band}" if err is None
+                           else f"{e.role}/{e.band} w={e.importance:.3g} err={err:.3g}")
+        return out
 
-    def _by_name(self) -> dict[str, TierEntry]:
-        return {e.name: e for e in self.entries}
+    def planned_bytes(self) -> int:
+        """Bytes of the tensors the allocation chose types for (those outside it, F16 for want of a block, excluded)."""
+        return sum(tiers.tensor_bytes(e.qtype, e.n_elements) for e in self.entries if e.errors is not None)
 
     def report(self) -> dict:
         return {"tier": self.tier, "kind": self.kind, "reference_mix": self.reference,
@@ -89,7 +91,7 @@ def plan_tier(quant: QuantName, facts: ModelFacts, tensors: Sequence[PlannedTens
             t = tensors[i]
             types[i] = fallback_type(int(t.ne[0]), tiers.apex_type(table, t.name, facts.n_layer))
             entries.append(TierEntry(t.name, types[i], tiers.role(t.name),
-                                     tiers.position_band(tiers.layer_of(t.name), facts.n_layer)))
+                                     tiers.position_band(tiers.layer_of(t.name), facts.n_layer), t.n_elements))
         return types, TierPlan(quant.name, "apex", None, None, imatrix is not None, tuple(entries))
 
     ref = reference_mix(quant)
@@ -116,7 +118,7 @@ def plan_tier(quant: QuantName, facts: ModelFacts, tensors: Sequence[PlannedTens
     by_index = dict(zip(chosen, choices))
     entries = tuple(TierEntry(tensors[i].name, types[i], tiers.role(tensors[i].name),
                               tiers.position_band(tiers.layer_of(tensors[i].name), facts.n_layer),
-                              by_index[i].importance if i in by_index else None,
+                              tensors[i].n_elements, by_index[i].importance if i in by_index else None,
                               dict(by_index[i].errors) if i in by_index else None) for i in planned)
     spent = sum(tiers.tensor_bytes(types[i], tensors[i].n_elements) for i in chosen)
     log.info("%s: %d tensors planned in %d bytes (budget %d, %s's)", quant.name, len(chosen), spent, budget, ref.name)
