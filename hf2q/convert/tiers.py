@@ -91,7 +91,7 @@ def position_band(layer: int | None, n_layer: int) -> str:
 # Relative weight of one unit of relative error in a block tensor, by role. Errors of the
 # tensors that write into the residual stream (attn_v → attn_output, ffn_down) reach the
 # logits undamped; q/k errors are squashed by the softmax; gate/up errors pass through the
-# activation. Tuned on measured KL (docs/QUALITY.md).
+# activation. Set from that reasoning, not fitted; docs/QUALITY.md has the KL it gives.
 ROLE_WEIGHT: Mapping[str, float] = {
     "attn_q": 0.5, "attn_k": 0.5, "attn_v": 1.5, "attn_qkv": 1.0, "attn_kv_b": 1.0, "attn_output": 1.0,
     "attn_gate": 0.5, "ffn_gate": 0.75, "ffn_up": 1.0, "ffn_down": 1.5, "expert": 1.0, "shared": 1.5,
