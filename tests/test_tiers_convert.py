@@ -99,8 +99,8 @@ def test_dry_run_predicts_the_file(cli, tiny_checkpoint, tmp_path):
     assert r.out == cli("convert", src, "--quant", "dynamic-q3", "--dry-run").out  # deterministic
     rows = {}
     for line in r.out.splitlines()[1:]:
-        if m := re.match(r"(\S+)\s+\[[^\]]*\]\s+([\d.]+)\s+(\S+)\s+(\d+)", line):
-            rows[m[1]] = (m[3], float(m[2]), int(m[4]))
+        if m := re.match(r"(\S+)\s+\[[^\]]*\]\s+(\S+)\s+([\d.]+)\s+(\d+)", line):
+            rows[m[1]] = (m[2], float(m[3]), int(m[4]))
     assert "tier dynamic-q3:" in r.out and "q3_k_m's quantized tensors" in r.out
     out = tmp_path / "d.gguf"
     _convert(cli, src, "dynamic-q3", out)

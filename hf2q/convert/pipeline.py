@@ -385,7 +385,7 @@ def dry_run(src: Path, quant: QuantName, has_imatrix: bool = False, mtp: str = "
     plan = build_plan(src, quant, has_imatrix or imatrix is not None, mtp, imatrix)
     try:
         width = max(len(t.name) for t in plan.tensors)
-        lines = [f"{'tensor':<{width}}  {'shape':<20} {'bpw':>6} {'type':<5} {'bytes':>12}"
+        lines = [f"{'tensor':<{width}}  {'shape':<20} {'type':<5} {'bpw':>6} {'bytes':>12}"
                  + ("  why" if plan.tier else "")]
         n_elem = 0
         whys = plan.tier.descriptions() if plan.tier else {}
@@ -393,7 +393,7 @@ def dry_run(src: Path, quant: QuantName, has_imatrix: bool = False, mtp: str = "
             shape = "[" + ", ".join(str(d) for d in lay.ne) + "]"
             bpw = 8 * lay.nbytes / max(1, t.n_elements)
             why = f"  {whys.get(t.name, '')}" if plan.tier else ""
-            lines.append(f"{t.name:<{width}}  {shape:<20} {bpw:>6.2f} {q.name:<5} {lay.nbytes:>12}{why}".rstrip())
+            lines.append(f"{t.name:<{width}}  {shape:<20} {q.name:<5} {bpw:>6.2f} {lay.nbytes:>12}{why}".rstrip())
             n_elem += t.n_elements
         total = plan.total_bytes
         lines.append(f"total: {len(plan.tensors)} tensors, {total} bytes ({total / 2**20:.2f} MiB, "
