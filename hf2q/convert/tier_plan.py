@@ -122,6 +122,9 @@ def plan_tier(quant: QuantName, facts: ModelFacts, tensors: Sequence[PlannedTens
                               dict(by_index[i].errors) if i in by_index else None) for i in planned)
     spent = sum(tiers.tensor_bytes(types[i], tensors[i].n_elements) for i in chosen)
     log.info("%s: %d tensors planned in %d bytes (budget %d, %s's)", quant.name, len(chosen), spent, budget, ref.name)
+    if spent > budget:  # even the smallest candidates do not fit
+        log.warning("%s: the smallest types this model's rows allow take %d bytes, over the %d of %s",
+                    quant.name, spent, budget, ref.name)
     return types, TierPlan(quant.name, "dynamic", ref.name, budget, imatrix is not None, entries)
 
 
