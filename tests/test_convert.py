@@ -97,7 +97,7 @@ def test_dry_run_plan_matches_the_written_file(cli, tiny_checkpoint, tmp_path):
     assert not (tmp_path / "never.gguf").exists()
     planned = {}
     for line in dry.out.splitlines()[1:-1]:
-        name, *_, qtype, nbytes = line.split()
+        name, *_, qtype, _bpw, nbytes = line.split()
         planned[name] = (qtype, int(nbytes))
     out = tmp_path / "g.gguf"
     assert cli("convert", src, "-q", "q4_k_m", "-o", out, "--no-integrity").code == 0

@@ -105,12 +105,12 @@ def run(args: argparse.Namespace) -> int:
     elif q.needs_imatrix and args.dry_run:  # llama-quantize --dry-run also only warns
         log.warning("%s will need an importance matrix (--imatrix FILE) to actually convert", q.name)
     elif q.needs_imatrix:
-        raise InputError(f"{q.name} needs an importance matrix (--imatrix FILE); try q2_k or q3_k_s")
+        raise InputError(f"{q.name} needs an importance matrix (--imatrix FILE); {q.no_imatrix_hint}")
 
     mtp = "drop" if getattr(args, "no_mtp", False) else "only" if getattr(args, "mtp", False) else "keep"
     wants_corpus = bool(getattr(args, "imatrix_corpus", None))
     if args.dry_run:
-        for line in dry_run(src, q, has_imatrix=imatrix is not None or wants_corpus, mtp=mtp):
+        for line in dry_run(src, q, has_imatrix=imatrix is not None or wants_corpus, mtp=mtp, imatrix=imatrix):
             print(line)
         return 0
     output = Path(args.output) if args.output else default_output(src, q.name)

@@ -32,6 +32,7 @@ from hf2q.convert.imatrix_plan import add_metadata, tensor_weights
 from hf2q.convert.imatrix_plan import describe as describe_imatrix
 from hf2q.convert.policy import ModelFacts, TensorFacts, ggml_n_dims, plan_types
 from hf2q.convert.quant_names import QuantName
+from hf2q.convert.tier_plan import TierPlan, plan_tier
 from hf2q.errors import ConversionError, InputError
 from hf2q.formats.gguf_keys import Keys
 from hf2q.progress import progress_bar
@@ -59,16 +60,20 @@ class ConversionPlan:
     metadata: Metadata
     # per tensor: imatrix weights [n_expert, ncols] or None; empty when converting without an imatrix
     imatrix_rows: list[np.ndarray | None] = attrs.field(factory=list)
+    tier: TierPlan | None = None  # the plan of a mixed-bit tier (``--quant dynamic-*|apex-*``)
 
     @property
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.layouts)
 
 
-def build_plan(src: Path, quant: QuantName, has_imatrix: bool = False, mtp: str = "keep") -> ConversionPlan:
-    """Everything decided before a byte of tensor data is read: names, types, layout, metadata.
+def build_plan(src: Path, quant: QuantName, has_imatrix: bool = False, mtp: str = "keep",
+               imatrix: ImatrixFile | None = None) -> ConversionPlan:
+    """Everything decided before the output is written: names, types, layout, metadata.
 
-    ``mtp``: ``keep`` the multi-token-prediction head, ``drop`` it, or write ``only`` it."""
+    ``mtp``: ``keep`` the multi-token-prediction head, ``drop`` it, or write ``only`` it. A tier
+    (``quant.tier``) reads a row sample of each tensor here to measure its sensitivity, with
+    ``imatrix``'s weights when given."""
     src = Path(src)
     cfg = load_config(src)
     family_cls = family_class(architecture_name(cfg))
@@ -76,7 +81,11 @@ def build_plan(src: Path, quant: QuantName, has_imatrix: bool = False, mtp: str 
     try:
         family, tensors = plan_checked(family_cls, cfg, src, ck, mtp)
         facts = ModelFacts(family.arch_name, family.block_count, family.n_head, family.n_head_kv, family.n_expert)
-        types = plan_types(quant, facts, [TensorFacts(t.name, t.ne, t.f32_only) for t in tensors], has_imatrix)
+        tier = None
+        if quant.tier:
+            types, tier = plan_tier(quant, facts, tensors, ck, imatrix)
+        else:
+            types = plan_types(quant, facts, [TensorFacts(t.name, t.ne, t.f32_only) for t in tensors], has_imatrix)
         try:
             layouts = layout([(t.name, stored_ne(t.ne, quant), q) for t, q in zip(tensors, types)])
         except ValueError as e:
@@ -88,7 +97,7 @@ def build_plan(src: Path, quant: QuantName, has_imatrix: bool = False, mtp: str 
         raise
     finally:
         release_tokenizer_cache()
-    return ConversionPlan(src, family, ck, quant, tensors, types, layouts, md)
+    return ConversionPlan(src, family, ck, quant, tensors, types, layouts, md, tier=tier)
 
 
 def plan_checked(family_cls, cfg: dict, src: Path, ck: SafetensorsCheckpoint, mtp: str = "keep"):
@@ -292,7 +301,7 @@ def convert_gguf(src: Path, output: Path, quant: QuantName, threads: int | None 
     timings = {"plan_s": 0.0, "hash_s": 0.0, "read_s": 0.0, "quantize_s": 0.0, "write_s": 0.0,
                "error_s": 0.0, "total_s": 0.0}
     t_start = time.perf_counter()
-    plan = build_plan(src, quant, has_imatrix, mtp)
+    plan = build_plan(src, quant, has_imatrix, mtp, imatrix)
     timings["plan_s"] = time.perf_counter() - t_start
     output = Path(output)
     try:
@@ -322,6 +331,8 @@ def convert_gguf(src: Path, output: Path, quant: QuantName, threads: int | None 
     rep = report_mod.build(plan, output, hashes, rows, timings, threads)
     if imatrix is not None:
         rep["imatrix"] = describe_imatrix(imatrix)
+    if plan.tier is not None:
+        rep["tier"] = plan.tier.report()
     report_mod.write(rep, report_path or report_mod.default_path(output))
     return rep
 
@@ -367,20 +378,30 @@ def _check_output_dir(output: Path) -> None:
         raise ConversionError(f"cannot write {output}: it is a directory")
 
 
-def dry_run(src: Path, quant: QuantName, has_imatrix: bool = False, mtp: str = "keep") -> list[str]:
-    """The tensor → type → bytes plan as printable lines (no file is written)."""
-    plan = build_plan(src, quant, has_imatrix, mtp)
+def dry_run(src: Path, quant: QuantName, has_imatrix: bool = False, mtp: str = "keep",
+            imatrix: ImatrixFile | None = None) -> list[str]:
+    """The tensor → type → bits/weight → bytes plan as printable lines (no file is written);
+    for a tier, each planned tensor's role, layer band and (dynamic) weight and measured error."""
+    plan = build_plan(src, quant, has_imatrix or imatrix is not None, mtp, imatrix)
     try:
         width = max(len(t.name) for t in plan.tensors)
-        lines = [f"{'tensor':<{width}}  {'shape':<20} {'type':<5} {'bytes':>12}"]
+        lines = [f"{'tensor':<{width}}  {'shape':<20} {'type':<5} {'bpw':>6} {'bytes':>12}"
+                 + ("  why" if plan.tier else "")]
         n_elem = 0
+        whys = plan.tier.descriptions() if plan.tier else {}
         for t, q, lay in zip(plan.tensors, plan.types, plan.layouts):
             shape = "[" + ", ".join(str(d) for d in lay.ne) + "]"
-            lines.append(f"{t.name:<{width}}  {shape:<20} {q.name:<5} {lay.nbytes:>12}")
+            bpw = 8 * lay.nbytes / max(1, t.n_elements)
+            why = f"  {whys.get(t.name, '')}" if plan.tier else ""
+            lines.append(f"{t.name:<{width}}  {shape:<20} {q.name:<5} {bpw:>6.2f} {lay.nbytes:>12}{why}".rstrip())
             n_elem += t.n_elements
         total = plan.total_bytes
         lines.append(f"total: {len(plan.tensors)} tensors, {total} bytes ({total / 2**20:.2f} MiB, "
                      f"{8 * total / max(1, n_elem):.2f} bits/weight) — {plan.family.arch_name} {quant.name}")
+        if plan.tier is not None and plan.tier.budget_bytes is not None:
+            lines.append(f"tier {quant.name}: {plan.tier.planned_bytes()} of {plan.tier.budget_bytes} budget bytes "
+                         f"({plan.tier.reference}'s quantized tensors), "
+                         f"{'imatrix-weighted' if plan.tier.imatrix_weighted else 'unweighted'} errors")
         if summary := plan.family.layer_summary():
             lines.append(f"{plan.family.arch_name}: " + ", ".join(f"{k.replace('_', ' ')} {v}"
                                                                   for k, v in summary.items()))

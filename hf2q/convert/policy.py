@@ -86,7 +86,8 @@ def allows_quantization(t: TensorFacts) -> bool:
     return not any(s in n for s in ("altup", "laurel", "per_layer_model_proj", "ssm_conv1d", "attn_rel_b.weight"))
 
 
-def _fallback(ncols: int, qtype: T) -> T:
+def fallback_type(ncols: int, qtype: T) -> T:
+    """llama.cpp's substitute when a row is not a multiple of ``qtype``'s block (mixes and tiers alike)."""
     blk = gguf.GGML_QUANT_SIZES[qtype][0]
     if ncols % blk == 0:
         return qtype
@@ -200,7 +201,11 @@ def export_type(q: QuantName, t: TensorFacts) -> T:
 
 def plan_types(q: QuantName, model: ModelFacts, tensors: Sequence[TensorFacts],
                has_imatrix: bool = False) -> list[T]:
-    """GGML type per tensor (same order as ``tensors``, which must be in loader order)."""
+    """GGML type per tensor (same order as ``tensors``, which must be in loader order).
+
+    Tiers (``q.tier``) have no fixed mix: ``tier_plan.plan_tier`` plans them from the data."""
+    if q.tier:
+        raise ValueError(f"{q.name} is a tier: its types come from tier_plan.plan_tier")
     pol = _Policy(q, model, [t.name for t in tensors], has_imatrix)
     out: list[T] = []
     for t in tensors:
@@ -209,5 +214,5 @@ def plan_types(q: QuantName, model: ModelFacts, tensors: Sequence[TensorFacts],
             out.append(base)
             continue
         new = pol.choose(t, _category(t.name), q.default_type)
-        out.append(_fallback(int(t.ne[0]), new))
+        out.append(fallback_type(int(t.ne[0]), new))
     return out
