@@ -30,12 +30,19 @@ def _prompt(n: int) -> list[int]:
     return [(i * 13) % 90 + 3 for i in range(n)]
 
 
-async def test_blocks_saved_then_restored_after_restart(tmp_path):
-    prompt = _prompt(2 * BLOCK_TOKENS + 100)
+@contextlib.asynccontextmanager
+async def _runtime_with_store(tmp_path, slots: int):
+    """A ready runtime over a fresh fake runner and a block store in ``tmp_path``."""
     fake = FakeModelRunner()
     store = BlockStore.open(tmp_path, FP, None)
-    async with open_runtime(fake.factory(), RuntimeConfig(slots=1, prefill_chunk=128), kv_store=store) as rt:
+    async with open_runtime(fake.factory(), RuntimeConfig(slots=slots, prefill_chunk=128), kv_store=store) as rt:
         await rt.wait_ready()
+        yield fake, store, rt
+
+
+async def test_blocks_saved_then_restored_after_restart(tmp_path):
+    prompt = _prompt(2 * BLOCK_TOKENS + 100)
+    async with _runtime_with_store(tmp_path, 1) as (fake, store, rt):
         first = await collect(await rt.submit(GenerationRequest("a", tuple(prompt), SamplingParams(max_tokens=5))))
         assert await rt.drain(10)
         assert rt.snapshot().counters["kv_blocks_saved"] == 2
@@ -234,10 +241,7 @@ async def test_next_turn_sent_at_once_reuses_the_slot_still_saving_its_blocks(tm
     """An agent sends turn 2 as soon as turn 1's last event arrives, while turn 1's slot is still
     exporting its blocks to the store: turn 2 waits for that slot instead of starting cold elsewhere."""
     turn1 = _prompt(2 * BLOCK_TOKENS + 40)
-    fake = FakeModelRunner()
-    store = BlockStore.open(tmp_path, FP, None)
-    async with open_runtime(fake.factory(), RuntimeConfig(slots=2, prefill_chunk=128), kv_store=store) as rt:
-        await rt.wait_ready()
+    async with _runtime_with_store(tmp_path, 2) as (fake, store, rt):
         first = await collect(await rt.submit(GenerationRequest("a", tuple(turn1), SamplingParams(max_tokens=5))))
         turn2 = turn1 + tokens_of(first) + [7, 8, 9]
         ev = await collect(await rt.submit(GenerationRequest("b", tuple(turn2), SamplingParams(max_tokens=5))))
