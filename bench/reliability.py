@@ -178,6 +178,12 @@ def run_parts(args, work: Path) -> dict:
     if args.lanes == 1:
         lane(args.parts)
     else:
+        # every module a part imports lazily is imported here first: two lanes importing numpy (or a
+        # module that does) at the same moment can see it partially initialised
+        import numpy  # noqa: F401
+
+        import reliability_faults, reliability_files, reliability_http, reliability_kill, reliability_load  # noqa: F401,E401
+        from tests.models import real, tiny  # noqa: F401
         threads = [threading.Thread(target=lane, args=([n for n in names if n in args.parts],)) for names in LANES]
         for t in threads:
             t.start()

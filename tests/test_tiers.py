@@ -177,7 +177,7 @@ def test_tier_names_parse():
 
 
 @pytest.mark.parametrize("name, hint", [("apex", "apex-quality"), ("dwq", "dwq-4"), ("tq1_0", "ternary"),
-                                        ("tq2_0", "ternary"), ("dwq-3", "--format mlx")])
+                                        ("tq2_0", "ternary")])
 def test_refused_names_are_bad_input_with_a_hint(name, hint, cli, tiny_checkpoint):
     r = cli("convert", tiny_checkpoint("llama"), "--quant", name, "--dry-run")
     assert r.code == 3 and hint in r.err and "Traceback" not in r.err
