@@ -24,6 +24,8 @@ moves them into MLX.
 
 from __future__ import annotations
 
+import os
+
 import attrs
 import numpy as np
 from gguf import GGMLQuantizationType as T
@@ -178,7 +180,7 @@ PARALLEL_MIN_ELEMENTS = 1 << 22  # below this a tensor is repacked in one piece
 
 
 def _bands(rows: int, n: int) -> list[tuple[int, int]]:
-    workers = _pool()._max_workers
+    workers = _workers()
     if workers < 2 or rows * n < PARALLEL_MIN_ELEMENTS or rows < 2 * workers:
         return [(0, rows)]
     k = min(4 * workers, rows)
@@ -189,13 +191,16 @@ def _bands(rows: int, n: int) -> list[tuple[int, int]]:
 _POOL = None
 
 
+def _workers() -> int:
+    return max(1, min(16, os.cpu_count() or 1))
+
+
 def _pool():
     global _POOL
     if _POOL is None:
-        import os
         from concurrent.futures import ThreadPoolExecutor
 
-        _POOL = ThreadPoolExecutor(max_workers=max(1, min(16, os.cpu_count() or 1)), thread_name_prefix="hf2q-repack")
+        _POOL = ThreadPoolExecutor(max_workers=_workers(), thread_name_prefix="hf2q-repack")
     return _POOL
 
 
