@@ -81,11 +81,7 @@ def fill_skeleton(skeleton: Path, output: Path) -> dict:
             ne = t["ne"]
             cols, rows = ne[0], int(np.prod(ne[1:], dtype=np.int64)) if len(ne) > 1 else 1
             if rows == 1 and qt in (T.F32, T.F16):
-                data = np.ones(cols, dtype=np.float32 if qt == T.F32 else np.float16)
-            elif qt in (T.F32, T.F16):
-                tile = (rng.standard_normal((min(rows, 64), cols)) * 0.02).astype(
-                    np.float32 if qt == T.F32 else np.float16)
-                data = np.tile(tile, (-(-rows // tile.shape[0]), 1))[:rows]
+                data = codec.quantize(np.ones((1, cols), dtype=np.float32), qt)
             elif rows * cols <= FULL_RANDOM_ELEMENTS:
                 data = codec.quantize((rng.standard_normal((rows, cols)) * 0.02).astype(np.float32), qt)
             else:
