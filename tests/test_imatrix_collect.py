@@ -145,9 +145,6 @@ def test_command_refusals(cli, tmp_path, tiny_checkpoint):
     r = cli("imatrix", str(src), "--corpus", short, "-o", tmp_path / "x.gguf", "--n-ctx", "64")
     assert r.code == 3 and "tokenizes to" in r.err and len(r.err.strip().splitlines()) == 1
     assert not (tmp_path / "x.gguf").exists() and not list(tmp_path.glob(".hf2q-imatrix-*"))
-    from hf2q.engine import layers
-
-    assert layers._observer is None
     both = cli("convert", str(src), "-q", "q4_k_m", "--imatrix", "x.gguf", "--imatrix-corpus", "calibration")
     assert both.code == 2 and "not both" in both.err
     assert cli("convert", str(src), "-q", "q4_k_m", "--imatrix-n-ctx", "128").code == 2
@@ -170,3 +167,6 @@ def test_command_writes_a_readable_matrix_and_a_json_summary(cli, tmp_path, tiny
     assert router.tolist() == [128.0]  # one count per token for a plain product
     assert experts.size == 4 and experts.sum() == 128 * 2  # top-2 of 4: two routed slots per token
     assert not list(tmp_path.glob(".hf2q-imatrix-*"))  # the temporary F16 conversion is gone
+    from hf2q.engine import layers
+
+    assert layers._observer is None  # the run took its observer out again

@@ -649,8 +649,19 @@ async def test_speculation_steps_aside_for_batched_decoding_and_stops_where_it_s
                 res[name] = await collect(await rt.submit(req(name, p, max_tokens=k)))
             n.start_soon(run, "a", a, 40)
             n.start_soon(run, "b", b, 9)
-    # a: ends at the model's EOS inside a verified draft; nothing after it is sent
+    # a: ends at the model's EOS; nothing after it is sent
     assert tokens_of(res["a"]) == _rule_greedy(_cycle4, a, 30 - len(a))
     assert terminal(res["a"]).reason == "stop"
     assert tokens_of(res["b"]) == _rule_greedy(_cycle4, b, 9) and terminal(res["b"]).reason == "length"
     assert 2 in fake.decode_batch_sizes  # while both decoded, they shared batched steps
+
+
+async def test_an_eos_inside_a_draft_ends_the_request_there():
+    fake = FakeModelRunner(next_token=lambda h: 2 if len(h) >= 30 else _cycle4(h))  # EOS (2) at length 30
+    a = [21, 22, 23, 24] * 3
+    async with open_runtime(fake.factory(), RuntimeConfig(slots=1, draft_tokens=6, gpu_deadline_s=None)) as rt:
+        await rt.wait_ready()
+        ev = await collect(await rt.submit(req("a", a, max_tokens=40)))
+        counters = rt.snapshot().counters
+    assert tokens_of(ev) == _rule_greedy(_cycle4, a, 30 - len(a)) and terminal(ev).reason == "stop"
+    assert counters["drafted_tokens"] > counters["accepted_draft_tokens"]  # the EOS rejected a draft

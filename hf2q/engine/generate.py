@@ -142,7 +142,7 @@ def _decode_speculative(runner, seq, logits, params, budget, generated, on_token
     """Decode with drafts: one ``runner.verify`` forward per step over the pending token and the
     draft (a plain decode step when there is none), keeping the accepted tokens."""
     from hf2q.engine.sampling import Sampler
-    from hf2q.engine.speculative import accept_draft
+    from hf2q.engine.speculative import accept_draft, keep_accepted
 
     sampler = Sampler(params)
     emitted = [sampler.sample(logits, generated)[0]]
@@ -164,22 +164,7 @@ def _decode_speculative(runner, seq, logits, params, budget, generated, on_token
         emitted = accept_draft(sampler, draft, rows, generated)
         spec["drafted_tokens"] += len(draft)
         spec["accepted_tokens"] += len(emitted) - 1
-        _keep(runner, seq, start, [pending] + draft[:len(emitted) - 1])
-
-
-def _keep(runner, seq, start: int, fed: list[int]) -> None:
-    """Cut ``seq`` back to ``start + len(fed)`` after a verify forward from ``start``. A hybrid-
-    recurrent sequence cannot stop inside that forward, so it goes back to ``start`` (the state
-    the forward began from) and the accepted tokens are fed again."""
-    keep = start + len(fed)
-    if keep == seq.length:
-        return
-    points = seq.reuse_points()
-    if points is None or keep in points:
-        seq.trim(keep)
-        return
-    seq.trim(start)
-    runner.verify(seq, fed)  # not prefill: a re-feed is no transaction, so it keeps no reuse point
+        keep_accepted(runner, seq, start, [pending] + draft[:len(emitted) - 1])
 
 
 def _decode_host(runner, seq, logits, params, budget, generated, on_token, stops) -> str:

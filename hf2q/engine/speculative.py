@@ -97,6 +97,21 @@ def accept_draft(sampler, draft: Sequence[int], rows: np.ndarray, history: Seque
     return out
 
 
+def keep_accepted(runner, seq, start: int, fed: list[int]) -> None:
+    """Cut ``seq`` back to ``start + len(fed)`` after a verify forward from ``start``. A hybrid-
+    recurrent sequence cannot stop inside that forward, so it goes back to ``start`` (the state
+    the forward began from) and the accepted tokens are fed again."""
+    keep = start + len(fed)
+    if keep == seq.length:
+        return
+    points = seq.reuse_points()
+    if points is None or keep in points:
+        seq.trim(keep)
+        return
+    seq.trim(start)
+    runner.verify(seq, fed)  # not prefill: a re-feed is no transaction, so it keeps no reuse point
+
+
 def _accept_or_resample(sampler, row: np.ndarray, history: Sequence[int], d: int) -> int:
     """``d`` with probability p(d); otherwise a draw from p without ``d``, renormalised."""
     p = sampler.truncated_probs(sampler.process(row, history))

@@ -72,7 +72,7 @@ def run_step(runner, decode: list, tokens: list[int], prefill,
 
 def _verify(runner, run, token: int, draft: list[int]):
     """Feed ``token`` and ``draft`` in one forward, keep what the acceptance rule accepts."""
-    from hf2q.engine.speculative import accept_draft
+    from hf2q.engine.speculative import accept_draft, keep_accepted
 
     seq = run.seq
     start = seq.length
@@ -80,7 +80,7 @@ def _verify(runner, run, token: int, draft: list[int]):
     try:
         out = accept_draft(run.sampler, draft, rows, run.history)
     except Exception as e:  # noqa: BLE001 — a sampling failure is this request's alone
-        seq.trim(start + 1)
+        keep_accepted(runner, seq, start, [token])
         return SampleError(500, "sampling_failed", f"sampling failed: {type(e).__name__}: {e}")
-    seq.trim(start + len(out))  # the fed token and the accepted drafts
+    keep_accepted(runner, seq, start, [token] + list(draft[:len(out) - 1]))  # the fed token and the accepted drafts
     return Drafted(tuple(out), len(draft))

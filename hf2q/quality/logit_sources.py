@@ -60,15 +60,12 @@ class MlxLmLogits:
             self.model, _ = mlx_lm.load(str(self.path))
         except (OSError, ValueError, KeyError) as e:
             raise InputError(f"mlx-lm cannot load {self.path}: {e}") from None
-        self.vocab_size = None
 
     def logits(self, window: np.ndarray) -> np.ndarray:
         mx = self._mx
         out = self.model(mx.array(np.asarray(window, dtype=np.int32)[None]))[0].astype(mx.float32)
         mx.eval(out)
-        logits = np.array(out)
-        self.vocab_size = logits.shape[-1]
-        return logits
+        return np.array(out)
 
 
 def is_gguf(path: Path) -> bool:

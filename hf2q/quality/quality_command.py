@@ -12,7 +12,7 @@ import json
 import logging
 from pathlib import Path
 
-from hf2q.errors import InputError, UsageError
+from hf2q.errors import InputError
 from hf2q.quality.corpus import load_corpus
 
 log = logging.getLogger("hf2q.quality")
@@ -95,8 +95,6 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"no such file or directory: {converted}")
     if not reference.exists():
         raise InputError(f"--reference {reference}: no such file or directory")
-    if args.n_ctx < 4:
-        raise UsageError(f"--n-ctx {args.n_ctx} is too small (at least 4)")
     result = score(converted, reference, args.corpus, args.n_ctx, args.chunks)
     if args.json:
         print(json.dumps(result, indent=1))

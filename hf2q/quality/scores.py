@@ -76,28 +76,25 @@ class TokenScores:
     p_diff: np.ndarray
 
 
-def score_window(logits: np.ndarray, ref_logprobs: np.ndarray | None, targets: np.ndarray) -> TokenScores:
-    """Scores of the rows ``logits[i]`` (the converted model) predicting ``targets[i]``.
-
-    ``ref_logprobs`` (the reference's log-probabilities of the same rows, from :func:`log_softmax`)
-    may be None for perplexity alone; the KL fields are then NaN."""
+def score_window(logits: np.ndarray, ref_logprobs: np.ndarray, targets: np.ndarray) -> TokenScores:
+    """Scores of the rows ``logits[i]`` (the converted model) predicting ``targets[i]``, against
+    ``ref_logprobs`` (the reference's log-probabilities of the same rows, from :func:`log_softmax`)."""
     logits = np.asarray(logits)
     targets = np.asarray(targets, dtype=np.int64)
     n = logits.shape[0]
     if targets.shape != (n,):
         raise ValueError(f"{n} rows of logits but {targets.shape} targets")
-    nll, nll_ref, kld = (np.full(n, np.nan) for _ in range(3))
+    nll, nll_ref, kld = (np.empty(n) for _ in range(3))
     same = np.zeros(n, dtype=bool)
     for a in range(0, n, _ROW_BLOCK):
         b = min(n, a + _ROW_BLOCK)
         lp = log_softmax(logits[a:b])
         rows = np.arange(b - a)
         nll[a:b] = -lp[rows, targets[a:b]]
-        if ref_logprobs is not None:
-            lq = np.asarray(ref_logprobs[a:b], dtype=np.float64)
-            nll_ref[a:b] = -lq[rows, targets[a:b]]
-            kld[a:b] = np.where(lq > KL_FLOOR, np.exp(lq) * (lq - lp), 0.0).sum(axis=-1)
-            same[a:b] = lp.argmax(axis=-1) == lq.argmax(axis=-1)
+        lq = np.asarray(ref_logprobs[a:b], dtype=np.float64)
+        nll_ref[a:b] = -lq[rows, targets[a:b]]
+        kld[a:b] = np.where(lq > KL_FLOOR, np.exp(lq) * (lq - lp), 0.0).sum(axis=-1)
+        same[a:b] = lp.argmax(axis=-1) == lq.argmax(axis=-1)
     p_diff = np.exp(-nll) - np.exp(-nll_ref)
     return TokenScores(nll, nll_ref, kld, same, p_diff)
 

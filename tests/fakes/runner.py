@@ -49,6 +49,10 @@ class FakeSequence:
     def nbytes(self) -> int:
         return len(self.tokens) * self._bpt
 
+    def reuse_points(self) -> None:
+        """Like a plain K/V cache: it can be cut back to any length (None)."""
+        return None
+
     def trim(self, n_tokens: int) -> None:
         if n_tokens < 0 or n_tokens > len(self.tokens):
             raise ValueError(f"cannot trim a {len(self.tokens)}-token sequence to {n_tokens}")
