@@ -46,9 +46,10 @@ def _clean(text: str | None) -> str:
 
 def _value_choices() -> dict[tuple[str, str], tuple[str, ...]]:
     """Finite value sets the parser checks later rather than through ``choices`` (command, dest)."""
+    from hf2q.convert.mlx_policy import DWQ_QUANT_NAMES
     from hf2q.convert.quant_names import GGUF_QUANTS, MLX_QUANTS, TIER_QUANTS
 
-    return {("convert", "quant"): tuple(GGUF_QUANTS) + tuple(TIER_QUANTS) + tuple(MLX_QUANTS)}
+    return {("convert", "quant"): tuple(GGUF_QUANTS) + tuple(TIER_QUANTS) + tuple(MLX_QUANTS) + DWQ_QUANT_NAMES}
 
 
 def _options(parser: argparse.ArgumentParser, command: str = "") -> tuple[Option, ...]:

@@ -146,6 +146,10 @@ _BAD_FLAG_CASES = (
     + [(["-q", "dwq-4", flag, v], 3, needle)
        for flag, v, needle in (("--dwq-corpus", "no-such-corpus", "no corpus file"),
                                ("--dwq-seq-len", "65536", "too few"))]
+    + [(["-q", q, flag, *v], 2, needle)  # flags of GGUF conversions, with mlx output implied by the name
+       for q in ("dwq-4", "mlx-4")
+       for flag, v, needle in (("--quality", (), "--quality scores GGUF output"),
+                               ("--imatrix-corpus", ("calibration",), "--imatrix-corpus applies"))]
     + [(["--format", "gguf", "-q", "dwq-4"], 3, "needs --format mlx"),
        (["-q", "dwq-3", "-o", "{tmp}/x.gguf"], 3, "needs --format mlx"),
        (["--format", "mlx", "-q", "dwq"], 3, "bit width"),

@@ -117,8 +117,7 @@ def test_dry_run_predicts_the_file(cli, tiny_checkpoint, tmp_path):
 @pytest.mark.slow
 def test_smollm2_dynamic_q4_is_no_bigger_than_q4_k_m_and_answers(smollm2_hf, llama_cpp_bin, cli, tmp_path):
     out = tmp_path / "smol.gguf"
-    rep = _convert(cli, smollm2_hf, "dynamic-q4", out)
+    _convert(cli, smollm2_hf, "dynamic-q4", out)
     assert _quantized_bytes(out) <= _quantized_bytes(llamacpp_reference(smollm2_hf, "q4_k_m"))
-    assert len({e["type"] for e in rep["tier"]["tensors"]}) >= 1
     text = _generate(llama_cpp_bin, out, "The capital of France is", n=12)
     assert "Paris" in text

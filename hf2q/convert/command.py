@@ -22,6 +22,11 @@ def _wants_gguf(args: argparse.Namespace) -> bool:
     return bool(args.output) and str(args.output).lower().endswith(".gguf")
 
 
+def _mlx_output(args: argparse.Namespace) -> bool:
+    """Whether this conversion writes an mlx-lm directory (``--format mlx``, or an mlx/dwq quant name)."""
+    return args.format == "mlx" or (args.quant or "").lower().startswith(("mlx", "dwq"))
+
+
 def _check_imatrix_flags(args: argparse.Namespace) -> None:
     corpus = getattr(args, "imatrix_corpus", None)
     if corpus and args.imatrix:
@@ -29,7 +34,7 @@ def _check_imatrix_flags(args: argparse.Namespace) -> None:
     for flag in ("imatrix_out", "imatrix_n_ctx"):
         if getattr(args, flag, None) is not None and not corpus:
             raise UsageError(f"--{flag.replace('_', '-')} needs --imatrix-corpus")
-    if corpus and (args.format == "mlx" or getattr(args, "batch", None)):
+    if corpus and (_mlx_output(args) or getattr(args, "batch", None)):
         raise UsageError("--imatrix-corpus applies to a single GGUF conversion (not --format mlx or --batch)")
 
 
@@ -63,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
         from hf2q.convert.batch import run_batch
         return run_batch(args)
     quant = (args.quant or "").lower()
+    if getattr(args, "quality", False) and _mlx_output(args):
+        raise UsageError("--quality scores GGUF output; for an mlx directory run hf2q quality DIR --reference SRC")
     if quant.startswith("dwq"):
         if _wants_gguf(args):
             raise InputError(f"--quant {args.quant} (distilled weight quantization) needs --format mlx: "
@@ -76,8 +83,6 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--quant {args.quant} is an mlx quantization (use --format mlx, or for GGUF one of "
                          f"{', '.join(GGUF_QUANTS)})")
     if args.format == "mlx" or quant.startswith("mlx"):
-        if getattr(args, "quality", False):
-            raise UsageError("--quality scores GGUF output; for an mlx directory run hf2q quality DIR --reference SRC")
         from hf2q.convert.mlx_writer import convert_mlx
         return convert_mlx(args)
 

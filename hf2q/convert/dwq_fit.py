@@ -127,10 +127,10 @@ class Distiller:
         return logits(self.dec, {**self.frozen, **self._scales_biases(params)}, tokens, self._student_linear,
                       self.layout)
 
-    def score(self, rows: np.ndarray, teacher_lp, params=None) -> Scores:
+    def score(self, rows: np.ndarray, teacher_lp) -> Scores:
         import mlx.core as mx
 
-        params = self.params if params is None else params
+        params = self.params
         kls, nll, agree, n_pred = [], 0.0, 0, 0
         for r, tlp in zip(rows, teacher_lp):
             z = self._student_logits(params, mx.array(r[None]))

@@ -48,10 +48,6 @@ class MlxQuant:
     def mixed(self) -> bool:
         return self.high_bits is not None
 
-    @property
-    def distilled(self) -> bool:
-        return self.name in DWQ_QUANT_NAMES
-
 
 @attrs.frozen
 class TensorPlan:
