@@ -1,5 +1,5 @@
 """``hf2q info`` and the serve memory plan count Gemma 4's sliding layers at their window bound, not per
-token; Gemma 3 (whose engine keeps every position of its sliding layers) stays per token.
+token; Gemma 3 on the CPU (whose host decode step keeps every position of its sliding layers) stays per token.
 
 Reference: transformers' config of the tiny checkpoints (layer types, KV heads and head sizes, shared-KV
 layers, window) with the engine's cache layout (heads in pieces of the smallest head size, padded to the
@@ -12,12 +12,13 @@ import json
 
 import pytest
 
-from hf2q.engine.device_probe import DeviceFacts
+from hf2q.engine.device_probe import DeviceFacts, probe
 from hf2q.engine.memory_plan import check_model
 from hf2q.engine.recurrent_policy import window_positions
 from tests.engine_support import convert_f32
 
 pytestmark = pytest.mark.slow  # converts the tiny checkpoints (~15 s each, shared with the engine tests)
+_ON_CPU = probe().on_cpu  # what `info` itself asks
 
 
 def _expected(src, elem: int) -> tuple[int, int, int]:
@@ -61,9 +62,10 @@ def test_info_counts_the_window_layers_once_per_slot(name, tiny_checkpoint, tmp_
     assert need.kv == 4 * got["kv_bytes_per_slot"] + in_flight
 
 
-def test_gemma3_keeps_every_position(tiny_checkpoint, tmp_path, cli):
-    """Gemma 3's sliding layers are not windowed in the engine (its CPU host decode kernels address
-    absolute positions), so its figure stays per token over all layers."""
+@pytest.mark.skipif(not _ON_CPU, reason="Gemma 3 is windowed off the CPU host decode step")
+def test_gemma3_on_the_cpu_keeps_every_position(tiny_checkpoint, tmp_path, cli):
+    """On the CPU Gemma 3's sliding layers are not windowed (the host decode kernels address absolute
+    positions), so its figure stays per token over all layers."""
     from hf2q.engine.runner import MlxModelRunner
     from hf2q.formats.gguf_file import open_gguf
 

@@ -244,6 +244,7 @@ async def test_next_turn_sent_at_once_reuses_the_slot_still_saving_its_blocks(tm
     async with _runtime_with_store(tmp_path, 2) as (fake, store, rt):
         first = await collect(await rt.submit(GenerationRequest("a", tuple(turn1), SamplingParams(max_tokens=5))))
         turn2 = turn1 + tokens_of(first) + [7, 8, 9]
+        assert rt.snapshot().slots[first[0].slot].phase != "idle"  # still saving: the case under test
         ev = await collect(await rt.submit(GenerationRequest("b", tuple(turn2), SamplingParams(max_tokens=5))))
         assert ev[0].slot == first[0].slot
         assert ev[0].cached_tokens == len(turn1) + len(tokens_of(first)) - 1

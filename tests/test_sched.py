@@ -150,7 +150,7 @@ def test_next_turn_waits_for_its_finishing_slot_rather_than_starting_cold():
     # a finishing slot that saves less than the threshold over the best idle one is not waited for
     led.acquire(0, 100)
     led.mark_finishing(0, turn1 + [1] * 4)
-    assert led.worth_waiting_for(turn2 + [1], 99, 16) is None
+    assert not led.worth_waiting_for(turn2 + [1], 99, 16)
 
 
 def test_cached_after_restore_takes_longer_prefix():

@@ -55,7 +55,7 @@ class Admission:
         self.assigned: dict[int, RequestHandle] = {}  # slot → the request it runs
         self.budget: KvBudget | None = None
         self.facts: ModelFacts | None = None
-        self.prefill_chunk = transaction_tokens(None, config.prefill_chunk)  # the family's, once loaded
+        self.prefill_chunk: int | None = None  # the family's transaction size, set by configure
         self.counters: collections.Counter[str] = collections.Counter()
         self.hooks: list[Callable] = [self._count] + ([config.on_event] if config.on_event else [])
         self.live: list[RequestHandle] = []

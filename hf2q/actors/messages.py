@@ -44,7 +44,7 @@ class Assignment:
     handle: RequestHandle
     cached_tokens: int  # of the prompt, already in the slot's KV
     limits: DecodeLimits  # the request's token-level stop rule
-    prefill_chunk: int  # rows per prefill transaction (the model's, ``ModelFacts.prefill_chunk``)
+    prefill_chunk: int  # rows per prefill transaction (``sched.transactions.transaction_tokens`` for the model)
 
 
 @attrs.frozen

@@ -22,7 +22,7 @@ that diverges inside the history restarts from the last point before the diverge
 ``trim`` to any other earlier position raises :class:`PrefixNotReusable`, and K/V
 export/import is refused, rather than leaving K/V and recurrent state out of step.
 
-Sliding-window models (gemma4) give each sequence a :class:`SlidingWindow`: its window layers keep
+Sliding-window models (gemma4, gemma3's local layers off the CPU host step) give each sequence a :class:`SlidingWindow`: its window layers keep
 only the positions a later query or a kept reuse point can see, so their K/V stays bounded. The
 points are placed by the same :class:`~hf2q.engine.recurrent_policy.ReusePoints`; a prompt end that
 ages out of them keeps a copy of its window (docs/ENGINE.md, "Sliding-window layers").

@@ -59,7 +59,7 @@ class KvNeed:
     """The K/V a slot holds, as the engine's cache (``engine/kv_cache.py``) allocates it."""
 
     per_token: int  # bytes one more token of context costs (the layers that keep every position)
-    window: int | None = None  # the sliding window of the layers that keep only it (gemma4)
+    window: int | None = None  # the sliding window of the layers that keep only it (gemma4, gemma3)
     window_layers: int = 0
     window_position: int = 0  # bytes of one position in one of those layers
 

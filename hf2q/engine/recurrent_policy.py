@@ -3,7 +3,7 @@ and how much it keeps for them. No MLX, so the memory plan and ``hf2q info`` cou
 (``engine/kv_cache.py``) holds.
 
 Two parts of a cache cannot be cut anywhere: a hybrid model's recurrent state (qwen35, qwen35moe),
-which summarises the whole history, and the K/V of sliding-window layers (gemma4), which keep only the
+which summarises the whole history, and the K/V of sliding-window layers (gemma4, gemma3), which keep only the
 positions a future query can still see. Both use the same points: one every ``CHECKPOINT_INTERVAL``
 tokens and one at the end of each prefill transaction, the newest of them kept (docs/ENGINE.md,
 "Hybrid recurrent state" and "Sliding-window layers"). A recurrent point carries a copy of the state;

@@ -74,7 +74,7 @@ class KvBudget:
         if never is not None:
             return never
         route = ledger.route(prompt)
-        if route is None or ledger.worth_waiting_for(prompt, route.cached_tokens, FINISHING_MIN_GAIN) is not None:
+        if route is None or ledger.worth_waiting_for(prompt, route.cached_tokens, FINISHING_MIN_GAIN):
             return Wait("slots")
         need = self.reservation(len(prompt), max_tokens)
         busy = sum(reservations.get(s, ledger.resident_tokens(s)) for s in ledger.busy_slots())

@@ -109,16 +109,12 @@ class SlotLedger:
         if e.busy and e.finishing is None:
             e.finishing = tuple(prompt)
 
-    def worth_waiting_for(self, prompt: Sequence[int], cached: int, min_gain: int) -> int | None:
-        """A finishing slot that will reuse at least ``min_gain`` more prompt tokens than ``cached``
-        (what the best idle slot offers now), or None."""
-        best: tuple[int, int] | None = None
-        for i, e in enumerate(self.entries):
-            if e.busy and e.finishing is not None:
-                gain = min(common_prefix(e.finishing, prompt), max(len(prompt) - 1, 0)) - cached
-                if gain >= min_gain and (best is None or gain > best[0]):
-                    best = (gain, i)
-        return None if best is None else best[1]
+    def worth_waiting_for(self, prompt: Sequence[int], cached: int, min_gain: int) -> bool:
+        """Whether a finishing slot will reuse at least ``min_gain`` more prompt tokens than ``cached``
+        (what the best idle slot offers now)."""
+        room = max(len(prompt) - 1, 0)
+        return any(min(common_prefix(e.finishing, prompt), room) - cached >= min_gain
+                   for e in self.entries if e.busy and e.finishing is not None)
 
     def acquire(self, slot: int, keep_tokens: int) -> None:
         """Mark ``slot`` busy; its ledger keeps only the first ``keep_tokens`` ids."""

@@ -1,9 +1,9 @@
 """How one prompt's prefill is cut into bounded transactions (pure).
 
 A transaction is the prompt rows one GPU step computes for one slot. Its size is a per-family
-candidate, each checked by an eager-versus-resumed parity test of that family (a resumed prefill
-must give the same tokens as one eager forward): Gemma 4 takes 4,096 rows, every other family
-2,048. An operator's ``--prefill-chunk`` wins over the candidate.
+candidate: Gemma 4 takes 4,096 rows (an eager-versus-resumed parity test through the server checks
+that a resumed prefill gives the same tokens as one eager forward), every other family the 2,048
+it had before. An operator's ``--prefill-chunk`` wins over the candidate.
 
 The cuts also land on the prompt's *stable-prefix boundary*: where the part of the prompt that the
 conversation's next request repeats (the rendered history, without the generation prompt) ends. A
