@@ -71,7 +71,7 @@ def inspect(path, ctx: int | None = None, slots: int = 4, kv_budget: int | None 
         except InputError as e:
             reasons.append(str(e).split(": ", 1)[-1])
     window_bytes = kv.window_bytes() if kv is not None else 0
-    per_slot = per_token * ctx + window_bytes
+    per_slot = kv.slot_bytes(ctx) if kv is not None else 0
     worst = per_slot * slots
     if kind == "chat" and ctx > n_ctx_train > 0:
         reasons.append(f"--ctx {ctx} exceeds the model's trained context {n_ctx_train}")

@@ -80,9 +80,10 @@ def _size_hint(n: int) -> str:
 def check_memory(model, args) -> None:
     """Refuse (exit 3) a model whose weights + KV budget exceed what one rank may use."""
     from hf2q.engine.memory_plan import check_model
+    from hf2q.sched.transactions import transaction_tokens
 
     check_model(model, args.tensor_parallel, ctx=args.ctx, slots=args.slots, kv_budget=args.kv_cache_budget,
-                limit=args.memory_limit)
+                limit=args.memory_limit, prefill_chunk=transaction_tokens(model.arch, args.prefill_chunk))
 
 
 def runner_factory(path: Path, ctx: int | None, tensor_parallel: int = 1):

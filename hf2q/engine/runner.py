@@ -202,7 +202,7 @@ class MlxModelRunner:
         ids = np.asarray(tokens, dtype=np.int32)
         if self._host_rows(len(tokens)):
             if every_position:
-                return self.host_decoder._advance(ids, [seq] * len(ids), logits_from=0)
+                return self.host_decoder.step(ids, [seq] * len(ids))
             return self.host_decoder.prefill(seq, ids)
         fb = ForwardBatch([seq], len(tokens), end_point=not every_position)
         logits = self.model(mx.array(ids[None]), fb, last_only=not every_position)
