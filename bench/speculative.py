@@ -8,7 +8,8 @@ small change, so most of the answer is already in the context and drafts should 
   ``--draft-tokens``; decode tokens/s (after the first token), acceptance rate, tokens per forward.
 * llama.cpp — ``llama-server --spec-type ngram-simple`` (its n-gram drafting; ``llama-completion``
   has no speculative mode here and ``llama-lookup`` / ``llama-speculative`` are not built) vs the
-  same server without drafting, through ``/completion`` on the same rendered prompt; its
+  same server without drafting, through ``/v1/chat/completions`` with the same messages (rendered by
+  its own ``--jinja``); its
   ``timings`` give tokens/s and drafted / accepted counts. Skipped, with the reason, when absent.
 
     python bench/speculative.py --out bench-speculative.json

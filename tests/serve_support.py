@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import subprocess
 import sys
 import time
@@ -11,17 +10,13 @@ from pathlib import Path
 
 import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from hf2q.engine.tp_launch import free_ports
 
 
 @contextlib.contextmanager
 def chat_and_embedding_server(chat: Path, embedding: Path, log_dir: Path):
     """Yield the base URL of ``hf2q serve --model CHAT --embedding-model EMBEDDING`` once both answer."""
-    port = free_port()
+    port = free_ports(1)[0]
     log = (log_dir / "serve.log").open("wb")
     proc = subprocess.Popen([sys.executable, "-m", "hf2q", "serve", "--model", str(chat),
                              "--embedding-model", str(embedding), "--port", str(port), "--slots", "1",
