@@ -11,7 +11,6 @@ takes them from its base run.
 from __future__ import annotations
 
 import contextlib
-import logging
 import shutil
 import tempfile
 from pathlib import Path
@@ -21,36 +20,7 @@ import numpy as np
 from hf2q.errors import InputError
 from hf2q.quality import scores
 from hf2q.quality.corpus import Corpus
-from hf2q.quality.logit_sources import GGUFLogits, is_gguf, open_converted
-
-log = logging.getLogger("hf2q.quality")
-
-REFERENCE_QUANT = "f16"
-
-
-@contextlib.contextmanager
-def reference_gguf(source: Path):
-    """SOURCE as a GGUF path: itself, or an HF checkpoint converted to a temporary F16 GGUF that is
-    removed on exit."""
-    source = Path(source)
-    if source.is_file() and is_gguf(source):
-        yield source
-        return
-    if not source.is_dir():
-        raise InputError(f"--reference {source} is neither a GGUF file nor an HF checkpoint directory")
-    from hf2q.convert.pipeline import convert_gguf
-    from hf2q.convert.quant_names import parse_gguf_quant
-
-    tmp = Path(tempfile.mkdtemp(prefix="hf2q-quality-ref-"))
-    try:
-        out = tmp / f"reference-{REFERENCE_QUANT}.gguf"
-        log.info("converting the reference %s to a temporary %s GGUF", source, REFERENCE_QUANT.upper())
-        convert_gguf(source, out, parse_gguf_quant(REFERENCE_QUANT), integrity=False,
-                     report_path=tmp / "reference.report.json")
-        yield out
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
+from hf2q.quality.logit_sources import GGUFLogits, gguf_of, open_converted
 
 class ReferenceRun:
     """The reference's log-probabilities of every scored position of every window of the corpus."""
@@ -100,7 +70,7 @@ def reference_run(source: Path, corpus: Corpus, n_ctx: int, chunks: int | None):
     """A :class:`ReferenceRun` of SOURCE, its scratch files removed on exit."""
     scratch = Path(tempfile.mkdtemp(prefix="hf2q-quality-"))
     try:
-        with reference_gguf(source) as ref:
+        with gguf_of(source, scratch, prefix="reference-", what="--reference") as ref:
             run = ReferenceRun(ref, corpus, n_ctx, chunks, scratch)
         yield run
     finally:

@@ -15,16 +15,14 @@ the output, deleted afterwards); a GGUF is used as it is.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 from hf2q.errors import InputError
 from hf2q.quality.corpus import Corpus
+from hf2q.quality.logit_sources import gguf_of
 
 log = logging.getLogger("hf2q.imatrix")
 
@@ -65,26 +63,6 @@ def chunk_tokens(tokens: list[int], n_ctx: int, chunks: int | None, bos_id: int 
             c[0] = bos_id
         out.append(c)
     return out
-
-
-@contextlib.contextmanager
-def gguf_of(model: Path, scratch: Path, threads: int | None = None) -> Iterator[Path]:
-    """``model`` itself when it is a GGUF file; for an HF checkpoint directory, an F16 GGUF our
-    converter writes into a temporary directory under ``scratch`` (removed on exit)."""
-    if model.is_file():
-        yield model
-        return
-    if not model.is_dir():
-        raise InputError(f"no such model: {model} (give a GGUF file or an HF checkpoint directory)")
-    from hf2q.convert.pipeline import convert_gguf
-    from hf2q.convert.quant_names import parse_gguf_quant
-
-    with tempfile.TemporaryDirectory(prefix=".hf2q-imatrix-", dir=scratch) as tmp:
-        out = Path(tmp) / f"{model.name}-f16.gguf"
-        log.info("converting %s to a temporary F16 GGUF", model)
-        convert_gguf(model, out, parse_gguf_quant("f16"), threads=threads, integrity=False,
-                     report_path=Path(tmp) / "report.json")
-        yield out
 
 
 def corpus_chunks(gguf_path: Path, corpus: Corpus, n_ctx: int, chunks: int | None) -> tuple[list[list[int]], int]:
@@ -137,7 +115,7 @@ def compute_imatrix(model: Path, corpus: Corpus, output: Path, n_ctx: int = DEFA
     output = Path(output)
     if not output.parent.is_dir():
         raise InputError(f"output directory {output.parent} does not exist")
-    with gguf_of(Path(model), output.parent, threads) as g:
+    with gguf_of(Path(model), output.parent, threads, prefix=".hf2q-imatrix-") as g:
         pieces, n_tokens = corpus_chunks(g, corpus, n_ctx, chunks)
         with progress_bar(f"imatrix over {corpus.name}", len(pieces)) as bar:
             entries = collect(g, pieces, bar)
@@ -151,4 +129,4 @@ def compute_imatrix(model: Path, corpus: Corpus, output: Path, n_ctx: int = DEFA
                           round(time.perf_counter() - t0, 3), partial)
 
 
-__all__ = ["DEFAULT_N_CTX", "ImatrixSummary", "chunk_tokens", "compute_imatrix", "corpus_chunks", "gguf_of"]
+__all__ = ["DEFAULT_N_CTX", "ImatrixSummary", "chunk_tokens", "compute_imatrix", "corpus_chunks"]

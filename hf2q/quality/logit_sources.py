@@ -7,11 +7,18 @@ time; both kinds give exactly that and nothing else, so the scorer never knows w
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import tempfile
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
 from hf2q.errors import InputError
+from hf2q.formats.gguf_file import GGUF_MAGIC
+
+log = logging.getLogger("hf2q.quality")
 
 MLX_LM_HINT = "scoring an mlx-lm directory needs mlx-lm: pip install 'hf2q[mlx-lm]'"
 
@@ -71,9 +78,32 @@ class MlxLmLogits:
 def is_gguf(path: Path) -> bool:
     try:
         with open(path, "rb") as f:
-            return f.read(4) == b"GGUF"
+            return f.read(4) == GGUF_MAGIC
     except OSError:
         return False
+
+
+@contextlib.contextmanager
+def gguf_of(model: Path, scratch: Path, threads: int | None = None, *, prefix: str = ".hf2q-f16-",
+            what: str = "model") -> Iterator[Path]:
+    """``model`` itself when it is a GGUF file; for an HF checkpoint directory, an F16 GGUF our
+    converter writes into a temporary directory ``prefix*`` under ``scratch`` (removed on exit).
+    ``what`` names the argument in errors."""
+    model = Path(model)
+    if model.is_file() and is_gguf(model):
+        yield model
+        return
+    if not model.is_dir():
+        raise InputError(f"{what} {model} is neither a GGUF file nor an HF checkpoint directory")
+    from hf2q.convert.pipeline import convert_gguf
+    from hf2q.convert.quant_names import parse_gguf_quant
+
+    with tempfile.TemporaryDirectory(prefix=prefix, dir=scratch) as tmp:
+        out = Path(tmp) / f"{model.name}-f16.gguf"
+        log.info("converting %s to a temporary F16 GGUF", model)
+        convert_gguf(model, out, parse_gguf_quant("f16"), threads=threads, integrity=False,
+                     report_path=Path(tmp) / "report.json")
+        yield out
 
 
 def converted_kind(path: Path) -> str:
