@@ -185,45 +185,43 @@ def _copy_data(src: Path, start: int, out) -> None:
             out.write(chunk)
 
 
-def patch(path: Path, output: Path, sets: dict[str, tuple[VT, Any]], drops: list[str], parsed=None) -> None:
-    """Write ``path`` with ``sets``/``drops`` applied to ``output`` (which may be ``path``);
-    ``parsed`` is ``layout(path)`` when the caller already has it.
+def patch(path: Path, output: Path, header: bytes, data_start: int) -> None:
+    """Write ``header`` then ``path``'s data section (from ``data_start``) to ``output`` (which may be
+    ``path``).
 
     In place, a symlink's target is what gets replaced (a Hub cache's link keeps pointing at the
     patched blob), and the file keeps its permission bits."""
-    metadata, lay, version, mm = parsed if parsed is not None else layout(path)
-    try:
-        header = _header_bytes(mm, lay, version, metadata[ExtraKeys.GGUF_TENSOR_COUNT], sets, drops)
-    finally:
-        del mm
     in_place = output.resolve() == path.resolve()
     target = path.resolve() if in_place else output
     with atomic_output(target) as out:
         if in_place:
             os.fchmod(out.fileno(), path.stat().st_mode & 0o7777)
         out.write(header)
-        _copy_data(path, lay.data_start, out)
+        _copy_data(path, data_start, out)
 
 
 def run(args) -> int:
     path = Path(args.file)
     open_gguf(path)  # the container check: every defect is one InputError line (exit 3)
-    parsed = layout(path)
-    metadata, lay = parsed[0], parsed[1]
-    existing = {key: VT(vtype) for key, vtype, _s, _e in lay.kv_spans}
-    sets, drops = plan_changes(args, existing)
-    lines = diff_lines(metadata, sets, drops)
-    for line in lines:
-        print(line)
-    if not lines:
-        print(f"{path.name}: nothing to change; nothing written")
-        return 0
-    if args.dry_run:
-        print("dry run: nothing written")
-        return 0
-    output = Path(args.output) if args.output else path
-    if output.exists() and output.is_dir():
-        raise UsageError(f"-o {output} is a directory")
-    patch(path, output, sets, drops, parsed)
+    metadata, lay, version, mm = layout(path)
+    try:
+        existing = {key: VT(vtype) for key, vtype, _s, _e in lay.kv_spans}
+        sets, drops = plan_changes(args, existing)
+        lines = diff_lines(metadata, sets, drops)
+        for line in lines:
+            print(line)
+        if not lines:
+            print(f"{path.name}: nothing to change; nothing written")
+            return 0
+        if args.dry_run:
+            print("dry run: nothing written")
+            return 0
+        output = Path(args.output) if args.output else path
+        if output.exists() and output.is_dir():
+            raise UsageError(f"-o {output} is a directory")
+        header = _header_bytes(mm, lay, version, metadata[ExtraKeys.GGUF_TENSOR_COUNT], sets, drops)
+    finally:
+        del mm  # the map is released before the output is written (in place, the file is replaced)
+    patch(path, output, header, lay.data_start)
     print(f"wrote {output} ({os.path.getsize(output)} bytes)", file=sys.stderr)
     return 0
