@@ -43,11 +43,11 @@ def qmm_rates() -> dict:
     return out
 
 
-def main(path: str, steps: int = 48) -> None:
-    print(json.dumps({"qmm": qmm_rates()}), flush=True)
-    r = MlxModelRunner.load(path, ctx=4096)
-    warm_up(r)
-    for batch, stack in ((1, True), (2, True), (4, True), (8, True), (4, False), (8, False)):
+def aggregate_decode(r, cases=((1, True), (2, True), (4, True), (8, True), (4, False), (8, False)),
+                     steps: int = 48) -> dict:
+    """Aggregate decode tok/s per (sequences, stacked) case on a loaded, warmed runner."""
+    out = {}
+    for batch, stack in cases:
         r.stack_decode = stack  # kv_cache.StackedDecode for batches of 2+ (off: per-sequence buffers)
         seqs = [r.new_sequence() for _ in range(batch)]
         toks = [int(np.argmax(r.prefill(s, [int(t) for t in np.random.default_rng(i).integers(100, 30000, 64)])))
@@ -70,8 +70,20 @@ def main(path: str, steps: int = 48) -> None:
             pending = ahead
         pending.result()
         piped = steps * batch / (time.perf_counter() - t0)
-        print(json.dumps({f"B{batch}" + ("" if stack or batch == 1 else "_unstacked"): {"blocking_tok_s": round(blocking, 1), "pipelined_tok_s": round(piped, 1),
-                                        "build_ms": round(1000 * float(np.median(builds)), 2)}}), flush=True)
+        key = f"B{batch}" + ("" if stack or batch == 1 else "_unstacked")
+        out[key] = {"blocking_tok_s": round(blocking, 1), "pipelined_tok_s": round(piped, 1),
+                    "build_ms": round(1000 * float(np.median(builds)), 2)}
+        print(json.dumps({key: out[key]}), flush=True)
+        del seqs
+    r.stack_decode = True
+    return out
+
+
+def main(path: str, steps: int = 48) -> None:
+    print(json.dumps({"qmm": qmm_rates()}), flush=True)
+    r = MlxModelRunner.load(path, ctx=4096)
+    warm_up(r)
+    aggregate_decode(r, steps=steps)
 
 
 if __name__ == "__main__":

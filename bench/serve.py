@@ -204,7 +204,8 @@ def start_hf2q(model: Path, slots: int, ctx: int, log) -> tuple[subprocess.Popen
     return proc, url
 
 
-def start_llama_server(model: Path, slots: int, ctx: int, threads: int, log) -> tuple[subprocess.Popen, str]:
+def start_llama_server(model: Path, slots: int, ctx: int, threads: int, log,
+                       gpu_layers: int = 0) -> tuple[subprocess.Popen, str]:
     from tests.tools import llama_cpp
 
     exe = llama_cpp.tool("llama-server")
@@ -213,7 +214,7 @@ def start_llama_server(model: Path, slots: int, ctx: int, threads: int, log) -> 
     port = free_port()
     # llama-server divides -c among --parallel slots; give every slot the same ctx as ours
     cmd = [str(exe), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "--parallel", str(slots),
-           "-c", str(ctx * slots), "-t", str(threads), "--jinja", "-ngl", "0", "--no-webui"]
+           "-c", str(ctx * slots), "-t", str(threads), "--jinja", "-ngl", str(gpu_layers), "--no-webui"]
     env = {**llama_cpp.env(), "OMP_WAIT_POLICY": "PASSIVE"}
     proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -253,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-peer", action="store_true", help="only measure hf2q")
     p.add_argument("--skip-ours", action="store_true", help="only measure llama-server")
     p.add_argument("--skip-cached", action="store_true", help="skip the 20 KB cached-turn measurement")
+    p.add_argument("--gpu-layers", type=int, default=0, help="llama-server -ngl (99 on a GPU machine)")
     p.add_argument("--out", help="write the JSON here as well as to stdout")
     p.add_argument("--server-log", default=os.devnull)
     args = p.parse_args(argv)
@@ -268,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 stop(proc)
         if not args.skip_peer:
-            proc, url = start_llama_server(model, args.slots, args.ctx, args.threads, log)
+            proc, url = start_llama_server(model, args.slots, args.ctx, args.threads, log, args.gpu_layers)
             try:
                 report["llama_server"] = measure(url, args, proc.pid)
             finally:

@@ -36,7 +36,9 @@ def build_dir() -> Path:
 
 
 def bin_dir() -> Path:
-    return build_dir() / "bin"
+    """The built tools; ``HF2Q_LLAMA_BIN`` points at another build (a CUDA one on a GPU machine)."""
+    env = os.environ.get("HF2Q_LLAMA_BIN")
+    return Path(env) if env else build_dir() / "bin"
 
 
 def tool(name: str) -> Path | None:
