@@ -209,9 +209,10 @@ class Linear:
         elif (len(self.shape) == 2 and cuda_qmv.takes(rows, self.shape[0], self.shape[1], self.bits, self.group_size)
               and cuda_qmv.available()):  # 2-7 rows on a CUDA GPU: one read of the weights for all rows
             y = cuda_qmv.qmv(x, self.weight, self.scales, self.biases, self.bits, self.group_size)
-        else:
-            y = mx.quantized_matmul(x, self.weight, self.scales, self.biases, transpose=True,
-                                    group_size=self.group_size, bits=self.bits)
+        else:  # as one [rows, in] matrix: MLX treats [B, 1, in] as B matvecs and reads the weight B times
+            y = mx.quantized_matmul(x.reshape(rows, x.shape[-1]), self.weight, self.scales, self.biases,
+                                    transpose=True, group_size=self.group_size,
+                                    bits=self.bits).reshape(*x.shape[:-1], self.shape[0])
         if y.dtype != self.dtype:
             y = y.astype(self.dtype)
         return y + self.bias if self.bias is not None else y
