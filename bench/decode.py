@@ -67,9 +67,10 @@ def bench_runner(r, prefill: list[int], tg: int, reps: int, chunk: int) -> dict:
     """Time any ``ModelRunner`` (single-process or tensor-parallel rank 0)."""
     from hf2q.engine.runner import warm_up
 
-    warm = r.new_sequence()  # first calls compile kernels (GPU) and fault weights in: not timed
-    r.prefill(warm, _tokens(min(chunk, max(prefill)), r.vocab_size))  # at the timed chunk shape
-    del warm
+    for rows in sorted({min(chunk, n) for n in prefill}):  # first calls at a shape compile kernels (GPU): not timed
+        warm = r.new_sequence()
+        r.prefill(warm, _tokens(rows, r.vocab_size))
+        del warm
     warm_up(r)  # decode and the device-sampling kernels, as `hf2q serve` does before it is ready
     pipelined = getattr(r, "pipelines_decode", False)  # the MLX graph path (GPUs); CPU host decode is synchronous
     out = {}
