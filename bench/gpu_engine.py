@@ -3,8 +3,7 @@
 1. Synthesises random-weight GGUFs of a big real shape (default Qwen3-8B) in the given
    mixes with ``bench/synth_gguf.py`` and times hf2q's ``MlxModelRunner`` (pp512, pp2048 in
    2048-token transactions, tg128) with ``bench/decode.py``'s ``bench_hf2q``.
-2. Prints those next to the peer figures measured on the same GPU model
-   (llama.cpp CUDA and mlx-lm 0.32.2, measured earlier on one H200), with ratios.
+2. (The peers on the same files and GPU in the same run: ``bench/gpu_peer.py``.)
 3. Correctness: for each small GGUF given with ``--check``, the logits of a 40-token prompt's last
    token and of 8 decode steps after it (the CPU's greedy tokens, forced on both), GPU vs the CPU
    backend in float32 (subprocess with ``HF2Q_DEVICE=cpu``), beside the same CPU run in the GPU's
@@ -25,15 +24,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-# tokens/s measured on one H200 with the random-weight Qwen3-8B shape by llama.cpp CUDA (flash attention) and mlx-lm 0.32.2
-PEERS = {
-    "q4_k_m": {"llama.cpp": {"pp512": 9489, "pp2048": 9870, "tg128": 264.5},
-               "mlx-lm 4-bit g64": {"pp2048": 6640, "tg128": 95.6}},
-    "q8_0": {"llama.cpp": {"pp512": 10806, "pp2048": 11233, "tg128": 238.8},
-             "mlx-lm 8-bit g64": {"pp512": 9036, "pp2048": 10088, "tg128": 189.6}},
-}
-
 
 DECODE_STEPS = 8
 
@@ -132,8 +122,6 @@ def main() -> int:
         ours = bench_hf2q(out, [512, 2048], 128, a.reps, 2048)
         row = {"hf2q": {k: round(v, 1) for k, v in ours.items()}, "bytes": out.stat().st_size,
                "seconds": round(time.time() - t0, 1)}
-        for peer, figs in PEERS.get(mix, {}).items():
-            row[f"ratio_vs_{peer}"] = {k: round(ours[k] / v, 3) for k, v in figs.items() if k in ours}
         result["runs"][mix] = row
         print(json.dumps({"mix": mix, **row}), flush=True)
     print(json.dumps(result))
