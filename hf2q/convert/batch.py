@@ -9,7 +9,7 @@ A plan (paths are relative to the plan file)::
     group_size = 64                              # mlx only (optional)
 
 Every source is crossed with every quant that fits one of the formats (``mlx-*`` names
-→ mlx, the rest → gguf). Outputs are ``<output_dir>/<source>-<quant>.gguf`` or
+→ mlx, the rest → gguf; a mixed-bit tier plans its types per source inside its job). Outputs are ``<output_dir>/<source>-<quant>.gguf`` or
 ``<output_dir>/<source>-<quant>/``.
 
 Resumable: after a successful job a receipt ``<output>.receipt.json`` records the input
@@ -91,19 +91,20 @@ def _format_of(quant: str) -> str:
 
 def _check_quant(quant: str) -> str:
     from hf2q.convert.mlx_policy import MLX_QUANT_NAMES, parse_mlx_quant
-    from hf2q.convert.quant_names import GGUF_QUANTS, parse_gguf_quant
+    from hf2q.convert.quant_names import GGUF_QUANTS, TIER_QUANTS, parse_gguf_quant
 
     if not isinstance(quant, str):
         raise InputError(f"plan: quant {quant!r} is not a string")
     q = quant.lower()
     if q.startswith("mlx"):
         parse_mlx_quant(q)
-    elif q in GGUF_QUANTS:
+    elif q in GGUF_QUANTS or q in TIER_QUANTS:  # a tier plans its types per source, inside each job
         parsed = parse_gguf_quant(q)
         if parsed.needs_imatrix:
             raise InputError(f"plan: {q} needs an importance matrix, which batch mode does not take")
     else:
-        raise InputError(f"plan: unknown quant {quant!r}" + did_you_mean(q, [*GGUF_QUANTS, *MLX_QUANT_NAMES]))
+        raise InputError(f"plan: unknown quant {quant!r}"
+                         + did_you_mean(q, [*GGUF_QUANTS, *TIER_QUANTS, *MLX_QUANT_NAMES]))
     return q
 
 
