@@ -87,6 +87,8 @@ def _add_convert(sub) -> None:
     p.add_argument("--imatrix-out", metavar="PATH", help="with --imatrix-corpus: keep the computed matrix here")
     p.add_argument("--imatrix-n-ctx", type=_int_at_least(16, "must be at least 16"), default=None, metavar="N",
                    help="with --imatrix-corpus: tokens per chunk (default 512)")
+    p.add_argument("--imatrix-chunks", type=_positive_int, default=None, metavar="N",
+                   help="with --imatrix-corpus: use only the first N chunks (llama-imatrix --chunks)")
     m = p.add_mutually_exclusive_group()
     m.add_argument("--no-mtp", action="store_true", help="leave out the multi-token-prediction head (Qwen 3.5)")
     m.add_argument("--mtp", action="store_true",

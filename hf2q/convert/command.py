@@ -31,7 +31,7 @@ def _check_imatrix_flags(args: argparse.Namespace) -> None:
     corpus = getattr(args, "imatrix_corpus", None)
     if corpus and args.imatrix:
         raise UsageError("give --imatrix FILE or --imatrix-corpus, not both")
-    for flag in ("imatrix_out", "imatrix_n_ctx"):
+    for flag in ("imatrix_out", "imatrix_n_ctx", "imatrix_chunks"):
         if getattr(args, flag, None) is not None and not corpus:
             raise UsageError(f"--{flag.replace('_', '-')} needs --imatrix-corpus")
     if corpus and (_mlx_output(args) or getattr(args, "batch", None)):
@@ -52,7 +52,8 @@ def _computed_imatrix(src: Path, args: argparse.Namespace, output: Path):
     n_ctx = args.imatrix_n_ctx or DEFAULT_N_CTX
     with tempfile.TemporaryDirectory(prefix=".hf2q-imatrix-", dir=output.parent) as tmp:
         out = Path(args.imatrix_out) if args.imatrix_out else Path(tmp) / f"{src.name}.imatrix.gguf"
-        summary = compute_imatrix(src, corpus, out, n_ctx=n_ctx, threads=args.threads)
+        summary = compute_imatrix(src, corpus, out, n_ctx=n_ctx, chunks=getattr(args, "imatrix_chunks", None),
+                                  threads=args.threads)
         imatrix = read_imatrix(out)
     log.info("computed imatrix over %s: %d entries, %d chunks of %d tokens", corpus.name, summary.entries,
              summary.chunks, n_ctx)
