@@ -95,7 +95,9 @@ class _Pending:
 
 
 class GpuOwner:
-    def __init__(self, runner_factory: Callable[[], Any], supervisor, n_slots: int, draft_tokens: int = 0):
+    def __init__(self, runner_factory: Callable[[], Any], supervisor, n_slots: int, draft_tokens: int = 0,
+                 make_thread: Callable[..., Any] | None = None):
+        self._make_thread = make_thread or EngineThread  # (factory, trio token) -> its engine thread (actors/shared_engine.py)
         self.fsm = Lifecycle(GPU_OWNER)
         self._factory = runner_factory
         self._supervisor = supervisor
@@ -132,7 +134,7 @@ class GpuOwner:
             box.append(result)
             done.set()
 
-        self._thread = EngineThread(self._factory, trio.lowlevel.current_trio_token())
+        self._thread = self._make_thread(self._factory, trio.lowlevel.current_trio_token())
         self.fsm.fire("thread_started")
         self._thread.start(loaded)
         await done.wait()  # loading a big model may legitimately take long: no deadline here

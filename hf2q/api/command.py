@@ -77,12 +77,12 @@ def _size_hint(n: int) -> str:
     return str(n)
 
 
-def check_memory(model, args) -> None:
+def check_memory(model, args):
     """Refuse (exit 3) a model whose weights + KV budget exceed what one rank may use."""
     from hf2q.engine.memory_plan import check_model
     from hf2q.sched.transactions import transaction_tokens
 
-    check_model(model, args.tensor_parallel, ctx=args.ctx, slots=args.slots, kv_budget=args.kv_cache_budget,
+    return check_model(model, args.tensor_parallel, ctx=args.ctx, slots=args.slots, kv_budget=args.kv_cache_budget,
                 limit=args.memory_limit, prefill_chunk=transaction_tokens(model.arch, args.prefill_chunk))
 
 
@@ -149,7 +149,7 @@ def preflight(args) -> tuple[Path, Path | None]:
     from hf2q.api.server import check_port_free
 
     if args.model:
-        model_path = check_gguf(Path(args.model).expanduser())
+        model_path = check_gguf(Path(args.model if isinstance(args.model, str) else args.model[0]).expanduser())
     else:
         from hf2q.fetch import default_chat_model
 
@@ -179,6 +179,10 @@ def preflight(args) -> tuple[Path, Path | None]:
 
 
 def run(args) -> int:
+    from hf2q.api import several
+
+    if several.wants_several(args):
+        return several.run(args)
     model_path, embed_path = preflight(args)
     from hf2q.api.textbridge import GGUFChatModel, GGUFEmbeddingModel
 

@@ -75,6 +75,41 @@ class _SnapshotCollector:
             yield from (steps, gpu_busy, batches, batch_tokens, drafted, accepted)
 
 
+class ModelRegistryCollector:
+    """A several-model server's registry at scrape time: each model's residency state, its
+    loads and evictions, its active requests, and the model memory in use against the budget."""
+
+    def __init__(self, registry):
+        self._registry = registry
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from hf2q.statemachines.model_residency import ResidencyState
+
+        reg = self._registry
+        state = GaugeMetricFamily("hf2q_model_state", "residency state of each model (1 = current)",
+                                  labels=["model", "state"])
+        active = GaugeMetricFamily("hf2q_model_active_requests", "requests using (or waiting for) each model",
+                                   labels=["model"])
+        loads = CounterMetricFamily("hf2q_model_loads", "times each model finished loading", labels=["model"])
+        evictions = CounterMetricFamily("hf2q_model_evictions",
+                                        "times each model was evicted to make room for another", labels=["model"])
+        for entry in reg.entries.values():
+            for s in ResidencyState:
+                state.add_metric([entry.model_id, s.name], 1 if entry.state == s.name else 0)
+            active.add_metric([entry.model_id], entry.active)
+            loads.add_metric([entry.model_id], entry.loads)
+            evictions.add_metric([entry.model_id], entry.evictions)
+        resident = GaugeMetricFamily("hf2q_models_memory_resident_bytes",
+                                     "model memory (weights + KV budget) of the loading, ready and draining models")
+        resident.add_metric([], reg.resident_bytes)
+        budget = GaugeMetricFamily("hf2q_models_memory_budget_bytes", "--models-memory")
+        budget.add_metric([], reg.budget_bytes)
+        yield from (state, active, loads, evictions, resident, budget)
+
+
 class LazyKVStoreCollector:
     """``hf2q.kvstore.metrics.KVStoreCollector`` over whichever store ``get_store()`` returns at
     scrape time: with ``--kv-persist`` the runtime opens the store only once the engine has

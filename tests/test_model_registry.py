@@ -1,0 +1,111 @@
+"""The several-model registry over fake runners (tests/fakes): real runtimes, the real shared
+engine thread. Expected tokens come from the fake model's own rule, not from the registry."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import trio
+
+from hf2q.actors.model_registry import Entry, ModelRegistry
+from hf2q.sched.contracts import AdmissionRejected, RuntimeConfig
+from tests.fakes import FakeModelRunner
+from tests.test_runtime import collect, greedy, req, terminal, tokens_of
+
+CONFIG = RuntimeConfig(slots=1, gpu_deadline_s=None)
+
+
+def entry(name: str, fake: FakeModelRunner, need: int = 10, kind: str = "chat") -> Entry:
+    return Entry(name, None, kind, need, None, CONFIG, fake.factory)
+
+
+async def generate(registry: ModelRegistry, e: Entry, prompt, n: int = 5) -> list[int]:
+    await registry.acquire(e)
+    try:
+        events = await collect(await e.runtime.submit(req(f"r-{e.model_id}", prompt, max_tokens=n)))
+    finally:
+        registry.release(e)
+    assert terminal(events).reason in ("length", "stop")
+    return tokens_of(events)
+
+
+async def test_lru_eviction_reload_and_one_engine_thread_for_every_model():
+    fa, fb = FakeModelRunner(vocab_size=97), FakeModelRunner(vocab_size=89)
+    a, b = entry("a", fa), entry("b", fb)
+    registry = ModelRegistry([a, b], budget_bytes=15, wait_s=1.0)  # room for one of them
+    prompt = [5, 6, 7, 8]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(registry.run)
+        first = await generate(registry, a, prompt)
+        assert (a.state, b.state) == ("ready", "unloaded")
+        assert await generate(registry, b, prompt) == greedy(fb, prompt, 5)
+        assert (a.state, b.state, a.evictions, b.evictions) == ("unloaded", "ready", 1, 0)
+        again = await generate(registry, a, prompt)  # reloaded: same greedy output
+        assert (a.loads, b.loads, b.evictions, registry.resident_bytes) == (2, 1, 1, 10)
+        nursery.cancel_scope.cancel()
+    assert first == again == greedy(fa, prompt, 5)
+    # both models were built in, and only ever called from, the one shared engine thread
+    assert fa.threads == fb.threads == {fa.created_in_thread} == {fb.created_in_thread}
+    assert fa.created_in_thread != threading.get_ident()
+
+
+async def test_a_busy_model_is_never_evicted_the_other_request_waits_then_429s():
+    fa, fb = FakeModelRunner(), FakeModelRunner()
+    a, b = entry("a", fa), entry("b", fb)
+    registry = ModelRegistry([a, b], budget_bytes=15, wait_s=0.3)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(registry.run)
+        await registry.acquire(a)  # a request holds `a`
+        with pytest.raises(AdmissionRejected) as refused:
+            await registry.acquire(b)
+        assert (refused.value.status, refused.value.code, refused.value.retry_after) == (429, "models_memory_full", 1)
+        assert (a.state, a.evictions, b.state, b.active) == ("ready", 0, "unloaded", 0)
+        with pytest.raises(AdmissionRejected) as busy:
+            await registry.unload(a)
+        assert (busy.value.status, busy.value.code) == (409, "model_busy")
+
+        got = []
+
+        async def wait_for_b():
+            got.append(await registry.acquire(b))
+
+        nursery.start_soon(wait_for_b)
+        await trio.sleep(0.1)
+        assert not got and a.state == "ready"  # still waiting: `a` is busy
+        registry.release(a)  # the request on `a` ends: now `a` may go
+        with trio.fail_after(5):
+            while not got:
+                await trio.sleep(0.01)
+        assert (a.state, a.evictions, b.state) == ("unloaded", 1, "ready")
+        registry.release(b)
+        await registry.unload(b)  # idle: unloaded on request, not counted as an eviction
+        assert (b.state, b.evictions, registry.resident_bytes) == ("unloaded", 0, 0)
+        nursery.cancel_scope.cancel()
+
+
+async def test_two_models_that_fit_stay_resident_and_a_failed_load_is_retried():
+    fa, fb = FakeModelRunner(), FakeModelRunner()
+    calls = []
+
+    def flaky():
+        def build():
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("disk on fire")
+            return fb.factory()()
+        return build
+
+    a = entry("a", fa)
+    b = Entry("b", None, "chat", 10, None, CONFIG, flaky)
+    registry = ModelRegistry([a, b], budget_bytes=20, wait_s=1.0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(registry.run)
+        await generate(registry, a, [3, 4])
+        with pytest.raises(AdmissionRejected) as failed:
+            await registry.acquire(b)
+        assert (failed.value.status, failed.value.code) == (503, "model_load_failed")
+        assert "disk on fire" in failed.value.message and b.state == "failed" and b.active == 0
+        assert await generate(registry, b, [3, 4]) == greedy(fb, [3, 4], 5)  # tried again: loads
+        assert (a.state, b.state, a.evictions) == ("ready", "ready", 0)  # both fit: nothing evicted
+        nursery.cancel_scope.cancel()
