@@ -178,7 +178,7 @@ def _add_chat(sub) -> None:
 
 def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    p.set_defaults(handler="hf2q.api.command:run")
+    p.set_defaults(handler="hf2q.api.several:run_serve")  # one model: hf2q.api.command:run
     p.add_argument("--model", action="append", help="GGUF path (default: the built-in default model); repeat it "
                    "to serve several models, loaded on demand within --models-memory (docs/API.md)")
     p.add_argument("--models-memory", type=_positive_size, default=None,

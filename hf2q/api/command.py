@@ -179,10 +179,6 @@ def preflight(args) -> tuple[Path, Path | None]:
 
 
 def run(args) -> int:
-    from hf2q.api import several
-
-    if several.wants_several(args):
-        return several.run(args)
     model_path, embed_path = preflight(args)
     from hf2q.api.textbridge import GGUFChatModel, GGUFEmbeddingModel
 

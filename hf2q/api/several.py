@@ -35,6 +35,15 @@ def wants_several(args) -> bool:
     return len(model_args(args)) > 1 or getattr(args, "models_memory", None) is not None
 
 
+def run_serve(args) -> int:
+    """``hf2q serve``: several models here, one model as ever (``command.run``)."""
+    if wants_several(args):
+        return run(args)
+    from hf2q.api.command import run as run_one
+
+    return run_one(args)
+
+
 class RegistryRuntime:
     """What the app's probes and drain call ``ctx.runtime`` when a registry serves the models:
     ready while the registry runs (models load on demand), draining every resident model."""
