@@ -7,6 +7,8 @@ import threading
 
 import pytest
 import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hf2q.actors.model_registry import Entry, ModelRegistry
 from hf2q.sched.contracts import AdmissionRejected, RuntimeConfig
@@ -109,3 +111,42 @@ async def test_two_models_that_fit_stay_resident_and_a_failed_load_is_retried():
         assert await generate(registry, b, [3, 4]) == greedy(fb, [3, 4], 5)  # tried again: loads
         assert (a.state, b.state, a.evictions) == ("ready", "ready", 0)  # both fit: nothing evicted
         nursery.cancel_scope.cancel()
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(needs=st.lists(st.integers(1, 10), min_size=2, max_size=4),
+       ops=st.lists(st.tuples(st.sampled_from(["hold", "release", "use"]), st.integers(0, 3)), max_size=8),
+       spare=st.integers(0, 10))
+def test_any_order_of_requests_keeps_the_budget_and_never_evicts_a_held_model(needs, ops, spare):
+    budget = max(needs) + spare
+    fakes = [FakeModelRunner() for _ in needs]
+    entries = [entry(f"m{i}", f, need) for i, (f, need) in enumerate(zip(fakes, needs))]
+    registry = ModelRegistry(entries, budget_bytes=budget, wait_s=0.05)
+
+    async def main():
+        held: list[Entry] = []
+        async with trio.open_nursery() as nursery:
+            await nursery.start(registry.run)
+            for op, i in ops:
+                e = entries[i % len(entries)]
+                if op == "release":
+                    if held:
+                        registry.release(held.pop(i % len(held)))
+                    continue
+                try:
+                    if op == "hold":
+                        held.append(await registry.acquire(e))
+                    else:
+                        assert await generate(registry, e, [4, 5, 6], 2) == greedy(fakes[entries.index(e)],
+                                                                                 [4, 5, 6], 2)
+                except AdmissionRejected as refused:
+                    assert refused.code == "models_memory_full"
+                    # refused only when the held models leave no room for it
+                    assert sum({id(h): h.need_bytes for h in held}.values()) + e.need_bytes > budget
+                assert registry.resident_bytes <= budget
+                assert all(h.state == "ready" for h in held)  # a held model is never evicted
+            for h in held:
+                registry.release(h)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)

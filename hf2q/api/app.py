@@ -140,6 +140,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
                                                 lambda: ctx.runtime.readiness()[0] and not ctx.draining)
         ctx.metrics.registry.register(metrics_mod.LazyKVStoreCollector(current_store))
         if ctx.models is not None:
+            ctx.metrics.snapshots.engine_gauges = False
             ctx.metrics.registry.register(metrics_mod.ModelRegistryCollector(ctx.models))
     m = ctx.metrics
     app.extensions["hf2q"] = ctx

@@ -23,6 +23,7 @@ class _SnapshotCollector:
         self._snapshot = snapshot
         self._disk_bytes = disk_bytes
         self._readiness = readiness
+        self.engine_gauges = True
 
     def collect(self):
         snap = self._snapshot()
@@ -45,6 +46,9 @@ class _SnapshotCollector:
         drafted = CounterMetricFamily("hf2q_drafted_tokens", "speculative draft tokens verified (--speculative)")
         accepted = CounterMetricFamily("hf2q_accepted_draft_tokens", "speculative draft tokens accepted")
         ready.add_metric([], 1 if self._readiness() else 0)
+        if snap is None and not self.engine_gauges:  # several models: their gauges are per model
+            yield ready
+            return
         if snap is None:
             state.add_metric(["starting"], 1)
         else:
@@ -148,7 +152,8 @@ class ServerMetrics:
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
         self.decode_rate = Histogram("hf2q_decode_tokens_per_second", "per-request decode speed", registry=r,
                                      buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000))
-        r.register(_SnapshotCollector(snapshot, disk_bytes, readiness))
+        self.snapshots = _SnapshotCollector(snapshot, disk_bytes, readiness)
+        r.register(self.snapshots)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
