@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from hf2q.engine.tp_launch import free_ports
+from tests.serve_support import stop_server
 
 pytestmark = [pytest.mark.slow]
 
@@ -71,12 +72,7 @@ def server(smollm2_gguf, gemma3_gguf, bert_gguf, budget, tmp_path_factory):
         with httpx.Client(base_url=url, headers=AUTH, timeout=120) as client:
             yield client
     finally:
-        proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(30)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
         log.close()
 
 

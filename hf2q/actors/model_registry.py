@@ -248,12 +248,16 @@ class ModelRegistry:
                 await entry._drain.wait()
                 with trio.CancelScope(shield=True):
                     await runtime.drain(DRAIN_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 — one model's bug must not stop the other models
+            log.exception("model %s: its runtime failed", entry.model_id)
+            entry.detail = f"internal error: {type(e).__name__}: {e}"
         finally:
             entry.runtime = None
             with trio.CancelScope(shield=True), trio.move_on_after(RELEASE_TIMEOUT_S):
                 await self.engine.release_memory()  # bounded: a hung engine thread never answers
-            if entry.state == "loading":  # cancelled while loading (the server stops)
-                entry.detail = "server stopped"
+            if entry.state == "loading":  # cancelled while loading (the server stops), or a bug
+                if entry.detail == "loading":
+                    entry.detail = "server stopped"
                 entry.fsm.fire("load_failed")
             elif entry.state in ("ready", "draining"):
                 if entry.state == "ready":

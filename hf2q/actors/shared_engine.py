@@ -15,7 +15,6 @@ counts against its GPU deadline; a hung job stops every model.
 from __future__ import annotations
 
 import gc
-import logging
 import queue
 import sys
 import threading
@@ -26,8 +25,6 @@ import outcome
 import trio
 
 from hf2q.actors.engine_thread import Job, Reply, _deliver
-
-log = logging.getLogger("hf2q.gpu")
 
 
 class EngineLane:
