@@ -176,10 +176,3 @@ def test_an_embedding_model_beside_the_chat_models_loads_when_named(server, bert
         assert float(a @ b) / float(np.linalg.norm(a) * np.linalg.norm(b)) >= 0.9999
     assert states(server)[bert_gguf.stem] == "ready"
 
-
-def test_a_model_memory_below_the_smallest_model_is_refused_in_one_line(cli, smollm2_gguf, gemma3_gguf):
-    r = cli("serve", "--model", smollm2_gguf, "--model", gemma3_gguf, "--models-memory", "10M", "--ctx", CTX,
-            "--slots", SLOTS, "--port", "0")
-    assert r.code == 3
-    assert len(r.err.strip().splitlines()) == 1 and "smaller than the smallest model" in r.err
-    assert smollm2_gguf.stem in r.err  # the smallest one, named
