@@ -150,3 +150,36 @@ def test_any_order_of_requests_keeps_the_budget_and_never_evicts_a_held_model(ne
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+async def test_a_step_queued_behind_another_models_load_is_not_declared_hung():
+    """The GPU deadline counts from when a model's job begins in the shared thread, not while it
+    waits behind another model's slow load."""
+    import time
+
+    fa, fb = FakeModelRunner(step_latency_s=0.01), FakeModelRunner()
+
+    def slow_load():
+        def build():
+            time.sleep(1.0)  # three times the deadline below
+            return fb.factory()()
+        return build
+
+    deadline = RuntimeConfig(slots=1, gpu_deadline_s=0.3)
+    a = Entry("a", None, "chat", 10, None, deadline, fa.factory)
+    b = Entry("b", None, "chat", 10, None, deadline, slow_load)
+    registry = ModelRegistry([a, b], budget_bytes=20, wait_s=1.0)
+    prompt = [9, 8, 7]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(registry.run)
+        await registry.acquire(a)
+        events = await a.runtime.submit(req("long", prompt, max_tokens=60))
+        nursery.start_soon(registry.load, b)  # b's load runs in the one thread while `a` decodes
+        got = await collect(events)
+        registry.release(a)
+        with trio.fail_after(10):
+            while b.state != "ready":
+                await trio.sleep(0.05)
+        assert a.runtime.readiness() == (True, "ready")
+        nursery.cancel_scope.cancel()
+    assert terminal(got).reason == "length" and tokens_of(got) == greedy(fa, prompt, 60)

@@ -7,9 +7,9 @@ work at the same time (their steps interleave), and an evicted model's runner is
 before the next model's load, queued behind it, starts allocating.
 
 A lane has ``EngineThread``'s interface (``start``, ``submit``, ``stop``, ``ident``,
-``busy_s``, ``exited``), so ``GpuOwner`` runs on either unchanged. The price of sharing:
-a model's transaction waits behind another model's job (a load included) and that wait
-counts against its GPU deadline; a hung job stops every model.
+``busy_s``, ``exited``) plus ``queued()``: a model's transaction may wait behind another
+model's job (a load included), and the GPU owner's deadline counts only from when the job
+begins. The price of sharing: models take turns, and a hung job stops every model.
 """
 
 from __future__ import annotations
@@ -36,12 +36,20 @@ class EngineLane:
         self.runner: Any = None
         self.exited = threading.Event()
         self.busy_s = 0.0  # written by the shared thread only
+        self._submitted = 0  # jobs submitted: written in trio only
+        self._started = 0  # jobs the thread has begun: written by the thread only
 
     def start(self, on_loaded: Reply) -> None:
         self._owner.post(("load", self, on_loaded))
 
     def submit(self, job: Job, reply: Reply) -> None:
+        self._submitted += 1
         self._owner.post(("job", self, job, reply))
+
+    def queued(self) -> bool:
+        """Whether a submitted job has not begun (it waits behind another model's job): the GPU
+        owner's deadline counts from when it begins."""
+        return self._submitted > self._started
 
     def stop(self) -> None:
         self._owner.post(("stop", self))
@@ -107,6 +115,7 @@ class SharedEngineThread:
                 ok = self._reply(item[2], loaded)
             elif kind == "job":
                 job, reply = item[2], item[3]
+                lane._started += 1
                 t0 = time.perf_counter()
                 if lane.runner is None:
                     result = outcome.Error(RuntimeError("this model's engine is stopped"))
