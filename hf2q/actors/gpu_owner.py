@@ -97,7 +97,8 @@ class _Pending:
 class GpuOwner:
     def __init__(self, runner_factory: Callable[[], Any], supervisor, n_slots: int, draft_tokens: int = 0,
                  make_thread: Callable[..., Any] | None = None):
-        self._make_thread = make_thread or EngineThread  # (factory, trio token) -> its engine thread (actors/shared_engine.py)
+        # (factory, trio token) -> the engine thread: its own, or a lane of one shared by several models
+        self._make_thread = make_thread or EngineThread
         self.fsm = Lifecycle(GPU_OWNER)
         self._factory = runner_factory
         self._supervisor = supervisor

@@ -331,10 +331,9 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         of the other kind: a chat request naming an embedding model, or the reverse)."""
         entry = ctx.models.find(model_id, kind or "chat")
         if entry is None or (kind is not None and entry.kind != kind):
-            what = "chat" if kind == "chat" else "embedding" if kind else ""
-            raise ApiError(404, f"model {model_id!r} not found; this server serves {what + ' ' if what else ''}"
-                                f"models {', '.join(e.model_id for e in ctx.models.entries.values() if kind in (None, e.kind))}",
-                           code="model_not_found", param="model")
+            served = [e.model_id for e in ctx.models.entries.values() if kind in (None, e.kind)]
+            raise ApiError(404, f"model {model_id!r} not found; this server serves {kind + ' ' if kind else ''}"
+                                f"models {', '.join(served) or '(none)'}", code="model_not_found", param="model")
         return entry
 
     async def _lease(entry) -> Callable[[], None]:
