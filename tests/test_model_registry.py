@@ -183,3 +183,23 @@ async def test_a_step_queued_behind_another_models_load_is_not_declared_hung():
         assert a.runtime.readiness() == (True, "ready")
         nursery.cancel_scope.cancel()
     assert terminal(got).reason == "length" and tokens_of(got) == greedy(fa, prompt, 60)
+
+
+async def test_a_model_whose_engine_faulted_is_loaded_afresh_by_its_next_request():
+    from hf2q.sched.contracts import Failed
+
+    fake = FakeModelRunner()
+    a = entry("a", fake)
+    registry = ModelRegistry([a], budget_bytes=10, wait_s=1.0)
+    prompt = [11, 12, 13]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(registry.run)
+        await registry.acquire(a)
+        fake.inject_fault("decode")
+        events = await collect(await a.runtime.submit(req("boom", prompt, max_tokens=5)))
+        registry.release(a)
+        failed = terminal(events)
+        assert isinstance(failed, Failed) and failed.code == "engine_unhealthy"
+        assert await generate(registry, a, prompt) == greedy(fake, prompt, 5)  # a fresh engine
+        assert (a.loads, a.evictions, a.state) == (2, 0, "ready")
+        nursery.cancel_scope.cancel()

@@ -14,7 +14,9 @@ Rules (docs/API.md, "Several models"):
   pin is never evicted — to make room the least recently used *idle* resident model drains;
 - when nothing can be evicted the request waits for a change, at most ``wait_s``, then gets
   429 ``models_memory_full``;
-- every model's engine runs in one ``SharedEngineThread`` (actors/shared_engine.py).
+- every model's engine runs in one ``SharedEngineThread`` (actors/shared_engine.py);
+- a resident model whose engine faulted is drained and loaded afresh by its next request
+  (not after a hang: the one thread is still stuck in it).
 """
 
 from __future__ import annotations
@@ -173,7 +175,11 @@ class ModelRegistry:
                 raise AdmissionRejected(503, "not_ready", "server shutting down", 1)
             state = entry.state
             if state == "ready":
-                return
+                if not self._faulted(entry):
+                    return
+                # its engine faulted: drain it and load it afresh (its requests already failed)
+                self._evict(entry, counted=False)
+                continue
             if state == "loading":
                 await entry._settled.wait()
                 if entry.state == "failed":
@@ -201,6 +207,15 @@ class ModelRegistry:
             raise AdmissionRejected(429, "models_memory_full",
                                     f"model {entry.model_id!r} needs {entry.need_bytes} bytes and the "
                                     f"{self.budget_bytes}-byte model memory holds busy models: {busy}", 1)
+
+    def _faulted(self, entry: Entry) -> bool:
+        """A resident model whose engine faulted, with the shared thread free to load it again.
+        After a hang the thread is still running the hung job: the model stays as it is and
+        its runtime answers 503 ``engine_unhealthy``."""
+        if entry.runtime is None or entry.runtime.readiness()[0] or self.engine.running:
+            return False
+        snap = entry.runtime.snapshot()
+        return snap.state == "poisoned"
 
     def _least_recently_used_idle(self, wanted: Entry) -> Entry | None:
         idle = [e for e in self.entries.values() if e is not wanted and e.state == "ready" and not e.active]

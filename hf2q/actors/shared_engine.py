@@ -66,6 +66,8 @@ class SharedEngineThread:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._main, name="hf2q-gpu-owner", daemon=True)
         self._token: trio.lowlevel.TrioToken | None = None
+        self._begun = 0  # jobs begun / ended: each written by the thread only
+        self._ended = 0
 
     def lane(self, runner_factory: Callable[[], Any], trio_token: trio.lowlevel.TrioToken) -> EngineLane:
         if self._token is None:
@@ -79,6 +81,11 @@ class SharedEngineThread:
     @property
     def ident(self) -> int | None:
         return self._thread.ident
+
+    @property
+    def running(self) -> bool:
+        """Whether a job is running now (a hung one stays running)."""
+        return self._begun > self._ended
 
     async def release_memory(self) -> None:
         """Collect what dropped runners and caches left behind, in the thread (where MLX
@@ -106,6 +113,7 @@ class SharedEngineThread:
             if item is None:
                 return
             kind, lane = item[0], item[1]
+            self._begun += 1
             if kind == "load":
                 loaded = outcome.capture(lane.factory)
                 if isinstance(loaded, outcome.Value):
@@ -129,6 +137,7 @@ class SharedEngineThread:
                 ok = True
             else:  # "call": item = ("call", fn, reply)
                 ok = self._reply(item[2], outcome.capture(lane))
+            self._ended += 1
             if not ok:
                 return  # the trio run is over
 
