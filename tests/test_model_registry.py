@@ -203,3 +203,37 @@ async def test_a_model_whose_engine_faulted_is_loaded_afresh_by_its_next_request
         assert await generate(registry, a, prompt) == greedy(fake, prompt, 5)  # a fresh engine
         assert (a.loads, a.evictions, a.state) == (2, 0, "ready")
         nursery.cancel_scope.cancel()
+
+
+async def test_a_hung_step_fails_the_other_models_in_time_and_is_not_reloaded():
+    from hf2q.sched.contracts import Failed
+
+    fa, fb = FakeModelRunner(), FakeModelRunner()
+    deadline = RuntimeConfig(slots=1, gpu_deadline_s=0.3)
+    a = Entry("a", None, "chat", 10, None, deadline, fa.factory)
+    b = Entry("b", None, "chat", 10, None, deadline, fb.factory)
+    registry = ModelRegistry([a, b], budget_bytes=20, wait_s=1.0)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(registry.run)
+            await registry.acquire(a)
+            await registry.acquire(b)
+            fa.inject_hang("decode")
+            hung = await a.runtime.submit(req("hang", [1, 2, 3], max_tokens=5))
+            while not fa.hanging.is_set():
+                await trio.sleep(0.01)
+            with trio.fail_after(5):  # b's step waits behind the hung one, but not for ever
+                events = await collect(await b.runtime.submit(req("behind", [4, 5, 6], max_tokens=5)))
+                stuck = await collect(hung)
+            for ended in (terminal(events), terminal(stuck)):
+                assert isinstance(ended, Failed) and ended.code == "engine_unhealthy"
+            registry.release(a)
+            with trio.fail_after(1):  # the thread is stuck: no reload is tried, the model stays as it is
+                await registry.acquire(a)
+            assert a.state == "ready" and a.loads == 1 and not a.runtime.readiness()[0]
+            registry.release(a)
+            registry.release(b)
+            fa.hang_release.set()  # lets the thread free the models' memory at shutdown
+            nursery.cancel_scope.cancel()
+    finally:
+        fa.hang_release.set()

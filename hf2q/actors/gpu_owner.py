@@ -203,7 +203,7 @@ class GpuOwner:
                 dead = self.dead_peer()
                 if dead is not None:
                     break
-            if queued is not None and limit is not None and queued():
+            if queued is not None and limit is not None and queued(limit):
                 deadline = trio.current_time() + limit
             if trio.current_time() >= deadline:
                 break

@@ -7,9 +7,10 @@ work at the same time (their steps interleave), and an evicted model's runner is
 before the next model's load, queued behind it, starts allocating.
 
 A lane has ``EngineThread``'s interface (``start``, ``submit``, ``stop``, ``ident``,
-``busy_s``, ``exited``) plus ``queued()``: a model's transaction may wait behind another
+``busy_s``, ``exited``) plus ``queued(limit)``: a model's transaction may wait behind another
 model's job (a load included), and the GPU owner's deadline counts only from when the job
-begins. The price of sharing: models take turns, and a hung job stops every model.
+begins — unless the job ahead is itself past the deadline (hung), which then fails every
+model in time. The price of sharing: models take turns, and a hung job stops every model.
 """
 
 from __future__ import annotations
@@ -46,10 +47,14 @@ class EngineLane:
         self._submitted += 1
         self._owner.post(("job", self, job, reply))
 
-    def queued(self) -> bool:
-        """Whether a submitted job has not begun (it waits behind another model's job): the GPU
-        owner's deadline counts from when it begins."""
-        return self._submitted > self._started
+    def queued(self, limit: float) -> bool:
+        """Whether a submitted job has not begun because another model's job runs — a load, or a
+        transaction within ``limit`` seconds: the GPU owner's deadline counts from when it begins.
+        Behind a job that outlived ``limit`` (hung) it is not excused, so it fails in time too."""
+        if self._submitted <= self._started:
+            return False
+        kind, since = self._owner.current
+        return kind == "load" or (kind is not None and time.monotonic() - since < limit)
 
     def stop(self) -> None:
         self._owner.post(("stop", self))
@@ -66,8 +71,9 @@ class SharedEngineThread:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._main, name="hf2q-gpu-owner", daemon=True)
         self._token: trio.lowlevel.TrioToken | None = None
-        self._begun = 0  # jobs begun / ended: each written by the thread only
-        self._ended = 0
+        #: (kind, time.monotonic() it began) of the item running now, (None, 0.0) when idle;
+        #: written by the thread only, read in trio (one atomic attribute)
+        self.current: tuple[str | None, float] = (None, 0.0)
 
     def lane(self, runner_factory: Callable[[], Any], trio_token: trio.lowlevel.TrioToken) -> EngineLane:
         if self._token is None:
@@ -85,7 +91,7 @@ class SharedEngineThread:
     @property
     def running(self) -> bool:
         """Whether a job is running now (a hung one stays running)."""
-        return self._begun > self._ended
+        return self.current[0] is not None
 
     async def release_memory(self) -> None:
         """Collect what dropped runners and caches left behind, in the thread (where MLX
@@ -113,7 +119,7 @@ class SharedEngineThread:
             if item is None:
                 return
             kind, lane = item[0], item[1]
-            self._begun += 1
+            self.current = (kind, time.monotonic())
             if kind == "load":
                 loaded = outcome.capture(lane.factory)
                 if isinstance(loaded, outcome.Value):
@@ -137,7 +143,7 @@ class SharedEngineThread:
                 ok = True
             else:  # "call": item = ("call", fn, reply)
                 ok = self._reply(item[2], outcome.capture(lane))
-            self._ended += 1
+            self.current = (None, 0.0)
             if not ok:
                 return  # the trio run is over
 
