@@ -180,8 +180,14 @@ def _add_chat(sub) -> None:
 
 def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    p.set_defaults(handler="hf2q.api.command:run")
-    p.add_argument("--model", help="GGUF path (default: the built-in default model)")
+    p.set_defaults(handler="hf2q.api.several:run_serve")  # one model: hf2q.api.command:run
+    p.add_argument("--model", action="append", help="GGUF path (default: the built-in default model); repeat it "
+                   "to serve several models, loaded on demand within --models-memory (docs/API.md)")
+    p.add_argument("--models-memory", type=_positive_size, default=None,
+                   help="memory the resident models may use together (weights + KV), e.g. 2G (default: the "
+                        "--memory-limit); the least recently used idle model is evicted to load another")
+    p.add_argument("--models-wait", type=_positive_seconds, default=10.0,
+                   help="seconds a request waits for room in --models-memory before 429 (several models)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--slots", type=_positive_int, default=4)

@@ -36,10 +36,15 @@ def chat_and_embedding_server(chat: Path, embedding: Path, log_dir: Path):
             time.sleep(0.5)
         yield url
     finally:
-        proc.terminate()  # a clean drain first; SIGKILL only if it takes over 30 s
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(30)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
         log.close()
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """A clean drain first (SIGTERM); SIGKILL only if it takes over 30 s."""
+    proc.terminate()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(30)
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()

@@ -95,7 +95,10 @@ class _Pending:
 
 
 class GpuOwner:
-    def __init__(self, runner_factory: Callable[[], Any], supervisor, n_slots: int, draft_tokens: int = 0):
+    def __init__(self, runner_factory: Callable[[], Any], supervisor, n_slots: int, draft_tokens: int = 0,
+                 make_thread: Callable[..., Any] | None = None):
+        # (factory, trio token) -> the engine thread: its own, or a lane of one shared by several models
+        self._make_thread = make_thread or EngineThread
         self.fsm = Lifecycle(GPU_OWNER)
         self._factory = runner_factory
         self._supervisor = supervisor
@@ -132,7 +135,7 @@ class GpuOwner:
             box.append(result)
             done.set()
 
-        self._thread = EngineThread(self._factory, trio.lowlevel.current_trio_token())
+        self._thread = self._make_thread(self._factory, trio.lowlevel.current_trio_token())
         self.fsm.fire("thread_started")
         self._thread.start(loaded)
         await done.wait()  # loading a big model may legitimately take long: no deadline here
@@ -187,14 +190,23 @@ class GpuOwner:
         limit = self._supervisor.deadline_s  # the supervisor arms every transaction
         deadline = p.started + limit if limit is not None else float("inf")
         dead = None
-        with trio.move_on_at(deadline):
-            if self.dead_peer is None:
+        # a thread shared by several models (actors/shared_engine.py): while the job still waits
+        # behind another model's, its own time has not begun and the deadline moves with it
+        queued = getattr(self._thread, "queued", None)
+        polled = self.dead_peer is not None or queued is not None
+        while not p.done.is_set():
+            with trio.move_on_at(min(deadline, trio.current_time() + PEER_POLL_S) if polled else deadline):
                 await p.done.wait()
-            else:  # a tensor-parallel group: a rank that died leaves NCCL waiting until the deadline
-                while not p.done.is_set() and dead is None:
-                    with trio.move_on_after(PEER_POLL_S):
-                        await p.done.wait()
-                    dead = None if p.done.is_set() else self.dead_peer()
+            if p.done.is_set():
+                break
+            if self.dead_peer is not None:  # a tensor-parallel group: a rank that died leaves NCCL waiting
+                dead = self.dead_peer()
+                if dead is not None:
+                    break
+            if queued is not None and limit is not None and queued(limit):
+                deadline = trio.current_time() + limit
+            if trio.current_time() >= deadline:
+                break
         self._pending = None
         if p.result is None and dead is not None:
             self.fsm.fire("faulted")

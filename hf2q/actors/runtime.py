@@ -110,7 +110,7 @@ class Runtime:
 
 @asynccontextmanager
 async def open_runtime(runner_factory: RunnerFactory, config: RuntimeConfig = RuntimeConfig(), *,
-                       kv_store=None, kv_store_opener=None) -> AsyncIterator[Runtime]:
+                       kv_store=None, kv_store_opener=None, engine_thread=None) -> AsyncIterator[Runtime]:
     """Start the actor system; yield a ``Runtime`` at once (the model loads in the background).
 
     ``readiness()`` turns true when ``runner_factory()`` returned inside the GPU-owner
@@ -119,10 +119,13 @@ async def open_runtime(runner_factory: RunnerFactory, config: RuntimeConfig = Ru
     graceful stop. ``kv_store`` is an ``hf2q.kvstore`` store for persistent prefix KV; or
     ``kv_store_opener(kv_identity) -> store`` opens one once the model is loaded, keyed by the
     runner's ``kv_identity`` (backend, device, KV dtype), and closes it when the runtime ends.
+    ``engine_thread(factory, trio_token)`` makes the engine thread (default: a thread of its own;
+    a several-model server passes ``SharedEngineThread.lane`` so every model shares one).
     """
     from hf2q.actors.system import ActorSystem
 
-    system = ActorSystem(runner_factory, config, kv_store=kv_store, kv_store_opener=kv_store_opener)
+    system = ActorSystem(runner_factory, config, kv_store=kv_store, kv_store_opener=kv_store_opener,
+                         engine_thread=engine_thread)
     failure: BaseException | None = None
     async with trio.open_nursery() as nursery:
         await nursery.start(system.run)

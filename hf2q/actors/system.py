@@ -33,12 +33,13 @@ KV_WRITER_QUEUE = 8
 
 
 class ActorSystem:
-    def __init__(self, runner_factory, config, *, kv_store=None, kv_store_opener=None):
+    def __init__(self, runner_factory, config, *, kv_store=None, kv_store_opener=None, engine_thread=None):
         config.check()
         self.config = config
         self.supervisor = Supervisor(config.gpu_deadline_s)
         self.supervisor.on_poisoned = self._poisoned
-        self.gpu = GpuOwner(runner_factory, self.supervisor, config.slots, config.draft_tokens)
+        self.gpu = GpuOwner(runner_factory, self.supervisor, config.slots, config.draft_tokens,
+                            make_thread=engine_thread)
         self.kv_prefix = KvPrefixActor(self.gpu.transact, kv_store)
         inboxes = [trio.open_memory_channel(float("inf")) for _ in range(config.slots)]
         self.admission = Admission(config, [send for send, _ in inboxes], self.supervisor.refusal)

@@ -77,8 +77,12 @@ class ServerContext:
     created: int = attrs.field(factory=lambda: int(time.time()))
     draining: bool = False
     metrics: metrics_mod.ServerMetrics | None = None
+    #: several models under one memory budget (hf2q.actors.model_registry.ModelRegistry); None = one model
+    models: Any = None
 
     def model_ids(self) -> list[str]:
+        if self.models is not None:
+            return list(self.models.entries)
         ids = [self.model_id] if self.chat_model is not None else []
         if self.embed_model is not None and self.embed_model.model_id not in ids:
             ids.append(self.embed_model.model_id)
@@ -135,6 +139,9 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         ctx.metrics = metrics_mod.ServerMetrics(_safe_snapshot(ctx.runtime), disk_bytes,
                                                 lambda: ctx.runtime.readiness()[0] and not ctx.draining)
         ctx.metrics.registry.register(metrics_mod.LazyKVStoreCollector(current_store))
+        if ctx.models is not None:
+            ctx.metrics.snapshots.engine_gauges = False
+            ctx.metrics.registry.register(metrics_mod.ModelRegistryCollector(ctx.models))
     m = ctx.metrics
     app.extensions["hf2q"] = ctx
     key = ctx.api_key.encode() if ctx.api_key else None
@@ -274,7 +281,13 @@ def create_app(ctx: ServerContext) -> QuartTrio:
 
     def _model_card(mid: str) -> dict:
         card = {"id": mid, "object": "model", "created": ctx.created, "owned_by": "hf2q"}
-        rt = ctx.runtime if mid == ctx.model_id and ctx.chat_model is not None else ctx.embed_runtime
+        if ctx.models is not None:
+            entry = ctx.models.entries[mid]
+            card.update(state=entry.state, kind=entry.kind, memory_bytes=entry.need_bytes,
+                        active_requests=entry.active)
+            rt = entry.runtime if entry.state == "ready" else None
+        else:
+            rt = ctx.runtime if mid == ctx.model_id and ctx.chat_model is not None else ctx.embed_runtime
         try:
             n_ctx = rt.runner_info.get("ctx") if rt is not None else None
         except Exception:  # noqa: BLE001 — before the model loaded
@@ -293,36 +306,93 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             raise ApiError(404, f"model {model_id!r} not found", code="model_not_found", param="model")
         return _json(_model_card(model_id))
 
+    if ctx.models is not None:
+        @app.post("/v1/models/<path:model_id>/load")
+        async def load_model(model_id: str):
+            entry = _registry_entry(model_id, None)
+            _refuse_if_draining()
+            try:
+                await ctx.models.load(entry)
+            except AdmissionRejected as e:
+                raise _reject_from_runtime(e) from None
+            return _json(_model_card(model_id))
+
+        @app.post("/v1/models/<path:model_id>/unload")
+        async def unload_model(model_id: str):
+            entry = _registry_entry(model_id, None)
+            try:
+                await ctx.models.unload(entry)
+            except AdmissionRejected as e:
+                raise _reject_from_runtime(e) from None
+            return _json(_model_card(model_id))
+
+    def _registry_entry(model_id: str | None, kind: str | None):
+        """The registry's entry for a request's ``model`` (404 ``model_not_found`` if unknown or
+        of the other kind: a chat request naming an embedding model, or the reverse)."""
+        entry = ctx.models.find(model_id, kind or "chat")
+        if entry is None or (kind is not None and entry.kind != kind):
+            served = [e.model_id for e in ctx.models.entries.values() if kind in (None, e.kind)]
+            raise ApiError(404, f"model {model_id!r} not found; this server serves {kind + ' ' if kind else ''}"
+                                f"models {', '.join(served) or '(none)'}", code="model_not_found", param="model")
+        return entry
+
+    async def _lease(entry) -> Callable[[], None]:
+        """Pin ``entry`` until the returned ``release()`` (idempotent) is called."""
+        try:
+            await ctx.models.acquire(entry)
+        except AdmissionRejected as e:
+            raise _reject_from_runtime(e) from None
+        held = [True]
+
+        def release() -> None:
+            if held[0]:
+                held[0] = False
+                ctx.models.release(entry)
+        return release
+
     # ---- chat ----------------------------------------------------------------------------------
 
     @app.post("/v1/chat/completions")
     async def chat_completions():
         body = await _read_json()
         creq = parse_chat_request(body)
-        if ctx.chat_model is None:
-            raise ApiError(404, "this server has no chat model", code="model_not_found", param="model")
-        if creq.model and creq.model not in (ctx.model_id, "default"):
-            raise ApiError(404, f"model {creq.model!r} not found; this server serves {ctx.model_id!r}",
-                           code="model_not_found", param="model")
+        entry = None
+        if ctx.models is not None:
+            entry = _registry_entry(creq.model, "chat")
+            chat_model, model_id = entry.text, entry.model_id
+        else:
+            chat_model, model_id = ctx.chat_model, ctx.model_id
+            if ctx.chat_model is None:
+                raise ApiError(404, "this server has no chat model", code="model_not_found", param="model")
+            if creq.model and creq.model not in (ctx.model_id, "default"):
+                raise ApiError(404, f"model {creq.model!r} not found; this server serves {ctx.model_id!r}",
+                               code="model_not_found", param="model")
         if creq.has_images:
-            raise ApiError(400, f"model {ctx.model_id!r} does not accept image input", code="invalid_value",
+            raise ApiError(400, f"model {model_id!r} does not accept image input", code="invalid_value",
                            param="messages")
         _refuse_if_draining()
-        info = ctx.runtime.runner_info
-        prepared = await off_loop(ctx.chat_model.prepare, creq, info.get("ctx"))  # render + tokenize
-        rid = g.request_id
+        release = await _lease(entry) if entry is not None else (lambda: None)
         try:
-            events = await ctx.runtime.submit(GenerationRequest(rid, prepared.prompt_tokens, prepared.params,
+            runtime = entry.runtime if entry is not None else ctx.runtime
+            info = runtime.runner_info
+            prepared = await off_loop(chat_model.prepare, creq, info.get("ctx"))  # render + tokenize
+            rid = g.request_id
+            try:
+                events = await runtime.submit(GenerationRequest(rid, prepared.prompt_tokens, prepared.params,
                                                                 prepared.stable_prefix))
-        except AdmissionRejected as e:
-            raise _reject_from_runtime(e) from None
-        flow = ChatFlow(events, prepared.new_decoder(), ctx.model_id, len(prepared.prompt_tokens),
+            except AdmissionRejected as e:
+                raise _reject_from_runtime(e) from None
+        except BaseException:
+            release()
+            raise
+        flow = ChatFlow(events, prepared.new_decoder(), model_id, len(prepared.prompt_tokens),
                         want_logprobs=creq.logprobs, include_usage=creq.include_usage,
-                        keepalive_s=ctx.keepalive_s, token_text=ctx.chat_model.decode_tokens)
+                        keepalive_s=ctx.keepalive_s, token_text=chat_model.decode_tokens)
         if not creq.stream:
             try:
                 out = await flow.collect()
             finally:
+                release()
                 _record(flow, rid)
             return _json(out)
 
@@ -333,6 +403,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
                         yield frame
             finally:
                 flow.events.close()  # the cancel signal, even if the generator never started
+                release()  # the model may be evicted once its last stream ended
                 _record(flow, rid)
 
         resp = Response(frames(), status=200, content_type="text/event-stream; charset=utf-8")
@@ -369,25 +440,34 @@ def create_app(ctx: ServerContext) -> QuartTrio:
     async def embeddings():
         body = await _read_json()
         ereq = parse_embeddings_request(body)
-        if ctx.embed_model is None or ctx.embed_runtime is None:
-            raise ApiError(404, "this server has no embedding model (start it with --embedding-model)",
-                           code="model_not_found", param="model")
-        if ereq.model and ereq.model not in (ctx.embed_model.model_id, "default"):
-            raise ApiError(404, f"model {ereq.model!r} not found; embeddings use {ctx.embed_model.model_id!r}",
-                           code="model_not_found", param="model")
+        if ctx.models is not None:
+            entry = _registry_entry(ereq.model, "embedding")
+            embed_model = entry.text
+        else:
+            entry, embed_model = None, ctx.embed_model
+            if ctx.embed_model is None or ctx.embed_runtime is None:
+                raise ApiError(404, "this server has no embedding model (start it with --embedding-model)",
+                               code="model_not_found", param="model")
+            if ereq.model and ereq.model not in (ctx.embed_model.model_id, "default"):
+                raise ApiError(404, f"model {ereq.model!r} not found; embeddings use {ctx.embed_model.model_id!r}",
+                               code="model_not_found", param="model")
         _refuse_if_draining()
 
         def tokenize():
-            return tuple(tuple(x) if isinstance(x, tuple) else tuple(ctx.embed_model.encode(x))
+            return tuple(tuple(x) if isinstance(x, tuple) else tuple(embed_model.encode(x))
                          for x in ereq.inputs)
         inputs = await off_loop(tokenize)
+        release = await _lease(entry) if entry is not None else (lambda: None)
         try:
-            vecs = await ctx.embed_runtime.embed(EmbeddingRequest(g.request_id, inputs))
+            runtime = entry.runtime if entry is not None else ctx.embed_runtime
+            vecs = await runtime.embed(EmbeddingRequest(g.request_id, inputs))
         except AdmissionRejected as e:
             err = _reject_from_runtime(e)
             if e.status == 400:
                 err.param = "input"
             raise err from None
+        finally:
+            release()
         vecs = np.asarray(vecs, dtype=np.float32)
         if ereq.dimensions is not None and ereq.dimensions < vecs.shape[1]:
             vecs = vecs[:, : ereq.dimensions]
@@ -399,7 +479,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             data.append({"object": "embedding", "index": i, "embedding": emb})
         n = sum(len(x) for x in inputs)
         m.prompt_tokens.inc(n)
-        return _json({"object": "list", "data": data, "model": ctx.embed_model.model_id,
+        return _json({"object": "list", "data": data, "model": embed_model.model_id,
                       "usage": {"prompt_tokens": n, "total_tokens": n}})
 
     # ---- lifecycle ---------------------------------------------------------------------------------

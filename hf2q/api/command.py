@@ -77,12 +77,12 @@ def _size_hint(n: int) -> str:
     return str(n)
 
 
-def check_memory(model, args) -> None:
+def check_memory(model, args):
     """Refuse (exit 3) a model whose weights + KV budget exceed what one rank may use."""
     from hf2q.engine.memory_plan import check_model
     from hf2q.sched.transactions import transaction_tokens
 
-    check_model(model, args.tensor_parallel, ctx=args.ctx, slots=args.slots, kv_budget=args.kv_cache_budget,
+    return check_model(model, args.tensor_parallel, ctx=args.ctx, slots=args.slots, kv_budget=args.kv_cache_budget,
                 limit=args.memory_limit, prefill_chunk=transaction_tokens(model.arch, args.prefill_chunk))
 
 
@@ -149,7 +149,7 @@ def preflight(args) -> tuple[Path, Path | None]:
     from hf2q.api.server import check_port_free
 
     if args.model:
-        model_path = check_gguf(Path(args.model).expanduser())
+        model_path = check_gguf(Path(args.model if isinstance(args.model, str) else args.model[0]).expanduser())
     else:
         from hf2q.fetch import default_chat_model
 
@@ -217,15 +217,24 @@ async def _serve(args, model_path: Path, chat_model, embed_path, embed_model, kv
                            queue_capacity=args.queue_capacity, prefill_chunk=args.prefill_chunk,
                            gpu_deadline_s=args.gpu_deadline, draft_tokens=draft_tokens_arg(args))
     failure: list[str] = []
+    # with an embedding model beside the chat model both engines run in one thread (docs/ARCHITECTURE.md)
+    engine_thread = None
+    if embed_path is not None and args.tensor_parallel == 1:
+        from hf2q.actors.shared_engine import SharedEngineThread
+
+        engine_thread = SharedEngineThread()
     async with AsyncExitStack() as stack:
+        if engine_thread is not None:
+            stack.callback(engine_thread.close)
         runtime = await stack.enter_async_context(
             open_runtime(runner_factory(model_path, args.ctx, args.tensor_parallel), config,
-                         kv_store_opener=kv_opener))
+                         kv_store_opener=kv_opener, engine_thread=engine_thread and engine_thread.lane))
         embed_runtime = None
         if embed_path is not None:
             embed_runtime = await stack.enter_async_context(
                 open_runtime(runner_factory(embed_path, None), RuntimeConfig(slots=1, queue_capacity=64,
-                                                                              gpu_deadline_s=args.gpu_deadline)))
+                                                                              gpu_deadline_s=args.gpu_deadline),
+                             engine_thread=engine_thread and engine_thread.lane))
         if mode != "dashboard":
             runtime.add_event_hook(EventLogger())
         ctx = ServerContext(runtime=runtime, chat_model=chat_model, model_id=chat_model.model_id,

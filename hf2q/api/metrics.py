@@ -23,6 +23,7 @@ class _SnapshotCollector:
         self._snapshot = snapshot
         self._disk_bytes = disk_bytes
         self._readiness = readiness
+        self.engine_gauges = True
 
     def collect(self):
         snap = self._snapshot()
@@ -45,6 +46,9 @@ class _SnapshotCollector:
         drafted = CounterMetricFamily("hf2q_drafted_tokens", "speculative draft tokens verified (--speculative)")
         accepted = CounterMetricFamily("hf2q_accepted_draft_tokens", "speculative draft tokens accepted")
         ready.add_metric([], 1 if self._readiness() else 0)
+        if snap is None and not self.engine_gauges:  # several models: their gauges are per model
+            yield ready
+            return
         if snap is None:
             state.add_metric(["starting"], 1)
         else:
@@ -73,6 +77,41 @@ class _SnapshotCollector:
         yield from (ready, state, active, total, queued, kv, budget, disk, ratio, phases)
         if snap is not None:
             yield from (steps, gpu_busy, batches, batch_tokens, drafted, accepted)
+
+
+class ModelRegistryCollector:
+    """A several-model server's registry at scrape time: each model's residency state, its
+    loads and evictions, its active requests, and the model memory in use against the budget."""
+
+    def __init__(self, registry):
+        self._registry = registry
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from hf2q.statemachines.model_residency import ResidencyState
+
+        reg = self._registry
+        state = GaugeMetricFamily("hf2q_model_state", "residency state of each model (1 = current)",
+                                  labels=["model", "state"])
+        active = GaugeMetricFamily("hf2q_model_active_requests", "requests using (or waiting for) each model",
+                                   labels=["model"])
+        loads = CounterMetricFamily("hf2q_model_loads", "times each model finished loading", labels=["model"])
+        evictions = CounterMetricFamily("hf2q_model_evictions",
+                                        "times each model was evicted to make room for another", labels=["model"])
+        for entry in reg.entries.values():
+            for s in ResidencyState:
+                state.add_metric([entry.model_id, s.name], 1 if entry.state == s.name else 0)
+            active.add_metric([entry.model_id], entry.active)
+            loads.add_metric([entry.model_id], entry.loads)
+            evictions.add_metric([entry.model_id], entry.evictions)
+        resident = GaugeMetricFamily("hf2q_models_memory_resident_bytes",
+                                     "model memory (weights + KV budget) of the loading, ready and draining models")
+        resident.add_metric([], reg.resident_bytes)
+        budget = GaugeMetricFamily("hf2q_models_memory_budget_bytes", "--models-memory")
+        budget.add_metric([], reg.budget_bytes)
+        yield from (state, active, loads, evictions, resident, budget)
 
 
 class LazyKVStoreCollector:
@@ -113,7 +152,8 @@ class ServerMetrics:
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
         self.decode_rate = Histogram("hf2q_decode_tokens_per_second", "per-request decode speed", registry=r,
                                      buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000))
-        r.register(_SnapshotCollector(snapshot, disk_bytes, readiness))
+        self.snapshots = _SnapshotCollector(snapshot, disk_bytes, readiness)
+        r.register(self.snapshots)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -18,6 +18,7 @@ MODULES = (
     "hf2q.statemachines.prefill",
     "hf2q.statemachines.gpu_owner",
     "hf2q.statemachines.kv_prefix",
+    "hf2q.statemachines.model_residency",
 )
 OPTIONAL_MODULES = ("hf2q.statemachines.kv_writer",)
 
