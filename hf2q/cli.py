@@ -293,7 +293,7 @@ def _add_smoke_parity(sub) -> None:
     p.add_argument("model", nargs="?", help="GGUF path (default: the built-in default model)")
     p.add_argument("--prompts", metavar="FILE", help="a JSON array of smoke cases instead of the family's "
                    "(docs/SMOKE.md describes the shape)")
-    p.add_argument("--ctx", type=_positive_int, default=4096, help="context length (default 4096)")
+    p.add_argument("--ctx", type=_positive_int, default=None, help="context length (default: from GGUF)")
     p.add_argument("--json", action="store_true", help="print one JSON object (the default off a terminal)")
     p = sub.add_parser("parity", help="capture a reference's top-k logits and greedy tokens, or compare a GGUF "
                        "on this engine against a capture")

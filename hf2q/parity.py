@@ -138,8 +138,8 @@ def summarise(steps: list[Step], tokenizer_ok: list[bool], tol: Tolerance) -> di
         "steps": len(steps),
         "top1_agreement": round(sum(s.top1 for s in steps) / len(steps), 4),
         "topk_overlap": round(sum(s.overlap for s in steps) / len(steps), 4),
-        "max_logprob_diff": round(max(s.logprob_diff for s in steps), 4),
-        "max_logit_diff": round(max(logit), 4) if logit else None,
+        "max_logprob_diff": round(max(s.logprob_diff for s in steps), 6),
+        "max_logit_diff": round(max(logit), 6) if logit else None,
         "tokenizer_matches": sum(tokenizer_ok), "prompts": len(tokenizer_ok),
     }
     summary["passed"] = bool(
@@ -273,7 +273,7 @@ def _compare(args, model: Path) -> int:
     if first is not None:
         ref = traces[first.prompt]
         divergence = {"prompt": first.prompt, "text": ref.text, "step": first.step, "top1": first.top1,
-                      "logprob_diff": round(first.logprob_diff, 4),
+                      "logprob_diff": round(first.logprob_diff, 6),
                       "rows": divergence_rows(engine, ref, first)}
     report = {"model": str(model), "capture": str(args.compare), "reference": doc.get("reference"), **summary,
               "tolerance": tol.__dict__, "first_divergence": divergence}

@@ -70,7 +70,7 @@ def trace_from_rows(text: str, prompt: list[int], rows: np.ndarray, k: int, with
 # ---- transformers ------------------------------------------------------------------------------------
 
 class TransformersReference:
-    """An HF checkpoint directory in transformers, float32, greedy with its KV cache."""
+    """An HF checkpoint directory in transformers, float32, greedy."""
 
     kind = "transformers"
 
@@ -94,16 +94,22 @@ class TransformersReference:
         return {"kind": self.kind, "path": str(self.path), "dtype": "float32"}
 
     def trace(self, text: str, n: int, k: int) -> Trace:
+        from hf2q.kernels import cpu_blas
+
         torch = self._torch
         prompt = [int(t) for t in self.tokenizer(text, add_special_tokens=True)["input_ids"]]
-        rows = []
-        with torch.no_grad():
-            out = self.model(torch.tensor([prompt]), use_cache=True)
-            for _ in range(n):
-                row = out.logits[0, -1].float().numpy()
-                rows.append(row)
-                nxt = int(top_k(row, 1)[0][0])
-                out = self.model(torch.tensor([[nxt]]), past_key_values=out.past_key_values, use_cache=True)
+        rows, ids = [], list(prompt)
+        # torch binds to the OpenBLAS loaded for MLX when this process has one; its threads on top of
+        # torch's own made a SmolLM2 step ~20x slower on a shared 2-core machine
+        cpu_blas.use_openblas_threads(1)
+        try:
+            with torch.no_grad():  # a whole forward per step: prompts are short, and no cache API to track
+                for _ in range(n):
+                    row = self.model(torch.tensor([ids]), use_cache=False).logits[0, -1].float().numpy()
+                    rows.append(row)
+                    ids.append(int(top_k(row, 1)[0][0]))
+        finally:
+            cpu_blas.use_openblas_threads(cpu_blas.threads())
         return trace_from_rows(text, prompt, np.stack(rows), k, with_logits=True)
 
     def close(self) -> None:
