@@ -292,6 +292,8 @@ def run(args) -> int:
         if not args.reference:
             raise UsageError("--capture needs --reference PATH|llama.cpp|hf2q")
         return _capture(args, model)
+    if args.reference:
+        raise UsageError("--reference is for --capture; --compare reads the reference from its file")
     if model is None:
         raise UsageError("--compare runs MODEL on our engine: give the GGUF")
     return _compare(args, model)

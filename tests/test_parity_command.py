@@ -106,6 +106,16 @@ def test_llama_cpp_capture_of_the_same_gguf_compares_clean(cli, tiny_llama, llam
     assert report["max_logit_diff"] is None  # llama-server reports log-probabilities only
 
 
+def test_our_engine_as_reference_is_a_regression_file(cli, tiny_llama, tmp_path):
+    """Free-running greedy decode (prefill + decode steps) against one teacher-forced forward."""
+    out = tmp_path / "ours.json"
+    assert cli("parity", tiny_llama[1], "--reference", "hf2q", "--capture", out, "--tokens", "8").code == 0
+    r = cli("parity", tiny_llama[1], "--compare", out, "--json")
+    assert r.code == 0, r.out
+    report = json.loads(r.out)
+    assert report["top1_agreement"] == 1.0 and report["max_logit_diff"] < 1e-3
+
+
 @pytest.mark.slow
 def test_smollm2_gguf_matches_its_hf_checkpoint(cli, smollm2_hf, smollm2_gguf, one_torch_thread, tmp_path):
     """The real model: the HF copy holds the GGUF's dequantised weights, so the two must agree closely."""
@@ -122,6 +132,7 @@ def test_smollm2_gguf_matches_its_hf_checkpoint(cli, smollm2_hf, smollm2_gguf, o
     (["--compare", "missing.json"], 3, "cannot read --compare"),
     (["--capture", "x.json"], 2, "--capture needs --reference"),
     (["--reference", "nowhere", "--capture", "x.json"], 3, "not llama.cpp, hf2q or an HF checkpoint"),
+    (["--reference", "hf2q", "--compare", "x.json"], 2, "--reference is for --capture"),
 ])
 def test_bad_input_is_one_line(cli, tiny_llama, tmp_path, argv, code, words):
     argv = [str(tmp_path / a) if a.endswith(".json") else a for a in argv]

@@ -102,3 +102,15 @@ def test_a_bad_prompts_file_is_exit_3(cli, smollm2_gguf, tmp_path, cases, words)
 def test_a_missing_model_is_exit_3(cli, tmp_path):
     r = cli("smoke", tmp_path / "nope.gguf")
     assert r.code == 3 and "no such GGUF file" in r.err
+
+
+def test_the_terminal_table_marks_a_failure():
+    from rich.console import Console
+
+    from hf2q.smoke import Outcome, _table
+
+    console = Console(record=True, width=160, color_system=None)
+    console.print(_table("m.gguf", [Outcome("factual", "answer", True, "contains 'Paris'", {"content": "Paris."}, 1.0),
+                                    Outcome("json", "json", False, "the reply is not JSON", {"content": "hi"}, 2.0)]))
+    text = console.export_text()
+    assert "pass" in text and "FAIL" in text and "the reply is not JSON" in text
