@@ -52,12 +52,9 @@ def _int_lists(v, name: str, where: str) -> list:
 
 
 def read_capture(path: Path) -> tuple[dict, list[Trace]]:
-    try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as e:
-        raise InputError(f"cannot read --compare: {e.strerror}: {path}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InputError(f"--compare {path}: not JSON: {e}") from None
+    from hf2q.smoke import read_json_file
+
+    doc = read_json_file(path, "--compare")
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise InputError(f"--compare {path}: not an hf2q parity capture (no \"format\": \"{FORMAT}\")")
     if doc.get("version") != VERSION:

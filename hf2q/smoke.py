@@ -99,14 +99,18 @@ def parse_cases(raw_cases: Any, source: str) -> list[Case]:
     return cases
 
 
-def load_cases_file(path: Path) -> list[Case]:
+def read_json_file(path: Path, option: str) -> Any:
+    """The JSON in the file an option names; an unreadable or malformed one is one ``InputError``."""
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        return json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as e:
-        raise InputError(f"cannot read --prompts: {e.strerror}: {path}") from None
+        raise InputError(f"cannot read {option}: {e.strerror}: {path}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InputError(f"--prompts {path}: not JSON: {e}") from None
-    return parse_cases(data, str(path))
+        raise InputError(f"{option} {path}: not JSON: {e}") from None
+
+
+def load_cases_file(path: Path) -> list[Case]:
+    return parse_cases(read_json_file(path, "--prompts"), str(path))
 
 
 def gguf_family(arch: str):

@@ -27,24 +27,35 @@ def one_torch_thread():
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tiny_checkpoint, tmp_path_factory) -> tuple[Path, Path]:
-    """The tiny llama checkpoint and our F16 GGUF of it."""
+def tiny(tiny_checkpoint, one_torch_thread, tmp_path_factory):
+    """Factory: family → (tiny checkpoint, our F16 GGUF of it, transformers capture of it), made once."""
+    from hf2q.cli import main
     from hf2q.convert.pipeline import convert_gguf
     from hf2q.convert.quant_names import parse_gguf_quant
 
-    src = tiny_checkpoint("llama")
-    out = tmp_path_factory.mktemp("parity") / "tiny-llama-f16.gguf"
-    convert_gguf(src, out, parse_gguf_quant("f16"), integrity=False, report_path=out.with_suffix(".json"))
-    return src, out
+    made: dict[str, tuple[Path, Path, Path]] = {}
+
+    def get(family: str) -> tuple[Path, Path, Path]:
+        if family not in made:
+            src = tiny_checkpoint(family)
+            d = tmp_path_factory.mktemp(f"parity-{family}")
+            gguf, capture = d / f"tiny-{family}-f16.gguf", d / "hf.json"
+            convert_gguf(src, gguf, parse_gguf_quant("f16"), integrity=False, report_path=d / "report.json")
+            assert main(["parity", "--reference", str(src), "--capture", str(capture), "--tokens", "8"]) == 0
+            made[family] = (src, gguf, capture)
+        return made[family]
+
+    return get
 
 
 @pytest.fixture(scope="module")
-def hf_capture(tiny_llama, one_torch_thread, tmp_path_factory) -> Path:
-    from hf2q.cli import main
+def tiny_llama(tiny) -> tuple[Path, Path]:
+    return tiny("llama")[:2]
 
-    out = tmp_path_factory.mktemp("capture") / "tiny-llama-hf.json"
-    assert main(["parity", "--reference", str(tiny_llama[0]), "--capture", str(out), "--tokens", "8"]) == 0
-    return out
+
+@pytest.fixture(scope="module")
+def hf_capture(tiny) -> Path:
+    return tiny("llama")[2]
 
 
 def test_capture_from_transformers_records_every_prompt(hf_capture):
@@ -57,8 +68,10 @@ def test_capture_from_transformers_records_every_prompt(hf_capture):
         assert p["tokens"] == [r[0] for r in p["top_ids"]]  # greedy: each token is its step's argmax
 
 
-def test_our_conversion_matches_the_transformers_capture(cli, tiny_llama, hf_capture):
-    r = cli("parity", tiny_llama[1], "--compare", hf_capture, "--json")
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_our_conversion_matches_the_transformers_capture(cli, tiny, family):
+    _, gguf, capture = tiny(family)
+    r = cli("parity", gguf, "--compare", capture, "--json")
     assert r.code == 0, r.out + r.err
     report = json.loads(r.out)
     assert report["tokenizer_matches"] == len(PARITY_PROMPTS)
@@ -92,14 +105,16 @@ def test_a_capture_of_another_tokenization_fails(cli, tiny_llama, hf_capture, tm
     assert r.code == 1 and json.loads(r.out)["tokenizer_matches"] == len(PARITY_PROMPTS) - 1
 
 
-def test_llama_cpp_capture_of_the_same_gguf_compares_clean(cli, tiny_llama, llama_cpp_bin, tmp_path):
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_llama_cpp_capture_of_the_same_gguf_compares_clean(cli, tiny, family, llama_cpp_bin, tmp_path):
+    gguf = tiny(family)[1]
     out = tmp_path / "lc.json"
-    r = cli("parity", tiny_llama[1], "--reference", "llama.cpp", "--llama-cpp", llama_cpp_bin, "--capture", out,
+    r = cli("parity", gguf, "--reference", "llama.cpp", "--llama-cpp", llama_cpp_bin, "--capture", out,
             "--tokens", "8")
     assert r.code == 0, r.err
     doc = json.loads(out.read_text())
     assert doc["reference"]["kind"] == "llama.cpp" and "top_logits" not in doc["prompts"][0]
-    r = cli("parity", tiny_llama[1], "--compare", out, "--json")
+    r = cli("parity", gguf, "--compare", out, "--json")
     assert r.code == 0, r.out
     report = json.loads(r.out)
     assert report["top1_agreement"] == 1.0 and report["max_logprob_diff"] < 0.05

@@ -31,16 +31,21 @@ def test_smollm2_passes_its_family_cases(cli, smollm2_gguf):
 
 
 def test_a_rule_the_model_does_not_meet_fails_with_exit_1(cli, smollm2_gguf, tmp_path):
+    json_case = {**next(c for c in CHAT_CASES if c["kind"] == "json")}
+    json_case["expect"] = {**json_case["expect"], "equals": {"name": "Bob"}}
     cases = [{"name": "capital", "kind": "answer", "max_tokens": 12,
               "messages": [{"role": "user", "content": "What is the capital of France?"}],
-              "expect": {"contains": ["Berlin"]}}]
+              "expect": {"contains": ["Berlin"]}}, json_case]
     f = tmp_path / "cases.json"
     f.write_text(json.dumps(cases))
     r = cli("smoke", smollm2_gguf, "--prompts", f, "--json")
     assert r.code == 1
-    (case,) = json.loads(r.out)["cases"]
-    assert not case["passed"] and case["detail"] == "missing 'Berlin'"
-    assert "Paris" in case["reply"]["content"]  # the model answered; the rule said no
+    capital, person = json.loads(r.out)["cases"]
+    assert not capital["passed"] and capital["detail"] == "missing 'Berlin'"
+    assert "Paris" in capital["reply"]["content"]  # the model answered; the rule said no
+    # the schema constrained the in-process decode (unconstrained, SmolLM2 adds properties the schema
+    # forbids); only the value rule fails
+    assert not person["passed"] and person["detail"] == "name is 'Alice' (expected 'Bob')"
 
 
 def _call(name: str, arguments: str) -> dict:
