@@ -293,7 +293,7 @@ def _add_smoke_parity(sub) -> None:
     p.add_argument("model", nargs="?", help="GGUF path (default: the built-in default model)")
     p.add_argument("--prompts", metavar="FILE", help="a JSON array of smoke cases instead of the family's "
                    "(docs/SMOKE.md describes the shape)")
-    p.add_argument("--ctx", type=_positive_int, default=None, help="context length (default: from GGUF)")
+    p.add_argument("--ctx", type=_positive_int, default=None, metavar="N", help="context length (default: from GGUF)")
     p.add_argument("--json", action="store_true", help="print one JSON object (the default off a terminal)")
     p = sub.add_parser("parity", help="capture a reference's top-k logits and greedy tokens, or compare a GGUF "
                        "on this engine against a capture")
@@ -305,16 +305,19 @@ def _add_smoke_parity(sub) -> None:
     m = p.add_mutually_exclusive_group(required=True)
     m.add_argument("--capture", metavar="OUT", help="write the reference's capture here (JSON)")
     m.add_argument("--compare", metavar="FILE", help="compare MODEL against this capture; exit 1 beyond tolerance")
-    p.add_argument("--tokens", type=_positive_int, default=16, help="greedy tokens per prompt (default 16)")
-    p.add_argument("--top-k", type=_positive_int, default=10, help="top-k recorded per step (default 10)")
-    p.add_argument("--ctx", type=_positive_int, default=2048, help="context length (default 2048)")
+    p.add_argument("--tokens", type=_positive_int, default=16, metavar="N",
+                   help="greedy tokens per prompt (default 16)")
+    p.add_argument("--top-k", type=_positive_int, default=10, metavar="K", help="top-k recorded per step (default 10)")
+    p.add_argument("--ctx", type=_positive_int, default=2048, metavar="N", help="context length (default 2048)")
     p.add_argument("--llama-cpp", metavar="DIR", help="directory holding llama-server (else $HF2Q_LLAMA_CPP, "
                    "the cache's llama.cpp-build/bin, PATH)")
-    p.add_argument("--min-top1", type=float, default=0.9, help="least top-1 agreement (default 0.9)")
-    p.add_argument("--min-topk-overlap", type=float, default=0.8, help="least mean top-k overlap (default 0.8)")
-    p.add_argument("--max-logprob-diff", type=float, default=1.0,
+    p.add_argument("--min-top1", type=float, default=0.9, metavar="FRACTION",
+                   help="least top-1 agreement (default 0.9)")
+    p.add_argument("--min-topk-overlap", type=float, default=0.8, metavar="FRACTION",
+                   help="least mean top-k overlap (default 0.8)")
+    p.add_argument("--max-logprob-diff", type=float, default=1.0, metavar="NATS",
                    help="largest log-probability difference on the reference's top-k (default 1.0)")
-    p.add_argument("--max-logit-diff", type=float, default=1.0,
+    p.add_argument("--max-logit-diff", type=float, default=1.0, metavar="X",
                    help="largest raw-logit difference, where the capture has logits (default 1.0)")
     p.add_argument("--json", action="store_true", help="print one JSON object (the default off a terminal)")
 

@@ -203,10 +203,12 @@ def _print_rich(summary: dict, divergence: dict | None, tol: Tolerance, title: s
         for col in ("rank", "reference", "logprob", "ours", "logprob "):
             d.add_column(col)
         for r in divergence["rows"]:
+            ours_lp = "" if r["ours_logprob"] is None else f"{r['ours_logprob']:.4f}"
             d.add_row(str(r["rank"]), f"{r['reference_id']} {r['reference_token']}", f"{r['reference_logprob']:.4f}",
-                      f"{r['ours_id']} {r['ours_token']}", "" if r["ours_logprob"] is None else f"{r['ours_logprob']:.4f}")
+                      f"{r['ours_id']} {r['ours_token']}", ours_lp)
         console.print(d)
-    console.print("parity: pass" if summary["passed"] else "parity: FAIL", style="green" if summary["passed"] else "red")
+    ok = summary["passed"]
+    console.print("parity: pass" if ok else "parity: FAIL", style="green" if ok else "red")
 
 
 # ---- the command ----------------------------------------------------------------------------------------------

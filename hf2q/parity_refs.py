@@ -164,7 +164,8 @@ class EngineReference:
 def find_llama_server(explicit: str | None) -> Path:
     from hf2q.paths import cache_root
 
-    dirs = [d for d in (explicit, os.environ.get("HF2Q_LLAMA_CPP")) if d] + [str(cache_root() / "llama.cpp-build" / "bin")]
+    dirs = [d for d in (explicit, os.environ.get("HF2Q_LLAMA_CPP")) if d]
+    dirs.append(str(cache_root() / "llama.cpp-build" / "bin"))
     for d in dirs:
         exe = Path(d) / "llama-server"
         if exe.is_file():

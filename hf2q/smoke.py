@@ -274,6 +274,8 @@ def _table(model: str, outcomes: list[Outcome]):
 def run(args) -> int:
     if args.model:
         model_path = Path(args.model)
+        if model_path.is_dir():
+            raise InputError(f"{model_path} is a directory; smoke runs a GGUF (hf2q convert it first)")
         if not model_path.is_file():
             raise InputError(f"no such GGUF file: {model_path}")
     else:
