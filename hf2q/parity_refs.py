@@ -6,10 +6,11 @@ their log-probabilities (log-softmax over the whole vocabulary) and, where the r
 them, raw logits. Log-probabilities are what every reference can give (llama-server reports no raw
 logits), so they are what is always compared; logits are compared as well when both sides have them.
 
-llama.cpp runs as ``llama-server``: ``/tokenize`` with the model's special tokens, then
-``/completion`` on those ids, greedy, ``ignore_eos``, ``n_probs`` = k — its probabilities before
-sampling are the softmax of the raw logits. The binary is looked for in ``--llama-cpp DIR``, then
-``$HF2Q_LLAMA_CPP``, then the cache's ``llama.cpp-build/bin`` (where the test oracle is built), then PATH.
+llama.cpp runs as ``llama-server`` (``llama-completion`` prints no probabilities): ``/tokenize`` with
+the model's special tokens, then ``/completion`` on those ids, greedy, ``ignore_eos``, ``n_probs`` = k —
+its probabilities before sampling are the softmax of the raw logits. The binary is looked for in
+``--llama-cpp DIR``, then ``$HF2Q_LLAMA_CPP``, then the cache's ``llama.cpp-build/bin`` (where the test
+oracle is built), then PATH.
 """
 
 from __future__ import annotations
