@@ -119,3 +119,10 @@ def test_the_terminal_table_marks_a_failure():
                                     Outcome("json", "json", False, "the reply is not JSON", {"content": "hi"}, 2.0)]))
     text = console.export_text()
     assert "pass" in text and "FAIL" in text and "the reply is not JSON" in text
+
+
+def test_an_embedding_model_has_no_smoke_cases(cli, tiny_checkpoint, tmp_path):
+    out = tmp_path / "bert.gguf"
+    assert cli("convert", tiny_checkpoint("bert"), "-q", "f16", "-o", out, "--no-integrity").code == 0
+    r = cli("smoke", out)
+    assert r.code == 3 and "not a chat model" in r.err
