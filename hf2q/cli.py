@@ -294,6 +294,42 @@ def _add_quality(sub) -> None:
     p.add_argument("--json", action="store_true", help="print every figure as JSON")
 
 
+def _add_smoke_parity(sub) -> None:
+    p = sub.add_parser("smoke", help="a chat model's end-gate prompts (a fact, a tool call, JSON, long recall), "
+                       "each with its pass rule; exit 1 on a failure")
+    p.set_defaults(handler="hf2q.smoke:run")
+    p.add_argument("model", nargs="?", help="GGUF path (default: the built-in default model)")
+    p.add_argument("--prompts", metavar="FILE", help="a JSON array of smoke cases instead of the family's "
+                   "(docs/SMOKE.md describes the shape)")
+    p.add_argument("--ctx", type=_positive_int, default=None, metavar="N", help="context length (default: from GGUF)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (the default off a terminal)")
+    p = sub.add_parser("parity", help="capture a reference's top-k logits and greedy tokens, or compare a GGUF "
+                       "on this engine against a capture")
+    p.set_defaults(handler="hf2q.parity:run")
+    p.add_argument("model", nargs="?", help="the GGUF (compared, or run by --reference llama.cpp|hf2q)")
+    p.add_argument("--reference", metavar="PATH|llama.cpp|hf2q",
+                   help="with --capture: an HF checkpoint directory (transformers, float32), stock llama.cpp "
+                        "(llama-server) on MODEL, or this engine on MODEL")
+    m = p.add_mutually_exclusive_group(required=True)
+    m.add_argument("--capture", metavar="OUT", help="write the reference's capture here (JSON)")
+    m.add_argument("--compare", metavar="FILE", help="compare MODEL against this capture; exit 1 beyond tolerance")
+    p.add_argument("--tokens", type=_positive_int, default=16, metavar="N",
+                   help="greedy tokens per prompt (default 16)")
+    p.add_argument("--top-k", type=_positive_int, default=10, metavar="K", help="top-k recorded per step (default 10)")
+    p.add_argument("--ctx", type=_positive_int, default=2048, metavar="N", help="context length (default 2048)")
+    p.add_argument("--llama-cpp", metavar="DIR", help="directory holding llama-server (else $HF2Q_LLAMA_CPP, "
+                   "the cache's llama.cpp-build/bin, PATH)")
+    p.add_argument("--min-top1", type=float, default=0.9, metavar="FRACTION",
+                   help="least top-1 agreement (default 0.9)")
+    p.add_argument("--min-topk-overlap", type=float, default=0.8, metavar="FRACTION",
+                   help="least mean top-k overlap (default 0.8)")
+    p.add_argument("--max-logprob-diff", type=float, default=1.0, metavar="NATS",
+                   help="largest log-probability difference on the reference's top-k (default 1.0)")
+    p.add_argument("--max-logit-diff", type=float, default=1.0, metavar="X",
+                   help="largest raw-logit difference, where the capture has logits (default 1.0)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (the default off a terminal)")
+
+
 def _add_completions(sub) -> None:
     p = sub.add_parser("completions", help="print a shell completion script")
     p.set_defaults(handler="hf2q.completions:run")
@@ -323,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     for add in (_add_convert, _add_info, _add_generate, _add_chat, _add_serve, _add_diagrams, _add_doctor, _add_cache,
-                _add_gguf_patch, _add_imatrix, _add_quality, _add_completions):
+                _add_gguf_patch, _add_imatrix, _add_quality, _add_smoke_parity, _add_completions):
         add(sub)
     return p
 

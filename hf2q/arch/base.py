@@ -22,6 +22,7 @@ import attrs
 import gguf
 import numpy as np
 
+from hf2q.arch.smoke_prompts import CHAT_CASES, PARITY_PROMPTS
 from hf2q.errors import InputError
 from hf2q.formats.gguf_keys import Keys
 from hf2q.sources.hf_config import optional, require
@@ -192,6 +193,11 @@ class Family:
     block_tensors: ClassVar[tuple[gguf.MODEL_TENSOR, ...]] = ()
     #: whether attention and MLP widths follow the plain rule (heads × head_dim, intermediate_size)
     plain_layout: ClassVar[bool] = False
+
+    #: ``hf2q smoke``'s end-gate cases (``hf2q/arch/smoke_prompts.py``); None: not a chat model
+    smoke_cases: ClassVar[tuple[dict, ...] | None] = CHAT_CASES
+    #: the raw-text prompts ``hf2q parity`` captures greedy continuations of
+    parity_prompts: ClassVar[tuple[str, ...]] = PARITY_PROMPTS
 
     def __init__(self, cfg: dict[str, Any], src: Path, mtp: str = "keep"):
         self.cfg, self.src = cfg, Path(src)

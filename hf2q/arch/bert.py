@@ -27,6 +27,8 @@ class Bert(Family):
     required_tensors = (MT.TOKEN_EMBD, MT.TOKEN_EMBD_NORM)
     block_tensors = (MT.ATTN_Q, MT.ATTN_K, MT.ATTN_V, MT.ATTN_OUT, MT.ATTN_OUT_NORM, MT.FFN_UP, MT.FFN_DOWN,
                      MT.LAYER_OUT_NORM)
+    smoke_cases = None  # an embedding model: no chat turn to check
+    parity_prompts = ()
 
     @staticmethod
     def _canonical(hf_name: str) -> str:

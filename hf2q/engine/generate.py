@@ -169,10 +169,12 @@ def _decode_speculative(runner, seq, logits, params, budget, generated, on_token
 
 def _decode_host(runner, seq, logits, params, budget, generated, on_token, stops) -> str:
     from hf2q.engine.sampling import Sampler
+    from hf2q.engine.sampling.rows import sample
 
     sampler = Sampler(params)
+    constraint = getattr(params, "constraint", None)  # json / forced tool calls: the server's masking too
     while True:
-        token, _, _ = sampler.sample(logits, generated)
+        token = sample(sampler, constraint, logits, generated).token_id
         reason = _accept(stops, token, generated, budget, on_token)
         if reason is not None:
             return reason
