@@ -122,7 +122,7 @@ def test_chunked_prefill_and_decode_match(deepseek4, runner):
 
 def test_trim_and_batched_decode_stay_exact(deepseek4, runner):
     """Trimming back inside a compression window and re-feeding gives the same logits; two sequences
-    of different lengths decoded in one batch give each its own."""
+    of different lengths decoded in one batch give each its own; an exported and imported cache continues."""
     _, _, tokens, ref = deepseek4
     a, b = runner.new_sequence(), runner.new_sequence()
     runner.prefill(a, tokens[:PROMPT + 3])
@@ -132,6 +132,10 @@ def test_trim_and_batched_decode_stay_exact(deepseek4, runner):
     runner.prefill(b, tokens[:PROMPT - 20])
     both = runner.decode([a, b], [tokens[PROMPT], tokens[PROMPT - 20]])
     assert _close(both[0], ref[PROMPT]) < TOL and _close(both[1], ref[PROMPT - 20]) < TOL
+    # the K/V blocks hold the whole state: exported and imported (the persistent store's path), they continue
+    c = runner.new_sequence()
+    c.import_(a.export(0, a.length), a.length)
+    assert _close(runner.decode([c], [tokens[PROMPT + 1]])[0], ref[PROMPT + 1]) < TOL
 
 
 @pytest.mark.slow
