@@ -13,18 +13,18 @@ import numpy as np
 import pytest
 
 from tests.test_api_real_model import real_server
-from tests.test_engine_deepseek4 import deepseek4  # noqa: F401  (the module-scoped GGUF fixture)
+from tests.test_engine_deepseek4 import deepseek4_gguf
 
 pytestmark = [pytest.mark.slow]
 
 MAX_TOKENS = 6
 
 
-async def test_chat_reply_is_the_engines_greedy_text(deepseek4):  # noqa: F811
+async def test_chat_reply_is_the_engines_greedy_text():
     from hf2q.api.validation import parse_chat_request
     from hf2q.engine.runner import MlxModelRunner
 
-    gguf_path = deepseek4[0]
+    gguf_path = deepseek4_gguf()
     body = {"messages": [{"role": "user", "content": "Summarise compressed sparse attention in one line. " * 12}],
             "temperature": 0, "max_tokens": MAX_TOKENS, "chat_template_kwargs": {"enable_thinking": False}}
     async with real_server(slots=2, path=gguf_path, model_id="deepseek4") as (url, _rt, model), \

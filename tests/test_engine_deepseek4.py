@@ -18,6 +18,8 @@ from pathlib import Path
 import hf2q.engine  # noqa: F401
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hf2q.engine.runner import MlxModelRunner
 from tests.engine_support import random_tokens
@@ -66,6 +68,16 @@ def _reference_model(src: Path, gguf_path: Path):
     return model
 
 
+def deepseek4_gguf() -> Path:
+    """llama.cpp's f32 conversion of the tiny fixture, kept beside the checkpoint (the converter is most
+    of this module's time)."""
+    from tests.models.cache import build_once
+    from tests.models.deepseek4 import deepseek4_checkpoint
+
+    src = deepseek4_checkpoint()
+    return build_once(f"{src.name}-llamacpp-f32", lambda out: _llama_cpp_convert(src, out / "f32.gguf")) / "f32.gguf"
+
+
 @pytest.fixture(scope="module")
 def deepseek4():
     """(GGUF path, transformers reference model, prompt + greedy continuation tokens, their logits)."""
@@ -73,13 +85,8 @@ def deepseek4():
 
     from tests.models.deepseek4 import deepseek4_checkpoint
 
-    from tests.models.cache import build_once
-
-    src = deepseek4_checkpoint()
-    # llama.cpp's converter is most of this module's time: its output is kept beside the checkpoint
-    folder = build_once(f"{src.name}-llamacpp-f32", lambda out: _llama_cpp_convert(src, out / "f32.gguf"))
-    gguf_path = folder / "f32.gguf"
-    model = _reference_model(src, gguf_path)
+    gguf_path = deepseek4_gguf()
+    model = _reference_model(deepseek4_checkpoint(), gguf_path)
     prompt = random_tokens(PROMPT, low=3, high=49152, seed=11)
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=DECODE, do_sample=False, eos_token_id=None,
@@ -174,3 +181,16 @@ def test_bad_metadata_is_refused_in_one_line(deepseek4):
     del g.tensors["blk.1.indexer.proj.weight"]
     with pytest.raises(InputError, match="missing tensor 'blk.1.indexer.proj.weight'"):
         check_servable(g)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cuts=st.lists(st.integers(1, PROMPT - 1), min_size=1, max_size=3, unique=True))
+def test_any_split_into_transactions_gives_one_forwards_logits(deepseek4, runner, cuts):
+    """The compressor and indexer state crosses transaction boundaries anywhere (inside a window, across
+    the 128-token window edge): each chunk's last logits are the one-shot forward's at that position."""
+    _, _, tokens, ref = deepseek4
+    seq, start = runner.new_sequence(), 0
+    for end in (*sorted(cuts), PROMPT):
+        last = runner.prefill(seq, tokens[start:end])
+        assert _close(last, ref[end - 1]) < TOL, f"chunk {start}..{end}"
+        start = end

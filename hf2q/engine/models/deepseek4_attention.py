@@ -231,28 +231,29 @@ class Deepseek4Attention:
             entries = c.pool(k_all[..., D:D + c.width], v_all[..., :c.width], eps, self.inv_freq, r)
             E = entries.shape[1]
             if E:
-                visible = entry_visible(q_pos_np, E, self.ratio)
+                visible = mx.array(entry_visible(q_pos_np, E, self.ratio))
                 if self.indexer is not None:
-                    visible = visible & self._indexed(x, q_res, q_pos, q_pos_np, k_all, v_all, visible)
+                    visible = self._indexed(x, q_res, q_pos, k_all, v_all, visible)
                 keys.append(entries.astype(dtype))
                 masks.append(visible)
         keys = mx.concatenate(keys, axis=1) if len(keys) > 1 else keys[0]
-        mask = mx.array(np.concatenate(masks, axis=-1)[:, None]) if len(masks) > 1 else mx.array(allowed[:, None])
+        mask = mx.concatenate([mx.array(allowed), *masks[1:]], axis=-1)[:, None] if len(masks) > 1 \
+            else mx.array(allowed[:, None])
         out = self._attend(q, keys, mask)  # [B, H, T, D]
         out = rope_tail(out, q_pos, self.inv_freq, r, sign=-1.0)
         grouped = out.transpose(0, 2, 1, 3).reshape(B * T, geo.groups, -1).transpose(1, 0, 2)  # [G, BT, in]
         low = (grouped @ self.o_a).transpose(1, 0, 2).reshape(B, T, -1)
         return self.o_b(low)
 
-    def _indexed(self, x, q_res, q_pos, q_pos_np, k_all, v_all, visible) -> np.ndarray:
-        """``[B, T, E]``: the compressed entries the lightning indexer keeps for each query (its top-k
-        among the visible ones)."""
+    def _indexed(self, x, q_res, q_pos, k_all, v_all, visible: mx.array) -> mx.array:
+        """``[B, T, E]``: the visible compressed entries the lightning indexer keeps for each query (its
+        top ``index_top_k`` by score; all of them when there are no more)."""
         geo, ix = self.geo, self.indexer
         D, c = geo.head_dim, self.compressor
         start = D + c.width
         entries = ix.pool(k_all[..., start:start + ix.width], v_all[..., c.width:c.width + ix.width], geo.norm_eps,
                           self.inv_freq, geo.rope_dims)  # [B, E, I]
-        B, T = q_pos_np.shape
+        B, T = q_pos.shape
         iq = self.index_q(q_res).reshape(B, T, geo.index_heads, geo.index_dim).transpose(0, 2, 1, 3)
         iq = rope_tail(iq, q_pos, self.inv_freq, geo.rope_dims).astype(mx.float32)  # [B, Hi, T, I]
         scores = mx.maximum(iq @ entries.astype(mx.float32)[:, None].swapaxes(-1, -2), 0.0) * geo.index_dim ** -0.5
@@ -261,12 +262,10 @@ class Deepseek4Attention:
         E = total.shape[-1]
         k = min(geo.index_top_k, E)
         if k == E:
-            return np.ones_like(visible)
-        total = mx.where(mx.array(visible), total, NEG_INF)
-        top = np.array(mx.argpartition(-total, kth=k - 1, axis=-1)[..., :k])
-        chosen = np.zeros(visible.shape, dtype=bool)
-        np.put_along_axis(chosen, top, True, axis=-1)
-        return chosen
+            return visible
+        total = mx.where(visible, total, NEG_INF)
+        kth = mx.topk(total, k, axis=-1).min(axis=-1, keepdims=True)  # the k-th best score of each query
+        return visible & (total >= kth)
 
     def _attend(self, q: mx.array, keys: mx.array, mask: mx.array) -> mx.array:
         """Softmax attention of ``q [B, H, T, D]`` over the shared head ``keys [B, K, D]`` (also the
