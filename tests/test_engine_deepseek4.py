@@ -164,18 +164,27 @@ def test_generate_gives_transformers_greedy_text(deepseek4, cli):
             "--raw", "--ignore-eos")
     assert r.code == 0, r.err
     assert r.out.strip() == tok.decode(out, skip_special=True).strip()
+    # drafts verified in one forward and the rejected tail trimmed off: the same text
+    r = cli("generate", "--model", gguf_path, "--prompt", prompt, "--max-tokens", str(DECODE), "--temperature", "0",
+            "--raw", "--ignore-eos", "--speculative", "ngram")
+    assert r.code == 0, r.err
+    assert r.out.strip() == tok.decode(out, skip_special=True).strip()
 
 
 def test_bad_metadata_is_refused_in_one_line(deepseek4):
     from hf2q.errors import InputError
     from hf2q.formats.gguf_check import check_servable
     from hf2q.formats.gguf_file import open_gguf
-    from hf2q.formats.gguf_keys import ExtraKeys
+    from hf2q.formats.gguf_keys import ExtraKeys, Keys
 
     g = open_gguf(deepseek4[0])
     check_servable(g)
     g.metadata[g.hparams.key(ExtraKeys.COMPRESS_RATIOS)] = [0, 4, 64, 4]
     with pytest.raises(InputError, match="one ratio in"):
+        check_servable(g)
+    g = open_gguf(deepseek4[0])
+    g.metadata[g.hparams.key(Keys.LLM.EXPERT_COUNT)] = 1
+    with pytest.raises(InputError, match="expert_used_count 2 is more than"):
         check_servable(g)
     g = open_gguf(deepseek4[0])
     del g.tensors["blk.1.indexer.proj.weight"]

@@ -47,8 +47,12 @@ def _ints(g: GGUFFile, fail: Callable[[str], InputError]) -> dict[str, int]:
     rope = hp.stored(Keys.Rope.DIMENSION_COUNT)
     if not isinstance(rope, int) or rope % 2 or not 2 <= rope <= min(out["head_dim"], out["index_dim"]):
         raise fail(f"{hp.key(Keys.Rope.DIMENSION_COUNT)} must be even and at most the head sizes, found {rope!r}")
-    if out["used"] > out["experts"] or (out["heads"] * out["head_dim"]) % out["groups"]:
-        raise fail(f"{out['used']} of {out['experts']} experts, or {out['heads']} heads not in {out['groups']} groups")
+    if out["used"] > out["experts"]:
+        raise fail(f"{hp.key(_L.EXPERT_USED_COUNT)} {out['used']} is more than {hp.key(_L.EXPERT_COUNT)} "
+                   f"{out['experts']}")
+    if (out["heads"] * out["head_dim"]) % out["groups"]:
+        raise fail(f"{out['heads']} heads of {out['head_dim']} do not split into "
+                   f"{hp.key(ExtraKeys.OUTPUT_GROUP_COUNT)} {out['groups']} groups")
     gating = hp.stored(_L.EXPERT_GATING_FUNC)
     if gating not in (None, 4):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SQRTSOFTPLUS
         raise fail(f"{hp.key(_L.EXPERT_GATING_FUNC)} {gating!r} is not supported (only sqrt-softplus, 4)")
@@ -125,6 +129,12 @@ def check_deepseek4(g: GGUFFile, fail: Callable[[str], InputError], vocab: int |
             values = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32) if t.qtype == T.BF16 else raw
             if not np.all(np.isfinite(values)):
                 raise fail(f"tensor {name} holds NaN or infinite values")
+    for i in range(min(d["hash"], d["layers"])):  # a hash table entry indexes the layer's experts
+        name = f"blk.{i}.ffn_gate_tid2eid.weight"
+        ids = np.asarray(g.tensors[name].data)
+        if ids.size and (ids.min() < 0 or ids.max() >= d["experts"]):
+            raise fail(f"tensor {name} routes to expert {int(ids.max() if ids.max() >= d['experts'] else ids.min())}"
+                       f" (the layer has {d['experts']})")
     for name in g.tensors:
         m = _BLOCK.fullmatch(name)
         if name not in expected and not (m and int(m.group(1)) >= d["layers"]):
