@@ -32,7 +32,8 @@ def _ints(g: GGUFFile, fail: Callable[[str], InputError]) -> dict[str, int]:
     hp = g.hparams
     out = {}
     for name, template in (("layers", _L.BLOCK_COUNT), ("hidden", _L.EMBEDDING_LENGTH), ("heads", _A.HEAD_COUNT),
-                           ("head_dim", _A.KEY_LENGTH), ("q_lora", _A.Q_LORA_RANK), ("ff", _L.EXPERT_FEED_FORWARD_LENGTH),
+                           ("head_dim", _A.KEY_LENGTH), ("q_lora", _A.Q_LORA_RANK),
+                           ("ff", _L.EXPERT_FEED_FORWARD_LENGTH),
                            ("experts", _L.EXPERT_COUNT), ("used", _L.EXPERT_USED_COUNT),
                            ("groups", ExtraKeys.OUTPUT_GROUP_COUNT), ("o_lora", ExtraKeys.OUTPUT_LORA_RANK),
                            ("index_heads", _A.Indexer.HEAD_COUNT), ("index_dim", _A.Indexer.KEY_LENGTH),
@@ -92,7 +93,8 @@ def table(g: GGUFFile, d: dict[str, int], ratios: list[int]) -> dict[str, tuple[
         if ratio:
             w = 2 * D if ratio == 4 else D
             t.update({p + "attn_compressor_kv.weight": ((w, h), mat), p + "attn_compressor_gate.weight": ((w, h), mat),
-                      p + "attn_compressor_ape.weight": ((ratio, w), vec), p + "attn_compressor_norm.weight": ((D,), vec)})
+                      p + "attn_compressor_ape.weight": ((ratio, w), vec),
+                      p + "attn_compressor_norm.weight": ((D,), vec)})
         if ratio == 4:
             t.update({p + "indexer_compressor_kv.weight": ((2 * I, h), mat),
                       p + "indexer_compressor_gate.weight": ((2 * I, h), mat),

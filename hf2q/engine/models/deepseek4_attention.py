@@ -218,11 +218,11 @@ class Deepseek4Attention:
         v_rows = lay.pack(v_parts, B, T, dtype) if v_parts else mx.zeros_like(k_rows)
         keys_buf, values_buf = fb.update(self.layer, k_rows, v_rows)
         k_all = lay.unpack(keys_buf)  # [B, L, width]: every position of every row so far
-        L = k_all.shape[1]
-        raw = k_all[..., :D]
-
-        # the raw window: causal, within the window, and within each row's own length
-        k_pos = np.arange(L)[None, None, :]
+        # the raw window: causal, within the window, and within each row's own length (no row's query
+        # sees a position before the earliest query's window)
+        first = max(0, int(offsets.min()) - geo.window + 1)
+        raw = k_all[:, first:, :D]
+        k_pos = np.arange(first, k_all.shape[1])[None, None, :]
         allowed = (k_pos <= q_pos_np[:, :, None]) & (k_pos > q_pos_np[:, :, None] - geo.window)
         keys, masks = [raw], [allowed]
         if self.compressor is not None:
