@@ -101,6 +101,13 @@ def runner(deepseek4):
     return MlxModelRunner.load(deepseek4[0])
 
 
+def seq_bytes(runner) -> int:
+    """K/V bytes a sequence's buffers take per position, from their shapes."""
+    seq = runner.new_sequence()
+    runner.prefill(seq, [5, 6])
+    return sum(k.shape[0] * k.shape[2] + v.shape[0] * v.shape[2] for k, v in zip(seq.keys, seq.values)) * 4
+
+
 def _close(ours: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(ours - ref).max())
 
@@ -108,6 +115,10 @@ def _close(ours: np.ndarray, ref: np.ndarray) -> float:
 def test_prefill_matches_transformers(deepseek4, runner):
     _, _, tokens, ref = deepseek4
     assert runner.trims_prefix  # the cache is positions' rows: any earlier length is exact
+    from hf2q.engine.memory_plan import kv_need
+
+    # the header-only plan (serve's memory check, hf2q info) counts what the slot cache allocates
+    assert kv_need(runner.gguf.hparams, 4).per_token == runner.kv_bytes_per_token == seq_bytes(runner)
     seq = runner.new_sequence()
     ours = runner.verify(seq, tokens[:PROMPT])  # every position's logits
     assert _close(ours, ref[:PROMPT]) < TOL

@@ -20,7 +20,6 @@ repacking does not take).
 
 from __future__ import annotations
 
-import math
 import types
 
 import attrs
@@ -32,7 +31,8 @@ from hf2q.engine.kv_cache import ForwardBatch
 from hf2q.engine.layers import Linear, float_array, silu
 from hf2q.engine.models.decoder import distinct_nbytes
 from hf2q.engine.models.deepseek4_attention import (AttnGeometry, Deepseek4Attention, RowLayout, default_inv_freq,
-                                                    row_widths, yarn_inv_freq)
+                                                    yarn_inv_freq)
+from hf2q.engine.models.deepseek4_layout import cache_shape
 from hf2q.engine.models.deepseek4_hc import HyperConnection, HyperHead
 from hf2q.engine.quant_repack import FLOAT_TYPES, QUANTIZED_TYPES
 from hf2q.errors import InputError
@@ -199,11 +199,8 @@ def read_config(g: GGUFFile) -> tuple[Deepseek4Config, AttnGeometry]:
 
 
 def row_layout(geo: AttnGeometry, ratios: list[int]) -> RowLayout:
-    """The cache buffers' ``heads × piece`` channels: pieces of gcd(head, indexer head) channels, as many
-    as the widest layer's rows need."""
-    piece = math.gcd(geo.head_dim, geo.index_dim) if 4 in ratios else geo.head_dim
-    widest = max(max(row_widths(geo, r)) for r in ratios)
-    return RowLayout(heads=-(-widest // piece), piece=piece)
+    heads, piece = cache_shape(geo.head_dim, geo.index_dim, ratios)
+    return RowLayout(heads=heads, piece=piece)
 
 
 class Deepseek4Model:

@@ -92,15 +92,6 @@ class RowLayout:
         return buf.transpose(0, 2, 1, 3).reshape(B, L, H * P)
 
 
-def row_widths(g: AttnGeometry, ratio: int) -> tuple[int, int]:
-    """(K, V) channels a layer of compression ``ratio`` stores per position."""
-    if ratio == 0:
-        return g.head_dim, 0
-    if ratio == 4:
-        return g.head_dim + 2 * g.head_dim + 2 * g.index_dim, 2 * g.head_dim + 2 * g.index_dim
-    return 2 * g.head_dim, g.head_dim
-
-
 def rope_tail(x: mx.array, pos: mx.array, inv_freq: mx.array, rope_dims: int, sign: float = 1.0) -> mx.array:
     """Rotate the last ``rope_dims`` channels of ``x [B, H, L, D]`` by ``sign·pos·inv_freq`` in the
     interleaved-pair layout (channels ``2i, 2i+1`` form pair ``i``); ``pos [B, L]``."""
