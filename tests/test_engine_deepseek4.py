@@ -150,6 +150,12 @@ def test_trim_and_batched_decode_stay_exact(deepseek4, runner):
     runner.prefill(b, tokens[:PROMPT - 20])
     both = runner.decode([a, b], [tokens[PROMPT], tokens[PROMPT - 20]])
     assert _close(both[0], ref[PROMPT]) < TOL and _close(both[1], ref[PROMPT - 20]) < TOL
+    # trimmed back and continued with other tokens: what a fresh sequence of that text gives
+    other = random_tokens(30, low=3, high=49152, seed=12)
+    d, fresh = runner.new_sequence(), runner.new_sequence()
+    runner.prefill(d, tokens[:PROMPT])
+    d.trim(101)
+    assert _close(runner.prefill(d, other), runner.prefill(fresh, tokens[:101] + other)) < 1e-5
     # the K/V blocks hold the whole state: exported and imported (the persistent store's path), they continue
     c = runner.new_sequence()
     c.import_(a.export(0, a.length), a.length)
