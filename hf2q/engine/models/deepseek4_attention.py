@@ -21,8 +21,9 @@ The compressed layers use the ``compress_rope_freq_base`` RoPE for queries, keys
 
 **Cache.** The slot cache stores, per position and layer, the raw key-value row and the compressor's
 (and indexer's) projected rows and gate logits, packed into the layer's K and V buffers
-(:class:`RowLayout`). The compressed entries are a pure function of those rows, so they are pooled
-again at every forward from the rows of positions ``[0, length)``: a cache trimmed to any earlier
+(:class:`RowLayout`). A compressed entry is a function of the rows before its window's end, so the
+entries a sequence's earlier forwards pooled are kept per compressor and reused while they lie inside
+its current length, and a forward pools only the windows it closes: a cache trimmed to any earlier
 length (prefix reuse, cancellation, a speculative rollback) or moved through export/import is exactly
 the state a fresh prefill of that prefix would leave, and the "compressor state" carried across
 prefill chunks and decode steps is simply the rows of the unfinished window.
