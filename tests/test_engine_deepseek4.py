@@ -156,6 +156,15 @@ def test_trim_and_batched_decode_stay_exact(deepseek4, runner):
     runner.prefill(d, tokens[:PROMPT])
     d.trim(101)
     assert _close(runner.prefill(d, other), runner.prefill(fresh, tokens[:101] + other)) < 1e-5
+    # the persistent store's restore: trimmed, then another text's K/V blocks imported back to the same length
+    text = tokens[:101] + random_tokens(PROMPT - 101, low=3, high=49152, seed=13)
+    source, e, same = runner.new_sequence(), runner.new_sequence(), runner.new_sequence()
+    runner.prefill(source, text)
+    runner.prefill(e, tokens[:PROMPT])
+    e.trim(101)
+    e.import_(source.export(101, PROMPT), PROMPT - 101)
+    runner.prefill(same, text)
+    assert _close(runner.decode([e], [7])[0], runner.decode([same], [7])[0]) < 1e-5
     # the K/V blocks hold the whole state: exported and imported (the persistent store's path), they continue
     c = runner.new_sequence()
     c.import_(a.export(0, a.length), a.length)

@@ -21,9 +21,8 @@ The compressed layers use the ``compress_rope_freq_base`` RoPE for queries, keys
 
 **Cache.** The slot cache stores, per position and layer, the raw key-value row and the compressor's
 (and indexer's) projected rows and gate logits, packed into the layer's K and V buffers
-(:class:`RowLayout`). A compressed entry is a function of the rows before its window's end, so the
-entries a sequence's earlier forwards pooled are kept per compressor and reused while they lie inside
-its current length, and a forward pools only the windows it closes: a cache trimmed to any earlier
+(:class:`RowLayout`). The compressed entries are a pure function of those rows, so they are pooled
+again at every forward from the rows of positions ``[0, length)``: a cache trimmed to any earlier
 length (prefix reuse, cancellation, a speculative rollback) or moved through export/import is exactly
 the state a fresh prefill of that prefix would leave, and the "compressor state" carried across
 prefill chunks and decode steps is simply the rows of the unfinished window.
@@ -32,7 +31,6 @@ prefill chunks and decode steps is simply the rows of the unfinished window.
 from __future__ import annotations
 
 import math
-import weakref
 
 import attrs
 import mlx.core as mx
@@ -123,45 +121,13 @@ class Compressor:
             raise InputError(f"{g.path.name}: {prefix}ape.weight has shape {tuple(self.ape.shape)}, expected "
                              f"{(ratio, width)} (compression ratio {ratio})")
         self.ratio, self.dim, self.overlap, self.width = ratio, dim, overlap, width
-        #: sequence → (windows pooled, their entries [n, dim]) as of its last forward
-        self._pooled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def linears(self):
         return (self.kv, self.gate)
 
-    def entries(self, fb: ForwardBatch, kv: mx.array, gate: mx.array, eps: float, inv_freq: mx.array,
-                rope_dims: int) -> mx.array:
-        """Every row's entries of its closed windows after this forward, ``[B, E, dim]`` (rows padded to the
-        longest), from the rows ``kv, gate [B, L, width]`` of positions ``[0, L)``.
-
-        Entries are a function of the rows before their window's end alone, so those a sequence's earlier
-        forwards pooled are kept (``_pooled``) and reused while they lie inside its current length — a
-        trim simply makes the later ones stale — and only the windows this forward closes are pooled."""
-        m = self.ratio
-        ends = [(off + fb.n_new) // m for off in fb.offsets]
-        rows = []
-        for b, (seq, off) in enumerate(zip(fb.caches, fb.offsets)):
-            kept = self._pooled.get(seq)
-            have = min(kept[0], off // m) if kept is not None else 0
-            parts = [kept[1][:have]] if have else []
-            if ends[b] > have:
-                lo = have - 1 if self.overlap and have else have  # the window before: the overlap's a half
-                new = self.pool(kv[b:b + 1, lo * m:ends[b] * m], gate[b:b + 1, lo * m:ends[b] * m], eps, inv_freq,
-                                rope_dims, first=lo)[0]
-                parts.append(new[have - lo:])
-            row = mx.concatenate(parts, axis=0) if len(parts) > 1 else parts[0] if parts else \
-                mx.zeros((0, self.dim), dtype=mx.float32)
-            self._pooled[seq] = (ends[b], row)
-            rows.append(row)
-        E = max(ends)
-        return mx.stack([r if r.shape[0] == E else mx.concatenate([r, mx.zeros((E - r.shape[0], self.dim))], axis=0)
-                         for r in rows])
-
-    def pool(self, kv: mx.array, gate: mx.array, eps: float, inv_freq: mx.array, rope_dims: int,
-             first: int = 0) -> mx.array:
-        """Rows ``kv, gate [B, P, width]`` of positions ``[first·ratio, first·ratio + P)`` → entries
-        ``[B, P // ratio, dim]`` of windows ``first…`` (normalised and rotated at their window's first
-        position); the first window's overlap half is taken as empty."""
+    def pool(self, kv: mx.array, gate: mx.array, eps: float, inv_freq: mx.array, rope_dims: int) -> mx.array:
+        """Rows ``kv, gate [B, P, width]`` of positions ``[0, P)`` → entries ``[B, P // ratio, dim]``
+        (normalised and rotated at their window's first position)."""
         m, d = self.ratio, self.dim
         B, P, _ = kv.shape
         n = P // m
@@ -176,7 +142,7 @@ class Compressor:
             logits = mx.concatenate([prev_logits, logits[..., d:]], axis=2)
         weights = mx.softmax(logits, axis=2, precise=True)
         pooled = _rms((kv * weights).sum(axis=2), self.norm.astype(mx.float32), eps)  # [B, n, d]
-        pos = mx.broadcast_to(((mx.arange(n) + first) * m)[None], (B, n))
+        pos = mx.broadcast_to((mx.arange(n) * m)[None], (B, n))
         return rope_tail(pooled[:, None], pos, inv_freq, rope_dims)[:, 0]
 
 
@@ -253,12 +219,12 @@ class Deepseek4Attention:
         if self.compressor is not None:
             v_all = lay.unpack(values_buf)
             c = self.compressor
-            entries = c.entries(fb, k_all[..., D:D + c.width], v_all[..., :c.width], eps, self.inv_freq, r)
+            entries = c.pool(k_all[..., D:D + c.width], v_all[..., :c.width], eps, self.inv_freq, r)
             E = entries.shape[1]
             if E:
                 visible = mx.array(entry_visible(q_pos_np, E, self.ratio))
                 if self.indexer is not None:
-                    visible = self._indexed(fb, x, q_res, q_pos, k_all, v_all, visible)
+                    visible = self._indexed(x, q_res, q_pos, k_all, v_all, visible)
                 keys.append(entries.astype(dtype))
                 masks.append(visible)
         keys = mx.concatenate(keys, axis=1) if len(keys) > 1 else keys[0]
@@ -270,14 +236,14 @@ class Deepseek4Attention:
         low = (grouped @ self.o_a).transpose(1, 0, 2).reshape(B, T, -1)
         return self.o_b(low)
 
-    def _indexed(self, fb, x, q_res, q_pos, k_all, v_all, visible: mx.array) -> mx.array:
+    def _indexed(self, x, q_res, q_pos, k_all, v_all, visible: mx.array) -> mx.array:
         """``[B, T, E]``: the visible compressed entries the lightning indexer keeps for each query (its
         top ``index_top_k`` by score; all of them when there are no more)."""
         geo, ix = self.geo, self.indexer
         D, c = geo.head_dim, self.compressor
         start = D + c.width
-        entries = ix.entries(fb, k_all[..., start:start + ix.width], v_all[..., c.width:c.width + ix.width],
-                             geo.norm_eps, self.inv_freq, geo.rope_dims)  # [B, E, I]
+        entries = ix.pool(k_all[..., start:start + ix.width], v_all[..., c.width:c.width + ix.width], geo.norm_eps,
+                          self.inv_freq, geo.rope_dims)  # [B, E, I]
         B, T = q_pos.shape
         iq = self.index_q(q_res).reshape(B, T, geo.index_heads, geo.index_dim).transpose(0, 2, 1, 3)
         iq = rope_tail(iq, q_pos, self.inv_freq, geo.rope_dims).astype(mx.float32)  # [B, Hi, T, I]
