@@ -98,6 +98,10 @@ def kv_need(hp, elem: int, *, on_cpu: bool = False) -> KvNeed:
         local = gemma3_local_layers(hp)
         position = hp.kv_bytes_per_token(elem) // hp.n_layers
         return KvNeed((len(local) - sum(local)) * position, hp.sliding_window, sum(local), position)
+    if hp.arch == "deepseek4":  # every layer's rows, one width (models/deepseek4_layout.py)
+        from hf2q.engine.models.deepseek4_layout import kv_bytes_per_token
+
+        return KvNeed(kv_bytes_per_token(hp, elem))
     if hp.arch != "gemma4":
         return KvNeed(hp.kv_bytes_per_token(elem))
     a = Keys.Attention

@@ -325,6 +325,11 @@ class _Checker:
     # ---- tensors ---------------------------------------------------------------------
 
     def run(self, tokenizer: bool) -> None:
+        if self.arch == "deepseek4":  # its own hyper-parameters and table (formats.gguf_check_deepseek4)
+            from hf2q.formats.gguf_check_deepseek4 import check_deepseek4
+
+            vocab = self.tokenizer() if tokenizer or self.g.metadata.get(_TK.LIST) is not None else None
+            return check_deepseek4(self.g, self.fail, vocab)
         if self.arch not in _FAMILY_TABLES:  # the architectures with a checker here
             raise self.fail(unserved(self.arch))
         unsupported = [t for t in self.g.tensors.values() if t.qtype not in SUPPORTED_TYPES]

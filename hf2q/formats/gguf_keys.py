@@ -23,6 +23,17 @@ class ExtraKeys:
     #: hybrid recurrent models (qwen35, qwen3next): one flag per block, True for a recurrent
     #: (linear-attention) layer (llama.cpp's ``LLM_KV_ATTENTION_RECURRENT_LAYERS``)
     RECURRENT_LAYERS = "{arch}.attention.recurrent_layers"
+    #: DeepSeek-V4 (``deepseek4``, llama.cpp's ``LLM_KV_*`` of the same names): per-layer compression
+    #: ratio (0 sliding window only, 4 compressed sparse, 128 heavily compressed), the compressed
+    #: branches' RoPE base, the grouped output projection, hash-routed layers, hyper-connections
+    COMPRESS_RATIOS = "{arch}.attention.compress_ratios"
+    COMPRESS_ROPE_FREQ_BASE = "{arch}.attention.compress_rope_freq_base"
+    OUTPUT_GROUP_COUNT = "{arch}.attention.output_group_count"
+    OUTPUT_LORA_RANK = "{arch}.attention.output_lora_rank"
+    HASH_LAYER_COUNT = "{arch}.hash_layer_count"
+    HYPER_CONNECTION_COUNT = "{arch}.hyper_connection.count"
+    HYPER_CONNECTION_SINKHORN_ITERATIONS = "{arch}.hyper_connection.sinkhorn_iterations"
+    HYPER_CONNECTION_EPSILON = "{arch}.hyper_connection.epsilon"
     #: ``[rank, size]`` on the per-rank view of a tensor-parallel shard (never written to a file)
     TENSOR_PARALLEL = "hf2q.tensor_parallel"
     #: the parser's own entries (not file keys): the container version and counts

@@ -17,6 +17,7 @@ FAMILIES = {
     "qwen35moe": "hf2q.engine.models.qwen35_moe",
     "gemma3": "hf2q.engine.models.gemma3",
     "gemma4": "hf2q.engine.models.gemma4",
+    "deepseek4": "hf2q.engine.models.deepseek4",
     "bert": "hf2q.engine.models.bert",
     "nomic-bert": "hf2q.engine.models.nomic_bert",
 }
