@@ -93,6 +93,8 @@ def _build(shape: str, out: Path) -> None:
     cfg["architectures"] = [model_cls.__name__]
     cfg["torch_dtype"] = "float32"
     tc = cfg["text_config"]
+    for sub in (tc, cfg["vision_config"]):  # to_dict's nulls; the Hub's sub-configs have no architectures
+        sub.pop("architectures", None)
     # the Hub configs' spelling (transformers 4.57), read by llama.cpp's converter and older tools
     tc["rope_theta"] = ROPE_THETA
     tc["rope_scaling"] = {"rope_type": "default", "mrope_section": MROPE_SECTION, "mrope_interleaved": True}
