@@ -21,7 +21,7 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def encoders(tmp_path_factory):
-    """(our encoder over the F32 mmproj, transformers' vision tower, the mmproj's path)."""
+    """(our encoder over the F32 mmproj, transformers' model, the mmproj's path)."""
     import torch
     import transformers
 
@@ -32,14 +32,15 @@ def encoders(tmp_path_factory):
     path = tmp_path_factory.mktemp("mmproj") / "mmproj-f32.gguf"
     convert_mmproj(src, path, "f32")
     model = transformers.AutoModelForImageTextToText.from_pretrained(src, dtype=torch.float32).eval()
-    return Qwen3VLVisionEncoder(open_gguf(path)), model.model.visual, path
+    return Qwen3VLVisionEncoder(open_gguf(path)), model, path
 
 
 @pytest.mark.parametrize("grid", [(1, 4, 6), (2, 6, 4)], ids=["image", "clip"])
 def test_features_match_transformers(encoders, grid):
     import torch
 
-    ours, theirs, _ = encoders
+    ours, model, _ = encoders
+    theirs = model.model.visual
     t, h, w = grid
     patches = np.random.default_rng(sum(grid)).standard_normal((t * h * w, 3 * 2 * 16 * 16)).astype(np.float32)
     with torch.no_grad():
@@ -85,3 +86,63 @@ def test_not_a_qwen3vl_mmproj_is_refused(encoders):
     g.metadata[Keys.Clip.PROJECTOR_TYPE] = "gemma3"
     with pytest.raises(InputError, match="not a Qwen3-VL mmproj"):
         Qwen3VLVisionEncoder(g)
+
+
+IMAGE_PAD, VISION_START, VISION_END = 151655, 151652, 151653
+
+
+def test_prompt_with_an_image_matches_transformers(encoders, tmp_path):
+    """Processor cut → our encoder → features spliced into the prompt at M-RoPE grid positions with
+    deepstack → our text model, prefill and one decode step after the image, against
+    ``Qwen3VLForConditionalGeneration`` given the same image."""
+    import mlx.core as mx
+    import torch
+    import transformers
+
+    from hf2q.engine.kv_cache import ForwardBatch
+    from hf2q.engine.models.qwen3vl import multimodal_positions, text_positions
+    from hf2q.engine.runner import MlxModelRunner
+    from tests.test_llamacpp_parity import _convert
+
+    ours_vision, model, _ = encoders
+    src = checkpoint("qwen3vl")
+    _convert(src, "f32", tmp_path / "text.gguf")
+    runner = MlxModelRunner.load(tmp_path / "text.gguf")
+    image = np.random.default_rng(1).integers(0, 256, (64, 96, 3), dtype=np.uint8)
+    rows, grid = patchify(np.stack([ours_vision.normalise(image)] * 2), 16, 2)
+    n_image = grid[0] * grid[1] * grid[2] // 4
+    tokens = [9707, 11, 1879, 25, VISION_START] + [IMAGE_PAD] * n_image + [VISION_END, 3555, 374, 419]
+    nxt = 279
+    proc = transformers.AutoImageProcessor.from_pretrained(src)
+    pixels = proc(images=[image], do_resize=False, return_tensors="pt")
+
+    def reference(ids):
+        ids = torch.tensor([ids])
+        with torch.no_grad():
+            return model(input_ids=ids, pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"],
+                         mm_token_type_ids=(ids == IMAGE_PAD).int()).logits[0].numpy()
+
+    ref, ref_next = reference(tokens), reference(tokens + [nxt])[-1]
+    assert np.abs(ref - model(input_ids=torch.tensor([tokens])).logits[0].detach().numpy()).max() > 0.1  # the image matters
+
+    feats = ours_vision(rows, grid)
+    mask = np.asarray(tokens) == IMAGE_PAD
+    embeds = np.array(runner.model.embed.rows(mx.array(tokens)))
+    embeds[mask] = np.array(feats.merged)
+    positions, next_pos = multimodal_positions(tokens, IMAGE_PAD, [grid], 2)
+    seq = runner.new_sequence()
+    fb = ForwardBatch([seq], len(tokens), end_point=True)
+    got = runner.model(mx.array([tokens]), fb, last_only=False, positions=mx.array(positions[:, None, :]),
+                       embeddings=mx.array(embeds[None]), visual_mask=mx.array(mask[None]), deepstack=feats.deepstack)
+    mx.eval(got, fb.eval_state())
+    fb.finish()
+    err = np.abs(np.array(got[0]) - ref).max()
+    # the token after the prompt continues from the image's M-RoPE id, not from the cache length
+    fb = ForwardBatch([seq], 1)
+    step = runner.model(mx.array([[nxt]]), fb, positions=text_positions(next_pos, 1))
+    mx.eval(step)
+    fb.finish()
+    err_next = np.abs(np.array(step[0]) - ref_next).max()
+    print(f"image prompt: max |logit error| {err:.2e}, next step {err_next:.2e}")
+    assert err < 1e-3 and err_next < 1e-3
+    assert next_pos < len(tokens)  # the 2×3 merged image spans 3 ids, not 6
