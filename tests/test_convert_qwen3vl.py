@@ -140,6 +140,10 @@ def test_dry_run_and_info_know_both_files(cli, tmp_path, dense_f16):
     assert info["serve_support"] == "ready", info
     r = cli("info", out)
     assert "Family:         qwen3vl" in r.out
+    r = cli("info", side)  # the projector is recognised, and refused as a model of its own
+    assert r.code == 3 and "Family:         clip (mmproj)" in r.out
+    assert "Projector:      qwen3vl_merger: 3 blocks of 32, patch 16, 2 deepstack, into a text width of 64" in r.out
+    assert "vision projector (mmproj)" in r.out
 
 
 def test_bad_inputs_are_one_line_errors(cli, tmp_path, tiny_checkpoint):

@@ -222,3 +222,12 @@ class Qwen3VLVision:
             md.array(Keys.ClipVision.IS_DEEPSTACK_LAYERS, flags, gguf.GGUFValueType.BOOL)
         md.u32(Keys.General.QUANTIZATION_VERSION, gguf.GGML_QUANT_VERSION)
         return md
+
+
+def projector_summary(metadata: dict[str, Any]) -> str:
+    """One line about an mmproj GGUF's vision tower, from its metadata (for ``hf2q info``)."""
+    g = metadata.get
+    flags = g(Keys.ClipVision.IS_DEEPSTACK_LAYERS) or []
+    return (f"{g(Keys.Clip.PROJECTOR_TYPE) or '?'}: {g(Keys.ClipVision.BLOCK_COUNT)} blocks of "
+            f"{g(Keys.ClipVision.EMBEDDING_LENGTH)}, patch {g(Keys.ClipVision.PATCH_SIZE)}, "
+            f"{sum(bool(f) for f in flags)} deepstack, into a text width of {g(Keys.ClipVision.PROJECTION_DIM)}")
