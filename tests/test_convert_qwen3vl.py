@@ -6,7 +6,8 @@ and the MoE one with its experts in the Hub's transposed layout.
 * the text GGUF (``qwen3vl`` / ``qwen3vlmoe``: M-RoPE sections, deepstack count, stacked experts)
   equals llama.cpp's ``convert_hf_to_gguf.py`` (+ ``llama-quantize``) tensor for tensor;
 * the mmproj (``clip``, ``qwen3vl_merger``) equals its ``--mmproj`` output, in F16 and Q8_0;
-* stock ``llama-completion`` loads our text GGUF and generates what it generates from its own;
+* stock ``llama-completion`` loads our text GGUF and generates what it generates from its own, and
+  ``llama-mtmd-cli`` runs an image through our pair as through its own;
 * ``--dry-run`` lists both files' tensors; ``info`` knows the family; bad inputs are one line.
 """
 
@@ -173,3 +174,35 @@ def test_bad_inputs_are_one_line_errors(cli, tmp_path, tiny_checkpoint):
     (bad / "config.json").write_text(json.dumps(cfg))
     r = cli("convert", bad, "--quant", "q8_0", "--dry-run")
     assert r.code == 3 and "mrope_section" in r.err
+
+
+def _mtmd(model: Path, mmproj: Path, image: Path) -> str:
+    from tests.tools import llama_cpp
+
+    args = [str(llama_cpp.tool("llama-mtmd-cli")), "-m", str(model), "--mmproj", str(mmproj), "--image", str(image),
+            "-p", "Describe this image.", "-n", "8", "--temp", "0", "-t", "1"]
+    r = subprocess.run(args, env={**llama_cpp.env(), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                       timeout=300, check=False, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "mtmd batch encoding done" in r.stderr  # the image went through the vision tower
+    return r.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.llamacpp
+def test_stock_mtmd_runs_our_pair(llama_cpp_bin, dense_f16, tmp_path):
+    """``llama-mtmd-cli`` (built beside the other tools when present) loads our text GGUF with our mmproj,
+    encodes an image and generates what it generates from llama.cpp's own pair."""
+    from tests.tools import llama_cpp
+
+    if llama_cpp.tool("llama-mtmd-cli") is None:
+        pytest.skip("llama-mtmd-cli is not built (cmake --build <build dir> --target llama-mtmd-cli)")
+    import numpy as np
+    from PIL import Image
+
+    image = tmp_path / "image.png"
+    Image.fromarray(np.random.default_rng(1).integers(0, 256, (64, 96, 3), dtype=np.uint8)).save(image)
+    src = checkpoint("qwen3vl")
+    ours = _mtmd(*dense_f16, image)
+    assert ours.strip()
+    assert ours == _mtmd(llamacpp_reference(src, "f16"), _llamacpp_mmproj(src, "f16"), image)
