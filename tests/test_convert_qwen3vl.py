@@ -59,10 +59,11 @@ def _llamacpp_mmproj(src: Path, outtype: str) -> Path:
     return out
 
 
-@pytest.mark.slow
+@pytest.mark.parametrize("shape,quant", TEXT_PARITY)
 @pytest.mark.llamacpp
-@pytest.mark.parametrize("shape,quant", TEXT_PARITY, ids=[f"{s}-{q}" for s, q in TEXT_PARITY])
+@pytest.mark.slow
 def test_text_gguf_matches_llamacpp(shape, quant, llama_cpp_bin, tmp_path, request):
+    """Every tensor and the model metadata equal llama.cpp's (the dense F16 file is the shared fixture)."""
     src = checkpoint(shape)
     if (shape, quant) == ("qwen3vl", "f16"):
         ours = request.getfixturevalue("dense_f16")[0]
@@ -81,7 +82,7 @@ def test_text_gguf_matches_llamacpp(shape, quant, llama_cpp_bin, tmp_path, reque
 
 
 @pytest.mark.llamacpp
-@pytest.mark.parametrize("shape,kind", MMPROJ_PARITY, ids=[f"{s}-{k}" for s, k in MMPROJ_PARITY])
+@pytest.mark.parametrize("shape,kind", MMPROJ_PARITY)
 def test_mmproj_matches_llamacpp(shape, kind, llama_cpp_bin, tmp_path):
     from hf2q.convert.mmproj import convert_mmproj
 

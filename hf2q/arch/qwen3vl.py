@@ -48,22 +48,12 @@ def deepstack_count(cfg: dict) -> int:
     return len(vision.get("deepstack_visual_indexes") or [])
 
 
-def _vl_hparams(family: Family, md: Metadata) -> None:
-    a = family.arch_name
-    md.array(Keys.Rope.DIMENSION_SECTIONS.format(arch=a), mrope_sections(family), gguf.GGUFValueType.INT32)
-    md.u32(Keys.LLM.NUM_DEEPSTACK_LAYERS.format(arch=a), deepstack_count(family.cfg))
-
-
-def _skip_vision(hf_name: str) -> bool:
-    return "visual." in hf_name
-
-
-class Qwen3VL(Qwen3):
-    hf_architectures = ("Qwen3VLForConditionalGeneration",)
-    gguf_arch = gguf.MODEL_ARCH.QWEN3VL
+class _VisionLanguageText:
+    """What Qwen3-VL adds to a Qwen3 text family (listed before it among the bases): the vision
+    tower's tensors left out, the M-RoPE sections checked, the two extra keys written."""
 
     def skip(self, hf_name: str) -> bool:
-        return super().skip(hf_name) or _skip_vision(hf_name)
+        return super().skip(hf_name) or "visual." in hf_name
 
     def check_config(self) -> None:
         super().check_config()
@@ -71,7 +61,14 @@ class Qwen3VL(Qwen3):
 
     def hparams(self, md: Metadata) -> None:
         super().hparams(md)
-        _vl_hparams(self, md)
+        a = self.arch_name
+        md.array(Keys.Rope.DIMENSION_SECTIONS.format(arch=a), mrope_sections(self), gguf.GGUFValueType.INT32)
+        md.u32(Keys.LLM.NUM_DEEPSTACK_LAYERS.format(arch=a), deepstack_count(self.cfg))
+
+
+class Qwen3VL(_VisionLanguageText, Qwen3):
+    hf_architectures = ("Qwen3VLForConditionalGeneration",)
+    gguf_arch = gguf.MODEL_ARCH.QWEN3VL
 
 
 @attrs.define
@@ -126,22 +123,14 @@ def _collect_hub_experts(family: Qwen3Moe, ck) -> Iterator[tuple[str, str, RowSo
             yield hf_name, f"blk.{bid}.ffn_down_exps.weight", ExpertColumns(hf_name, 0, (e, d, ff))
 
 
-class Qwen3VLMoe(Qwen3Moe):
+class Qwen3VLMoe(_VisionLanguageText, Qwen3Moe):
     hf_architectures = ("Qwen3VLMoeForConditionalGeneration",)
     gguf_arch = gguf.MODEL_ARCH.QWEN3VLMOE
 
-    def skip(self, hf_name: str) -> bool:
-        return super().skip(hf_name) or _skip_vision(hf_name)
-
     def check_config(self) -> None:
         super().check_config()
-        mrope_sections(self)
         if not self.cfg.get("moe_intermediate_size"):
             raise InputError("config.json: Qwen3-VL MoE needs moe_intermediate_size")
 
     def collect(self, ck):
         return _collect_hub_experts(self, ck)
-
-    def hparams(self, md: Metadata) -> None:
-        super().hparams(md)
-        _vl_hparams(self, md)
