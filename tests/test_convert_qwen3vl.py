@@ -25,7 +25,8 @@ from tests.models.qwen3vl import checkpoint
 from tests.test_llamacpp_parity import _convert, _ref_dir, _source_key, compare_gguf, llamacpp_reference, read_gguf
 
 TEXT_PARITY = [("qwen3vl", "f16"), ("qwen3vl", "q4_k_m"), ("qwen3vl_moe", "q8_0")]  # dense f16: the shared fixture
-MMPROJ_PARITY = [("qwen3vl", "f16"), ("qwen3vl", "q8_0"), ("qwen3vl", "bf16"), ("qwen3vl", "f32"), ("qwen3vl_moe", "f16")]
+MMPROJ_PARITY = [("qwen3vl", "f16"), ("qwen3vl", "q8_0"), ("qwen3vl", "bf16"), ("qwen3vl", "f32"),
+                 ("qwen3vl_moe", "f16")]
 
 
 @pytest.fixture(scope="module")

@@ -134,7 +134,8 @@ def test_image_positions_inputs_and_deepstack_match_transformers(pair):
     print(f"{runner.arch}: image-shaped inputs, max |logit error| {np.abs(got - ref).max():.2e}")
     assert np.abs(got - ref).max() < TOL_F32
     # the grid positions matter: the same inputs at text positions give other logits
-    flat = ours(embeddings=mx.array(embeds), visual_mask=mx.array(mask[None]), deepstack=[mx.array(x) for x in deepstack])
+    flat = ours(embeddings=mx.array(embeds), visual_mask=mx.array(mask[None]),
+                deepstack=[mx.array(x) for x in deepstack])
     assert np.abs(flat - ref).max() > 10 * TOL_F32
     # explicit text positions rotate exactly as the cache-offset fast path
     text = ours(positions=text_positions(0, L))

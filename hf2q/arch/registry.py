@@ -17,7 +17,8 @@ from hf2q.arch.qwen3vl import Qwen3VL, Qwen3VLMoe
 from hf2q.errors import InputError
 from hf2q.sources.hf_config import architecture_name
 
-FAMILIES: tuple[type[Family], ...] = (Llama, Qwen3, Qwen3Moe, Qwen35, Qwen35Moe, Qwen3VL, Qwen3VLMoe, Gemma3, Gemma4, Bert, NomicBert)
+FAMILIES: tuple[type[Family], ...] = (Llama, Qwen3, Qwen3Moe, Qwen35, Qwen35Moe, Qwen3VL, Qwen3VLMoe, Gemma3, Gemma4, Bert,
+                                      NomicBert)
 
 
 def supported_architectures() -> list[str]:
