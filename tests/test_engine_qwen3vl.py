@@ -14,8 +14,6 @@ conversion itself is checked byte for byte against llama.cpp in ``test_convert_q
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import hf2q.engine  # noqa: F401
 import mlx.core as mx
 import numpy as np
@@ -25,19 +23,12 @@ from hf2q.engine.kv_cache import ForwardBatch
 from hf2q.engine.models.qwen3vl import pair_axes, text_positions
 from hf2q.engine.runner import MlxModelRunner
 from tests.engine_support import random_tokens
-from tests.models.qwen3vl import MROPE_SECTION, checkpoint
+from tests.models.qwen3vl import MROPE_SECTION, checkpoint, f32_gguf
 
 TOL_F32 = 1e-3
 CHUNK = 16
 PROMPT = 40
 DECODE = 6
-
-
-def _convert_f32(src: Path, out: Path) -> Path:
-    from hf2q.cli import main
-
-    assert main(["convert", str(src), "--quant", "f32", "-o", str(out), "--no-integrity"]) == 0
-    return out
 
 
 def _hf_model(shape: str):
@@ -48,10 +39,9 @@ def _hf_model(shape: str):
 
 
 @pytest.fixture(scope="module", params=["qwen3vl", "qwen3vl_moe"])
-def pair(request, tmp_path_factory):
+def pair(request):
     """(our runner, transformers model) for one shape."""
-    gguf = _convert_f32(checkpoint(request.param), tmp_path_factory.mktemp(request.param) / "f32.gguf")
-    return MlxModelRunner.load(gguf), _hf_model(request.param)
+    return MlxModelRunner.load(f32_gguf(request.param)), _hf_model(request.param)
 
 
 def test_pair_axes_interleave_the_sections():
@@ -143,8 +133,7 @@ def test_image_positions_inputs_and_deepstack_match_transformers(pair):
     np.testing.assert_allclose(text, plain, atol=TOL_F32, rtol=0)
 
 
-def test_generate_runs(pair, cli):
-    runner, _ = pair
-    r = cli("generate", "--model", runner.gguf.path, "--prompt", "Hello", "--max-tokens", "4", "--raw")
+def test_generate_runs(cli):
+    r = cli("generate", "--model", f32_gguf("qwen3vl_moe"), "--prompt", "Hello", "--max-tokens", "4", "--raw")
     assert r.code == 0, r.err
     assert r.out.strip()

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from hf2q.engine.vision.qwen3vl import Qwen3VLVisionEncoder, bilinear_taps, patchify
-from tests.models.qwen3vl import checkpoint
+from tests.models.qwen3vl import checkpoint, f32_gguf
 
 TOL = 1e-4
 
@@ -91,7 +91,7 @@ def test_not_a_qwen3vl_mmproj_is_refused(encoders):
 IMAGE_PAD, VISION_START, VISION_END = 151655, 151652, 151653
 
 
-def test_prompt_with_an_image_matches_transformers(encoders, tmp_path):
+def test_prompt_with_an_image_matches_transformers(encoders):
     """Processor cut → our encoder → features spliced into the prompt at M-RoPE grid positions with
     deepstack → our text model, prefill and one decode step after the image, against
     ``Qwen3VLForConditionalGeneration`` given the same image."""
@@ -102,12 +102,9 @@ def test_prompt_with_an_image_matches_transformers(encoders, tmp_path):
     from hf2q.engine.kv_cache import ForwardBatch
     from hf2q.engine.models.qwen3vl import multimodal_positions, text_positions
     from hf2q.engine.runner import MlxModelRunner
-    from tests.test_llamacpp_parity import _convert
-
     ours_vision, model, _ = encoders
     src = checkpoint("qwen3vl")
-    _convert(src, "f32", tmp_path / "text.gguf")
-    runner = MlxModelRunner.load(tmp_path / "text.gguf")
+    runner = MlxModelRunner.load(f32_gguf("qwen3vl"))
     image = np.random.default_rng(1).integers(0, 256, (64, 96, 3), dtype=np.uint8)
     rows, grid = patchify(np.stack([ours_vision.normalise(image)] * 2), 16, 2)
     n_image = grid[0] * grid[1] * grid[2] // 4

@@ -103,3 +103,15 @@ def _build(shape: str, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2, sort_keys=True) + "\n")
     copy_tokenizer("qwen3", out)
+
+
+def f32_gguf(shape: str = "qwen3vl") -> Path:
+    """``hf2q convert --quant f32`` of the tiny ``shape`` (the engine tests' model; built once)."""
+    return build_once(f"tiny-{shape}-{VERSION}-f32-v1", lambda out: _convert_f32(shape, out)) / "model.gguf"
+
+
+def _convert_f32(shape: str, out: Path) -> None:
+    from hf2q.cli import main
+
+    if main(["convert", str(checkpoint(shape)), "--quant", "f32", "-o", str(out / "model.gguf"), "--no-integrity"]):
+        raise RuntimeError(f"hf2q convert of the tiny {shape} checkpoint failed")
