@@ -137,3 +137,19 @@ def test_generate_runs(cli):
     r = cli("generate", "--model", f32_gguf("qwen3vl_moe"), "--prompt", "Hello", "--max-tokens", "4", "--raw")
     assert r.code == 0, r.err
     assert r.out.strip()
+
+
+def test_batched_decode_equals_single_decodes(pair):
+    """Two sequences at different lengths decoded in one step (an offset array on the fast path)."""
+    runner, _ = pair
+    a, b = random_tokens(12, seed=1), random_tokens(7, seed=2)
+    singles = []
+    for prompt in (a, b):
+        seq = runner.new_sequence()
+        runner.prefill(seq, prompt)
+        singles.append(runner.decode([seq], [42])[0])
+    seqs = [runner.new_sequence(), runner.new_sequence()]
+    for seq, prompt in zip(seqs, (a, b)):
+        runner.prefill(seq, prompt)
+    both = runner.decode(seqs, [42, 42])
+    np.testing.assert_allclose(both, np.stack(singles), atol=1e-4, rtol=0)
