@@ -145,3 +145,22 @@ def test_prompt_with_an_image_matches_transformers(encoders):
     print(f"image prompt: max |logit error| {err:.2e}, next step {err_next:.2e}")
     assert err < 1e-3 and err_next < 1e-3
     assert next_pos < len(tokens)  # the 2×3 merged image spans 3 ids, not 6
+
+
+@pytest.mark.parametrize("size", [(50, 70), (300, 41), (64, 96)])
+def test_prepare_is_the_processors_resize_and_cut(encoders, size):
+    """Pillow's bicubic resize to the processor's size (a small pixel budget so it shrinks and grows)."""
+    import transformers
+
+    from hf2q.engine.vision.qwen3vl import smart_resize
+
+    ours, _, _ = encoders
+    budget = {"shortest_edge": 32 * 32 * 4, "longest_edge": 32 * 32 * 12}
+    image = np.random.default_rng(size[0]).integers(0, 256, (*size, 3), dtype=np.uint8)
+    proc = transformers.AutoImageProcessor.from_pretrained(checkpoint("qwen3vl"), backend="pil", size=budget)
+    out = proc(images=[image], return_tensors="np")
+    rows, grid = ours.prepare(image, budget["shortest_edge"], budget["longest_edge"])
+    assert list(out["image_grid_thw"][0]) == list(grid)
+    np.testing.assert_allclose(rows, out["pixel_values"], atol=1e-5, rtol=0)
+    h, w = smart_resize(*size, 32, budget["shortest_edge"], budget["longest_edge"])
+    assert h % 32 == w % 32 == 0 and budget["shortest_edge"] <= h * w <= budget["longest_edge"]

@@ -1,6 +1,7 @@
 """Qwen3-VL's vision encoder over its mmproj GGUF (``clip``, projector ``qwen3vl_merger``).
 
-An image (or a video clip) arrives as patches the way Qwen3-VL's processor cuts them: each row
+An image (or a video clip) arrives as patches the way Qwen3-VL's processor cuts them (``prepare`` resizes an
+image to the processor's size first): each row
 is one ``patch × patch`` square over ``temporal_patch`` frames and the channels, flattened as
 ``[channels, time, patch, patch]``, the rows ordered by 2×2 merge block (block row, block
 column, row in block, column in block), one frame-pair after another. :func:`patchify` does that
@@ -22,6 +23,8 @@ cut for a normalised image. Then:
 
 from __future__ import annotations
 
+import math
+
 import attrs
 import mlx.core as mx
 import numpy as np
@@ -35,6 +38,10 @@ from hf2q.formats.gguf_keys import Keys
 TEMPORAL_PATCH = 2
 #: the 2-D rotary base (llama.cpp's and transformers' default; the mmproj does not store it)
 ROPE_THETA = 10000.0
+#: Qwen3-VL's processor bounds on the resized image's pixels (its ``size``; the mmproj does not store them)
+MIN_PIXELS, MAX_PIXELS = 65536, 16777216
+#: the widest aspect ratio the processor accepts
+MAX_ASPECT = 200
 
 
 @attrs.frozen
@@ -65,6 +72,25 @@ def patchify(frames: np.ndarray, patch: int, merge: int) -> tuple[np.ndarray, tu
     # → t, block row, block column, row in block, column in block, C, time, patch row, patch column
     x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
     return np.ascontiguousarray(x.reshape(t * h * w, C * TEMPORAL_PATCH * patch * patch)), (t, h, w)
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int = MIN_PIXELS,
+                 max_pixels: int = MAX_PIXELS) -> tuple[int, int]:
+    """The processor's target size: both sides multiples of ``factor`` (patch × merge), the aspect
+    ratio kept as nearly as rounding allows, the area brought within ``[min_pixels, max_pixels]``."""
+    if min(height, width) < 1:
+        raise InputError(f"image of {height}×{width} pixels is empty")
+    if max(height, width) / min(height, width) > MAX_ASPECT:
+        raise InputError(f"image of {height}×{width} pixels: aspect ratio above {MAX_ASPECT}")
+    h, w = round(height / factor) * factor, round(width / factor) * factor
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h, w
 
 
 def bilinear_taps(h: int, w: int, side: int, merge: int) -> tuple[np.ndarray, np.ndarray]:
@@ -175,6 +201,22 @@ class Qwen3VLVisionEncoder:
         x = image.astype(np.float32) / 255.0
         x = (x - np.asarray(self.image_mean, np.float32)) / np.asarray(self.image_std, np.float32)
         return np.ascontiguousarray(x.transpose(2, 0, 1))
+
+    def prepare(self, image: np.ndarray, min_pixels: int = MIN_PIXELS,
+                max_pixels: int = MAX_PIXELS) -> tuple[np.ndarray, tuple[int, int, int]]:
+        """An RGB image ``[H, W, 3]`` (uint8) → patch rows and grid, as Qwen3-VL's processor makes them:
+        bicubic resize to :func:`smart_resize`'s size (Pillow), scale, normalise, a still frame doubled."""
+        if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
+            raise InputError(f"expected an RGB uint8 image [H, W, 3], got {image.dtype} {list(image.shape)}")
+        try:
+            from PIL import Image
+        except ImportError:
+            raise InputError("images need Pillow (pip install pillow)") from None
+        h, w = smart_resize(image.shape[0], image.shape[1], self.patch * self.merge, min_pixels, max_pixels)
+        if (h, w) != image.shape[:2]:
+            image = np.asarray(Image.fromarray(image).resize((w, h), Image.Resampling.BICUBIC))
+        frame = self.normalise(image)
+        return patchify(np.stack([frame] * TEMPORAL_PATCH), self.patch, self.merge)
 
     def __call__(self, patches: np.ndarray, grid: tuple[int, int, int]) -> VisionFeatures:
         t, h, w = (int(v) for v in grid)
