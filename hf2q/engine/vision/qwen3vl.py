@@ -1,11 +1,10 @@
 """Qwen3-VL's vision encoder over its mmproj GGUF (``clip``, projector ``qwen3vl_merger``).
 
-An image (or a video clip) arrives as patches the way Qwen3-VL's processor cuts them (``prepare`` resizes an
-image to the processor's size first): each row
-is one ``patch × patch`` square over ``temporal_patch`` frames and the channels, flattened as
-``[channels, time, patch, patch]``, the rows ordered by 2×2 merge block (block row, block
-column, row in block, column in block), one frame-pair after another. :func:`patchify` does that
-cut for a normalised image. Then:
+An image (or a video clip) arrives as patches the way Qwen3-VL's processor cuts them: each row is
+one ``patch × patch`` square over two frames and the channels, flattened as ``[channels, time,
+patch, patch]``, the rows ordered by 2×2 merge block (block row, block column, row in block,
+column in block), one frame pair after another. ``prepare`` resizes an image to the processor's
+size and :func:`patchify` makes the cut. Then:
 
 1. **Patch embedding**: the Conv3D kernel (stored as two Conv2D time slices) is one matrix over a
    row, plus its bias.
