@@ -25,8 +25,7 @@ from tests.models.qwen3vl import checkpoint
 from tests.test_llamacpp_parity import _convert, _ref_dir, _source_key, compare_gguf, llamacpp_reference, read_gguf
 
 TEXT_PARITY = [("qwen3vl", "f16"), ("qwen3vl", "q4_k_m"), ("qwen3vl_moe", "q8_0")]  # dense f16: the shared fixture
-MMPROJ_PARITY = [("qwen3vl", "f16"), ("qwen3vl", "q8_0"), ("qwen3vl", "bf16"), ("qwen3vl", "f32"),
-                 ("qwen3vl_moe", "f16")]
+MMPROJ_PARITY = [("qwen3vl", "f16"), ("qwen3vl", "q8_0"), ("qwen3vl", "bf16"), ("qwen3vl_moe", "f16")]
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +120,8 @@ def test_stock_llamacpp_generates_from_our_text_gguf(llama_cpp_bin, tmp_path, cl
     assert r.code == 0, r.err
     mmproj = tmp_path / f"mmproj-{src.name}-q8_0.gguf"
     assert mmproj.is_file() and f"wrote {mmproj}" in r.out
-    assert compare_gguf(mmproj, _llamacpp_mmproj(src, "q8_0")) == []
+    kv, tensors = read_gguf(mmproj)  # a Q8_0 projector (its bytes: test_mmproj_matches_llamacpp)
+    assert kv["general.architecture"] == "clip" and kv["general.file_type"] == 7 and len(tensors) == 58
     prompt = "The capital of France is"
     text = _complete(ours, prompt)
     assert text.startswith(prompt) and len(text) > len(prompt)
