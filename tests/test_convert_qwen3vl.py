@@ -208,3 +208,23 @@ def test_stock_mtmd_runs_our_pair(llama_cpp_bin, dense_f16, tmp_path):
     ours = _mtmd(*dense_f16, image)
     assert ours.strip()
     assert ours == _mtmd(llamacpp_reference(src, "f16"), _llamacpp_mmproj(src, "f16"), image)
+
+
+def test_hub_expert_columns_read_bf16_in_any_slab(tmp_path):
+    """``ExpertColumns`` (the fused Hub experts read by columns) on a bf16 tensor, in slabs that cross experts."""
+    import numpy as np
+    import torch
+    from safetensors.torch import save_file
+
+    from hf2q.arch.qwen3vl import ExpertColumns
+    from hf2q.sources.safetensors_reader import SafetensorsCheckpoint
+
+    e, d, ff = 3, 5, 4
+    w = torch.randn(e, d, 2 * ff, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    save_file({"w": w}, str(tmp_path / "model.safetensors"))
+    want = w.float().numpy()
+    ck = SafetensorsCheckpoint(tmp_path)
+    up = ExpertColumns("w", ff, (e, ff, d))
+    rows = np.concatenate([up.rows(ck, lo, min(lo + 5, e * ff)) for lo in range(0, e * ff, 5)])
+    np.testing.assert_array_equal(rows, want[:, :, ff:].transpose(0, 2, 1).reshape(e * ff, d))
+    ck.close()
