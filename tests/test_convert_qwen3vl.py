@@ -154,6 +154,13 @@ def test_bad_inputs_are_one_line_errors(cli, tmp_path, tiny_checkpoint):
     assert r.code == 3 and "no vision tower" in r.err and "Traceback" not in r.err
     r = cli("convert", checkpoint("qwen3vl"), "--quant", "q8_0", "--mmproj-output", tmp_path / "x.gguf")
     assert r.code == 2 and "--mmproj-output needs --mmproj" in r.err
+    r = cli("convert", checkpoint("qwen3vl"), "--format", "mlx", "--quant", "mlx-4", "--mmproj")
+    assert r.code == 2 and "--mmproj applies to a single GGUF conversion" in r.err
+    # the projector's directory is checked before the text model is written
+    missing = tmp_path / "nowhere" / "mmproj.gguf"
+    r = cli("convert", checkpoint("qwen3vl"), "--quant", "q8_0", "-o", tmp_path / "m.gguf", "--mmproj",
+            "--mmproj-output", missing)
+    assert r.code != 0 and "nowhere" in r.err and "Traceback" not in r.err and not (tmp_path / "m.gguf").exists()
     # a MoE checkpoint saved in transformers' in-memory expert layout is refused, not misread
     import numpy as np
     from safetensors.numpy import load_file, save_file
@@ -176,6 +183,13 @@ def test_bad_inputs_are_one_line_errors(cli, tmp_path, tiny_checkpoint):
     (bad / "config.json").write_text(json.dumps(cfg))
     r = cli("convert", bad, "--quant", "q8_0", "--dry-run")
     assert r.code == 3 and "mrope_section" in r.err
+    # a projector needs the image mean/std of preprocessor_config.json
+    (bad / "config.json").unlink()
+    (bad / "config.json").symlink_to(good / "config.json")
+    (bad / "preprocessor_config.json").unlink()
+    (bad / "preprocessor_config.json").write_text(json.dumps({"image_std": [0.5, 0.5, 0.5]}))
+    r = cli("convert", bad, "--quant", "q8_0", "--mmproj", "--dry-run")
+    assert r.code == 3 and "image_mean" in r.err and "Traceback" not in r.err
 
 
 def _mtmd(model: Path, mmproj: Path, image: Path) -> str:

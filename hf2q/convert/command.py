@@ -128,6 +128,10 @@ def run(args: argparse.Namespace) -> int:
             print("\n".join(mmproj.dry_run(src, mmproj.mmproj_type(q.name))))
         return 0
     output = Path(args.output) if args.output else default_output(src, q.name)
+    if args.mmproj:  # and one whose projector cannot be written stops before the text model is
+        kind = mmproj.mmproj_type(q.name)
+        mmproj_path = Path(args.mmproj_output) if args.mmproj_output else mmproj.default_path(output, src, kind)
+        mmproj.check_destination(mmproj_path)
     imatrix_arg = args.imatrix
     if getattr(args, "quality", False):  # a bad corpus stops here, before the conversion
         from hf2q.quality.corpus import load_corpus
@@ -150,8 +154,6 @@ def run(args: argparse.Namespace) -> int:
     if quality:
         print(quality)
     if args.mmproj:
-        kind = mmproj.mmproj_type(q.name)
-        path = Path(args.mmproj_output) if args.mmproj_output else mmproj.default_path(output, src, kind)
-        done = mmproj.convert_mmproj(src, path, kind, threads=args.threads or 1)
-        print(f"wrote {path} ({done.total_bytes / 2**20:.1f} MiB, {len(done.tensors)} tensors, mmproj {kind})")
+        done = mmproj.convert_mmproj(src, mmproj_path, kind, threads=args.threads or 1)
+        print(f"wrote {mmproj_path} ({done.total_bytes / 2**20:.1f} MiB, {len(done.tensors)} tensors, mmproj {kind})")
     return 0

@@ -20,6 +20,7 @@ from hf2q.arch.qwen3vl_mmproj import MMPROJ_TYPES, Qwen3VLVision
 from hf2q.atomic import atomic_output
 from hf2q.convert.gguf_writer import GGUFStream, TensorLayout, layout
 from hf2q.convert.pipeline import SLAB_BYTES, encode
+from hf2q.convert.pipeline import _check_output_dir as check_destination  # noqa: F401 — the command's pre-check
 from hf2q.errors import ConversionError, InputError
 from hf2q.sources.hf_config import architecture_name
 from hf2q.sources.safetensors_reader import SafetensorsCheckpoint
