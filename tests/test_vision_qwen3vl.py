@@ -142,6 +142,18 @@ def test_prompt_with_an_image_matches_transformers(encoders):
     mx.eval(step)
     fb.finish()
     err_next = np.abs(np.array(step[0]) - ref_next).max()
+    # the same prompt in two chunks cut inside the image: each chunk its slice of ids, inputs and deepstack rows
+    cut, seq2, outs = 8, runner.new_sequence(), []
+    for lo, hi in ((0, cut), (cut, len(tokens))):
+        vis = slice(int(mask[:lo].sum()), int(mask[:hi].sum()))
+        fb = ForwardBatch([seq2], hi - lo, end_point=True)
+        out = runner.model(mx.array([tokens[lo:hi]]), fb, last_only=False,
+                           positions=mx.array(positions[:, None, lo:hi]), embeddings=mx.array(embeds[None, lo:hi]),
+                           visual_mask=mx.array(mask[None, lo:hi]), deepstack=[d[vis] for d in feats.deepstack])
+        mx.eval(out, fb.eval_state())
+        fb.finish()
+        outs.append(np.array(out[0]))
+    np.testing.assert_allclose(np.concatenate(outs), np.array(got[0]), atol=1e-4, rtol=0)
     print(f"image prompt: max |logit error| {err:.2e}, next step {err_next:.2e}")
     assert err < 1e-3 and err_next < 1e-3
     assert next_pos < len(tokens)  # the 2×3 merged image spans 3 ids, not 6

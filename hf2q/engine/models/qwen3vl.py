@@ -183,10 +183,14 @@ class Qwen3VLModel(DecoderModel):
         if deepstack:
             if visual_mask is None:
                 raise InputError("deepstack features need visual_mask")
-            index = mx.array(np.flatnonzero(np.asarray(visual_mask).reshape(-1)).astype(np.int32))
+            rows = np.flatnonzero(np.asarray(visual_mask).reshape(-1)).astype(np.int32)
+            if any(d.shape[0] != rows.size for d in deepstack):
+                raise InputError(f"deepstack features for {[d.shape[0] for d in deepstack]} tokens, "
+                                 f"visual_mask marks {rows.size}")
+            index = mx.array(rows) if rows.size else None  # a chunk without image tokens adds nothing
         for i, layer in enumerate(self.layers):
             x = layer(x, fb, positions)
-            if i < len(deepstack):
+            if index is not None and i < len(deepstack):
                 shape = x.shape
                 flat = x.reshape(-1, shape[-1])
                 flat = flat.at[index].add(deepstack[i].astype(flat.dtype))
