@@ -93,6 +93,7 @@ class Qwen3VLVision:
     """The vision tower of a Qwen3-VL checkpoint, planned as llama.cpp's mmproj."""
 
     arch_name = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ]
+    projector = gguf.VisionProjectorType.QWEN3VL
 
     def __init__(self, raw_cfg: dict[str, Any], src: Path):
         self.src = Path(src)
@@ -211,7 +212,7 @@ class Qwen3VLVision:
             if not isinstance(values, list) or not all(isinstance(x, (int, float)) for x in values):
                 raise InputError(f"{self.src}: preprocessor_config.json needs {field} (a list of numbers)")
             md.array(key, [float(x) for x in values], gguf.GGUFValueType.FLOAT32)
-        md.string(Keys.Clip.PROJECTOR_TYPE, gguf.VisionProjectorType.QWEN3VL)
+        md.string(Keys.Clip.PROJECTOR_TYPE, self.projector)
         md.boolean(Keys.ClipVision.USE_GELU, True)
         if (merge := v.get("spatial_merge_size")) is not None:
             md.u32(Keys.ClipVision.SPATIAL_MERGE_SIZE, int(merge))

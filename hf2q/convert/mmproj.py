@@ -12,10 +12,9 @@ import logging
 from pathlib import Path
 
 import attrs
-import gguf
 import numpy as np
 
-from hf2q.arch.base import PlannedTensor
+from hf2q.arch.base import Metadata, PlannedTensor
 from hf2q.arch.qwen3vl_mmproj import MMPROJ_TYPES, Qwen3VLVision
 from hf2q.atomic import atomic_output
 from hf2q.convert.gguf_writer import GGUFStream, TensorLayout, layout
@@ -50,7 +49,7 @@ class MmprojPlan:
     checkpoint: SafetensorsCheckpoint
     tensors: list[PlannedTensor]
     layouts: list[TensorLayout]
-    metadata: object
+    metadata: Metadata
 
     @property
     def total_bytes(self) -> int:
@@ -115,7 +114,7 @@ def dry_run(src: Path, type_name: str) -> list[str]:
     plan = build_plan(src, type_name)
     try:
         width = max(len(t.name) for t in plan.tensors)
-        lines = [f"mmproj ({plan.tower.arch_name}, {gguf.VisionProjectorType.QWEN3VL}):"]
+        lines = [f"mmproj ({plan.tower.arch_name}, {plan.tower.projector}):"]
         for t, lay in zip(plan.tensors, plan.layouts):
             shape = "[" + ", ".join(str(d) for d in lay.ne) + "]"
             lines.append(f"{t.name:<{width}}  {shape:<20} {lay.qtype.name:<5} {lay.nbytes:>12}")

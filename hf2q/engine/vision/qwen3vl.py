@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 
 import attrs
+import gguf
 import mlx.core as mx
 import numpy as np
 
@@ -33,6 +34,8 @@ from hf2q.errors import InputError
 from hf2q.formats.gguf_file import GGUFFile
 from hf2q.formats.gguf_keys import Keys
 
+MMPROJ_ARCH = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ]
+PROJECTOR = gguf.VisionProjectorType.QWEN3VL
 #: the frames one patch spans (llama.cpp's graph and the converter's Conv3D split assume two)
 TEMPORAL_PATCH = 2
 #: the 2-D rotary base (llama.cpp's and transformers' default; the mmproj does not store it)
@@ -163,7 +166,7 @@ class Qwen3VLVisionEncoder:
 
     def __init__(self, g: GGUFFile, dtype=mx.float32):
         md = g.metadata
-        if md.get(Keys.General.ARCHITECTURE) != "clip" or md.get(Keys.Clip.PROJECTOR_TYPE) != "qwen3vl_merger":
+        if md.get(Keys.General.ARCHITECTURE) != MMPROJ_ARCH or md.get(Keys.Clip.PROJECTOR_TYPE) != PROJECTOR:
             raise InputError(f"{g.path.name}: not a Qwen3-VL mmproj (clip with projector qwen3vl_merger)")
         self.dtype = dtype
         self.width = int(md[Keys.ClipVision.EMBEDDING_LENGTH])
