@@ -99,6 +99,18 @@ def test_mmproj_matches_llamacpp(shape, kind, llama_cpp_bin, tmp_path):
             "v.patch_embd.weight.1", "v.position_embd.weight", "mm.0.weight", "mm.2.weight"} <= set(tensors)
 
 
+@pytest.mark.llamacpp
+def test_per_expert_layout_matches_llamacpp_and_the_fused_one(llama_cpp_bin, tmp_path):
+    """One 2-D tensor per expert: llama.cpp's bytes, and the same experts as the fused Hub layout gives."""
+    from tests.models.qwen3vl import per_expert_checkpoint
+
+    src = per_expert_checkpoint()
+    ours = tmp_path / "per-expert.gguf"
+    _convert(src, "f16", ours)
+    assert compare_gguf(ours, llamacpp_reference(src, "f16")) == []
+    assert compare_gguf(ours, llamacpp_reference(checkpoint("qwen3vl_moe"), "f16")) == []  # = the fused file
+
+
 def _complete(model: Path, prompt: str) -> str:
     from tests.tools import llama_cpp
 

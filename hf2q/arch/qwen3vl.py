@@ -7,7 +7,8 @@ vision tower is left out here; ``hf2q.arch.qwen3vl_mmproj`` writes it as its own
 
 MoE experts in a Qwen3-VL Hub checkpoint are fused and stored transposed relative to
 Qwen3-MoE's: ``gate_up_proj [E, d, 2·ff]`` and ``down_proj [E, ff, d]``. They become llama.cpp's
-``ffn_{gate,up,down}_exps`` by reading columns, lazily, expert by expert.
+``ffn_{gate,up,down}_exps`` by reading columns, lazily, expert by expert. A checkpoint with one
+2-D tensor per expert (``mlp.experts.{e}.gate_proj.weight`` …) is stacked as Qwen3-MoE's.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 
 from hf2q.arch.base import Family, Metadata, RowSource
 from hf2q.arch.qwen3 import Qwen3
-from hf2q.arch.qwen3_moe import Qwen3Moe
+from hf2q.arch.qwen3_moe import Qwen3Moe, collect_with_experts
 from hf2q.errors import InputError
 from hf2q.formats.gguf_keys import Keys
 from hf2q.sources.safetensors_reader import to_f32
@@ -99,12 +100,16 @@ class ExpertColumns(RowSource):
         return np.ascontiguousarray(np.concatenate(out, axis=0), dtype=np.float32)
 
 
+_FUSED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.experts.gate_up_proj.weight",
+          "mlp.experts.down_proj.weight")
+
+
 def _collect_hub_experts(family: Qwen3Moe, ck) -> Iterator[tuple[str, str, RowSource]]:
     e, d = family.n_expert, family.hidden_size
     ff = int(family.cfg.get("moe_intermediate_size") or 0)
     for hf_name, name in family.renamed(ck):
         base = name.removesuffix(".weight")
-        if not base.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+        if not base.endswith(_FUSED):
             gguf_name = family.map_name(name)
             yield hf_name, gguf_name, family.source_tensor(ck, hf_name, gguf_name)
             continue
@@ -133,4 +138,6 @@ class Qwen3VLMoe(_VisionLanguageText, Qwen3Moe):
             raise InputError("config.json: Qwen3-VL MoE needs moe_intermediate_size")
 
     def collect(self, ck):
-        return _collect_hub_experts(self, ck)
+        if any(n.endswith(_FUSED) for n in ck.names()):
+            return _collect_hub_experts(self, ck)
+        return collect_with_experts(self, ck)  # one 2-D tensor per expert, as Qwen3-MoE checkpoints

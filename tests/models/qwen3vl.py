@@ -115,3 +115,31 @@ def _convert_f32(shape: str, out: Path) -> None:
 
     if main(["convert", str(checkpoint(shape)), "--quant", "f32", "-o", str(out / "model.gguf"), "--no-integrity"]):
         raise RuntimeError(f"hf2q convert of the tiny {shape} checkpoint failed")
+
+
+def per_expert_checkpoint() -> Path:
+    """The MoE checkpoint with one 2-D tensor per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``),
+    the other layout llama.cpp's converter reads for this family."""
+    return build_once(f"tiny-qwen3vl_moe_per_expert-{VERSION}", _build_per_expert)
+
+
+def _build_per_expert(out: Path) -> None:
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    src = checkpoint("qwen3vl_moe")
+    tensors = load_file(str(src / "model.safetensors"))
+    ff = _MOE["moe_intermediate_size"]
+    for name in [n for n in tensors if n.endswith("mlp.experts.gate_up_proj")]:
+        prefix = name.removesuffix("gate_up_proj")
+        gate_up, down = tensors.pop(name), tensors.pop(prefix + "down_proj")  # [E, d, 2ff], [E, ff, d]
+        for e in range(gate_up.shape[0]):
+            tensors[f"{prefix}{e}.gate_proj.weight"] = np.ascontiguousarray(gate_up[e, :, :ff].T)
+            tensors[f"{prefix}{e}.up_proj.weight"] = np.ascontiguousarray(gate_up[e, :, ff:].T)
+            tensors[f"{prefix}{e}.down_proj.weight"] = np.ascontiguousarray(down[e].T)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy2(f, out / f.name)
