@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.models.qwen3vl import checkpoint
+from tests.models.qwen3vl import checkpoint, per_expert_checkpoint
 from tests.test_llamacpp_parity import _convert, _ref_dir, _source_key, compare_gguf, llamacpp_reference, read_gguf
 
 TEXT_PARITY = [("qwen3vl", "f16"), ("qwen3vl", "q4_k_m"), ("qwen3vl_moe", "q8_0")]  # dense f16: the shared fixture
@@ -102,13 +102,9 @@ def test_mmproj_matches_llamacpp(shape, kind, llama_cpp_bin, tmp_path):
 @pytest.mark.llamacpp
 def test_per_expert_layout_matches_llamacpp_and_the_fused_one(llama_cpp_bin, tmp_path):
     """One 2-D tensor per expert: llama.cpp's bytes, and the same experts as the fused Hub layout gives."""
-    from tests.models.qwen3vl import per_expert_checkpoint
-
-    src = per_expert_checkpoint()
-    ours = tmp_path / "per-expert.gguf"
-    _convert(src, "f16", ours)
-    assert compare_gguf(ours, llamacpp_reference(src, "f16")) == []
-    assert compare_gguf(ours, llamacpp_reference(checkpoint("qwen3vl_moe"), "f16")) == []  # = the fused file
+    _convert(per_expert_checkpoint(), "f16", tmp_path / "per-expert.gguf")
+    for reference in (per_expert_checkpoint(), checkpoint("qwen3vl_moe")):  # its own, then the fused file
+        assert compare_gguf(tmp_path / "per-expert.gguf", llamacpp_reference(reference, "f16")) == []
 
 
 def _complete(model: Path, prompt: str) -> str:
