@@ -162,8 +162,8 @@ def run(args) -> int:
         f"Tokenizer:      {_tokenizer_line(info)}",
         f"Chat template:  {'present' if info['chat_template'] else 'absent'}",
     ]
-    if info["projector"]:
-        lines.append(f"Projector:      {info['projector']}")
+    if info["projector"]:  # a projector has no context, vocabulary or template of its own
+        lines[-3:] = [f"Projector:      {info['projector']}"]
     if info["kind"] == "chat":
         budget = f", budget {_human(info['kv_cache_budget'])}" if info["kv_cache_budget"] else ""
         lines += [
