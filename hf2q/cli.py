@@ -93,6 +93,11 @@ def _add_convert(sub) -> None:
     m.add_argument("--no-mtp", action="store_true", help="leave out the multi-token-prediction head (Qwen 3.5)")
     m.add_argument("--mtp", action="store_true",
                    help="write only the multi-token-prediction head, as a speculative draft model (Qwen 3.5)")
+    p.add_argument("--mmproj", action="store_true",
+                   help="also write the vision tower as llama.cpp's mmproj GGUF (Qwen3-VL; F16 unless --quant is "
+                   "f32, bf16 or q8_0)")
+    p.add_argument("--mmproj-output", metavar="PATH", help="with --mmproj: its path (default beside the output: "
+                   "mmproj-NAME-TYPE.gguf)")
     p.add_argument("--threads", type=_positive_int, default=None, help="worker threads (default: all cores)")
     p.add_argument("--json-report", help="write the conversion report here (default: OUTPUT.report.json)")
     p.add_argument("--no-integrity", action="store_true", help="skip sha256 hashing of inputs")

@@ -19,6 +19,8 @@ from hf2q.formats.gguf_hparams import ENCODER_ARCHS
 from hf2q.formats.gguf_keys import Keys
 
 EMBEDDING_ARCHS = ENCODER_ARCHS
+#: llama.cpp's architecture name of a projector (mmproj) file
+MMPROJ_ARCH = "clip"
 
 
 def kv_dtype_bytes() -> int:
@@ -58,7 +60,10 @@ def inspect(path, ctx: int | None = None, slots: int = 4, kv_budget: int | None 
     template = g.get(Keys.Tokenizer.CHAT_TEMPLATE)
     n_ctx_train = _number(lambda: hp.n_ctx_train)
     ctx = int(ctx or n_ctx_train or 0)
-    kind = "embedding" if arch in EMBEDDING_ARCHS else "chat"
+    kind = "embedding" if arch in EMBEDDING_ARCHS else "mmproj" if arch == MMPROJ_ARCH else "chat"
+    if kind == "mmproj":  # llama.cpp's vision projector: the second file of a vision-language pair
+        from hf2q.arch.qwen3vl_mmproj import projector_summary
+        reasons = ["a vision projector (mmproj) for its text model, not a model to serve alone"]
     elem = kv_dtype_bytes()
     per_token, kv = 0, None
     if not reasons:  # sizes only from hyper-parameters the check passed (a block_count of 10^9 is not one)
@@ -88,6 +93,7 @@ def inspect(path, ctx: int | None = None, slots: int = 4, kv_budget: int | None 
         "layers": hp.stored(Keys.LLM.BLOCK_COUNT), "embedding_length": hp.stored(Keys.LLM.EMBEDDING_LENGTH),
         "tokenizer": tok_model if has_tokenizer else None, "vocab_size": len(tokens) if tokens else 0,
         "chat_template": bool(template),
+        "projector": projector_summary(g.metadata) if kind == "mmproj" else None,
         "kv_dtype_bytes": elem, "kv_bytes_per_token": per_token, "kv_bytes_per_slot": per_slot,
         "kv_bytes_worst_case": worst, "kv_cache_budget": kv_budget,
         "kv_window": kv.window if kv is not None else None,
@@ -156,6 +162,8 @@ def run(args) -> int:
         f"Tokenizer:      {_tokenizer_line(info)}",
         f"Chat template:  {'present' if info['chat_template'] else 'absent'}",
     ]
+    if info["projector"]:  # a projector has no context, vocabulary or template of its own
+        lines[-3:] = [f"Projector:      {info['projector']}"]
     if info["kind"] == "chat":
         budget = f", budget {_human(info['kv_cache_budget'])}" if info["kv_cache_budget"] else ""
         lines += [

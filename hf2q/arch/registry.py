@@ -13,10 +13,12 @@ from hf2q.arch.llama import Llama
 from hf2q.arch.qwen3 import Qwen3
 from hf2q.arch.qwen3_moe import Qwen3Moe
 from hf2q.arch.qwen35 import Qwen35, Qwen35Moe
+from hf2q.arch.qwen3vl import Qwen3VL, Qwen3VLMoe
 from hf2q.errors import InputError
 from hf2q.sources.hf_config import architecture_name
 
-FAMILIES: tuple[type[Family], ...] = (Llama, Qwen3, Qwen3Moe, Qwen35, Qwen35Moe, Gemma3, Gemma4, Bert, NomicBert)
+FAMILIES: tuple[type[Family], ...] = (Llama, Qwen3, Qwen3Moe, Qwen35, Qwen35Moe, Qwen3VL, Qwen3VLMoe, Gemma3, Gemma4, Bert,
+                                      NomicBert)
 
 
 def supported_architectures() -> list[str]:

@@ -65,6 +65,10 @@ def _computed_imatrix(src: Path, args: argparse.Namespace, output: Path):
 
 def run(args: argparse.Namespace) -> int:
     _check_imatrix_flags(args)
+    if getattr(args, "mmproj_output", None) and not getattr(args, "mmproj", False):
+        raise UsageError("--mmproj-output needs --mmproj")
+    if getattr(args, "mmproj", False) and (_mlx_output(args) or getattr(args, "batch", None)):
+        raise UsageError("--mmproj applies to a single GGUF conversion (not --format mlx or --batch)")
     if getattr(args, "batch", None):
         from hf2q.convert.batch import run_batch
         return run_batch(args)
@@ -115,11 +119,20 @@ def run(args: argparse.Namespace) -> int:
 
     mtp = "drop" if getattr(args, "no_mtp", False) else "only" if getattr(args, "mtp", False) else "keep"
     wants_corpus = bool(getattr(args, "imatrix_corpus", None))
+    if args.mmproj:  # a checkpoint without a vision tower stops here, before the text conversion
+        from hf2q.convert import mmproj
+        mmproj.build_plan(src, mmproj.mmproj_type(q.name)).checkpoint.close()
     if args.dry_run:
         for line in dry_run(src, q, has_imatrix=imatrix is not None or wants_corpus, mtp=mtp, imatrix=imatrix):
             print(line)
+        if args.mmproj:
+            print("\n".join(mmproj.dry_run(src, mmproj.mmproj_type(q.name))))
         return 0
     output = Path(args.output) if args.output else default_output(src, q.name)
+    if args.mmproj:  # and one whose projector cannot be written stops before the text model is
+        kind = mmproj.mmproj_type(q.name)
+        mmproj_path = Path(args.mmproj_output) if args.mmproj_output else mmproj.default_path(output, src, kind)
+        mmproj.check_destination(mmproj_path)
     imatrix_arg = args.imatrix
     if getattr(args, "quality", False):  # a bad corpus stops here, before the conversion
         from hf2q.quality.corpus import load_corpus
@@ -141,4 +154,7 @@ def run(args: argparse.Namespace) -> int:
           f"{rep['bits_per_weight']:.2f} bpw) in {t['total_s']:.1f}s")
     if quality:
         print(quality)
+    if args.mmproj:
+        done = mmproj.convert_mmproj(src, mmproj_path, kind, threads=args.threads or 1)
+        print(f"wrote {mmproj_path} ({done.total_bytes / 2**20:.1f} MiB, {len(done.tensors)} tensors, mmproj {kind})")
     return 0

@@ -175,12 +175,12 @@ class _Checker:
         else:
             self.float_key(_A.LAYERNORM_RMS_EPS)
             self.rope(d)
-        if self.arch not in ("qwen3moe", "qwen35moe", "gemma4"):
+        if self.arch not in ("qwen3moe", "qwen3vlmoe", "qwen35moe", "gemma4"):
             key, v = self._raw(_L.FEED_FORWARD_LENGTH)
             if isinstance(v, list):
                 raise self.fail(f"{key}: per-layer feed-forward sizes are not supported")
             d["n_ff"] = self.int_key(_L.FEED_FORWARD_LENGTH, required=True)
-        if self.arch in ("qwen3moe", "qwen35moe"):
+        if self.arch in ("qwen3moe", "qwen3vlmoe", "qwen35moe"):
             d["n_expert"] = self.int_key(_L.EXPERT_COUNT, hi=MAX_EXPERTS, required=True)
             d["n_used"] = self.int_key(_L.EXPERT_USED_COUNT, hi=d["n_expert"], required=True)
             d["n_ff_exp"] = self.int_key(_L.EXPERT_FEED_FORWARD_LENGTH, required=True)
@@ -539,6 +539,8 @@ _FAMILY_TABLES: dict[str, Callable[[dict[str, Any]], Table]] = {
     "llama": _llama,
     "qwen3": lambda d: _decoder(d, qk_norm=True),
     "qwen3moe": lambda d: _decoder(d, qk_norm=True, moe=True),
+    "qwen3vl": lambda d: _decoder(d, qk_norm=True),
+    "qwen3vlmoe": lambda d: _decoder(d, qk_norm=True, moe=True),
     "gemma3": lambda d: _decoder(d, qk_norm=True, sandwich=True),
     "gemma4": _gemma4,
     "bert": _bert,

