@@ -86,7 +86,7 @@ def check_memory(model, args) -> None:
                 limit=args.memory_limit, prefill_chunk=transaction_tokens(model.arch, args.prefill_chunk))
 
 
-def runner_factory(path: Path, ctx: int | None, tensor_parallel: int = 1):
+def runner_factory(path: Path, ctx: int | None, tensor_parallel: int = 1, args=None):
     """Called inside the GPU-owner thread: the only place the serving path touches MLX.
 
     With ``tensor_parallel > 1`` the runner is rank 0 of a group that
@@ -95,7 +95,8 @@ def runner_factory(path: Path, ctx: int | None, tensor_parallel: int = 1):
     if tensor_parallel > 1:
         from hf2q.engine.tp_launch import runner_factory as tp_runner_factory
 
-        load = tp_runner_factory(path, tensor_parallel, ctx)
+        load = tp_runner_factory(path, tensor_parallel, ctx, getattr(args, "tp_hosts", None),
+                                 getattr(args, "tp_timeout", 600.0))
     else:
         def load():
             from hf2q.engine.factory import load_runner
@@ -167,6 +168,11 @@ def preflight(args) -> tuple[Path, Path | None]:
         check_model_kind(embed_header, embed_path, "--embedding-model")
         check_servable(embed_header)
     check_kv_budget(header, args)
+    if getattr(args, "hostfile", None):  # one rank per host of an mlx.launch hostfile
+        from hf2q.engine.tp_hosts import group_size, read_hostfile
+
+        args.tp_hosts = read_hostfile(args.hostfile, args.tp_port)
+        args.tensor_parallel = group_size(args.tensor_parallel, args.tp_hosts)
     if args.tensor_parallel > 1:
         from hf2q.engine.tp_launch import plan_split
 
@@ -219,7 +225,7 @@ async def _serve(args, model_path: Path, chat_model, embed_path, embed_model, kv
     failure: list[str] = []
     async with AsyncExitStack() as stack:
         runtime = await stack.enter_async_context(
-            open_runtime(runner_factory(model_path, args.ctx, args.tensor_parallel), config,
+            open_runtime(runner_factory(model_path, args.ctx, args.tensor_parallel, args), config,
                          kv_store_opener=kv_opener))
         embed_runtime = None
         if embed_path is not None:
