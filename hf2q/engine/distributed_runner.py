@@ -284,11 +284,13 @@ def gather_kv(local, seq, start: int, end: int, group, plan) -> dict[str, np.nda
 
 
 def all_sum_times(group, shape: Sequence[int], reps: int) -> list[float]:
-    """Collective: ``reps`` timed ``all_sum``s of a float32 array of ``shape`` (each evaluated alone)."""
+    """Collective: ``reps`` timed ``all_sum``s of a float32 array of ``shape``, each evaluated alone."""
     import mlx.core as mx
 
     x = mx.ones(tuple(shape), dtype=mx.float32)
     mx.eval(x)
+    for _ in range(3):  # untimed: the first collectives after an idle spell wake the peers up
+        mx.eval(mx.distributed.all_sum(x, group=group))
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
