@@ -222,9 +222,9 @@ def _add_tp_hosts(p, required: bool = False) -> None:
 def _add_tp_follower(sub) -> None:
     p = sub.add_parser("tp-follower", help="one tensor-parallel rank on another machine, for `hf2q serve --hostfile`")
     p.set_defaults(handler="hf2q.engine.tp_launch:follower_command")
-    p.add_argument("model", help="this host's copy of the GGUF rank 0 serves")
-    p.add_argument("--rank", type=_positive_int, required=True, help="this host's index in the hostfile (1..N-1)")
     _add_tp_hosts(p, required=True)
+    p.add_argument("--rank", type=_positive_int, required=True, help="this host's index in the hostfile (1..N-1)")
+    p.add_argument("model", help="this host's copy of the GGUF rank 0 serves")
 
 
 def _add_diagrams(sub) -> None:

@@ -8,6 +8,7 @@ the single-process ``MlxModelRunner`` on MLX's graph path.
 
 from __future__ import annotations
 
+import functools
 import json
 import signal
 import socket
@@ -37,15 +38,13 @@ def models(tmp_path_factory, tiny_checkpoint):
     from hf2q.cli import main
 
     out = tmp_path_factory.mktemp("tp-hosts")
-    made: dict[tuple[str, str], Path] = {}
 
-    def make(family: str, quant: str) -> Path:
-        if (family, quant) not in made:
-            path = out / f"{family}-{quant}.gguf"
-            assert main(["convert", str(tiny_checkpoint(family)), "--quant", quant, "-o", str(path)]) == 0
-            made[family, quant] = path
-        return made[family, quant]
-    return make
+    @functools.cache
+    def convert(family: str, quant: str) -> Path:
+        path = out / f"{family}-{quant}.gguf"
+        assert main(["convert", str(tiny_checkpoint(family)), "--quant", quant, "-o", str(path)]) == 0
+        return path
+    return convert
 
 
 def base_port(n: int) -> int:
