@@ -111,8 +111,11 @@ def peer_closed(sock: socket.socket) -> bool:
     if sock.fileno() < 0:
         return True
     try:
-        readable, _, _ = select.select([sock], [], [], 0)
-        return bool(readable) and sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        poller = select.poll()  # not select(): a busy server's descriptors may pass FD_SETSIZE
+        poller.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+        if not poller.poll(0):
+            return False
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
     except (BlockingIOError, InterruptedError):
         return False
     except (OSError, ValueError):
