@@ -127,6 +127,14 @@ def test_serve_refuses_a_bad_hostfile_before_loading(models, tmp_path):
 
 # ---------------------------------------------------------------------------- start-up failures
 
+def test_a_hybrid_recurrent_model_is_refused_before_any_rank_starts(models):
+    """qwen35's linear-attention layers have no split yet: an InputError (serve: exit 3) in the preflight."""
+    from hf2q.engine.tp_launch import plan_split
+
+    with pytest.raises(InputError, match="does not split qwen35's recurrent .linear-attention. layers yet"):
+        plan_split(models("qwen35", "f32"), 2)
+
+
 def test_a_rank_that_never_joins_or_holds_another_model_fails_in_one_line(models, tmp_path):
     """No follower: serve exits 1 naming the missing host and the command to start there; a follower
     with no rank 0 gives up likewise; a follower whose GGUF differs is refused (both exit 1)."""

@@ -130,6 +130,9 @@ def plan_split(model, size: int):
     g = model if isinstance(model, GGUFFile) else open_gguf(model)
     if g.hparams.is_encoder:
         raise InputError(f"{g.path.name}: tensor parallelism serves decoder (chat) models only")
+    if any(g.hparams.recurrent_layers):
+        raise InputError(f"{g.path.name}: tensor parallelism does not split {g.arch}'s recurrent (linear-attention) "
+                         f"layers yet; serve it on one rank")
     n_heads, n_kv = g.hparams.uniform_heads(" with tensor parallelism")
     plans = []
     for r in range(size):
