@@ -210,9 +210,10 @@ def _add_serve(sub) -> None:
 
 
 def _add_tp_hosts(p, required: bool = False) -> None:
-    p.add_argument("--hostfile", required=required,
-                   help="mlx.launch hostfile (JSON): host r is rank r; rank 0 runs `hf2q serve`, the others "
-                        "`hf2q tp-follower` (docs/TENSOR_PARALLEL.md)")
+    where = p.add_mutually_exclusive_group(required=required)
+    where.add_argument("--hostfile", help="mlx.launch hostfile (JSON): host r is rank r; rank 0 runs `hf2q serve`, "
+                                          "the others `hf2q tp-follower` (docs/TENSOR_PARALLEL.md)")
+    where.add_argument("--hosts", help="the same as a comma list of host names or IPs, rank 0 first")
     p.add_argument("--tp-port", type=_positive_int, default=32323,
                    help="base port with --hostfile: ring P+rank, NCCL P, rank 0's control P+N")
     p.add_argument("--tp-timeout", type=_positive_seconds, default=600.0,

@@ -23,7 +23,7 @@ import httpx
 import numpy as np
 import pytest
 
-from hf2q.engine.tp_hosts import group_size, read_hostfile
+from hf2q.engine.tp_hosts import TPHosts, group_size, hosts_from_list, read_hostfile
 from hf2q.engine.tp_launch import free_ports
 from hf2q.errors import InputError, UsageError
 
@@ -75,9 +75,11 @@ def two_hosts(tmp_path: Path) -> tuple[Path, int]:
     return hostfile, base_port(3)
 
 
-def follower(model: Path, hostfile: Path, port: int, log: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([*PY, "tp-follower", str(model), "--rank", "1", "--hostfile", str(hostfile),
-                             "--tp-port", str(port), *extra], cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+def follower(model: Path, hostfile: Path | str, port: int, log: Path) -> subprocess.Popen:
+    """``hf2q tp-follower`` as rank 1; ``hostfile`` a path (``--hostfile``) or a comma list (``--hosts``)."""
+    where = ["--hostfile", str(hostfile)] if isinstance(hostfile, Path) else ["--hosts", hostfile]
+    return subprocess.Popen([*PY, "tp-follower", str(model), "--rank", "1", *where, "--tp-port", str(port)],
+                            cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
 
 def stop(proc: subprocess.Popen, sig=signal.SIGTERM, wait: float = 30) -> int:
@@ -110,6 +112,10 @@ def test_hostfile_is_mlx_launch_format_and_bad_ones_are_one_line_errors(tmp_path
             read_hostfile(f)
     with pytest.raises(InputError, match="does not exist"):
         read_hostfile(tmp_path / "none.json")
+    assert hosts_from_list("10.0.0.1, gpu-b", 40000) == TPHosts(("10.0.0.1", "gpu-b"), 40000)
+    for text in ("a", "a,,b"):
+        with pytest.raises(InputError, match="at least 2 comma-separated"):
+            hosts_from_list(text)
 
 
 def test_serve_refuses_a_bad_hostfile_before_loading(models, tmp_path):
@@ -206,7 +212,8 @@ def test_two_hosts_serve_what_one_rank_serves_and_a_killed_remote_rank_fails_clo
     with ``engine_unhealthy``, ``/readyz`` turns 503, new requests get 503, SIGTERM still drains."""
     model = models("llama", "f32")
     hostfile, port = two_hosts(tmp_path)
-    rank1 = follower(model, hostfile, port, tmp_path / "rank1.log")  # the remote host's command, started first
+    # the remote host's command, started first; its --hosts is the hostfile's short form
+    rank1 = follower(model, "127.0.0.1,127.0.0.1", port, tmp_path / "rank1.log")
     serve_args = ["--model", str(model), "--model-name", "m", "--slots", "3", "--ctx", str(CTX), "--operator-ui", "plain"]
     tp_port, one_port = free_ports(2)
     logs = {n: tmp_path / f"serve-{n}.log" for n in ("tp", "one")}

@@ -168,10 +168,10 @@ def preflight(args) -> tuple[Path, Path | None]:
         check_model_kind(embed_header, embed_path, "--embedding-model")
         check_servable(embed_header)
     check_kv_budget(header, args)
-    if getattr(args, "hostfile", None):  # one rank per host of an mlx.launch hostfile
-        from hf2q.engine.tp_hosts import group_size, read_hostfile
+    from hf2q.engine.tp_hosts import group_size, hosts_from_args
 
-        args.tp_hosts = read_hostfile(args.hostfile, args.tp_port)
+    args.tp_hosts = hosts_from_args(args)  # --hostfile / --hosts: one rank per host
+    if args.tp_hosts is not None:
         args.tensor_parallel = group_size(args.tensor_parallel, args.tp_hosts)
     if args.tensor_parallel > 1:
         from hf2q.engine.tp_launch import plan_split

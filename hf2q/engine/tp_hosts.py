@@ -1,7 +1,8 @@
 """Where the ranks of a tensor-parallel group spanning several machines live: ``mlx.launch``'s hostfile.
 
 A user who already runs MLX across machines has a hostfile for ``mlx.launch``; the same
-file places hf2q's ranks, so nothing new is learnt. Its forms (both accepted):
+file places hf2q's ranks, so nothing new is learnt (``--hosts a,b`` is its short form, as for
+``mlx.launch``). Its forms (both accepted):
 
 * a list of hosts: ``[{"ssh": "gpu-a", "ips": ["10.0.0.1"]}, {"ssh": "gpu-b", "ips": ["10.0.0.2"]}]``
 * an object ``{"backend": "ring" | "nccl", "envs": ["K=V", …], "hosts": [ … as above … ]}``
@@ -89,6 +90,25 @@ def read_hostfile(path: str | Path, base_port: int = DEFAULT_PORT) -> TPHosts:
     if not 1 <= base_port <= 65535 - len(addresses):
         raise InputError(f"--tp-port {base_port}: ports {base_port}..{base_port + len(addresses)} must lie in 1..65535")
     return TPHosts(tuple(addresses), base_port, backend, tuple(pairs))
+
+
+def hosts_from_list(text: str, base_port: int = DEFAULT_PORT) -> TPHosts:
+    """``--hosts a,b,…`` (``mlx.launch``'s short form): host r is rank r, reached at that name or IP."""
+    names = [h.strip() for h in text.split(",")]
+    if len(names) < 2 or not all(names):
+        raise InputError(f"--hosts {text!r}: needs at least 2 comma-separated host names or IPs")
+    if not 1 <= base_port <= 65535 - len(names):
+        raise InputError(f"--tp-port {base_port}: ports {base_port}..{base_port + len(names)} must lie in 1..65535")
+    return TPHosts(tuple(names), base_port)
+
+
+def hosts_from_args(args) -> TPHosts | None:
+    """The group's hosts from ``--hostfile`` or ``--hosts`` (None when neither is given: one machine)."""
+    if getattr(args, "hostfile", None):
+        return read_hostfile(args.hostfile, args.tp_port)
+    if getattr(args, "hosts", None):
+        return hosts_from_list(args.hosts, args.tp_port)
+    return None
 
 
 def group_size(tensor_parallel: int, hosts: TPHosts) -> int:

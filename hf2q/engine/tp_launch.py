@@ -49,7 +49,7 @@ from hf2q.engine.distributed_runner import (
     send_message,
 )
 from hf2q.engine.tp_hosts import SECRET_ENV as TOKEN_ENV
-from hf2q.engine.tp_hosts import TPHosts, apply_envs, model_identity, read_hostfile
+from hf2q.engine.tp_hosts import TPHosts, apply_envs, hosts_from_args, model_identity
 from hf2q.errors import ConversionError, Hf2qError, InputError, UsageError
 
 log = logging.getLogger("hf2q.tp")
@@ -463,8 +463,8 @@ def run_follower(model: str | Path, rank: int, size: int, control: tuple[str, in
 
 
 def follower_command(args) -> int:
-    """``hf2q tp-follower --hostfile FILE --rank R MODEL``: one rank of a group spanning machines."""
-    hosts = read_hostfile(args.hostfile, args.tp_port)
+    """``hf2q tp-follower --hostfile FILE --rank R MODEL`` (or ``--hosts a,b``): one rank of a group spanning machines."""
+    hosts = hosts_from_args(args)
     if not 0 < args.rank < hosts.size:
         raise UsageError(f"--rank {args.rank}: a follower is rank 1..{hosts.size - 1} of the hostfile's "
                          f"{hosts.size} hosts (rank 0 is `hf2q serve`)")
