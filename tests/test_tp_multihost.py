@@ -266,6 +266,30 @@ def test_two_hosts_serve_what_one_rank_serves_and_a_killed_remote_rank_fails_clo
             stop(p, signal.SIGKILL, 10)
 
 
+async def test_a_rank_that_dies_while_idle_turns_readyz_503_without_a_request():
+    """The runtime watches a group's ranks while nothing runs (a host can vanish at any time): once
+    ``dead_peer`` names one, readiness is False and new requests are rejected 503 ``engine_unhealthy``."""
+    import trio
+
+    from hf2q.actors.runtime import open_runtime
+    from hf2q.sched.contracts import AdmissionRejected, GenerationRequest, RuntimeConfig, SamplingParams
+    from tests.fakes import FakeModelRunner
+
+    fake = FakeModelRunner()
+    died = threading.Event()
+    fake.dead_peer = lambda: "tensor-parallel rank 1 (10.0.0.2) closed its control connection" if died.is_set() else None
+    async with open_runtime(fake.factory(), RuntimeConfig(slots=1)) as rt:
+        assert await rt.wait_ready() and rt.readiness()[0]
+        died.set()
+        with trio.fail_after(5):
+            while rt.readiness()[0]:
+                await trio.sleep(0.05)
+        assert "rank 1 (10.0.0.2) closed its control connection" in rt.readiness()[1]
+        with pytest.raises(AdmissionRejected) as e:
+            await rt.submit(GenerationRequest("r", (1, 2, 3), SamplingParams(max_tokens=2)))
+        assert (e.value.status, e.value.code) == (503, "engine_unhealthy")
+
+
 # ---------------------------------------------------------------------------- engine calls at TP=2
 
 DRIVER = r"""
