@@ -215,10 +215,30 @@ def _add_serve(sub) -> None:
                    help="seconds before a GPU step is declared hung")
     p.add_argument("--max-request-bytes", type=_positive_size, default=64 << 20)
     p.add_argument("--tensor-parallel", type=_positive_int, default=1, help="ranks (mx.distributed)")
+    _add_tp_hosts(p)  # a group across machines: mlx.launch's hostfile, one rank per host
     p.add_argument("--memory-limit", type=parse_size, default=None,
                    help="memory one rank may use for weights + KV, e.g. 40G (default: 90%% of the device)")
     p.add_argument("--model-name", default=None, help="id reported by /v1/models (default: file stem)")
     _add_speculative(p)  # a request decoding alone verifies drafts; concurrent requests decode batched
+
+
+def _add_tp_hosts(p, required: bool = False) -> None:
+    where = p.add_mutually_exclusive_group(required=required)
+    where.add_argument("--hostfile", help="mlx.launch hostfile (JSON): host r is rank r; rank 0 runs `hf2q serve`, "
+                                          "the others `hf2q tp-follower` (docs/TENSOR_PARALLEL.md)")
+    where.add_argument("--hosts", help="the same as a comma list of host names or IPs, rank 0 first")
+    p.add_argument("--tp-port", type=_positive_int, default=32323,
+                   help="base port with --hostfile: ring P+rank, NCCL P, rank 0's control P+N")
+    p.add_argument("--tp-timeout", type=_positive_seconds, default=600.0,
+                   help="seconds for every rank to join and load (--hostfile)")
+
+
+def _add_tp_follower(sub) -> None:
+    p = sub.add_parser("tp-follower", help="one tensor-parallel rank on another machine, for `hf2q serve --hostfile`")
+    p.set_defaults(handler="hf2q.engine.tp_launch:follower_command")
+    _add_tp_hosts(p, required=True)
+    p.add_argument("--rank", type=_positive_int, required=True, help="this host's index in the hostfile (1..N-1)")
+    p.add_argument("model", help="this host's copy of the GGUF rank 0 serves")
 
 
 def _add_diagrams(sub) -> None:
@@ -364,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     for add in (_add_convert, _add_info, _add_generate, _add_chat, _add_serve, _add_diagrams, _add_doctor, _add_cache,
-                _add_gguf_patch, _add_imatrix, _add_quality, _add_smoke_parity, _add_completions):
+                _add_gguf_patch, _add_imatrix, _add_quality, _add_smoke_parity, _add_completions, _add_tp_follower):
         add(sub)
     return p
 

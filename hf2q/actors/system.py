@@ -15,7 +15,7 @@ import logging
 import trio
 
 from hf2q.actors.admission import Admission
-from hf2q.actors.gpu_owner import GpuOwner
+from hf2q.actors.gpu_owner import PEER_POLL_S, GpuOwner
 from hf2q.actors.kv_prefix import KvPrefixActor
 from hf2q.actors.slot import SlotActor, SlotEnv
 from hf2q.actors.snapshot import runtime_snapshot
@@ -84,6 +84,8 @@ class ActorSystem:
                     except EnginePoisoned:
                         return
                     self.supervisor.loaded()
+                    if self.gpu.dead_peer is not None:  # a tensor-parallel group: a rank may die while idle
+                        nursery.start_soon(self._guarded, "peer watch", self._watch_peers)
                     nursery.start_soon(self._guarded, "gpu owner", self.gpu.run_steps)
                     for slot in self.slots:
                         nursery.start_soon(self._guarded, f"slot {slot.index}", slot.run)
@@ -137,6 +139,15 @@ class ActorSystem:
         except Exception as e:  # noqa: BLE001 — the actor boundary
             log.exception("actor %s crashed", name)
             self.supervisor.poison(f"internal error in the {name} actor: {type(e).__name__}: {e}")
+
+    async def _watch_peers(self) -> None:
+        """Poison once a rank of the group is gone even with nothing running, so ``/readyz`` turns 503
+        before a request finds out (a step waiting on the rank is the GPU owner's own poll)."""
+        while not self.supervisor.poisoned:
+            await trio.sleep(PEER_POLL_S)
+            dead = self.gpu.dead_peer()
+            if dead is not None:
+                self.supervisor.poison(f"tensor-parallel group lost a rank: {dead}")
 
     def _poisoned(self, detail: str) -> None:
         self.admission.fail_all("engine_poisoned", Failed(503, "engine_unhealthy", detail))

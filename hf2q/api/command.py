@@ -86,7 +86,7 @@ def check_memory(model, args):
                 limit=args.memory_limit, prefill_chunk=transaction_tokens(model.arch, args.prefill_chunk))
 
 
-def runner_factory(path: Path, ctx: int | None, tensor_parallel: int = 1):
+def runner_factory(path: Path, ctx: int | None, tensor_parallel: int = 1, args=None):
     """Called inside the GPU-owner thread: the only place the serving path touches MLX.
 
     With ``tensor_parallel > 1`` the runner is rank 0 of a group that
@@ -95,7 +95,8 @@ def runner_factory(path: Path, ctx: int | None, tensor_parallel: int = 1):
     if tensor_parallel > 1:
         from hf2q.engine.tp_launch import runner_factory as tp_runner_factory
 
-        load = tp_runner_factory(path, tensor_parallel, ctx)
+        load = tp_runner_factory(path, tensor_parallel, ctx, getattr(args, "tp_hosts", None),
+                                 getattr(args, "tp_timeout", 600.0))
     else:
         def load():
             from hf2q.engine.factory import load_runner
@@ -167,6 +168,11 @@ def preflight(args) -> tuple[Path, Path | None]:
         check_model_kind(embed_header, embed_path, "--embedding-model")
         check_servable(embed_header)
     check_kv_budget(header, args)
+    from hf2q.engine.tp_hosts import group_size, hosts_from_args
+
+    args.tp_hosts = hosts_from_args(args)  # --hostfile / --hosts: one rank per host
+    if args.tp_hosts is not None:
+        args.tensor_parallel = group_size(args.tensor_parallel, args.tp_hosts)
     if args.tensor_parallel > 1:
         from hf2q.engine.tp_launch import plan_split
 
@@ -227,7 +233,7 @@ async def _serve(args, model_path: Path, chat_model, embed_path, embed_model, kv
         if engine_thread is not None:
             stack.callback(engine_thread.close)
         runtime = await stack.enter_async_context(
-            open_runtime(runner_factory(model_path, args.ctx, args.tensor_parallel), config,
+            open_runtime(runner_factory(model_path, args.ctx, args.tensor_parallel, args), config,
                          kv_store_opener=kv_opener, engine_thread=engine_thread and engine_thread.lane))
         embed_runtime = None
         if embed_path is not None:

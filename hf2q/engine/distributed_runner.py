@@ -8,8 +8,9 @@ the ranks meet inside the forward pass at the ``mx.distributed.all_sum`` of ever
 row-parallel layer, so the logits on rank 0 are the full model's. Sequence ids are
 assigned by rank 0 and identical everywhere.
 
-Commands travel on a plain TCP control connection per follower (length-prefixed JSON +
-raw numpy bytes); only tensors use ``mx.distributed``. Measured reason: a follower that
+Commands travel on a plain TCP control connection per follower (to 127.0.0.1 on one
+machine, to rank 0's hostfile address across machines; length-prefixed JSON + raw numpy
+bytes); only tensors use ``mx.distributed``. Measured reason: a follower that
 waits for its next command inside an MLX ring ``all_sum`` spins at ~30 % of a CPU core
 while the server is idle (and a waiting NCCL collective would occupy the GPU), whereas a
 socket ``recv`` sleeps. The socket also reports a dead peer at once (EOF / broken pipe).
@@ -108,6 +109,16 @@ class ShardedSequence:
     def trim(self, n_tokens: int) -> None:
         self._runner._trim(self, n_tokens)
 
+    def reuse_points(self) -> tuple[int, ...] | None:
+        """Where this sequence can be trimmed back to (a recurrent or sliding-window cache); every
+        rank's cache advances in step, so rank 0's points are the group's."""
+        return self.local.reuse_points()
+
+    @property
+    def published_points(self) -> tuple[int, ...] | None:
+        """Rank 0's reuse points as of the last forward or trim (what the slot routes prompts by)."""
+        return getattr(self.local, "published_points", None)
+
     def __del__(self):  # followers drop their copy with the next command
         runner = getattr(self, "_runner", None)
         if runner is not None:
@@ -139,6 +150,9 @@ class DistributedRunner:
                      "kv_bytes_per_token", "gguf", "arch", "dtype", "stats"):
             setattr(self, name, getattr(local, name))
         self.tensor_parallel = self.size
+        # prefix reuse: a recurrent or sliding-window model trims only at its reuse points, at any TP
+        self.trims_prefix = bool(getattr(local, "trims_prefix", True))
+        self.kv_bytes_per_slot = getattr(local, "kv_bytes_per_slot", 0)
         # KV computed over a tensor-parallel split (sharded heads, all-reduced partial sums) is its own kind
         self.kv_identity = f"{local.kv_identity}-tp{self.size}"
 
@@ -233,6 +247,12 @@ class DistributedRunner:
         self._run({"op": "import", "seq": seq.seq_id, "n": int(n_tokens)},
                   lambda: self.local.import_kv(seq.local, per_rank[0], n_tokens), per_rank=per_rank)
 
+    def time_all_sum(self, shape: Sequence[int], reps: int) -> list[float]:
+        """Seconds of each of ``reps`` float32 ``all_sum``s of ``shape`` across the group, timed on rank 0
+        (the collective a row-parallel layer ends in, alone; for ``bench/tp_engine.py``)."""
+        return self._run({"op": "allsum", "shape": [int(n) for n in shape], "reps": int(reps)},
+                         lambda: all_sum_times(self.group, shape, reps))
+
     def close(self) -> None:
         """Tell the followers to exit (best effort); the runner is unusable afterwards."""
         with self._lock:
@@ -261,6 +281,22 @@ def gather_kv(local, seq, start: int, end: int, group, plan) -> dict[str, np.nda
     full = np.array(mx.distributed.all_gather(mx.array(stacked), group=group))
     full = full[:: plan.kv_replicas]  # replicated KV heads appear once
     return {k: np.ascontiguousarray(full[:, i]) for i, k in enumerate(names)}
+
+
+def all_sum_times(group, shape: Sequence[int], reps: int) -> list[float]:
+    """Collective: ``reps`` timed ``all_sum``s of a float32 array of ``shape``, each evaluated alone."""
+    import mlx.core as mx
+
+    x = mx.ones(tuple(shape), dtype=mx.float32)
+    mx.eval(x)
+    for _ in range(3):  # untimed: the first collectives after an idle spell wake the peers up
+        mx.eval(mx.distributed.all_sum(x, group=group))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        mx.eval(mx.distributed.all_sum(x, group=group))
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 # ---- followers ------------------------------------------------------------------------------
@@ -292,6 +328,8 @@ def follow(runner, sock: socket.socket, group, plan) -> int:
                 gather_kv(runner, seqs[header["seq"]], header["start"], header["end"], group, plan)
             elif op == "import":
                 runner.import_kv(seqs[header["seq"]], arrays, header["n"])
+            elif op == "allsum":
+                all_sum_times(group, header["shape"], header["reps"])
             else:
                 raise RuntimeError(f"unknown tensor-parallel command {op!r}")
         except (InputError, ValueError) as e:  # rank 0 raised the same error before any collective

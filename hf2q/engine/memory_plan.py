@@ -24,7 +24,6 @@ from hf2q.engine.device_probe import DeviceFacts, probe
 from hf2q.engine.recurrent_policy import STATES_PER_SEQUENCE, swa_full, window_positions
 from hf2q.errors import InputError
 from hf2q.formats.gguf_file import GGUFFile, GGUFTensor
-from hf2q.formats.gguf_keys import ExtraKeys
 
 #: bits per weight of the affine form each GGUF type is loaded as (``quant_repack.to_affine``)
 AFFINE_BITS = {T.Q4_0: 4, T.Q4_1: 4, T.Q4_K: 4, T.Q5_0: 5, T.Q5_1: 5, T.Q5_K: 5, T.Q8_0: 8,
@@ -94,7 +93,7 @@ def kv_need(hp, elem: int, *, on_cpu: bool = False) -> KvNeed:
     from hf2q.formats.gguf_keys import Keys
 
     windowed = hp.sliding_window and not swa_full()
-    if hp.arch == "gemma3" and windowed and not on_cpu and ExtraKeys.TENSOR_PARALLEL not in hp.metadata:
+    if hp.arch == "gemma3" and windowed and not on_cpu:
         local = gemma3_local_layers(hp)
         position = hp.kv_bytes_per_token(elem) // hp.n_layers
         return KvNeed((len(local) - sum(local)) * position, hp.sliding_window, sum(local), position)

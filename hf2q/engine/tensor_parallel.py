@@ -254,6 +254,8 @@ def parallelize(model, group) -> Any:
     if getattr(model, "is_embedding_model", False):
         raise InputError("tensor parallelism serves decoder (chat) models only")
     for layer in model.layers:
+        if not hasattr(layer, "attn"):
+            raise InputError(f"tensor parallelism does not support the layer {type(layer).__name__} yet")
         layer.attn.o = RowParallel(layer.attn.o, group)
         ffn = layer.ffn
         if hasattr(ffn, "down") and hasattr(ffn, "gate"):

@@ -19,19 +19,16 @@ from hf2q.engine.models.decoder import DecoderModel
 from hf2q.engine.memory_plan import gemma3_local_layers
 from hf2q.engine.models.llama import common_config, gated_mlp
 from hf2q.formats.gguf_file import GGUFFile
-from hf2q.formats.gguf_keys import ExtraKeys
 
 
 class Gemma3Model(DecoderModel):
     """The shared decoder, naming the local layers whose K/V may keep only the window."""
 
-    windowed_kv = True  # False on a tensor-parallel rank (its runner does not forward the reuse points)
-
     @property
     def sliding_window_layers(self) -> tuple[int, frozenset[int]] | None:
         c = self.cfg
         layers = frozenset(i for i in range(c.n_layers) if c.is_local(i))
-        return (c.sliding_window, layers) if self.windowed_kv and c.sliding_window and layers else None
+        return (c.sliding_window, layers) if c.sliding_window and layers else None
 
     def kv_bytes(self, elem: int, windowed: bool = True) -> tuple[int, int]:
         """``(per token, per slot)`` K/V bytes: global layers per token, local ones (``windowed``) at their bound."""
@@ -62,5 +59,4 @@ def build(g: GGUFFile, dtype) -> DecoderModel:
         cfg.sliding_window = window
         cfg.rope_base_local = hp.rope_base_swa
     model = Gemma3Model(cfg, g, dtype, lambda i: gated_mlp(g, i, dtype, act=gelu_tanh))
-    model.windowed_kv = ExtraKeys.TENSOR_PARALLEL not in g.metadata
     return model
