@@ -68,7 +68,9 @@ class RegistryRuntime:
 def _refuse_flags(args) -> None:
     for flag, value, default in (("--tensor-parallel", args.tensor_parallel, 1),
                                  ("--kv-persist", args.kv_persist, None),
-                                 ("--model-name", args.model_name, None)):
+                                 ("--model-name", args.model_name, None),
+                                 ("--hostfile", getattr(args, "hostfile", None), None),
+                                 ("--hosts", getattr(args, "hosts", None), None)):
         if value != default:
             raise UsageError(f"{flag} is for a single --model; with several models each is served "
                              f"by its file name and alone on its device")
