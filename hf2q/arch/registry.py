@@ -7,6 +7,7 @@ from typing import Any
 
 from hf2q.arch.base import Family
 from hf2q.arch.bert import Bert, NomicBert
+from hf2q.arch.deepseek4 import DeepSeek4
 from hf2q.arch.gemma3 import Gemma3
 from hf2q.arch.gemma4 import Gemma4
 from hf2q.arch.llama import Llama
@@ -16,7 +17,8 @@ from hf2q.arch.qwen35 import Qwen35, Qwen35Moe
 from hf2q.errors import InputError
 from hf2q.sources.hf_config import architecture_name
 
-FAMILIES: tuple[type[Family], ...] = (Llama, Qwen3, Qwen3Moe, Qwen35, Qwen35Moe, Gemma3, Gemma4, Bert, NomicBert)
+FAMILIES: tuple[type[Family], ...] = (Llama, Qwen3, Qwen3Moe, Qwen35, Qwen35Moe, Gemma3, Gemma4, DeepSeek4, Bert,
+                                      NomicBert)
 
 
 def supported_architectures() -> list[str]:
