@@ -15,7 +15,6 @@ all three compress ratios and an MTP block.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 from pathlib import Path
@@ -25,7 +24,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.models.deepseek4 import CONFIG, deepseek4_checkpoint, load_transformers_model, official_name
+from tests.models.deepseek4 import CONFIG, deepseek4_checkpoint, load_transformers_model, official_name, with_config
 from tests.test_llamacpp_parity import _convert, compare_gguf, llamacpp_reference
 
 # llama.cpp's converter takes ~25 s per run here; bf16 gives the same tensors as f16 (the storage decides the
@@ -135,15 +134,8 @@ def test_dry_run_info_and_refusals(checkpoint, ours_f16, cli, tmp_path):
     ({"o_lora_rank": 16}, "has shape [64, 1024] but config.json implies [32, 1024]"),
 ], ids=["hc_mult", "ratio", "scoring", "no-mtp-block", "shape"])
 def test_unsupported_variants_exit_3(change, message, checkpoint, cli, tmp_path):
-    src = tmp_path / "variant"
-    src.mkdir()
-    for f in checkpoint.iterdir():
-        if f.is_file() and f.name != "config.json":
-            (src / f.name).symlink_to(f)
-    cfg = json.loads((checkpoint / "config.json").read_text())
     mtp = change.pop("_mtp", False)
-    cfg.update(change)
-    (src / "config.json").write_text(json.dumps(cfg))
+    src = with_config(checkpoint, tmp_path / "variant", **change)
     r = cli("convert", src, "--quant", "f16", "--dry-run", *(["--mtp"] if mtp else []))
     assert r.code == 3, r.err
     assert message in r.err and len(r.err.strip().splitlines()) == 1

@@ -36,7 +36,7 @@ from hf2q.errors import InputError
 from hf2q.formats.gguf_keys import DeepSeek4Keys, DeepSeek4Tensors, Keys
 from hf2q.ggml import mxfp4
 from hf2q.sources import fp8
-from hf2q.sources.hf_config import optional, require
+from hf2q.sources.hf_config import require
 from hf2q.sources.safetensors_reader import SafetensorsCheckpoint, to_f32
 
 log = logging.getLogger("hf2q.convert")

@@ -106,6 +106,16 @@ def deepseek4_checkpoint(mtp: bool = False) -> Path:
     return build_once(name, lambda out: build_deepseek4_checkpoint(out, mtp=mtp))
 
 
+def with_config(checkpoint: Path, out: Path, **changes) -> Path:
+    """A variant of ``checkpoint`` in ``out``: its files linked, not copied, and ``changes`` in config.json."""
+    out.mkdir(parents=True)
+    cfg = {**json.loads((Path(checkpoint) / "config.json").read_text()), **changes}
+    (out / "config.json").write_text(json.dumps(cfg))
+    for f in (p for p in Path(checkpoint).iterdir() if p.is_file() and not (out / p.name).exists()):
+        (out / f.name).symlink_to(f)
+    return out
+
+
 def transformers_dir(checkpoint: Path) -> Path:
     """The transformers-layout twin of a fixture folder (same values, float32)."""
     return Path(checkpoint) / TRANSFORMERS_SUBDIR
