@@ -186,3 +186,16 @@ def test_fp8_tables_match_torch():
     for name, dtype in (("F8_E4M3", torch.float8_e4m3fn), ("F8_E5M2", torch.float8_e5m2),
                         ("F8_E8M0", torch.float8_e8m0fnu)):
         assert np.array_equal(fp8.TABLES[name](), codes.view(dtype).float().numpy(), equal_nan=True), name
+
+
+def test_report_measures_the_packed_tensors(ours_f16):
+    """MXFP4 experts decode (through gguf-py) to exactly the checkpoint's values; FP8 → Q8_0 is measured, not exact."""
+    import json
+
+    from hf2q.convert.report import default_path
+
+    rows = {t["name"]: t for t in json.loads(default_path(ours_f16).read_text())["tensors"]}
+    experts = [t for t in rows.values() if t["type"] == "MXFP4"]
+    assert len(experts) == 3 * CONFIG["num_hidden_layers"] and all(t["rmse"] == 0.0 for t in experts)
+    q8 = rows["blk.0.attn_q_b.weight"]
+    assert q8["type"] == "Q8_0" and 0 < q8["rmse"] < 0.01 and q8["cosine"] > 0.9999

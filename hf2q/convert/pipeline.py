@@ -269,9 +269,12 @@ def write_tensor(plan: ConversionPlan, i: int, out: GGUFStream, threads: int, ti
             plan.checkpoint.release(src.name, lo, hi)
         t3 = time.perf_counter()
         picked = [r - lo for r in range(lo, hi) if r in sample]
-        if picked and x is not None:
+        if picked and (x is not None or qtype != T.I32):
+            # a packed source's float rows are read only for the sampled rows (integer tables have no error)
+            ref = x[picked] if x is not None else \
+                np.concatenate([src.rows(plan.checkpoint, lo + r, lo + r + 1) for r in picked])
             y = decode(np.ascontiguousarray(q.reshape(hi - lo, -1)[picked]), qtype, (len(picked), ncols))
-            stats.add(x[picked], y)
+            stats.add(ref, y)
         t4 = time.perf_counter()
         timings["read_s"] += t1 - t0
         timings["quantize_s"] += t2 - t1
