@@ -85,6 +85,18 @@ def test_matches_llamacpp_byte_for_byte(quant, args, checkpoint, llama_cpp_bin, 
     assert compare_gguf(ours, llamacpp_reference(checkpoint, quant, args)) == []
 
 
+@pytest.mark.llamacpp
+def test_llama_quantize_refuses_what_we_refuse(checkpoint, llama_cpp_bin, tmp_path):
+    """Why only f16/bf16: llama.cpp's own way to q8_0 / q4_k_m stops at the tensors its export already quantized."""
+    from tests.tools import llama_cpp
+
+    for quant, stops_at in (("q8_0", "mxfp4"), ("q4_k_m", "q8_0")):
+        r = subprocess.run([str(llama_cpp.tool("llama-quantize")), str(llamacpp_reference(checkpoint, "f16")),
+                            str(tmp_path / f"{quant}.gguf"), quant, "1"], env=llama_cpp.env(), capture_output=True,
+                           text=True, timeout=120, check=False)
+        assert r.returncode != 0 and f"requantizing from type {stops_at} is disabled" in r.stdout + r.stderr
+
+
 def test_bf16_export_equals_f16(checkpoint, ours_f16, tmp_path):
     """The checkpoint's storage fixes every type (BF16 stays BF16, FP8 → Q8_0), as in llama.cpp's export."""
     bf16 = tmp_path / "bf16.gguf"
@@ -117,7 +129,7 @@ def test_dry_run_info_and_refusals(checkpoint, ours_f16, cli, tmp_path):
     assert "MXFP4" in r.out and "Q8_0" in r.out and "I32" in r.out and "deepseek4 f16" in r.out
     assert "compressed sparse layers 2, heavily compressed layers 1, hash-routed layers 2" in r.out
     r = cli("convert", checkpoint, "--quant", "q4_k_m", "--dry-run")
-    assert r.code == 3 and "llama-quantize refuses to requantize the MXFP4 experts" in r.err
+    assert r.code == 3 and "llama-quantize refuses to requantize" in r.err
     r = cli("info", ours_f16)
     assert "deepseek4" in r.out and "MXFP4×12" in r.out and "cannot serve it yet" in r.out
     for cmd in (("generate", "--model", ours_f16, "--prompt", "hi"), ("serve", "--model", ours_f16)):

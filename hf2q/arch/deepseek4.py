@@ -16,7 +16,8 @@ llama.cpp's converter (``DeepseekV4Model``) decides them, whatever float type is
 
 ``--mtp`` writes only the MTP block (as llama.cpp's ``--mtp``: embedding, head and output norm
 kept, the block's own hyper-connection head in place of the trunk's); the default, like llama.cpp's,
-leaves it out. llama-quantize refuses to requantize MXFP4, so only the float names are offered.
+leaves it out. llama-quantize refuses to requantize the export's Q8_0 and MXFP4 tensors, so only the
+float names are offered.
 """
 
 from __future__ import annotations
@@ -209,8 +210,8 @@ class DeepSeek4(Family):
     def check_quant(self, quant) -> None:
         if not quant.is_float:
             raise InputError(f"deepseek4: --quant {quant.name} is not available (llama-quantize refuses to "
-                             "requantize the MXFP4 experts); use f16 or bf16: FP8 weights become Q8_0, "
-                             "experts stay MXFP4")
+                             "requantize the Q8_0 and MXFP4 tensors of the export); use f16 or bf16: FP8 weights "
+                             "become Q8_0, experts stay MXFP4")
 
     def file_type(self, quant) -> gguf.LlamaFileType:
         return gguf.LlamaFileType.MOSTLY_MXFP4_MOE
