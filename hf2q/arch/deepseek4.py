@@ -26,7 +26,7 @@ import logging
 import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import attrs
 import gguf
@@ -148,9 +148,6 @@ class DeepSeek4(Family):
     gguf_arch_name = DeepSeek4Keys.ARCH
     has_mtp = True
 
-    layer_names: ClassVar[dict[str, str]] = DeepSeek4Tensors.LAYER
-    root_names: ClassVar[dict[str, str]] = DeepSeek4Tensors.ROOT
-
     def __init__(self, cfg: dict[str, Any], src: Path, mtp: str = "keep"):
         super().__init__(cfg, src, mtp=mtp)
         self.n_nextn = int(cfg.get("num_nextn_predict_layers") or 0)
@@ -254,8 +251,11 @@ class DeepSeek4(Family):
             yield name, name
 
     def plan(self, ck: SafetensorsCheckpoint) -> list[PlannedTensor]:
-        names = dict(self.renamed(ck))  # checkpoint name → official trunk name
-        by_official = {v: k for k, v in names.items()}
+        by_official: dict[str, str] = {}  # official trunk name → checkpoint name
+        for hf_name, official in self.renamed(ck):
+            if official in by_official:
+                raise InputError(f"{hf_name} and {by_official[official]} are both the model's {official}")
+            by_official[official] = hf_name
         experts: dict[tuple[int, str], dict[int, dict[str, str]]] = {}
         out: list[PlannedTensor] = []
         scales = {o for o in by_official if o.endswith(".scale")}
@@ -278,12 +278,12 @@ class DeepSeek4(Family):
         return sorted(out, key=lambda t: quantize_order_key(t.name))
 
     def gguf_name(self, official: str) -> str:
-        if official in self.root_names:
-            return self.root_names[official]
+        if official in DeepSeek4Tensors.ROOT:
+            return DeepSeek4Tensors.ROOT[official]
         m = _LAYER.match(official)
-        if m is None or m[2] not in self.layer_names:
+        if m is None or m[2] not in DeepSeek4Tensors.LAYER:
             raise InputError(f"deepseek4: cannot map checkpoint tensor {official!r} to a llama.cpp name")
-        return self.layer_names[m[2]].format(bid=int(m[1]))
+        return DeepSeek4Tensors.LAYER[m[2]].format(bid=int(m[1]))
 
     def _planned(self, ck, official: str, hf_name: str, by_official: dict[str, str]) -> PlannedTensor:
         e = ck.entry(hf_name)
