@@ -211,3 +211,25 @@ def test_report_measures_the_packed_tensors(ours_f16):
     assert len(experts) == 3 * CONFIG["num_hidden_layers"] and all(t["rmse"] == 0.0 for t in experts)
     q8 = rows["blk.0.attn_q_b.weight"]
     assert q8["type"] == "Q8_0" and 0 < q8["rmse"] < 0.01 and q8["cosine"] > 0.9999
+
+
+@pytest.mark.parametrize("edit,message", [
+    ("drop-compressor", "the checkpoint lacks blk.2.attn_compressor_ape.weight"),
+    ("bad-route", "routes to expert 8 (or below 0) but the model has 8 experts"),
+])
+def test_incomplete_or_out_of_range_checkpoints_exit_3(edit, message, checkpoint, cli, tmp_path):
+    """What llama.cpp's loader would reject or read out of bounds is refused before anything is written."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(checkpoint / "model.safetensors")
+    if edit == "drop-compressor":
+        del tensors["layers.2.attn.compressor.ape"]
+    else:
+        tensors["layers.0.ffn.gate.tid2eid"][5, 1] = CONFIG["n_routed_experts"]
+    src = tmp_path / "edited"
+    src.mkdir()
+    save_file(tensors, src / "model.safetensors")
+    with_config(checkpoint, src)
+    r = cli("convert", src, "--quant", "f16", "-o", tmp_path / "out.gguf")
+    assert r.code == 3 and message in r.err and len(r.err.strip().splitlines()) == 1, r.err
+    assert not (tmp_path / "out.gguf").exists()

@@ -56,6 +56,18 @@ _EXPERT_PROJ = {"w1": DeepSeek4Tensors.FFN_GATE_EXPS, "w2": DeepSeek4Tensors.FFN
 _MTP_OWN = {"e_proj.weight", "e_proj.scale", "h_proj.weight", "h_proj.scale", "enorm.weight", "hnorm.weight",
             "norm.weight"}
 _MTP_ROOT = ("hc_head_fn", "hc_head_base", "hc_head_scale")
+# what every block holds (official names after ``layers.N.``), and what its compress ratio and MTP role add
+_BLOCK_REQUIRED = ("attn_norm.weight", "attn.attn_sink", "attn.wq_a.weight", "attn.q_norm.weight", "attn.wq_b.weight",
+                   "attn.wkv.weight", "attn.kv_norm.weight", "attn.wo_a.weight", "attn.wo_b.weight", "hc_attn_fn",
+                   "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale", "ffn_norm.weight",
+                   "ffn.gate.weight", "ffn.shared_experts.w1.weight", "ffn.shared_experts.w2.weight",
+                   "ffn.shared_experts.w3.weight")
+_COMPRESSOR_REQUIRED = ("attn.compressor.ape", "attn.compressor.wkv.weight", "attn.compressor.wgate.weight",
+                        "attn.compressor.norm.weight")
+_INDEXER_REQUIRED = ("attn.indexer.wq_b.weight", "attn.indexer.weights_proj.weight", "attn.indexer.compressor.ape",
+                     "attn.indexer.compressor.wkv.weight", "attn.indexer.compressor.wgate.weight",
+                     "attn.indexer.compressor.norm.weight")
+_NEXTN_REQUIRED = ("nextn.eh_proj.weight", "nextn.enorm.weight", "nextn.hnorm.weight")
 # what an ``--mtp`` file keeps of the trunk
 _MTP_KEEPS = ("embed.weight", "norm.weight", "head.weight", "head.scale")
 _VISION = ("aligner.", "image_")
@@ -275,7 +287,39 @@ class DeepSeek4(Family):
         seen = [t.name for t in out]
         if dup := sorted({n for n in seen if seen.count(n) > 1}):
             raise InputError(f"two checkpoint tensors map to the same GGUF tensor(s): {', '.join(dup[:3])}")
+        self._check_complete(set(seen))
+        for t in out:
+            if isinstance(t.source, HashTable):
+                self._check_hash_table(ck, t.source)
         return sorted(out, key=lambda t: quantize_order_key(t.name))
+
+    def _check_complete(self, names: set[str]) -> None:
+        """Every tensor llama.cpp's loader requires of each block (by its compress ratio and routing) is there."""
+        want = [DeepSeek4Tensors.ROOT[n] for n in ("embed.weight", "norm.weight", "head.weight", *_MTP_ROOT)]
+        for bid in self.expected_blocks():
+            ratio = self.ratios[bid]
+            keys = list(_BLOCK_REQUIRED)
+            keys.append("ffn.gate.tid2eid" if bid < self.n_hash else "ffn.gate.bias")
+            keys += _COMPRESSOR_REQUIRED if ratio else []
+            keys += _INDEXER_REQUIRED if ratio == 4 else []
+            keys += _NEXTN_REQUIRED if bid >= self.n_layer else []
+            want += [DeepSeek4Tensors.LAYER[k].format(bid=bid) for k in keys]
+            want += [p.format(bid=bid) for p in _EXPERT_PROJ.values()]
+        if missing := [n for n in want if n not in names]:
+            raise InputError(f"the checkpoint lacks {', '.join(missing[:3])}"
+                             + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+                             + " (llama.cpp's deepseek4 needs them)")
+
+    def _check_hash_table(self, ck, src: HashTable) -> None:
+        rows, k = (src.shape + (0,))[:2]
+        used = require(self.cfg, "num_experts_per_tok", kind=int)
+        if len(src.shape) != 2 or k != used or rows < int(self.cfg.get("vocab_size") or 0):
+            raise InputError(f"{src.name} has shape {list(src.shape)}; a hash table is [vocab_size, "
+                             f"num_experts_per_tok {used}]")
+        table = ck.raw(src.name)
+        if table.size and (int(table.min()) < 0 or int(table.max()) >= self.n_expert):
+            raise InputError(f"{src.name} routes to expert {int(table.max())} (or below 0) but the model has "
+                             f"{self.n_expert} experts")
 
     def gguf_name(self, official: str) -> str:
         if official in DeepSeek4Tensors.ROOT:

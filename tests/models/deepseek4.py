@@ -107,8 +107,8 @@ def deepseek4_checkpoint(mtp: bool = False) -> Path:
 
 
 def with_config(checkpoint: Path, out: Path, **changes) -> Path:
-    """A variant of ``checkpoint`` in ``out``: its files linked, not copied, and ``changes`` in config.json."""
-    out.mkdir(parents=True)
+    """A variant of ``checkpoint`` in ``out``: ``changes`` in config.json, and links to the files ``out`` lacks."""
+    out.mkdir(parents=True, exist_ok=True)
     cfg = {**json.loads((Path(checkpoint) / "config.json").read_text()), **changes}
     (out / "config.json").write_text(json.dumps(cfg))
     for f in (p for p in Path(checkpoint).iterdir() if p.is_file() and not (out / p.name).exists()):
