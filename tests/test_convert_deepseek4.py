@@ -233,3 +233,22 @@ def test_incomplete_or_out_of_range_checkpoints_exit_3(edit, message, checkpoint
     r = cli("convert", src, "--quant", "f16", "-o", tmp_path / "out.gguf")
     assert r.code == 3 and message in r.err and len(r.err.strip().splitlines()) == 1, r.err
     assert not (tmp_path / "out.gguf").exists()
+
+
+_FUZZ_KEYS = ("hidden_size", "head_dim", "qk_rope_head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "index_head_dim",
+              "index_n_heads", "n_routed_experts", "num_experts_per_tok", "num_hash_layers", "num_hidden_layers",
+              "hc_mult", "moe_intermediate_size", "n_shared_experts", "num_nextn_predict_layers", "compress_ratios",
+              "swiglu_limit", "vocab_size")
+
+
+@settings(max_examples=20, deadline=None)
+@given(key=st.sampled_from(_FUZZ_KEYS),
+       value=st.one_of(st.integers(-3, 300), st.just(None), st.text(max_size=3), st.floats(allow_nan=True),
+                       st.lists(st.sampled_from([0, 4, 128, 7, -1]), max_size=6)))
+def test_hostile_config_values_are_one_line_errors(key, value, checkpoint, tmp_path_factory):
+    """Whatever one config value becomes, the dry run succeeds or fails with one line and exit 3, never a traceback."""
+    from hf2q.cli import main
+
+    src = with_config(checkpoint, tmp_path_factory.mktemp("fuzz"), **{key: value})
+    code = main(["convert", str(src), "--quant", "f16", "--dry-run"])
+    assert code in (0, 3)

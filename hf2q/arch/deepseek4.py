@@ -162,7 +162,9 @@ class DeepSeek4(Family):
 
     def __init__(self, cfg: dict[str, Any], src: Path, mtp: str = "keep"):
         super().__init__(cfg, src, mtp=mtp)
-        self.n_nextn = int(cfg.get("num_nextn_predict_layers") or 0)
+        self.n_nextn = require(cfg, "num_nextn_predict_layers", kind=int) if cfg.get("num_nextn_predict_layers") else 0
+        if self.n_nextn < 0:
+            raise InputError(f"config.json: num_nextn_predict_layers {self.n_nextn} is below 0")
         if self.mtp == "only" and self.n_nextn < 1:
             raise InputError("--mtp: config.json has no num_nextn_predict_layers (the checkpoint has no MTP block)")
         self.ratios = self._compress_ratios()
@@ -205,7 +207,7 @@ class DeepSeek4(Family):
             raise InputError(f"config.json: num_key_value_heads {self.n_head_kv} is not supported "
                              "(DeepSeek-V4 attends with one shared KV head)")
         groups = require(c, "o_groups", kind=int)
-        if self.n_head % groups:
+        if groups < 1 or self.n_head % groups:
             raise InputError(f"config.json: num_attention_heads {self.n_head} is not a multiple of o_groups {groups}")
         if not 0 <= self.n_hash <= self.n_layer:
             raise InputError(f"config.json: num_hash_layers {self.n_hash} must be between 0 and "
@@ -407,11 +409,12 @@ class DeepSeek4(Family):
     def _expected(self, rest: str, bid: int | None) -> tuple[int, ...] | None:
         c = self.cfg
         d, heads, hd = self.hidden_size, self.n_head, self.head_dim
-        ql, groups, ol = int(c["q_lora_rank"]), int(c["o_groups"]), int(c["o_lora_rank"])
+        ql, groups, ol = (require(c, k, kind=int) for k in ("q_lora_rank", "o_groups", "o_lora_rank"))
         hc = HC_STREAMS
         mix = (2 + hc) * hc
-        ff = int(c["moe_intermediate_size"]) * int(c.get("n_shared_experts") or 1)
-        ih, idim = int(c["index_n_heads"]), int(c["index_head_dim"])
+        ff_exp = require(c, "moe_intermediate_size", kind=int)
+        ff = ff_exp * require(c, "n_shared_experts", kind=int)
+        ih, idim = require(c, "index_n_heads", kind=int), require(c, "index_head_dim", kind=int)
         ratio = self.ratios[bid] if bid is not None else 0
         coff = 2 if ratio == 4 else 1
         table = {
@@ -428,9 +431,8 @@ class DeepSeek4(Family):
             "attn_norm.weight": (d,), "ffn_norm.weight": (d,), "ffn.gate.weight": (self.n_expert, d),
             "ffn.gate.bias": (self.n_expert,), "ffn.shared_experts.w1.weight": (ff, d),
             "ffn.shared_experts.w2.weight": (d, ff), "ffn.shared_experts.w3.weight": (ff, d),
-            "ffn.experts.0.w1.weight": (int(c["moe_intermediate_size"]), d),
-            "ffn.experts.0.w2.weight": (d, int(c["moe_intermediate_size"])),
-            "ffn.experts.0.w3.weight": (int(c["moe_intermediate_size"]), d),
+            "ffn.experts.0.w1.weight": (ff_exp, d), "ffn.experts.0.w2.weight": (d, ff_exp),
+            "ffn.experts.0.w3.weight": (ff_exp, d),
             "hc_attn_fn": (mix, hc * d), "hc_attn_base": (mix,), "hc_attn_scale": (3,),
             "hc_ffn_fn": (mix, hc * d), "hc_ffn_base": (mix,), "hc_ffn_scale": (3,),
             "nextn.enorm.weight": (d,), "nextn.hnorm.weight": (d,), "nextn.shared_head_norm.weight": (d,),
