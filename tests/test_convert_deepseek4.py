@@ -48,7 +48,7 @@ def test_reader_decodes_the_transformers_values(checkpoint):
     """FP8 blocks, MXFP4 experts and BF16 tensors read back as exactly the model's float32 values."""
     from hf2q.ggml import mxfp4
     from hf2q.sources import fp8
-    from hf2q.sources.safetensors_reader import SafetensorsCheckpoint
+    from hf2q.sources.safetensors_reader import SafetensorsCheckpoint, to_f32
 
     state = load_transformers_model(checkpoint).state_dict()
     ff, n_exp = CONFIG["moe_intermediate_size"], CONFIG["n_routed_experts"]
@@ -66,10 +66,10 @@ def test_reader_decodes_the_transformers_values(checkpoint):
             elif ck.entry(name).dtype.startswith("I"):
                 got = ck.raw(name)
             else:
-                got = ck.f32(name)
+                got = to_f32(ck.raw(name), ck.entry(name).dtype)
                 scale = name.removesuffix(".weight") + ".scale"
                 if ck.entry(name).dtype == "F8_E4M3":
-                    got = fp8.dequantize_rows(got, ck.f32(scale), 0)
+                    got = fp8.dequantize_rows(got, to_f32(ck.raw(scale), ck.entry(scale).dtype), 0)
             assert np.array_equal(got, want.numpy()), hf_name
         assert {"F8_E4M3", "F8_E8M0", "I8", "BF16", "F32", "I64"} <= {e.dtype for e in ck}
 
@@ -252,3 +252,19 @@ def test_hostile_config_values_are_one_line_errors(key, value, checkpoint, tmp_p
     src = with_config(checkpoint, tmp_path_factory.mktemp("fuzz"), **{key: value})
     code = main(["convert", str(src), "--quant", "f16", "--dry-run"])
     assert code in (0, 3)
+
+
+def test_fp8_without_a_family_that_scales_it_is_refused(tiny_checkpoint, cli, tmp_path):
+    """Reading FP8 is for families that apply its scales; elsewhere an FP8 weight is still bad input."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_checkpoint("llama")
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"].to(torch.float8_e4m3fn)
+    out = tmp_path / "fp8-llama"
+    out.mkdir()
+    save_file(tensors, out / "model.safetensors")
+    with_config(src, out)
+    r = cli("convert", out, "--quant", "q8_0", "--dry-run")
+    assert r.code == 3 and "has dtype F8_E4M3; weights must be floating point" in r.err

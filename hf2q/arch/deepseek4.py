@@ -94,7 +94,7 @@ class BlockScaledQ8(Packed):
             e = ck.entry(weight)
             x = to_f32(np.asarray(ck.raw(weight)[lo:hi]), e.dtype)
             if scale is not None:
-                x = fp8.dequantize_rows(x, ck.f32(scale), lo)
+                x = fp8.dequantize_rows(x, to_f32(ck.raw(scale), ck.entry(scale).dtype), lo)
             out.append(x)
         return np.ascontiguousarray(np.concatenate(out, axis=1), dtype=np.float32)
 

@@ -35,7 +35,9 @@ _DTYPES: dict[str, tuple[str, int]] = {
     # 8-bit floats (DeepSeek's FP8 weights and their E8M0 block exponents): raw bytes, decoded by ``fp8``
     "F8_E4M3": ("u1", 1), "F8_E5M2": ("u1", 1), "F8_E8M0": ("u1", 1),
 }
-FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0"})
+# dtypes whose values are the weights themselves; 8-bit floats are not among them, since their meaning depends
+# on a scale only the family knows how to apply (``to_f32`` still decodes them for it)
+FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 _MAX_HEADER = 100 << 20  # the spec caps headers at 100 MB
 
 
