@@ -117,6 +117,19 @@ class Stacked(RowSource):
         return np.ascontiguousarray(np.concatenate(out, axis=0), dtype=np.float32)
 
 
+class Packed(RowSource):
+    """A source that writes its own bytes in a fixed type (a checkpoint's pre-quantized blocks, integer tables).
+
+    ``packed`` gives the stored bytes of rows ``[lo, hi)``; ``rows`` their float values. Such sources
+    check their own dtypes (they may read integer tensors)."""
+
+    stored_type: gguf.GGMLQuantizationType
+    reads_integers: ClassVar[bool] = True
+
+    def packed(self, ck: SafetensorsCheckpoint, lo: int, hi: int) -> np.ndarray:
+        raise NotImplementedError
+
+
 @attrs.define
 class PlannedTensor:
     """One output tensor: its GGUF name, numpy shape, float type llama.cpp's F16 export gives it."""
@@ -124,6 +137,12 @@ class PlannedTensor:
     name: str
     source: RowSource
     f32_only: bool  # llama.cpp's converter keeps it F32 (1-D, norms, routers, position/type embeddings)
+    #: a type the family fixes whatever the quant name (llama.cpp's ``tensor_force_quant``), else None
+    stored_type: gguf.GGMLQuantizationType | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.stored_type is None and isinstance(self.source, Packed):
+            self.stored_type = self.source.stored_type
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -182,6 +201,8 @@ class Family:
 
     hf_architectures: ClassVar[tuple[str, ...]] = ()
     gguf_arch: ClassVar[gguf.MODEL_ARCH]
+    #: the GGUF architecture name where the PyPI ``gguf`` package has no ``MODEL_ARCH`` for it
+    gguf_arch_name: ClassVar[str | None] = None
     tokenizer_kind: ClassVar[str] = "bpe"  # "bpe" | "spm" | "wordpiece" | "auto"
 
     #: whether the family has a multi-token-prediction head that ``--no-mtp`` / ``--mtp`` select
@@ -211,7 +232,19 @@ class Family:
 
     @property
     def arch_name(self) -> str:
-        return gguf.MODEL_ARCH_NAMES[self.gguf_arch]
+        return self.gguf_arch_name or gguf.MODEL_ARCH_NAMES[self.gguf_arch]
+
+    @classmethod
+    def architecture(cls) -> str:
+        """The GGUF ``general.architecture`` this family writes."""
+        return cls.gguf_arch_name or gguf.MODEL_ARCH_NAMES[cls.gguf_arch]
+
+    def check_quant(self, quant) -> None:
+        """Refuse (``InputError``) a quant name the family cannot be converted to."""
+
+    def file_type(self, quant) -> gguf.LlamaFileType:
+        """``general.file_type``: the quant name's, unless the family's fixed types make it another."""
+        return quant.ftype
 
     # ---- hyper-parameters used by the type policy
     @property

@@ -95,6 +95,8 @@ def _check_storage(ck: SafetensorsCheckpoint, tensors: list[PlannedTensor]) -> N
         if not t.shape or 0 in t.shape:  # the writer works in rows of shape[-1] values
             raise InputError(f"{_hf_name(t)} ({t.name}) has shape {list(t.shape)}; every tensor needs at least "
                              "one value along each axis")
+        if getattr(t.source, "reads_integers", False):
+            continue  # a packed source checks its own dtypes
         for name in t.source.source_names:
             dtype = ck.entry(name).dtype
             if dtype not in FLOAT_DTYPES:

@@ -22,7 +22,7 @@ import attrs
 import gguf
 import numpy as np
 
-from hf2q.arch.base import Direct, Metadata, PlannedTensor
+from hf2q.arch.base import Direct, Metadata, Packed, PlannedTensor
 from hf2q.arch.registry import family_class
 from hf2q.atomic import atomic_output
 from hf2q.convert import report as report_mod
@@ -80,12 +80,14 @@ def build_plan(src: Path, quant: QuantName, has_imatrix: bool = False, mtp: str 
     ck = SafetensorsCheckpoint(src)
     try:
         family, tensors = plan_checked(family_cls, cfg, src, ck, mtp)
+        family.check_quant(quant)
         facts = ModelFacts(family.arch_name, family.block_count, family.n_head, family.n_head_kv, family.n_expert)
         tier = None
         if quant.tier:
             types, tier = plan_tier(quant, facts, tensors, ck, imatrix)
         else:
             types = plan_types(quant, facts, [TensorFacts(t.name, t.ne, t.f32_only) for t in tensors], has_imatrix)
+        types = [q if t.stored_type is None else t.stored_type for t, q in zip(tensors, types)]
         try:
             layouts = layout([(t.name, stored_ne(t.ne, quant), q) for t, q in zip(tensors, types)])
         except ValueError as e:
@@ -125,7 +127,7 @@ def build_metadata(family, src: Path, cfg: dict, quant: QuantName) -> Metadata:
     md.string(Keys.General.TYPE, "model")
     md.string(Keys.General.NAME, cfg.get("_name_or_path") or cfg.get("_model_name_or_path") or src.name)
     family.hparams(md)
-    md.u32(Keys.General.FILE_TYPE, int(quant.ftype))
+    md.u32(Keys.General.FILE_TYPE, int(family.file_type(quant)))
     md.u32(Keys.General.QUANTIZATION_VERSION, gguf.GGML_QUANT_VERSION)
     add_tokenizer(md, src, cfg, family.tokenizer_kind,
                   pre_fallback="qwen2" if family.arch_name.startswith("qwen") else "default")
@@ -252,11 +254,12 @@ def write_tensor(plan: ConversionPlan, i: int, out: GGUFStream, threads: int, ti
     for lo in range(0, n_rows, slab):
         hi = min(n_rows, lo + slab)
         t0 = time.perf_counter()
-        x = src.rows(plan.checkpoint, lo, hi)
-        if x.shape != (hi - lo, ncols):
+        x = None if isinstance(src, Packed) else src.rows(plan.checkpoint, lo, hi)
+        if x is not None and x.shape != (hi - lo, ncols):
             raise ConversionError(f"{t.name}: produced rows of shape {x.shape}, expected {(hi - lo, ncols)}")
         t1 = time.perf_counter()
-        q = _encode_rows(x, qtype, pool, threads, lo, weights, rows_per_expert)
+        q = src.packed(plan.checkpoint, lo, hi) if x is None else \
+            _encode_rows(x, qtype, pool, threads, lo, weights, rows_per_expert)
         t2 = time.perf_counter()
         try:
             out.write(q)
@@ -266,9 +269,12 @@ def write_tensor(plan: ConversionPlan, i: int, out: GGUFStream, threads: int, ti
             plan.checkpoint.release(src.name, lo, hi)
         t3 = time.perf_counter()
         picked = [r - lo for r in range(lo, hi) if r in sample]
-        if picked:
+        if picked and (x is not None or qtype != T.I32):
+            # a packed source's float rows are read only for the sampled rows (integer tables have no error)
+            ref = x[picked] if x is not None else \
+                np.concatenate([src.rows(plan.checkpoint, lo + r, lo + r + 1) for r in picked])
             y = decode(np.ascontiguousarray(q.reshape(hi - lo, -1)[picked]), qtype, (len(picked), ncols))
-            stats.add(x[picked], y)
+            stats.add(ref, y)
         t4 = time.perf_counter()
         timings["read_s"] += t1 - t0
         timings["quantize_s"] += t2 - t1

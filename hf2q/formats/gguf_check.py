@@ -74,11 +74,9 @@ def open_servable(path) -> GGUFFile:
 
 def unserved(arch: str | None) -> str:
     """Why an architecture the engine lacks is refused: convertible-but-not-servable says so plainly."""
-    import gguf
-
     from hf2q.arch.registry import FAMILIES as CONVERT_FAMILIES
 
-    if arch and arch in {gguf.MODEL_ARCH_NAMES[f.gguf_arch] for f in CONVERT_FAMILIES}:
+    if arch and arch in {f.architecture() for f in CONVERT_FAMILIES}:
         return f"architecture {arch!r}: hf2q converts it but cannot serve it yet (no {arch} engine)"
     return f"unsupported architecture {arch or '(none)'!r}"
 

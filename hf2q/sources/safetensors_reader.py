@@ -25,13 +25,18 @@ import attrs
 import numpy as np
 
 from hf2q.errors import InputError
+from hf2q.sources import fp8
 
 # safetensors dtype → (numpy dtype used to view the bytes, bytes per element)
 _DTYPES: dict[str, tuple[str, int]] = {
     "F64": ("<f8", 8), "F32": ("<f4", 4), "F16": ("<f2", 2), "BF16": ("<u2", 2),
     "I64": ("<i8", 8), "I32": ("<i4", 4), "I16": ("<i2", 2), "I8": ("i1", 1), "U8": ("u1", 1),
     "BOOL": ("?", 1),
+    # 8-bit floats (DeepSeek's FP8 weights and their E8M0 block exponents): raw bytes, decoded by ``fp8``
+    "F8_E4M3": ("u1", 1), "F8_E5M2": ("u1", 1), "F8_E8M0": ("u1", 1),
 }
+# dtypes whose values are the weights themselves; 8-bit floats are not among them, since their meaning depends
+# on a scale only the family knows how to apply (``to_f32`` still decodes them for it)
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 _MAX_HEADER = 100 << 20  # the spec caps headers at 100 MB
 
@@ -277,7 +282,9 @@ class SafetensorsCheckpoint:
 
 
 def to_f32(a: np.ndarray, dtype: str) -> np.ndarray:
-    """Stored safetensors values → float32 (bf16 widened exactly by a 16-bit shift)."""
+    """Stored safetensors values → float32 (bf16 widened exactly by a 16-bit shift, 8-bit floats by table)."""
     if dtype == "BF16":
         return (a.astype(np.uint32) << 16).view(np.float32)
+    if dtype in fp8.TABLES:
+        return fp8.TABLES[dtype]()[a]
     return np.asarray(a, dtype=np.float32).copy() if a.dtype == np.float32 else a.astype(np.float32)

@@ -13,9 +13,10 @@ MXFP4, F32), and both copies are saved:
   the dequantized official values, for logit references.
 
 The config keeps the real model's proportions where llama.cpp's loader and kernels care (4 residual
-streams, one KV head, rope dims 1/8 of the head, indexer heads 1/4 of it, the 0 / 4 / 128 compress
-ratios, the first layers hash-routed, a shared expert) with a hidden size of 128, so a prompt over
-128 tokens runs every attention kind in well under a second.
+streams, one KV head, rope dims 1/8 of the head, the indexer head 1/4 of it, the 0 / 4 / 128
+compress ratios, the first layers hash-routed, a shared expert) with a hidden size of 128. The head
+is 256 wide because llama.cpp rotates the indexer's keys with a Hadamard matrix of at least 64
+(so the indexer head, a quarter of the attention head, must be a multiple of 64).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 from tests.models.cache import build_once
 from tests.models.tokenizer_files import copy_tokenizer, vocab_size
 
-VERSION = "v1"
+VERSION = "v2"
 TOKENIZER = "smollm2"
 #: the transformers-layout copy inside a fixture folder
 TRANSFORMERS_SUBDIR = "transformers"
@@ -40,8 +41,8 @@ N_HASH_LAYERS = 2
 # the DeepSeek-V4 config.json keys (official names) of the tiny shape
 CONFIG = {
     "hidden_size": 128, "num_hidden_layers": len(COMPRESS_RATIOS), "num_attention_heads": 8, "num_key_value_heads": 1,
-    "head_dim": 64, "qk_rope_head_dim": 8, "q_lora_rank": 64, "o_groups": 2, "o_lora_rank": 32,
-    "index_n_heads": 8, "index_head_dim": 16, "index_topk": 16, "sliding_window": 128,
+    "head_dim": 256, "qk_rope_head_dim": 32, "q_lora_rank": 64, "o_groups": 2, "o_lora_rank": 32,
+    "index_n_heads": 8, "index_head_dim": 64, "index_topk": 16, "sliding_window": 128,
     "moe_intermediate_size": 64, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
     "num_hash_layers": N_HASH_LAYERS, "scoring_func": "sqrtsoftplus", "norm_topk_prob": True,
     "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
@@ -103,6 +104,16 @@ def deepseek4_checkpoint(mtp: bool = False) -> Path:
     """The cached fixture folder (built on first use, then reused)."""
     name = f"tiny-deepseek4{'_mtp' if mtp else ''}-{VERSION}"
     return build_once(name, lambda out: build_deepseek4_checkpoint(out, mtp=mtp))
+
+
+def with_config(checkpoint: Path, out: Path, **changes) -> Path:
+    """A variant of ``checkpoint`` in ``out``: ``changes`` in config.json, and links to the files ``out`` lacks."""
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = {**json.loads((Path(checkpoint) / "config.json").read_text()), **changes}
+    (out / "config.json").write_text(json.dumps(cfg))
+    for f in (p for p in Path(checkpoint).iterdir() if p.is_file() and not (out / p.name).exists()):
+        (out / f.name).symlink_to(f)
+    return out
 
 
 def transformers_dir(checkpoint: Path) -> Path:
