@@ -131,11 +131,10 @@ def test_dry_run_info_and_refusals(checkpoint, ours_f16, cli, tmp_path):
     r = cli("convert", checkpoint, "--quant", "q4_k_m", "--dry-run")
     assert r.code == 3 and "llama-quantize refuses to requantize" in r.err
     r = cli("info", ours_f16)
-    assert "deepseek4" in r.out and "MXFP4×12" in r.out and "cannot serve it yet" in r.out
-    for cmd in (("generate", "--model", ours_f16, "--prompt", "hi"), ("serve", "--model", ours_f16)):
-        r = cli(*cmd)
-        assert r.code == 3 and "cannot serve it yet (no deepseek4 engine)" in r.err
-        assert len(r.err.strip().splitlines()) == 1
+    assert "deepseek4" in r.out and "MXFP4×12" in r.out and "cannot serve it yet" not in r.out
+    # our own file runs in the engine (tests/test_engine_deepseek4.py checks its logits on llama.cpp's)
+    r = cli("generate", "--model", ours_f16, "--prompt", "hi", "--max-tokens", "4", "--temperature", "0")
+    assert r.code == 0 and r.out.strip(), r.err
 
 
 @pytest.mark.parametrize("change,message", [
