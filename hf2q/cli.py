@@ -275,9 +275,13 @@ def _add_gguf_patch(sub) -> None:
     p = sub.add_parser("gguf-patch", help="change a GGUF's metadata (chat template, BOS/EOS, any scalar key) "
                        "without touching its tensors")
     p.set_defaults(handler="hf2q.gguf_patch:run")
-    p.add_argument("file", help="the .gguf to patch (rewritten in place unless -o)")
+    p.add_argument("file", nargs="?", help="the .gguf to patch (rewritten in place unless -o)")
     p.add_argument("-o", "--output", help="write the patched copy here instead")
-    p.add_argument("--chat-template", metavar="FILE", help="set the chat template from this Jinja file")
+    tpl = p.add_mutually_exclusive_group()
+    tpl.add_argument("--chat-template", metavar="FILE", help="set the chat template from this Jinja file")
+    tpl.add_argument("--chat-template-name", metavar="NAME",
+                     help="set one of the official templates llama.cpp ships, e.g. Qwen-Qwen3-0.6B")
+    tpl.add_argument("--list-chat-templates", action="store_true", help="print the official template names and exit")
     p.add_argument("--set", action="append", metavar="KEY[:TYPE]=VALUE",
                    help="set a scalar key (repeatable); an existing key keeps its type, a new one takes TYPE "
                         "(u8 i8 u16 i16 u32 i32 u64 i64 f32 f64 bool str) or a guess from VALUE")

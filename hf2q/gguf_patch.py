@@ -124,6 +124,10 @@ def plan_changes(args, existing: dict[str, VT]) -> tuple[dict[str, tuple[VT, Any
         except (OSError, UnicodeDecodeError) as e:
             raise InputError(f"cannot read --chat-template {args.chat_template}: {getattr(e, 'strerror', e)}") from None
         put(Keys.Tokenizer.CHAT_TEMPLATE, text, VT.STRING)
+    if getattr(args, "chat_template_name", None):
+        from hf2q.text.official_templates import official_template
+
+        put(Keys.Tokenizer.CHAT_TEMPLATE, official_template(args.chat_template_name), VT.STRING)
     for flag, key, vtype in (("add_bos", Keys.Tokenizer.ADD_BOS, VT.BOOL), ("add_eos", Keys.Tokenizer.ADD_EOS, VT.BOOL),
                              ("bos_id", Keys.Tokenizer.BOS_ID, VT.UINT32), ("eos_id", Keys.Tokenizer.EOS_ID, VT.UINT32)):
         value = getattr(args, flag, None)
@@ -201,6 +205,13 @@ def patch(path: Path, output: Path, header: bytes, data_start: int) -> None:
 
 
 def run(args) -> int:
+    if getattr(args, "list_chat_templates", False):
+        from hf2q.text.official_templates import template_names
+
+        print("\n".join(template_names()))
+        return 0
+    if not args.file:
+        raise UsageError("gguf-patch needs FILE (the .gguf to patch)")
     path = Path(args.file)
     open_gguf(path)  # the container check: every defect is one InputError line (exit 3)
     metadata, lay, version, mm = layout(path)

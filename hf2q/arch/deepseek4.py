@@ -504,12 +504,11 @@ class DeepSeek4(Family):
 
 def default_template(src: Path) -> str | None:
     """llama.cpp's template for the checkpoint: ``…-Flash-0731.jinja`` when the folder name says 0731."""
-    from hf2q.fetch import LLAMA_CPP_SDIST, fetch
+    from hf2q.text.official_templates import official_template
 
-    name = "deepseek-ai-DeepSeek-V4-Flash-0731.jinja" if "0731" in Path(src).name else "deepseek-ai-DeepSeek-V4.jinja"
+    name = "deepseek-ai-DeepSeek-V4-Flash-0731" if "0731" in Path(src).name else "deepseek-ai-DeepSeek-V4"
     try:
-        path = fetch(LLAMA_CPP_SDIST) / "models" / "templates" / name
-        return path.read_text(encoding="utf-8")
+        return official_template(name)
     except Exception as e:  # noqa: BLE001 — no network or no sdist: the file is still usable without a template
         log.warning("deepseek4: no chat template in the checkpoint and llama.cpp's %s is unavailable (%s); "
                     "the GGUF has none", name, e)
