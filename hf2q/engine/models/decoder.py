@@ -93,7 +93,9 @@ class Attention:
         k = mx.fast.rope(k, c.rope_dims, traditional=c.rope_traditional, base=base, scale=scale, offset=off,
                          freqs=freqs)
         keys, values = fb.update(self.layer, k, v)
-        if cpu_ops.attention_on_host(q, keys.shape[2]):
+        if fb.codec is not None:  # an 8-bit cache, read as stored
+            out = fb.codec.attend(q, keys, values, self.scale, fb.mask_array(self.window))
+        elif cpu_ops.attention_on_host(q, keys.shape[2]):
             out = cpu_ops.attention(q, keys, values, self.scale, fb.mask_np(self.window))
         else:
             out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=fb.mask(self.window))
@@ -134,6 +136,8 @@ class DecoderModel:
     """Embedding → layers → final norm → logits (tied to the embedding when no ``output``)."""
 
     is_embedding_model = False
+    #: its attention reads an 8-bit cache as stored (``kv_quant``): ``--kv-cache-type q8``
+    reads_quantized_kv = True
 
     def __init__(self, cfg: DecoderConfig, g: GGUFFile, dtype, make_ffn):
         self.cfg = cfg
