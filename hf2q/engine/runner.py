@@ -331,12 +331,10 @@ class MlxModelRunner:
 
 
 def _kv_codec(kv_cache_type: str, model, dtype, arch: str):
-    """The 8-bit codec of ``kv_cache_type`` for ``model``'s caches, None for ``f16``; a family whose
-    attention does not read an 8-bit cache yet is refused in one line."""
+    """The 8-bit codec of ``kv_cache_type`` for ``model``'s caches, None for ``f16`` (a family that
+    cannot hold one is refused in one line, ``kv_layout.check_kv_type``)."""
     from hf2q.engine.kv_quant import make_codec
 
-    if kv_cache_type != "f16" and not getattr(model, "reads_quantized_kv", False):
-        raise InputError(f"--kv-cache-type {kv_cache_type} is not supported for {arch} yet (use f16)")
     return make_codec(kv_cache_type, model.kv_shape[2], dtype, arch)
 
 

@@ -136,8 +136,6 @@ class DecoderModel:
     """Embedding → layers → final norm → logits (tied to the embedding when no ``output``)."""
 
     is_embedding_model = False
-    #: its attention reads an 8-bit cache as stored (``kv_quant``): ``--kv-cache-type q8``
-    reads_quantized_kv = True
 
     def __init__(self, cfg: DecoderConfig, g: GGUFFile, dtype, make_ffn):
         self.cfg = cfg

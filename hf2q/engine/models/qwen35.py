@@ -202,7 +202,6 @@ class Qwen35Model:
     :class:`~hf2q.engine.kv_cache.RecurrentState` for the linear ones (``new_recurrent_state``)."""
 
     is_embedding_model = False
-    reads_quantized_kv = True  # its full-attention blocks attend through ``Attention.attend``
 
     def __init__(self, g: GGUFFile, dtype, make_ffn=None):
         """``make_ffn(i)``: block ``i``'s feed-forward (default the dense SwiGLU)."""
