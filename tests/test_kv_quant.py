@@ -45,18 +45,23 @@ def test_codec_matches_numpy_reference(heads, n, width, spread, outlier, seed):
 
 
 @pytest.mark.parametrize("kind", ["q8", "q8-rotated"])
-@pytest.mark.parametrize("width", [64, 256])
-def test_attention_over_q8_equals_attention_over_the_dequantized_cache(kind, width):
-    """Grouped-query heads (6 over 2), a causal chunk of 4 after 7 cached positions, a batch of 2."""
-    q, k, v = _rows(1, (2, 6, 4, width)), _rows(2, (2, 2, 11, width), 20.0), _rows(3, (2, 2, 11, width))
+@pytest.mark.parametrize("width,dtype", [(64, "float32"), (256, "float32"), (64, "float16")])
+def test_attention_over_q8_equals_attention_over_the_dequantized_cache(kind, width, dtype):
+    """Grouped-query heads (6 over 2), a causal chunk of 4 after 7 cached positions, a batch of 2; a
+    16-bit engine's rows and scales are 16-bit, its scores and softmax float32 as in the twin."""
+    np_dtype = np.dtype(dtype)
+    q, k, v = (a.astype(np_dtype) for a in (_rows(1, (2, 6, 4, width)), _rows(2, (2, 2, 11, width), 20.0),
+                                           _rows(3, (2, 2, 11, width))))
     mask = np.arange(11)[None, :] <= (7 + np.arange(4))[:, None]
     mask = np.broadcast_to(mask, (2, 1, 4, 11)).copy()
     mask[1, :, :, 9:] = False  # the second row is shorter (padding)
-    codec = make_codec(kind, width, mx.float32, "llama")
+    codec = make_codec(kind, width, getattr(mx, dtype), "llama")
     got = codec.attend(mx.array(q), codec.encode(mx.array(k)), codec.encode(mx.array(v)), width ** -0.5,
                        mx.array(mask))
-    want = ref.attention(q, k, v, width ** -0.5, mask, rotated=kind == "q8-rotated")
-    np.testing.assert_allclose(np.array(got), want, atol=2e-5, rtol=1e-4)
+    assert got.dtype == getattr(mx, dtype)
+    want = ref.attention(q, k, v, width ** -0.5, mask, rotated=kind == "q8-rotated", scale_dtype=np_dtype)
+    tol = 2e-5 if dtype == "float32" else 2e-3  # the output's own rounding
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), want, atol=tol * np.abs(want).max(), rtol=0)
 
 
 def test_rotation_keeps_scores_and_spreads_outliers():
