@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 from hf2q.engine import kv_quant_ref as ref
 from hf2q.engine.kv_quant import hadamard, make_codec
 from hf2q.errors import InputError
-from tests.engine_support import convert_f32, load_runner, random_tokens
+from tests.engine_support import random_tokens, tiny_runner
 
 
 def _rows(seed: int, shape, outlier: float = 0.0) -> np.ndarray:
@@ -93,21 +93,23 @@ def test_bad_kv_cache_type_exits_2(capsys):
     assert "invalid choice: 'q4'" in capsys.readouterr().err
 
 
+def _on_cache(f16, kv_type: str, stack: bool):
+    from hf2q.engine.runner import MlxModelRunner
+
+    runner = MlxModelRunner(f16.gguf, f16.model, f16.dtype, None, kv_type)
+    runner.stack_decode = stack
+    return runner
+
+
 @pytest.fixture(scope="module")
 def runners(tiny_checkpoint, tmp_path_factory):
     """Per family: the f16 runner, and q8 runners (stacking and not) and a q8-rotated one on its model."""
-    from hf2q.engine.runner import MlxModelRunner
-
-    out = {}
+    made = {}
     for family in ("qwen3", "gemma3"):
-        src = tiny_checkpoint(family)
-        f16 = load_runner(convert_f32(src, tmp_path_factory.mktemp(family) / "m.gguf"), src)
-        made = {"f16": f16}
-        for name, kind, stack in (("q8", "q8", True), ("q8-flat", "q8", False), ("q8r", "q8-rotated", True)):
-            made[name] = MlxModelRunner(f16.gguf, f16.model, f16.dtype, None, kind)
-            made[name].stack_decode = stack
-        out[family] = made
-    return out
+        f16 = tiny_runner(tiny_checkpoint, tmp_path_factory, family)
+        made[family] = {"f16": f16, "q8": _on_cache(f16, "q8", True), "q8-flat": _on_cache(f16, "q8", False),
+                        "q8r": _on_cache(f16, "q8-rotated", True)}
+    return made
 
 
 def _run(runner, prompts, steps):

@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.serve_support import hf2q_server
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,7 +43,6 @@ def _metric(text: str, name: str) -> float:
 def test_serve_with_q8_cache_answers_and_counts_the_smaller_bytes(smollm2_gguf, tmp_path):
     from hf2q.engine.device_probe import probe
     from hf2q.engine.memory_plan import token_bytes
-    from hf2q.engine.tp_launch import free_ports
     from hf2q.formats.gguf_file import open_gguf
 
     hp = open_gguf(smollm2_gguf).hparams
@@ -55,23 +55,8 @@ def test_serve_with_q8_cache_answers_and_counts_the_smaller_bytes(smollm2_gguf, 
     assert info.returncode == 0, info.stderr
     assert json.loads(info.stdout)["kv_bytes_per_token"] == per_token
 
-    port = free_ports(1)[0]
-    log = (tmp_path / "serve.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "hf2q", "serve", "--model", str(smollm2_gguf), "--port",
-                             str(port), "--slots", "2", "--ctx", "1024", "--kv-cache-type", "q8",
-                             "--operator-ui", "plain"], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-            assert time.monotonic() < deadline, "not ready after 240 s"
-            try:
-                if httpx.get(url + "/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+    args = ["--model", str(smollm2_gguf), "--slots", "2", "--ctx", "1024", "--kv-cache-type", "q8"]
+    with hf2q_server(args, tmp_path) as url:
         r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
             "messages": [{"role": "user", "content": "What is the capital of France?"}],
             "max_tokens": 12, "temperature": 0})
@@ -82,11 +67,3 @@ def test_serve_with_q8_cache_answers_and_counts_the_smaller_bytes(smollm2_gguf, 
         assert _metric(metrics, "hf2q_kv_budget_bytes") == 2 * 1024 * per_token  # admission's budget
         resident = _metric(metrics, "hf2q_kv_bytes_resident")
         assert resident > 0 and resident % per_token == 0
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
