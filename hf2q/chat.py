@@ -405,6 +405,8 @@ def run(args) -> int:
         raise UsageError("give --model (in process) or --url (a server), not both")
     if args.tool_choice and not args.tools:
         raise UsageError("--tool-choice needs --tools")
+    if args.url and getattr(args, "kv_cache_type", "f16") != "f16":
+        raise UsageError("--kv-cache-type is for a model loaded here; a server sets its own (serve --kv-cache-type)")
     options = Options(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
                       thinking=not args.no_thinking, tools=_load_tools(args.tools), tool_choice=args.tool_choice)
     console = Console(highlight=False)
