@@ -75,6 +75,14 @@ def ours(path: Path, args, text_tokens: list[int], bos: int | None) -> dict:
         out[t]["bytes_smaller_than_f16"] = out["f16"]["kv_bytes_per_token"] / out[t]["kv_bytes_per_token"]
         out[t]["bytes_smaller_than_f16_16bit"] = (out["f16"]["kv_bytes_per_token_16bit"]
                                                   / out[t]["kv_bytes_per_token_16bit"])
+    if base.host_decoder is not None:  # the 8-bit caches decode through the MLX graph: f16 there too, for scale
+        from hf2q.engine.runner import MlxModelRunner
+
+        graph = MlxModelRunner(base.gguf, base.model, base.dtype, base.n_ctx, "f16")
+        graph.host_decoder = None
+        out["f16_mlx_graph"] = _speed(graph, text_tokens[:args.speed_ctx], args.decode_steps)
+    if args.no_quality:
+        return out
     t0 = time.perf_counter()
     scores = kv_type_scores(runners, text_tokens, args.n_ctx, bos_id=bos, chunks=args.windows)
     for t, s in scores.items():
@@ -131,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=["cpu", "gpu"], default=None, help="default: the GPU where MLX has one")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
     ap.add_argument("--no-llama-cpp", action="store_true")
+    ap.add_argument("--no-quality", action="store_true", help="bytes and speed only")
     ap.add_argument("-o", "--out")
     args = ap.parse_args(argv)
 
