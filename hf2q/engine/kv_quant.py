@@ -124,6 +124,19 @@ class KvCodec:
         return out.astype(out_dtype)
 
 
+    def dense(self, q: mx.array, keys: tuple[mx.array, mx.array], values: tuple[mx.array, mx.array]
+              ) -> tuple[mx.array, mx.array, mx.array]:
+        """``(q, keys, values)`` as float32 arrays of the stored space (``q`` rotated like the keys), for
+        an attention kernel that reads only floats; its output goes back through :meth:`unrotate`.
+        A copy of the rows: for the CPU's prefill chunks only, never a decode step (docs/ENGINE.md)."""
+        if self.rotation is not None:
+            q = (q.astype(mx.float32) @ self.rotation).astype(q.dtype)
+        return q, self.decode(*keys), self.decode(*values)
+
+    def unrotate(self, out: mx.array) -> mx.array:
+        return out if self.rotation is None else (out.astype(mx.float32) @ self.rotation).astype(out.dtype)
+
+
 def make_codec(kind: str, head_dim: int, dtype, family: str, *, v_head_dim: int | None = None) -> KvCodec | None:
     """The codec of ``--kv-cache-type kind`` for a cache of ``head_dim`` rows, None for ``f16``;
     ``InputError`` (one line) when the cache cannot hold that type."""
