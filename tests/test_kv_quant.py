@@ -156,3 +156,23 @@ def test_q8_export_import_restores_the_same_cache(runners):
         for x, y in zip(seq.keys[li], other.keys[li]):
             np.testing.assert_array_equal(np.array(x[:, :61]), np.array(y[:, :61]))
     assert r.kv_identity.endswith("-kv-q8-rotated") and runners["qwen3"]["f16"].kv_identity != r.kv_identity
+
+
+def test_q8_bytes_are_what_the_cache_allocates(runners):
+    """The figure admission reserves per token is the arrays' real size: per layer and KV head, K and V
+    rows of 32 one-byte codes plus one float32 scale (the CPU engine); and one prefill's allocation
+    (``seq.nbytes``) is the sum of its arrays' bytes. The store fingerprints of the two caches differ."""
+    from hf2q.kvstore.blockfile import FORMAT_VERSION
+    from hf2q.kvstore.fingerprint import model_fingerprint
+
+    r, f16 = runners["qwen3"]["q8"], runners["qwen3"]["f16"]
+    n_layers, kv_heads, head_dim = r.model.kv_shape
+    assert head_dim == 32 and r.kv_bytes_per_token == n_layers * kv_heads * 2 * (32 + 4)
+    assert f16.kv_bytes_per_token == n_layers * kv_heads * 2 * 32 * 4
+    seq = r.new_sequence()
+    r.prefill(seq, random_tokens(300, seed=9))
+    held = sum(a.nbytes for buf in seq.keys + seq.values for a in buf)
+    assert seq.nbytes == held == seq.capacity * r.kv_bytes_per_token
+    path = r.gguf.path
+    assert model_fingerprint(path, None, None, FORMAT_VERSION, r.kv_identity) != \
+        model_fingerprint(path, None, None, FORMAT_VERSION, f16.kv_identity)
