@@ -9,8 +9,8 @@ tokens of the shipped calibration text (``hf2q.quality.kv_scores``). llama.cpp: 
 --kl-divergence`` of its q8_0 cache against its f16 cache, and ``llama-bench`` prefill/decode speed
 of both. JSON on stdout. ``--device gpu`` (the default where MLX has a GPU) runs our engine there.
 
-    python bench/kvcache.py [--models smollm2,gemma3] [--n-ctx 1024] [--windows 4] [--speed-ctx 1024]
-                            [--decode-steps 32] [--budget 1G] [--slot-ctx 8192] [--device cpu|gpu]
+    python bench/kvcache.py [--models smollm2,gemma3] [--n-ctx 512] [--windows 8] [--speed-ctx 512]
+                            [--decode-steps 16] [--budget 1G] [--slot-ctx 8192] [--device cpu|gpu]
                             [--threads 2] [--no-llama-cpp] [-o results.json]
 """
 
@@ -130,10 +130,10 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="smollm2,gemma3")
-    ap.add_argument("--n-ctx", type=int, default=1024, help="tokens per scored window")
-    ap.add_argument("--windows", type=int, default=4, help="windows scored (4 × 1024 = 4096 tokens of text)")
-    ap.add_argument("--speed-ctx", type=int, default=1024, help="prompt tokens before the decode steps")
-    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--n-ctx", type=int, default=512, help="tokens per scored window")
+    ap.add_argument("--windows", type=int, default=8, help="windows scored (8 × 512 = 4096 tokens of text)")
+    ap.add_argument("--speed-ctx", type=int, default=512, help="prompt tokens before the decode steps")
+    ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--budget", type=parse_size, default=parse_size("1G"), help="KV budget the slot count uses")
     ap.add_argument("--slot-ctx", type=int, default=8192, help="context of one slot in the slot count")
     ap.add_argument("--device", choices=["cpu", "gpu"], default=None, help="default: the GPU where MLX has one")

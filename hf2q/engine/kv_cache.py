@@ -12,6 +12,11 @@ the new K/V into each cache and hands attention the keys/values to attend over p
 boolean mask: causal within the chunk, padding beyond each sequence's own length in a
 batch, and the sliding window for local-attention layers.
 
+With ``--kv-cache-type q8|q8-rotated`` a cache has a codec (``kv_quant.KvCodec``) and each layer's
+buffer is a tuple of planes — 8-bit codes and their scales, the same ``[kv_heads, capacity, ·]`` layout —
+that every operation below applies to plane by plane (``_each``), so growth, trims, windows, snapshots
+and stacked batches hold 8-bit rows exactly as they hold float ones; ``update`` then returns the planes.
+
 Hybrid models (qwen35) also give each sequence a :class:`RecurrentState`: for every
 linear-attention layer the last ``K − 1`` conv inputs and the delta-rule matrix, which
 summarise the whole history and cannot be cut back token by token. It is a separate part
