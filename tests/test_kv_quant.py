@@ -46,9 +46,13 @@ def test_codec_matches_numpy_reference(heads, n, width, spread, outlier, seed):
 
 @pytest.mark.parametrize("kind", ["q8", "q8-rotated"])
 @pytest.mark.parametrize("width,dtype", [(64, "float32"), (256, "float32"), (64, "float16")])
-def test_attention_over_q8_equals_attention_over_the_dequantized_cache(kind, width, dtype):
-    """Grouped-query heads (6 over 2), a causal chunk of 4 after 7 cached positions, a batch of 2; a
-    16-bit engine's rows and scales are 16-bit, its scores and softmax float32 as in the twin."""
+def test_attention_over_q8_equals_attention_over_the_dequantized_cache(kind, width, dtype, monkeypatch):
+    """Grouped-query heads (6 over 2), a causal chunk of 4 after 7 cached positions (in query blocks
+    of 3 and 1), a batch of 2; a 16-bit engine's rows and scales are 16-bit, its scores and softmax
+    float32 as in the twin."""
+    from hf2q.engine import kv_quant
+
+    monkeypatch.setattr(kv_quant, "QUERY_BLOCK", 3)
     np_dtype = np.dtype(dtype)
     q, k, v = (a.astype(np_dtype) for a in (_rows(1, (2, 6, 4, width)), _rows(2, (2, 2, 11, width), 20.0),
                                            _rows(3, (2, 2, 11, width))))

@@ -100,29 +100,28 @@ class KvCodec:
         q = q.astype(mx.float32) * scale
         if self.rotation is not None:
             q = q @ self.rotation
+        # the heads sharing a KV head become rows of one product: K/V batch dims match q's exactly
+        q = q.reshape(B, kv_heads, rep, L, d)
         kc, ks = keys[0], keys[1].astype(mx.float32)
         vc, vs = values[0], values[1].astype(mx.float32)
         kb, vb = ks * -OFFSET, vs * -OFFSET
-        if rep > 1:
-            q = q.reshape(B, kv_heads, rep, L, d)
-            kc, ks, kb, vc, vs, vb = (mx.expand_dims(a, -3) for a in (kc, ks, kb, vc, vs, vb))
-            if mask is not None:
-                mask = mx.expand_dims(mask, -3)
-        dv = vc.shape[-1] * 4
+        T, dv = kc.shape[-2], vc.shape[-1] * 4
         parts = []
         for a in range(0, L, QUERY_BLOCK):
             rows = slice(a, min(a + QUERY_BLOCK, L))
-            scores = mx.quantized_matmul(q[..., rows, :], kc, ks, kb, transpose=True, group_size=group_size(d),
-                                         bits=BITS)
+            n = rows.stop - rows.start
+            scores = mx.quantized_matmul(q[..., rows, :].reshape(B, kv_heads, rep * n, d), kc, ks, kb,
+                                         transpose=True, group_size=group_size(d), bits=BITS)
             if mask is not None:
-                scores = mx.where(mask[..., rows, :], scores, -mx.inf)
+                scores = mx.where(mask[:, :, None, rows, :], scores.reshape(B, kv_heads, rep, n, T), -mx.inf)
+                scores = scores.reshape(B, kv_heads, rep * n, T)
             p = mx.softmax(scores, axis=-1)
-            parts.append(mx.quantized_matmul(p, vc, vs, vb, transpose=False, group_size=group_size(dv), bits=BITS))
+            out = mx.quantized_matmul(p, vc, vs, vb, transpose=False, group_size=group_size(dv), bits=BITS)
+            parts.append(out.reshape(B, kv_heads, rep, n, dv))
         out = (parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-2)).reshape(B, n_heads, L, dv)
         if self.rotation is not None:
             out = out @ self.rotation
         return out.astype(out_dtype)
-
 
     def dense(self, q: mx.array, keys: tuple[mx.array, mx.array], values: tuple[mx.array, mx.array]
               ) -> tuple[mx.array, mx.array, mx.array]:
