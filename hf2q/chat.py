@@ -259,7 +259,7 @@ class _Stopped(Exception):
 class LocalBackend:
     """The model loaded in this process; prompts and replies go through the server's text pipeline."""
 
-    def __init__(self, model_path: Path, ctx: int | None = None):
+    def __init__(self, model_path: Path, ctx: int | None = None, kv_cache_type: str = "f16"):
         from hf2q.api.textbridge import GGUFChatModel
         from hf2q.engine.factory import load_runner
         from hf2q.engine.generate import check_generative_model
@@ -267,7 +267,7 @@ class LocalBackend:
         header = check_generative_model(model_path)
         self.model_path = model_path
         self.chat_model = GGUFChatModel.from_gguf(model_path, model_path.stem)
-        self.runner = load_runner(header, ctx=ctx)
+        self.runner = load_runner(header, ctx=ctx, kv_cache_type=kv_cache_type)
         if self.runner.is_embedding_model:
             raise InputError(f"{model_path.name} is an embedding model; chat needs a chat model")
 
@@ -405,6 +405,8 @@ def run(args) -> int:
         raise UsageError("give --model (in process) or --url (a server), not both")
     if args.tool_choice and not args.tools:
         raise UsageError("--tool-choice needs --tools")
+    if args.url and getattr(args, "kv_cache_type", "f16") != "f16":
+        raise UsageError("--kv-cache-type is for a model loaded here; a server sets its own (serve --kv-cache-type)")
     options = Options(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
                       thinking=not args.no_thinking, tools=_load_tools(args.tools), tool_choice=args.tool_choice)
     console = Console(highlight=False)
@@ -418,7 +420,7 @@ def run(args) -> int:
 
             model_path = default_chat_model()
         console.print(f"loading {model_path.name}…", style="dim", markup=False)
-        backend = LocalBackend(model_path, ctx=args.ctx)
+        backend = LocalBackend(model_path, ctx=args.ctx, kv_cache_type=getattr(args, "kv_cache_type", "f16"))
     console.print(f"hf2q chat — {backend.describe()}\n{HELP}", style="dim", markup=False)
     try:
         return chat_loop(backend, options, History(system=args.system), console)

@@ -126,6 +126,7 @@ def _add_info(sub) -> None:
     p.add_argument("--slots", type=_positive_int, default=4)
     p.add_argument("--kv-cache-budget", type=parse_size, default=None, help="shared KV budget, e.g. 8G")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    _add_kv_cache_type(p)
 
 
 def _add_sampling(p) -> None:
@@ -157,6 +158,16 @@ def _add_generate(sub) -> None:
     p.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past end-of-generation tokens up to --max-tokens (for benchmarks)")
     _add_speculative(p)
+    _add_kv_cache_type(p)
+
+
+def _add_kv_cache_type(p) -> None:
+    from hf2q.engine.kv_layout import KV_CACHE_TYPES
+
+    p.add_argument("--kv-cache-type", choices=KV_CACHE_TYPES, default="f16",
+                   help="how the live KV cache stores K/V: f16 (the compute dtype), q8 (8-bit with a scale per "
+                        "64 values, about half the bytes), q8-rotated (the same after a Hadamard rotation of "
+                        "each head: less error); docs/ENGINE.md")
 
 
 def _add_speculative(p) -> None:
@@ -181,6 +192,7 @@ def _add_chat(sub) -> None:
     p.add_argument("--tool-choice", metavar="auto|required|none|NAME", help="with --tools: whether (or which) a "
                    "call is forced (default: the model decides)")
     p.add_argument("--ctx", type=_positive_int, default=None, help="in-process context length (default: from GGUF)")
+    _add_kv_cache_type(p)
 
 
 def _add_serve(sub) -> None:
@@ -220,6 +232,7 @@ def _add_serve(sub) -> None:
                    help="memory one rank may use for weights + KV, e.g. 40G (default: 90%% of the device)")
     p.add_argument("--model-name", default=None, help="id reported by /v1/models (default: file stem)")
     _add_speculative(p)  # a request decoding alone verifies drafts; concurrent requests decode batched
+    _add_kv_cache_type(p)
 
 
 def _add_tp_hosts(p, required: bool = False) -> None:

@@ -38,7 +38,8 @@ def _human(n: int) -> str:
     return str(n)
 
 
-def inspect(path, ctx: int | None = None, slots: int = 4, kv_budget: int | None = None) -> dict[str, Any]:
+def inspect(path, ctx: int | None = None, slots: int = 4, kv_budget: int | None = None,
+            kv_type: str = "f16") -> dict[str, Any]:
     """Everything ``info`` prints, as a dict (``serve_support`` + ``reject_reason``)."""
     from hf2q.engine.models import FAMILIES
 
@@ -68,10 +69,14 @@ def inspect(path, ctx: int | None = None, slots: int = 4, kv_budget: int | None 
     per_token, kv = 0, None
     if not reasons:  # sizes only from hyper-parameters the check passed (a block_count of 10^9 is not one)
         from hf2q.engine.device_probe import probe
+        from hf2q.engine.kv_layout import check_kv_type
         from hf2q.engine.memory_plan import kv_need
 
         try:
-            kv = kv_need(hp, elem, on_cpu=probe().on_cpu)
+            if kind == "chat":
+                check_kv_type(kv_type, (hp.key_length, hp.value_length), arch)
+            # an 8-bit cache runs the MLX graph, which keeps gemma3's local layers to their window
+            kv = kv_need(hp, elem, on_cpu=probe().on_cpu and kv_type == "f16", kv_type=kv_type)
             per_token = kv.per_token
         except InputError as e:
             reasons.append(str(e).split(": ", 1)[-1])
@@ -94,7 +99,7 @@ def inspect(path, ctx: int | None = None, slots: int = 4, kv_budget: int | None 
         "tokenizer": tok_model if has_tokenizer else None, "vocab_size": len(tokens) if tokens else 0,
         "chat_template": bool(template),
         "projector": projector_summary(g.metadata) if kind == "mmproj" else None,
-        "kv_dtype_bytes": elem, "kv_bytes_per_token": per_token, "kv_bytes_per_slot": per_slot,
+        "kv_dtype_bytes": elem, "kv_cache_type": kv_type, "kv_bytes_per_token": per_token, "kv_bytes_per_slot": per_slot,
         "kv_bytes_worst_case": worst, "kv_cache_budget": kv_budget,
         "kv_window": kv.window if kv is not None else None,
         "kv_window_layers": kv.window_layers if kv is not None else 0, "kv_window_bytes_per_slot": window_bytes,
@@ -118,6 +123,12 @@ def recurrent_state(hp, elem: int = 4) -> dict[str, int]:
     return {"recurrent_layers": sum(hp.recurrent_layers), "recurrent_conv_bytes_per_slot": conv,
             "recurrent_ssm_bytes_per_slot": ssm, "recurrent_state_bytes_per_slot": conv + ssm,
             "recurrent_reuse_points_per_slot": CHECKPOINTS_KEPT}
+
+
+def _kv_storage(info: dict) -> str:
+    if info["kv_cache_type"] == "f16":
+        return f"{info['kv_dtype_bytes'] * 8}-bit"
+    return f"{info['kv_cache_type']}: 8-bit + a {info['kv_dtype_bytes'] * 8}-bit scale per group"
 
 
 def _recurrent_line(info: dict) -> str:
@@ -146,7 +157,8 @@ def _tokenizer_line(info: dict) -> str:
 
 
 def run(args) -> int:
-    info = inspect(args.model, ctx=args.ctx, slots=args.slots, kv_budget=args.kv_cache_budget)
+    info = inspect(args.model, ctx=args.ctx, slots=args.slots, kv_budget=args.kv_cache_budget,
+                   kv_type=getattr(args, "kv_cache_type", "f16"))
     ready = info["serve_support"] == "ready"
     if args.json:
         print(json.dumps(info))
@@ -167,7 +179,7 @@ def run(args) -> int:
     if info["kind"] == "chat":
         budget = f", budget {_human(info['kv_cache_budget'])}" if info["kv_cache_budget"] else ""
         lines += [
-            f"KV cache:       {_human(info['kv_bytes_per_token'])}/token ({info['kv_dtype_bytes'] * 8}-bit); "
+            f"KV cache:       {_human(info['kv_bytes_per_token'])}/token ({_kv_storage(info)}); "
             f"per slot {_human(info['kv_bytes_per_slot'])}; worst case {info['slots']} slots "
             f"{_human(info['kv_bytes_worst_case'])}{budget}",
         ]

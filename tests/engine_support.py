@@ -26,6 +26,12 @@ def convert_f32(src: Path, out: Path) -> Path:
     return out
 
 
+def tiny_runner(tiny_checkpoint, tmp_path_factory, family: str):
+    """The runner of the tiny ``family`` checkpoint, converted to F32 once per session."""
+    src = tiny_checkpoint(family)
+    return load_runner(convert_f32(src, tmp_path_factory.mktemp(family) / "m.gguf"), src)
+
+
 def layer_types_pattern(hf_dir: Path) -> list[bool] | None:
     """Per-layer 'is sliding' flags from a Gemma3 config (None when it has no layer_types)."""
     import json

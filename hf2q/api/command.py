@@ -55,14 +55,26 @@ def check_model_kind(header, path: Path, flag: str) -> None:
                          f"model, not an embedding model; serve it with --model")
 
 
+def check_kv_cache_type(header, args) -> None:
+    """``--kv-cache-type`` the model's family and the server's layout can hold, checked before loading."""
+    from hf2q.engine.kv_layout import check_kv_type
+
+    kv_type = getattr(args, "kv_cache_type", "f16")
+    if kv_type != "f16" and args.tensor_parallel > 1:
+        raise UsageError(f"--kv-cache-type {kv_type} does not work with --tensor-parallel yet (use f16)")
+    hp = header.hparams
+    check_kv_type(kv_type, (hp.key_length, hp.value_length), header.arch)
+
+
 def check_kv_budget(header, args) -> None:
     """A ``--kv-cache-budget`` below what a one-token prompt and a one-token answer need would
     refuse every request; say so at start (exit 2)."""
     if args.kv_cache_budget is None:
         return
     from hf2q.engine.device_probe import probe
+    from hf2q.engine.memory_plan import token_bytes
 
-    per_token = header.hparams.kv_bytes_per_token(probe().activation_bytes())
+    per_token = token_bytes(header.hparams, probe().activation_bytes(), getattr(args, "kv_cache_type", "f16"))
     if args.kv_cache_budget < 2 * per_token:
         raise UsageError(f"--kv-cache-budget {args.kv_cache_budget} bytes is too small: one token of KV takes "
                          f"{per_token} bytes for this model, and a request needs at least 2 tokens "
@@ -83,7 +95,8 @@ def check_memory(model, args):
     from hf2q.sched.transactions import transaction_tokens
 
     return check_model(model, args.tensor_parallel, ctx=args.ctx, slots=args.slots, kv_budget=args.kv_cache_budget,
-                limit=args.memory_limit, prefill_chunk=transaction_tokens(model.arch, args.prefill_chunk))
+                       limit=args.memory_limit, prefill_chunk=transaction_tokens(model.arch, args.prefill_chunk),
+                       kv_type=getattr(args, "kv_cache_type", "f16"))
 
 
 def runner_factory(path: Path, ctx: int | None, tensor_parallel: int = 1, args=None):
@@ -101,7 +114,7 @@ def runner_factory(path: Path, ctx: int | None, tensor_parallel: int = 1, args=N
         def load():
             from hf2q.engine.factory import load_runner
 
-            return load_runner(path, ctx)  # readies the process for MLX (the fast BLAS) first
+            return load_runner(path, ctx, getattr(args, "kv_cache_type", "f16"))  # readies the process for MLX (the fast BLAS) first
 
     def build():
         from hf2q.engine.runner import warm_up
@@ -163,6 +176,7 @@ def preflight(args) -> tuple[Path, Path | None]:
     header = open_gguf(model_path)  # parsed once for the start-up checks
     check_model_kind(header, model_path, "--model")
     check_servable(header)  # what `hf2q info` reports: no defect reaches the engine
+    check_kv_cache_type(header, args)
     if embed_path is not None:
         embed_header = open_gguf(embed_path)
         check_model_kind(embed_header, embed_path, "--embedding-model")

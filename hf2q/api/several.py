@@ -142,7 +142,7 @@ def run(args) -> int:
         chat = kind == "chat"
         text = GGUFChatModel.from_gguf(path, model_id) if chat else GGUFEmbeddingModel.from_gguf(path, model_id)
         entries.append(Entry(model_id, path, kind, need, text, chat_config if chat else embed_config,
-                             partial(runner_factory, path, args.ctx if chat else None)))
+                             partial(runner_factory, path, args.ctx, 1, args) if chat else partial(runner_factory, path, None)))
     trio.run(partial(_serve, args, entries, budget))
     return 0
 

@@ -19,7 +19,7 @@ def prepare_mlx() -> str:
     return cpu_blas.preload()
 
 
-def load_runner(path, ctx: int | None = None):
+def load_runner(path, ctx: int | None = None, kv_cache_type: str = "f16"):
     """An ``MlxModelRunner`` for the GGUF at ``path`` (a path, or the ``GGUFFile`` a caller already
     opened and checked), the process readied for MLX first. The model build checks the weights
     before any kernel sees them; the tokenizer is the callers' to check (serve's preflight and
@@ -30,4 +30,4 @@ def load_runner(path, ctx: int | None = None):
     prepare_mlx()
     from hf2q.engine.runner import MlxModelRunner
 
-    return MlxModelRunner.load(g, ctx=ctx)
+    return MlxModelRunner.load(g, ctx=ctx, kv_cache_type=kv_cache_type)

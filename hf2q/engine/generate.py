@@ -247,7 +247,7 @@ def run(args) -> int:
     header = check_generative_model(model_path)
     tokenizer = GGUFTokenizer.from_gguf(model_path)
     prompt = render_prompt(args, model_path, tokenizer)
-    runner = load_runner(header, ctx=getattr(args, "ctx", None))
+    runner = load_runner(header, ctx=getattr(args, "ctx", None), kv_cache_type=getattr(args, "kv_cache_type", "f16"))
     if runner.is_embedding_model:
         raise InputError(f"{model_path.name} is an embedding model; generate needs a chat/text model")
     params = _params(args)

@@ -12,6 +12,11 @@ the new K/V into each cache and hands attention the keys/values to attend over p
 boolean mask: causal within the chunk, padding beyond each sequence's own length in a
 batch, and the sliding window for local-attention layers.
 
+With ``--kv-cache-type q8|q8-rotated`` a cache has a codec (``kv_quant.KvCodec``) and each layer's
+buffer is a tuple of planes — 8-bit codes and their scales, the same ``[kv_heads, capacity, ·]`` layout —
+that every operation below applies to plane by plane (``_each``), so growth, trims, windows, snapshots
+and stacked batches hold 8-bit rows exactly as they hold float ones; ``update`` then returns the planes.
+
 Hybrid models (qwen35) also give each sequence a :class:`RecurrentState`: for every
 linear-attention layer the last ``K − 1`` conv inputs and the delta-rule matrix, which
 summarise the whole history and cannot be cut back token by token. It is a separate part
@@ -37,6 +42,7 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
+from hf2q.engine.kv_quant import KvCodec
 from hf2q.engine.recurrent_policy import (CHECKPOINT_INTERVAL, CHECKPOINTS_KEPT, KV_GROW, WINDOW_POINTS_KEPT,
                                           WINDOW_SNAPSHOTS_KEPT, ReusePoints, room_for)
 
@@ -181,14 +187,35 @@ class SlidingWindow:
         return max(0, length - self.size + 1) >= self.base
 
 
+def _planes(buf) -> tuple[mx.array, ...]:
+    """A buffer's arrays: itself (a float cache), or its codes and scales (``kv_quant``)."""
+    return buf if isinstance(buf, tuple) else (buf,)
+
+
+def _each(fn, *bufs):
+    """``fn`` applied to the matching arrays of ``bufs``, keeping their structure."""
+    if isinstance(bufs[0], tuple):
+        return tuple(fn(*arrays) for arrays in zip(*bufs))
+    return fn(*bufs)
+
+
+def _write(buf, at: int, new) -> None:
+    """Positions ``[at, at + n)`` of ``buf [heads, capacity, ·]`` set to ``new [heads, n, ·]`` in place."""
+    for dst, src in zip(_planes(buf), _planes(new)):
+        dst[:, at:at + src.shape[1], :] = src
+
+
 class SequenceCache:
     def __init__(self, n_layers: int, kv_heads: int, head_dim: int, dtype, v_head_dim: int | None = None,
-                 recurrent: RecurrentState | None = None, window: SlidingWindow | None = None):
+                 recurrent: RecurrentState | None = None, window: SlidingWindow | None = None,
+                 codec: KvCodec | None = None):
         self.n_layers = n_layers
         self.kv_heads = kv_heads
         self.head_dim = head_dim
         self.v_head_dim = v_head_dim or head_dim
         self.dtype = dtype
+        #: how K/V rows are stored: None keeps them in ``dtype``; a codec keeps 8-bit codes + scales
+        self.codec = codec
         self._keys: list[mx.array | None] = [None] * n_layers
         self._values: list[mx.array | None] = [None] * n_layers
         #: positions the layers that keep every position have room for
@@ -240,7 +267,15 @@ class SequenceCache:
     @property
     def position_bytes(self) -> int:
         """K/V bytes of one position in one layer."""
+        if self.codec is not None:
+            return self.kv_heads * (self.codec.row_nbytes(self.head_dim) + self.codec.row_nbytes(self.v_head_dim))
         return self.kv_heads * (self.head_dim + self.v_head_dim) * self.dtype.size
+
+    def empty(self, lead: tuple[int, ...], capacity: int, width: int):
+        """A zeroed buffer ``[*lead, capacity, width]`` in this cache's storage (planes for a codec)."""
+        if self.codec is None:
+            return mx.zeros((*lead, capacity, width), dtype=self.dtype)
+        return tuple(mx.zeros((*lead, capacity, w), dtype=t) for w, t in self.codec.planes(width))
 
     @property
     def bytes_per_token(self) -> int:
@@ -271,9 +306,9 @@ class SequenceCache:
         new_cap = room_for(n_tokens)
         for i in self._full_layers():
             for store, d in ((self._keys, self.head_dim), (self._values, self.v_head_dim)):
-                grown = mx.zeros((self.kv_heads, new_cap, d), dtype=self.dtype)
+                grown = self.empty((self.kv_heads,), new_cap, d)
                 if store[i] is not None and self._length:
-                    grown[:, : self._length, :] = store[i][:, : self._length, :]
+                    _write(grown, 0, _each(lambda a: a[:, : self._length, :], store[i]))
                 store[i] = grown
         self.capacity = new_cap
         self.version = next(_VERSIONS)
@@ -287,11 +322,11 @@ class SequenceCache:
         kept = self._length - base  # positions [base, length) move to the front
         for i in w.layers:
             for store, d in ((self._keys, self.head_dim), (self._values, self.v_head_dim)):
-                moved = mx.zeros((self.kv_heads, new_cap, d), dtype=self.dtype)
+                moved = self.empty((self.kv_heads,), new_cap, d)
                 if store[i] is not None and kept > 0:
-                    moved[:, :kept, :] = store[i][:, base - w.base: self._length - w.base, :]
+                    _write(moved, 0, _each(lambda a: a[:, base - w.base: self._length - w.base, :], store[i]))
                 store[i] = moved
-        mx.eval([a for i in w.layers for a in (self._keys[i], self._values[i])])
+        mx.eval([a for i in w.layers for buf in (self._keys[i], self._values[i]) for a in _planes(buf)])
         w.base, w.capacity = base, new_cap
         self.version = next(_VERSIONS)
 
@@ -318,7 +353,7 @@ class SequenceCache:
         if keep < self.capacity:
             for store in (self._keys, self._values):
                 for i in self._full_layers():
-                    store[i] = mx.array(store[i][:, :keep, :]) if keep else None
+                    store[i] = _each(lambda a: mx.array(a[:, :keep, :]), store[i]) if keep else None
             self.capacity = keep
             self.version = next(_VERSIONS)
 
@@ -333,10 +368,11 @@ class SequenceCache:
         elif not w.reachable(n_tokens):  # back to a snapshot: its copy becomes the buffer
             first, keys, values = w.snapshots.pop(n_tokens)
             w.base, w.capacity = first, room_for(n_tokens - first)
-            for store, saved in ((self._keys, keys), (self._values, values)):
+            for store, saved, d in ((self._keys, keys, self.head_dim), (self._values, values, self.v_head_dim)):
                 for i in w.layers:
-                    store[i] = mx.concatenate([saved[i], mx.zeros(
-                        (self.kv_heads, w.capacity - saved[i].shape[1], saved[i].shape[2]), dtype=self.dtype)], axis=1)
+                    n = _planes(saved[i])[0].shape[1]
+                    store[i] = _each(lambda a, z: mx.concatenate([a, z], axis=1), saved[i],
+                                     self.empty((self.kv_heads,), w.capacity - n, d))
             w.points.clear()
             w.points.add(n_tokens, SlidingWindow.TRANSACTION_END)
             self.version = next(_VERSIONS)
@@ -345,7 +381,7 @@ class SequenceCache:
         if keep < w.capacity and self._stack is None:  # a stacked row keeps its padded room
             for store in (self._keys, self._values):
                 for i in w.layers:
-                    store[i] = mx.array(store[i][:, :keep, :]) if keep else None
+                    store[i] = _each(lambda a: mx.array(a[:, :keep, :]), store[i]) if keep else None
             w.capacity = keep
             self.version = next(_VERSIONS)
 
@@ -404,10 +440,11 @@ class SequenceCache:
         w = self.window
         first = max(0, length - w.size + 1)
         cut = slice(first - w.base, length - w.base)
-        zero = mx.zeros((), dtype=self.dtype)  # "+ 0": a copy, not a view that would keep the whole buffer
-        keys = {i: self._keys[i][:, cut, :] + zero for i in w.layers}
-        values = {i: self._values[i][:, cut, :] + zero for i in w.layers}
-        mx.eval(list(keys.values()) + list(values.values()))
+        # "+ 0": a copy, not a view that would keep the whole buffer
+        copy = lambda a: a[:, cut, :] + mx.zeros((), dtype=a.dtype)  # noqa: E731
+        keys = {i: _each(copy, self._keys[i]) for i in w.layers}
+        values = {i: _each(copy, self._values[i]) for i in w.layers}
+        mx.eval([a for buf in (*keys.values(), *values.values()) for a in _planes(buf)])
         w.snapshots[length] = (first, keys, values)
         while len(w.snapshots) > w.snapshots_kept:
             del w.snapshots[min(w.snapshots)]
@@ -427,8 +464,9 @@ class SequenceCache:
         self._refuse_transfer("export")
         out = {}
         for i in range(self.n_layers):
-            out[f"k.{i}"] = np.array(self.keys[i][:, start:end, :].astype(mx.float32))
-            out[f"v.{i}"] = np.array(self.values[i][:, start:end, :].astype(mx.float32))
+            for name, buf in ((f"k.{i}", self.keys[i]), (f"v.{i}", self.values[i])):
+                part = _each(lambda a: a[:, start:end, :], buf)
+                out[name] = np.array(self.codec.decode(*part) if self.codec else part.astype(mx.float32))
         return out
 
     def import_(self, arrays: dict[str, np.ndarray], n_tokens: int) -> None:
@@ -440,20 +478,28 @@ class SequenceCache:
             if k.shape != (self.kv_heads, n_tokens, self.head_dim) or v.shape[1] != n_tokens:
                 raise ValueError(f"layer {i}: KV block has shape {k.shape}, expected "
                                  f"{(self.kv_heads, n_tokens, self.head_dim)}")
-            self.keys[i][:, start:start + n_tokens, :] = mx.array(k).astype(self.dtype)
-            self.values[i][:, start:start + n_tokens, :] = mx.array(v).astype(self.dtype)
-        mx.eval(self.keys, self.values)
+            for buf, rows in ((self.keys[i], k), (self.values[i], v)):
+                # a codec cache exports its stored (rotated) rows, so they are stored again as they are
+                rows = mx.array(rows).astype(self.dtype)
+                _write(buf, start, self.codec.encode(rows, rotate=False) if self.codec else rows)
+        mx.eval([a for buf in self.keys + self.values for a in _planes(buf)])
         self._length += n_tokens
         self.version = next(_VERSIONS)
 
 
-def _padded(buf: mx.array, n: int) -> mx.array:
+def _padded(buf, n: int):
     """The first ``n`` positions of a cache buffer, zero-padded when its capacity is smaller
     (masked out anyway; a short sequence in a batch never grows its own cache for it)."""
-    if buf.shape[1] >= n:
-        return buf[:, :n, :]
-    pad = mx.zeros((buf.shape[0], n - buf.shape[1], buf.shape[2]), dtype=buf.dtype)
-    return mx.concatenate([buf, pad], axis=1)
+    def one(a: mx.array) -> mx.array:
+        if a.shape[1] >= n:
+            return a[:, :n, :]
+        return mx.concatenate([a, mx.zeros((a.shape[0], n - a.shape[1], a.shape[2]), dtype=a.dtype)], axis=1)
+    return _each(one, buf)
+
+
+def _stacked(bufs: list):
+    """Buffers of the rows of a batch stacked along a new first axis (each plane on its own)."""
+    return _each(lambda *arrays: mx.stack(arrays), *bufs)
 
 
 class StackedDecode:
@@ -494,9 +540,9 @@ class StackedDecode:
         self.values: list[mx.array] = []
         for i in range(self.n_layers):  # layer by layer, so the copy never holds more than one extra layer
             cap = self._capacity(i)
-            self.keys.append(mx.stack([_padded(c._keys[i], cap) for c in self.caches]))
-            self.values.append(mx.stack([_padded(c._values[i], cap) for c in self.caches]))
-            mx.eval(self.keys[i], self.values[i])
+            self.keys.append(_stacked([_padded(c._keys[i], cap) for c in self.caches]))
+            self.values.append(_stacked([_padded(c._values[i], cap) for c in self.caches]))
+            mx.eval(*_planes(self.keys[i]), *_planes(self.values[i]))
             for c in self.caches:
                 c._keys[i] = c._values[i] = None
         for c in self.caches:
@@ -521,8 +567,8 @@ class StackedDecode:
         if len(caches) < 2 or len({id(c) for c in caches}) != len(caches):
             return False
         first = caches[0]
-        if any(c.stacked or c.capacity == 0 or (c.n_layers, c.kv_heads, c.head_dim, c.v_head_dim, c.dtype)
-               != (first.n_layers, first.kv_heads, first.head_dim, first.v_head_dim, first.dtype) for c in caches):
+        layout = lambda c: (c.n_layers, c.kv_heads, c.head_dim, c.v_head_dim, c.dtype, c.codec)  # noqa: E731
+        if any(c.stacked or c.capacity == 0 or layout(c) != layout(first) for c in caches):
             return False
         need = max(room_for(c.length + n_new) for c in caches)
         own = sum(max(c.capacity, c.length + n_new) for c in caches)
@@ -549,20 +595,20 @@ class StackedDecode:
         new_cap = room_for(n_tokens)
         for store in (self.keys, self.values):
             for i in layers:
-                a = store[i]
-                pad = mx.zeros((a.shape[0], a.shape[1], new_cap - a.shape[2], a.shape[3]), dtype=a.dtype)
-                store[i] = mx.concatenate([a, pad], axis=2)
+                store[i] = _each(lambda a: mx.concatenate([a, mx.zeros(
+                    (a.shape[0], a.shape[1], new_cap - a.shape[2], a.shape[3]), dtype=a.dtype)], axis=2), store[i])
         return new_cap
 
-    def write(self, layer: int, k: mx.array, v: mx.array, offsets: mx.array, total: int) -> tuple[mx.array, mx.array]:
-        """Store one new position per row (``k, v [B, kv_heads, 1, d]`` at ``offsets [B]``) with
-        one scatter each; return keys/values ``[B, kv_heads, total, d]``."""
-        B, H, _, D = k.shape
-        idx = mx.broadcast_to(offsets[:, None, None, None], (B, H, 1, D))
-        self.keys[layer] = mx.put_along_axis(self.keys[layer], idx, k, axis=2)
-        self.values[layer] = mx.put_along_axis(self.values[layer], mx.broadcast_to(
-            offsets[:, None, None, None], (B, H, 1, v.shape[3])), v, axis=2)
-        return self.keys[layer][:, :, :total, :], self.values[layer][:, :, :total, :]
+    def write(self, layer: int, k, v, offsets: mx.array, total: int):
+        """Store one new position per row (``k, v [B, kv_heads, 1, d]`` at ``offsets [B]``, or their
+        codec planes) with one scatter per array; return keys/values ``[B, kv_heads, total, ·]``."""
+        def put(buf: mx.array, new: mx.array) -> mx.array:
+            idx = mx.broadcast_to(offsets[:, None, None, None], new.shape)
+            return mx.put_along_axis(buf, idx, new, axis=2)
+        self.keys[layer] = _each(put, self.keys[layer], k)
+        self.values[layer] = _each(put, self.values[layer], v)
+        head = lambda a: a[:, :, :total, :]  # noqa: E731
+        return _each(head, self.keys[layer]), _each(head, self.values[layer])
 
     def dissolve(self) -> None:
         """Every row back to its sequence as its own buffers (room for its length, in ``GROW``
@@ -575,9 +621,10 @@ class StackedDecode:
             for b, c in enumerate(self.caches):
                 n = own_window[b] if i in self.window_layers else own[b]
                 if n:
-                    c._keys[i] = mx.array(self.keys[i][b, :, :n, :])
-                    c._values[i] = mx.array(self.values[i][b, :, :n, :])
-            mx.eval([a for c in self.caches for a in (c._keys[i], c._values[i]) if a is not None])
+                    c._keys[i] = _each(lambda a: mx.array(a[b, :, :n, :]), self.keys[i])
+                    c._values[i] = _each(lambda a: mx.array(a[b, :, :n, :]), self.values[i])
+            mx.eval([a for c in self.caches for buf in (c._keys[i], c._values[i]) if buf is not None
+                     for a in _planes(buf)])
             self.keys[i] = self.values[i] = None
         for c, n, n_window in zip(self.caches, own, own_window):
             c.capacity = n
@@ -588,7 +635,7 @@ class StackedDecode:
         self.caches, self.keys, self.values = [], [], []
 
     def arrays(self) -> list[mx.array]:
-        return self.keys + self.values
+        return [a for buf in self.keys + self.values for a in _planes(buf)]
 
 
 class ForwardBatch:
@@ -621,13 +668,15 @@ class ForwardBatch:
                 c.version = next(_VERSIONS)  # update()'s slice assignments give every buffer a new array
         #: the sliding-window layers' part of the caches (one model: the same layers in every cache)
         self.window = self.caches[0].window
+        #: how the caches store K/V (one model: the same in every cache); None: in the compute dtype
+        self.codec = self.caches[0].codec
         if self.window is not None:
             self._bases = [c.window.base for c in self.caches]
             self.window_total = max(off + n_new - b for off, b in zip(self.offsets, self._bases))
             if stack is not None:
                 stack.reserve(self.total, self.window_total)
                 self._window_offsets_mx = mx.array([o - b for o, b in zip(self.offsets, self._bases)], dtype=mx.int32)
-        self._masks: dict[int | None, mx.array | str | None] = {}
+        self._masks: dict[object, mx.array | str | None] = {}
         self._np_masks: dict[int | None, np.ndarray | None] = {}
         self._staged: dict[int, tuple[mx.array, mx.array]] = {}
         #: reuse points inside a prefill forward: position relative to its start → layer → (conv, ssm)
@@ -690,6 +739,14 @@ class ForwardBatch:
                 self._masks[window] = None if m is None else mx.array(m)
         return self._masks[window]
 
+    def mask_array(self, window: int | None) -> mx.array | None:
+        """:meth:`mask_np` as an MLX array (for attention with no ``"causal"`` shortcut, ``kv_quant``)."""
+        key = ("array", window)
+        if key not in self._masks:
+            m = self.mask_np(window)
+            self._masks[key] = None if m is None else mx.array(m)
+        return self._masks[key]
+
     def _plain_causal(self, window: int | None) -> bool:
         if self._windowed(window):
             return window >= self.window_total
@@ -699,44 +756,32 @@ class ForwardBatch:
         """Whether layers masked by ``window`` keep only their window (``SlidingWindow``)."""
         return window is not None and self.window is not None and window == self.window.size
 
-    def update(self, layer: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
-        """Store new ``k, v`` ``[B, kv_heads, n_new, d]``; return all keys/values ``[B, kv_heads, total, d]``."""
+    def update(self, layer: int, k: mx.array, v: mx.array):
+        """Store new ``k, v`` ``[B, kv_heads, n_new, d]``; return all keys/values ``[B, kv_heads, total, d]``
+        (a codec cache: its planes, ``kv_quant.KvCodec.attend`` reads them). A sliding-window layer's
+        position ``p`` lives at ``p − base`` of its row."""
+        if self.codec is not None:
+            k, v = self.codec.encode(k), self.codec.encode(v)
         windowed = self.window is not None and layer in self.window.layers
         if self.stack is not None:
             if windowed:
                 return self.stack.write(layer, k, v, self._window_offsets_mx, self.window_total)
             return self.stack.write(layer, k, v, self._offsets_mx, self.total)
-        if windowed:
-            return self._update_window(layer, k, v)
-        T = self.n_new
+        bases = self._bases if windowed else [0] * len(self.caches)
+        total = self.window_total if windowed else self.total
         if len(self.caches) == 1:
-            c, off = self.caches[0], self.offsets[0]
-            c.keys[layer][:, off:off + T, :] = k[0]
-            c.values[layer][:, off:off + T, :] = v[0]
-            return c.keys[layer][None, :, : off + T, :], c.values[layer][None, :, : off + T, :]
+            c, at = self.caches[0], self.offsets[0] - bases[0]
+            _write(c.keys[layer], at, _each(lambda a: a[0], k))
+            _write(c.values[layer], at, _each(lambda a: a[0], v))
+            head = lambda a: a[None, :, :at + self.n_new, :]  # noqa: E731
+            return _each(head, c.keys[layer]), _each(head, c.values[layer])
         ks, vs = [], []
-        for i, (c, off) in enumerate(zip(self.caches, self.offsets)):
-            c.keys[layer][:, off:off + T, :] = k[i]
-            c.values[layer][:, off:off + T, :] = v[i]
-            ks.append(_padded(c.keys[layer], self.total))
-            vs.append(_padded(c.values[layer], self.total))
-        return mx.stack(ks), mx.stack(vs)
-
-    def _update_window(self, layer: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
-        """``update`` for a sliding-window layer: position ``p`` lives at ``p − base`` of its row."""
-        T = self.n_new
-        if len(self.caches) == 1:
-            c, at = self.caches[0], self.offsets[0] - self._bases[0]
-            c.keys[layer][:, at:at + T, :] = k[0]
-            c.values[layer][:, at:at + T, :] = v[0]
-            return c.keys[layer][None, :, :at + T, :], c.values[layer][None, :, :at + T, :]
-        ks, vs = [], []
-        for i, (c, off, base) in enumerate(zip(self.caches, self.offsets, self._bases)):
-            c.keys[layer][:, off - base:off - base + T, :] = k[i]
-            c.values[layer][:, off - base:off - base + T, :] = v[i]
-            ks.append(_padded(c.keys[layer], self.window_total))
-            vs.append(_padded(c.values[layer], self.window_total))
-        return mx.stack(ks), mx.stack(vs)
+        for i, (c, off, base) in enumerate(zip(self.caches, self.offsets, bases)):
+            _write(c.keys[layer], off - base, _each(lambda a: a[i], k))
+            _write(c.values[layer], off - base, _each(lambda a: a[i], v))
+            ks.append(_padded(c.keys[layer], total))
+            vs.append(_padded(c.values[layer], total))
+        return _stacked(ks), _stacked(vs)
 
     def finish(self) -> None:
         for b, c in enumerate(self.caches):
@@ -761,10 +806,7 @@ class ForwardBatch:
     def eval_state(self) -> list[mx.array]:
         if self.stack is not None:
             return self.stack.arrays() + self._recurrent_arrays()
-        out: list[mx.array] = []
-        for c in self.caches:
-            out.extend(k for k in c.keys if k is not None)
-            out.extend(v for v in c.values if v is not None)
+        out = [a for c in self.caches for buf in c.keys + c.values if buf is not None for a in _planes(buf)]
         return out + self._recurrent_arrays()
 
     def _recurrent_arrays(self) -> list[mx.array]:

@@ -21,6 +21,7 @@ import attrs
 from gguf import GGMLQuantizationType as T
 
 from hf2q.engine.device_probe import DeviceFacts, probe
+from hf2q.engine.kv_layout import row_nbytes
 from hf2q.engine.recurrent_policy import STATES_PER_SEQUENCE, swa_full, window_positions
 from hf2q.errors import InputError
 from hf2q.formats.gguf_file import GGUFFile, GGUFTensor
@@ -82,8 +83,17 @@ def gemma3_local_layers(hp) -> list[bool]:
     return [(i + 1) % pattern != 0 for i in range(hp.n_layers)]
 
 
-def kv_need(hp, elem: int, *, on_cpu: bool = False) -> KvNeed:
-    """The K/V layout of ``hp``'s model at ``elem`` bytes a value, from the header alone.
+def token_bytes(hp, elem: int, kv_type: str = "f16") -> int:
+    """K/V bytes of one token over all layers that hold K/V, stored as ``kv_type`` (``kv_layout``)."""
+    if kv_type == "f16":
+        return hp.kv_bytes_per_token(elem)
+    heads = hp.kv_bytes_per_token(1) // (hp.key_length + hp.value_length)  # summed over the layers
+    return heads * (row_nbytes(kv_type, hp.key_length, elem) + row_nbytes(kv_type, hp.value_length, elem))
+
+
+def kv_need(hp, elem: int, *, on_cpu: bool = False, kv_type: str = "f16") -> KvNeed:
+    """The K/V layout of ``hp``'s model at ``elem`` bytes a value, stored as ``kv_type``, from the
+    header alone — the one account of it (the runner, ``info`` and the memory check read it).
 
     gemma4 stores every layer in one cache layout — heads split into pieces of the smallest head size,
     padded to the widest layer (``models/gemma4.py::cache_layout``) — its KV-shared layers hold none,
@@ -95,14 +105,14 @@ def kv_need(hp, elem: int, *, on_cpu: bool = False) -> KvNeed:
     windowed = hp.sliding_window and not swa_full()
     if hp.arch == "gemma3" and windowed and not on_cpu:
         local = gemma3_local_layers(hp)
-        position = hp.kv_bytes_per_token(elem) // hp.n_layers
+        position = token_bytes(hp, elem, kv_type) // hp.n_layers
         return KvNeed((len(local) - sum(local)) * position, hp.sliding_window, sum(local), position)
     if hp.arch == "deepseek4":  # every layer's rows, one width (models/deepseek4_layout.py)
         from hf2q.engine.models.deepseek4_layout import kv_bytes_per_token
 
         return KvNeed(kv_bytes_per_token(hp, elem))
     if hp.arch != "gemma4":
-        return KvNeed(hp.kv_bytes_per_token(elem))
+        return KvNeed(token_bytes(hp, elem, kv_type))
     a = Keys.Attention
     n = hp.n_layers
     sliding = [bool(x) for x in hp.stored(a.SLIDING_WINDOW_PATTERN)]
@@ -159,7 +169,8 @@ def check_fits(g: GGUFFile, size: int, kv_budget: int, limit: int, *, float_byte
 
 
 def check_model(path, size: int, *, ctx: int | None, slots: int, kv_budget: int | None,
-                limit: int | None, device: DeviceFacts | None = None, prefill_chunk: int = 2048) -> RankNeed:
+                limit: int | None, device: DeviceFacts | None = None, prefill_chunk: int = 2048,
+                kv_type: str = "f16") -> RankNeed:
     """``check_fits`` for a GGUF (path or opened) with the server's settings, on ``device``
     (default: the one MLX will use, found without importing MLX — ``device_probe``).
 
@@ -175,7 +186,7 @@ def check_model(path, size: int, *, ctx: int | None, slots: int, kv_budget: int 
     elem = device.activation_bytes()
     if kv_budget is None:
         hp = g.hparams
-        kv = kv_need(hp, elem, on_cpu=device.on_cpu)
+        kv = kv_need(hp, elem, on_cpu=device.on_cpu and kv_type == "f16", kv_type=kv_type)
         # hybrid models: each slot's recurrent state, its rollback copy and its reuse points (docs/ENGINE.md)
         kv_budget = slots * (kv.slot_bytes(ctx or hp.n_ctx_train)
                              + STATES_PER_SEQUENCE * hp.recurrent_state_bytes(elem))

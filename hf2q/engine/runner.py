@@ -35,6 +35,7 @@ import mlx.core as mx
 import numpy as np
 
 from hf2q.engine.kv_cache import ForwardBatch, SequenceCache, SlidingWindow, StackedDecode
+from hf2q.engine.memory_plan import kv_need
 from hf2q.engine.models import build_model
 from hf2q.engine.recurrent_policy import swa_full
 from hf2q.errors import InputError
@@ -88,7 +89,7 @@ class PendingTokens:
 
 
 class MlxModelRunner:
-    def __init__(self, gguf: GGUFFile, model, dtype, ctx: int | None):
+    def __init__(self, gguf: GGUFFile, model, dtype, ctx: int | None, kv_cache_type: str = "f16"):
         self.gguf = gguf
         self.model = model
         self.dtype = dtype
@@ -99,7 +100,9 @@ class MlxModelRunner:
         self.n_ctx_train = int(cfg.n_ctx_train)
         self.n_ctx = int(ctx or cfg.n_ctx_train)
         self.eos_token_ids = eos_ids(gguf)
-        self.kv_bytes_per_token = 0 if self.is_embedding_model else gguf.hparams.kv_bytes_per_token(dtype.size)
+        #: how every sequence's K/V is stored (``--kv-cache-type``): None in ``dtype``, else 8-bit
+        self.kv_cache_type = kv_cache_type
+        self.kv_codec = None if self.is_embedding_model else _kv_codec(kv_cache_type, model, dtype, self.arch)
         self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_steps": 0, "decode_s": 0.0}
         #: batched graph decodes keep their sequences' K/V stacked (kv_cache.StackedDecode) while
         #: the same sequences decode together; HF2Q_NO_STACKED_DECODE=1 keeps per-sequence buffers
@@ -109,7 +112,7 @@ class MlxModelRunner:
         if not self.is_embedding_model:
             from hf2q.engine.cpu_decode import HostDecoder
 
-            if HostDecoder.supported(model):
+            if HostDecoder.supported(model) and self.kv_codec is None:  # its kernels read float32 K/V
                 self.host_decoder = HostDecoder(model)
         #: ``(window, layers)`` whose K/V each sequence keeps to the window (``kv_cache.SlidingWindow``); not
         #: with the CPU host decode step, whose kernels address every position (gemma3 on the CPU), nor
@@ -117,17 +120,20 @@ class MlxModelRunner:
         self.window_layers = None
         if self.host_decoder is None and not swa_full():
             self.window_layers = getattr(model, "sliding_window_layers", None)
-        #: K/V a slot holds whatever its length: its sliding-window layers at their bound
-        self.kv_bytes_per_slot = 0
-        if hasattr(model, "kv_bytes"):  # the model's own cache layout; windowed layers do not grow with the context
-            self.kv_bytes_per_token, self.kv_bytes_per_slot = model.kv_bytes(dtype.size, bool(self.window_layers))
+        #: K/V one more token of context costs, and what a slot holds whatever its length (its
+        #: sliding-window layers at their bound), as ``memory_plan.kv_need`` accounts them
+        self.kv_bytes_per_token = self.kv_bytes_per_slot = 0
+        if not self.is_embedding_model:
+            need = kv_need(gguf.hparams, dtype.size, on_cpu=self.host_decoder is not None, kv_type=kv_cache_type)
+            self.kv_bytes_per_token, self.kv_bytes_per_slot = need.per_token, need.window_bytes()
 
     @classmethod
-    def load(cls, gguf_path: str | Path | GGUFFile, ctx: int | None = None) -> "MlxModelRunner":
+    def load(cls, gguf_path: str | Path | GGUFFile, ctx: int | None = None,
+             kv_cache_type: str = "f16") -> "MlxModelRunner":
         g = gguf_path if isinstance(gguf_path, GGUFFile) else open_gguf(gguf_path)
         dtype = compute_dtype(g.arch)
         model = build_model(g, dtype)
-        return cls(g, model, dtype, ctx)
+        return cls(g, model, dtype, ctx, kv_cache_type)
 
     @property
     def kv_identity(self) -> str:
@@ -136,7 +142,9 @@ class MlxModelRunner:
         persistent KV store keys them apart). Read it from the engine thread."""
         dev = mx.default_device().type.name  # "cpu" | "gpu"
         backend = "cuda" if mx.cuda.is_available() else "metal" if mx.metal.is_available() else "cpu"
-        return f"mlx-{backend}-{dev}-{str(self.dtype).rsplit('.', 1)[-1]}"
+        ident = f"mlx-{backend}-{dev}-{str(self.dtype).rsplit('.', 1)[-1]}"
+        # an 8-bit cache exports its stored rows: blocks of another storage never mix with them
+        return ident if self.kv_cache_type == "f16" else f"{ident}-kv-{self.kv_cache_type}"
 
     @property
     def trims_prefix(self) -> bool:
@@ -159,7 +167,8 @@ class MlxModelRunner:
         n_layers, kv_heads, head_dim = self.model.kv_shape
         recurrent = self.model.new_recurrent_state() if hasattr(self.model, "new_recurrent_state") else None
         window = SlidingWindow(*self.window_layers) if self.window_layers else None
-        return SequenceCache(n_layers, kv_heads, head_dim, self.dtype, recurrent=recurrent, window=window)
+        return SequenceCache(n_layers, kv_heads, head_dim, self.dtype, recurrent=recurrent, window=window,
+                             codec=self.kv_codec)
 
     def _check_room(self, seq: SequenceCache, n_new: int) -> None:
         if seq.length + n_new > self.n_ctx:
@@ -319,6 +328,14 @@ class MlxModelRunner:
     def import_kv(self, seq: SequenceCache, arrays: dict[str, np.ndarray], n_tokens: int) -> None:
         self._check_room(seq, n_tokens)
         seq.import_(arrays, n_tokens)
+
+
+def _kv_codec(kv_cache_type: str, model, dtype, arch: str):
+    """The 8-bit codec of ``kv_cache_type`` for ``model``'s caches, None for ``f16`` (a family that
+    cannot hold one is refused in one line, ``kv_layout.check_kv_type``)."""
+    from hf2q.engine.kv_quant import make_codec
+
+    return make_codec(kv_cache_type, model.kv_shape[2], dtype, arch)
 
 
 WARM_UP_PROMPT = 96  # tokens, prefilled in chunks of 64, 24 and 8 (the GPU's matmul row tiles)

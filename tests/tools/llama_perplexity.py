@@ -46,18 +46,22 @@ def _common(model: Path, corpus_file: Path, n_ctx: int, chunks: int) -> list[str
     return ["-m", str(model), "-f", str(corpus_file), "-c", str(n_ctx), "-b", str(n_ctx), "--chunks", str(chunks)]
 
 
-def base(model: Path, corpus_file: Path, n_ctx: int, chunks: int, logits_out: Path, threads: int = 1) -> dict:
-    """The reference's run: ``{"ppl", "ppl_err"}``; writes the log-probability file ``logits_out``."""
-    text = _run([*_common(model, corpus_file, n_ctx, chunks), "--kl-divergence-base", str(logits_out)], threads)
+def base(model: Path, corpus_file: Path, n_ctx: int, chunks: int, logits_out: Path, threads: int = 1,
+         extra: tuple[str, ...] = ()) -> dict:
+    """The reference's run: ``{"ppl", "ppl_err"}``; writes the log-probability file ``logits_out``
+    (``extra``: more llama-perplexity arguments, e.g. cache types)."""
+    text = _run([*_common(model, corpus_file, n_ctx, chunks), *extra, "--kl-divergence-base", str(logits_out)],
+                threads)
     m = re.search(r"Final estimate: PPL = (\S+) \+/- (\S+)", text)
     if m is None:
         raise RuntimeError(f"no final PPL in llama-perplexity's output: {text[-800:]}")
     return {"ppl": float(m.group(1)), "ppl_err": float(m.group(2))}
 
 
-def kl(model: Path, corpus_file: Path, n_ctx: int, chunks: int, base_logits: Path, threads: int = 1) -> dict:
+def kl(model: Path, corpus_file: Path, n_ctx: int, chunks: int, base_logits: Path, threads: int = 1,
+       extra: tuple[str, ...] = ()) -> dict:
     """A converted model against ``base_logits``: the final statistics (needs ≥ 100 scored tokens)."""
-    text = _run([*_common(model, corpus_file, n_ctx, chunks), "--kl-divergence-base", str(base_logits),
+    text = _run([*_common(model, corpus_file, n_ctx, chunks), *extra, "--kl-divergence-base", str(base_logits),
                  "--kl-divergence"], threads)
     out = {}
     for key, pattern in _KL_LINES.items():

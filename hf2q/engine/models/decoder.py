@@ -93,7 +93,13 @@ class Attention:
         k = mx.fast.rope(k, c.rope_dims, traditional=c.rope_traditional, base=base, scale=scale, offset=off,
                          freqs=freqs)
         keys, values = fb.update(self.layer, k, v)
-        if cpu_ops.attention_on_host(q, keys.shape[2]):
+        n_keys = (keys[0] if fb.codec is not None else keys).shape[2]
+        if fb.codec is not None and not (L > 1 and cpu_ops.attention_on_host(q, n_keys)):
+            out = fb.codec.attend(q, keys, values, self.scale, fb.mask_array(self.window))  # 8-bit, read as stored
+        elif fb.codec is not None:  # a CPU prefill chunk: the host's tiled kernel over this layer's rows as floats
+            qd, kd, vd = fb.codec.dense(q, keys, values)
+            out = fb.codec.unrotate(cpu_ops.attention(qd, kd, vd, self.scale, fb.mask_np(self.window)))
+        elif cpu_ops.attention_on_host(q, n_keys):
             out = cpu_ops.attention(q, keys, values, self.scale, fb.mask_np(self.window))
         else:
             out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=fb.mask(self.window))

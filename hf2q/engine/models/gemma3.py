@@ -30,16 +30,6 @@ class Gemma3Model(DecoderModel):
         layers = frozenset(i for i in range(c.n_layers) if c.is_local(i))
         return (c.sliding_window, layers) if c.sliding_window and layers else None
 
-    def kv_bytes(self, elem: int, windowed: bool = True) -> tuple[int, int]:
-        """``(per token, per slot)`` K/V bytes: global layers per token, local ones (``windowed``) at their bound."""
-        from hf2q.engine.recurrent_policy import window_positions
-
-        c = self.cfg
-        window, layers = (self.sliding_window_layers if windowed else None) or (0, frozenset())
-        position = c.n_kv_heads * c.head_dim * 2 * elem
-        per_slot = len(layers) * window_positions(window) * position if layers else 0
-        return (c.n_layers - len(layers)) * position, per_slot
-
 
 def build(g: GGUFFile, dtype) -> DecoderModel:
     cfg = common_config(g, traditional=False)

@@ -329,18 +329,6 @@ class Gemma4Model:
         window = self.shapes[min(layers)].window if layers else None
         return (window, layers) if window else None
 
-    def kv_bytes(self, elem: int, windowed: bool = True) -> tuple[int, int]:
-        """``(per token, per slot)`` K/V bytes at ``elem`` bytes a value: the global layers grow with the
-        context, the sliding ones (``windowed``) hold at most ``recurrent_policy.window_positions``
-        positions each."""
-        from hf2q.engine.recurrent_policy import window_positions
-
-        c = self.cfg
-        position = c.cache_heads * c.cache_dim * 2 * elem
-        window, layers = (self.sliding_window_layers if windowed else None) or (0, frozenset())
-        per_slot = len(layers) * window_positions(window) * position if layers else 0
-        return (c.n_kv_layers - len(layers)) * position, per_slot
-
     def weights_nbytes(self) -> int:
         extra = [self.ple_embed, self.ple_model_proj] if self.ple_embed is not None else []
         return distinct_nbytes([self.embed, self.lm_head, *extra] + [lin for b in self.blocks for lin in b.linears()])

@@ -1,0 +1,40 @@
+"""What each ``--kv-cache-type`` costs per stored row, without MLX (memory planning, ``info`` and the
+CLI read it in processes that never load a model; ``kv_quant`` stores the rows)."""
+
+from __future__ import annotations
+
+from hf2q.errors import InputError
+
+#: what ``--kv-cache-type`` accepts; ``f16`` is the compute dtype's own cache (float32 on the CPU)
+KV_CACHE_TYPES = ("f16", "q8", "q8-rotated")
+#: values sharing one scale in an 8-bit row (a shorter row is one group)
+GROUP = 64
+#: families whose attention does not read an 8-bit cache yet (gemma4: per-layer head shapes padded
+#: into one cache layout and KV shared between layers, its own attention code)
+NO_QUANTIZED_KV = frozenset({"gemma4"})
+
+
+def group_size(width: int) -> int:
+    return min(GROUP, width)
+
+
+def row_nbytes(kv_type: str, width: int, elem: int) -> int:
+    """Bytes of one stored K or V row of ``width`` values at ``elem`` bytes a compute value:
+    the values themselves, or one byte each plus one scale (compute dtype) per group."""
+    if kv_type == "f16":
+        return width * elem
+    return width + (width // group_size(width)) * elem
+
+
+def check_kv_type(kv_type: str, widths, family: str) -> None:
+    """``InputError`` (one line) when caches of rows ``widths`` cannot be stored as ``kv_type``."""
+    if kv_type not in KV_CACHE_TYPES:
+        raise InputError(f"--kv-cache-type must be one of {', '.join(KV_CACHE_TYPES)}, not {kv_type!r}")
+    if kv_type != "f16" and family in NO_QUANTIZED_KV:
+        raise InputError(f"--kv-cache-type {kv_type} is not supported for {family} yet (use f16)")
+    for d in sorted(set(widths)):
+        if kv_type != "f16" and d % 32:
+            raise InputError(f"--kv-cache-type {kv_type}: {family} has head size {d}, not a multiple of 32")
+        if kv_type == "q8-rotated" and d & (d - 1):
+            raise InputError(f"--kv-cache-type q8-rotated needs a power-of-two head size; {family} has {d} "
+                             "(use q8)")
