@@ -364,7 +364,8 @@ def test_gemma3_windowed_reuse_points_and_one_all_reduce_per_block_at_two_ranks(
         run = subprocess.run([sys.executable, str(script), str(model), str(hostfile), str(port),
                               str(tmp_path / "tp.npz")], cwd=ROOT, capture_output=True, text=True, timeout=240)
         assert run.returncode == 0, run.stderr[-3000:]
-        assert stop(rank1, wait=20) == 0, (tmp_path / "rank1.log").read_text()
+        # the follower leaves by itself once rank 0's control connection closes (no signal sent)
+        assert rank1.wait(60) == 0, (tmp_path / "rank1.log").read_text()
     finally:
         stop(rank1, signal.SIGKILL, 5)
     with np.load(tmp_path / "tp.npz") as z:
