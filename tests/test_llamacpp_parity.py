@@ -191,15 +191,33 @@ def oracle(llama_cpp_bin):
 
 REAL_MODELS = ("smollm2_hf", "gemma3_hf", "minilm_hf")
 
+#: Gemma 3 270m checks the mixes whose per-tensor choices differ from SmolLM2's; SmolLM2 and MiniLM check every
+#: name, so every codec and every mix's rules are covered. What llama.cpp's policy reads of a model (policy.py) is
+#: the GQA ratio, the layer count, the row lengths and whether the output is tied. Gemma 3 differs in all but the
+#: last: GQA 4 (SmolLM2: 3) takes q2_k's ``n_gqa >= 4`` attn_v branch; 18 layers move q3_k_m's ``n // 16`` and
+#: q4_k_m's more-bits layers; its 640-wide rows fall back (Q4_K→Q5_0, Q5_K→Q5_1, Q6_K→Q8_0) where its 1024-wide
+#: attn_output and 2048-wide ffn_down take the K type itself. q8_0 is the tied-embedding rule's Q8_0 case, and
+#: f16 the float export of Gemma's tensors (norms +1, the kept-F32 set) that every mix starts from.
+GEMMA3_PARITY_NAMES = ("f16", "q8_0", "q2_k", "q3_k_m", "q4_k_m")
+
+
+def _parity_names(model: str) -> tuple[str, ...]:
+    """The quant names checked on ``model``; ``HF2Q_PARITY_QUANTS=q8_0,q4_k_m`` narrows them for a quick local run."""
+    if os.environ.get("HF2Q_PARITY_QUANTS"):
+        return tuple(os.environ["HF2Q_PARITY_QUANTS"].split(","))
+    return GEMMA3_PARITY_NAMES if model == "gemma3_hf" else PARITY_GGUF_NAMES
+
+
+def test_gemma3_names_are_parity_names():
+    assert set(GEMMA3_PARITY_NAMES) <= set(PARITY_GGUF_NAMES)
+
 
 @pytest.mark.parametrize("model", REAL_MODELS)
 def test_every_quant_matches_llamacpp(model, request, oracle, tmp_path):
     src = request.getfixturevalue(model)
     started = time.perf_counter()
     failures = {}
-    # HF2Q_PARITY_QUANTS=q8_0,q4_k_m narrows the sweep for a quick local run; CI checks every name
-    names = os.environ.get("HF2Q_PARITY_QUANTS", "").split(",") if os.environ.get("HF2Q_PARITY_QUANTS") \
-        else PARITY_GGUF_NAMES
+    names = _parity_names(model)
     for quant in names:
         ours = tmp_path / f"{quant}.gguf"
         _convert(src, quant, ours)
