@@ -309,7 +309,8 @@ def create_app(ctx: ServerContext) -> QuartTrio:
                            param="messages")
         _refuse_if_draining()
         info = ctx.runtime.runner_info
-        prepared = await off_loop(ctx.chat_model.prepare, creq, info.get("ctx"))  # render + tokenize
+        prepared = await off_loop(ctx.chat_model.prepare, creq, info.get("ctx"),  # render + tokenize
+                                  not info.get("trims_prefix", False))
         rid = g.request_id
         try:
             events = await ctx.runtime.submit(GenerationRequest(rid, prepared.prompt_tokens, prepared.params,
