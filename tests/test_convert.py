@@ -152,17 +152,19 @@ def test_moe_experts_are_stacked(cli, tiny_checkpoint, tmp_path):
     assert r.fields["qwen3moe.expert_count"].contents() == n_exp
 
 
-@pytest.mark.slow  # gguf-py's reader needs ~50 s for Gemma's 262k-token vocabulary
 def test_gemma_norms_get_plus_one_and_window_metadata(cli, tiny_checkpoint, tmp_path):
+    """Read back with the tests' plain parser: gguf-py's reader needs ~50 s for Gemma's 262k-token vocabulary."""
+    from tests.tools.gguf_read import f32_tensor, read_gguf
+
     src = tiny_checkpoint("gemma3")
     out = tmp_path / "g.gguf"
     assert cli("convert", src, "-q", "f16", "-o", out, "--no-integrity").code == 0
     weights = load_file(src / "model.safetensors")
-    r = GGUFReader(out)
-    got = _as_f32(_tensor(r, "blk.0.attn_q_norm.weight"))
+    kv, tensors = read_gguf(out)
+    got = f32_tensor(tensors, "blk.0.attn_q_norm.weight")
     np.testing.assert_array_equal(got, weights["model.layers.0.self_attn.q_norm.weight"] + np.float32(1))
     cfg = json.loads((src / "config.json").read_text())
-    assert r.fields["gemma3.attention.sliding_window"].contents() == cfg["sliding_window"]
+    assert kv["gemma3.attention.sliding_window"] == cfg["sliding_window"]
 
 
 def test_bert_pooling_and_wordpiece(cli, minilm_hf, tmp_path):

@@ -20,11 +20,11 @@ import sys
 import time
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
 
 from hf2q.convert.quant_names import PARITY_GGUF_NAMES
+from tests.tools.gguf_read import read_gguf
 
 pytestmark = [pytest.mark.slow, pytest.mark.llamacpp]
 
@@ -79,75 +79,6 @@ def llamacpp_reference(src: Path, quant: str, convert_args: tuple[str, ...] = ()
     assert r.returncode == 0, f"llama-quantize {quant} failed: {r.stderr[-2000:]}"
     tmp.rename(out)
     return out
-
-
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-
-
-def read_gguf(path: Path) -> tuple[dict, dict]:
-    """Minimal GGUF v3 reader for comparisons: ``({key: value}, {name: (type, ne, bytes)})``.
-
-    gguf-py's ``GGUFReader`` builds a numpy view per string and needs ~50 s for Gemma's
-    262k-token vocabulary; this plain parser takes well under a second.
-    """
-    import mmap
-    import struct
-
-    with open(path, "rb") as f:
-        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    pos = 0
-
-    def take(fmt):
-        nonlocal pos
-        vals = struct.unpack_from(fmt, m, pos)
-        pos += struct.calcsize(fmt)
-        return vals[0] if len(vals) == 1 else vals
-
-    def string():
-        nonlocal pos
-        n = take("<Q")
-        b = m[pos:pos + n]
-        pos += n
-        return b.decode("utf-8", errors="surrogateescape")
-
-    def value(vtype):
-        nonlocal pos
-        if vtype == 8:
-            return string()
-        if vtype == 9:
-            item, n = take("<I"), take("<Q")
-            if item == 8:
-                return [string() for _ in range(n)]
-            size = struct.calcsize(_SCALARS[item])
-            arr = np.frombuffer(m, dtype=np.dtype(_SCALARS[item]), count=n, offset=pos).tolist()
-            pos += n * size
-            return arr
-        return take(_SCALARS[vtype])
-
-    magic, version, n_tensors, n_kv = take("<IIQQ")
-    assert magic == 0x46554747 and version == 3, (hex(magic), version)
-    kv = {}
-    for _ in range(n_kv):
-        key = string()
-        kv[key] = value(take("<I"))
-    infos = []
-    for _ in range(n_tensors):
-        name = string()
-        nd = take("<I")
-        ne = [take("<Q") for _ in range(nd)]
-        qtype, off = take("<IQ")
-        infos.append((name, ne, qtype, off))
-    align = kv.get("general.alignment", 32)
-    data0 = pos + (align - pos % align) % align
-    starts = sorted(off for *_, off in infos) + [len(m) - data0]
-    tensors = {}
-    for name, ne, qtype, off in infos:
-        nxt = next(s for s in starts if s > off)
-        blk, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
-        nbytes = int(np.prod(ne)) // blk * size
-        assert off + nbytes <= nxt
-        tensors[name] = (gguf.GGMLQuantizationType(qtype), ne, m[data0 + off:data0 + off + nbytes])
-    return kv, tensors
 
 
 def _model_keys(kv: dict) -> dict:
