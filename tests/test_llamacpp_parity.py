@@ -2,7 +2,8 @@
 
 The reference is llama.cpp's own pipeline, built from the llama-cpp-python 0.3.36 sdist:
 ``convert_hf_to_gguf.py --outtype f16|bf16|f32`` (with the sdist's gguf-py) and, for every
-quantized mix, ``llama-quantize F16.gguf OUT.gguf <mix>``. For each GGUF quant name we
+quantized mix, ``llama-quantize F16.gguf OUT.gguf <mix>``. For each GGUF quant name (on SmolLM2 and
+MiniLM; on Gemma 3 the mixes whose choices differ per architecture, ``GEMMA3_PARITY_NAMES``) we
 compare every tensor — name, type, shape and bytes — and the tokenizer / hyper-parameter
 metadata. References are cached under ``<hf2q cache>/llamacpp-ref/`` keyed by the source's
 config hash, so a second run only pays for our own conversions.
