@@ -125,12 +125,12 @@ REAL_MODELS = ("smollm2_hf", "gemma3_hf", "minilm_hf")
 
 #: Gemma 3 270m checks the mixes whose per-tensor choices differ from SmolLM2's; SmolLM2 and MiniLM check every
 #: name, so every codec and every mix's rules are covered. What llama.cpp's policy reads of a model (policy.py) is
-#: the GQA ratio, the layer count, the row lengths and whether the output is tied. Gemma 3 differs in all but the
-#: last: GQA 4 (SmolLM2: 3) takes q2_k's ``n_gqa >= 4`` attn_v branch; 18 layers move q3_k_m's ``n // 16`` and
-#: q4_k_m's more-bits layers; its 640-wide rows fall back (Q4_K→Q5_0, Q5_K→Q5_1, Q6_K→Q8_0) where its 1024-wide
-#: attn_output and 2048-wide ffn_down take the K type itself. q8_0 is the tied-embedding rule's Q8_0 case, and
-#: f16 the float export of Gemma's tensors (norms +1, the kept-F32 set) that every mix starts from.
-GEMMA3_PARITY_NAMES = ("f16", "q8_0", "q2_k", "q3_k_m", "q4_k_m")
+#: the GQA ratio, the layer count, the row lengths (through the one fallback rule) and whether the output is tied.
+#: Both models tie their output and have rows that are no multiple of 256 (576, 640); Gemma 3 differs in GQA 4
+#: (SmolLM2: 3), which takes q2_k's ``n_gqa >= 4`` attn_v branch, and in 18 layers (SmolLM2: 30), which move the
+#: more-bits layers of q4_k_m and q5_k_m and q4_k_s's ``n // 8`` first layers. f16 is the float export of Gemma's
+#: own tensors (norms +1, four norms per block, Q/K norms kept F32) that every mix starts from.
+GEMMA3_PARITY_NAMES = ("f16", "q2_k", "q4_k_s", "q4_k_m", "q5_k_m")
 
 
 def _parity_names(model: str) -> tuple[str, ...]:
