@@ -8,6 +8,7 @@ read it back through hf2q.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import gguf
 import numpy as np
@@ -77,8 +78,26 @@ def read_gguf(path: Path) -> tuple[dict, dict]:
     return kv, tensors
 
 
-def f32_tensor(tensors: dict, name: str) -> np.ndarray:
-    """An F32 or F16 tensor of :func:`read_gguf`'s result as float32, in numpy (row-major) shape."""
-    qtype, ne, data = tensors[name]
-    dtype = {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F16: np.float16}[qtype]
-    return np.frombuffer(data, dtype=dtype).astype(np.float32).reshape(list(reversed(ne)))
+
+class Tensor(NamedTuple):
+    """One tensor of a file as :func:`read_tensors` gives it: raw bytes and ggml-order ``ne``."""
+
+    name: str
+    tensor_type: gguf.GGMLQuantizationType
+    ne: list[int]
+    data: bytes
+
+    @property
+    def n_bytes(self) -> int:
+        return len(self.data)
+
+    def as_f32(self) -> np.ndarray:
+        """float32 in numpy (row-major) shape, through gguf-py's own dequantizers."""
+        raw = np.frombuffer(self.data, dtype=np.uint8)
+        return gguf.quants.dequantize(raw, self.tensor_type).reshape(list(reversed(self.ne)))
+
+
+def read_tensors(path: Path) -> tuple[dict, dict[str, Tensor]]:
+    """``({key: value}, {name: Tensor})``, the tensors in file order."""
+    kv, tensors = read_gguf(path)
+    return kv, {name: Tensor(name, *t) for name, t in tensors.items()}
