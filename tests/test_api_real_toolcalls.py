@@ -36,7 +36,7 @@ pytestmark = [pytest.mark.slow]
 
 MAX_TOKENS = 256
 SEEDS = (1, 2, 3)
-CONCURRENT = 4
+CONCURRENT = 8  # slots and requests in flight: 8 batch the decode steps ~30% faster than 4
 
 
 ONE = {"parallel_tool_calls": False}

@@ -84,7 +84,7 @@ class ScriptedChatModel:
     last_prompt: tuple[int, ...] = ()
     tool_arguments: dict = attrs.field(factory=lambda: TOOL_ARGUMENTS)
 
-    def prepare(self, req: ChatRequest, max_context: int | None) -> PreparedChat:
+    def prepare(self, req: ChatRequest, max_context: int | None, stable_prefix: bool = True) -> PreparedChat:
         text = "\n".join(f"{m['role']}: {m['content'] or ''}" for m in req.messages)
         ids = tuple(text.encode())
         self.last_prompt = ids

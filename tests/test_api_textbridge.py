@@ -379,3 +379,29 @@ def test_out_of_vocabulary_logit_bias_is_400():
     with pytest.raises(ApiError) as e:
         model.prepare(parse_chat_request({"messages": MESSAGES, "logit_bias": {str(vocab): 5}}), 2048)
     assert e.value.status == 400 and e.value.param == "logit_bias" and str(vocab) in e.value.message
+
+
+def test_a_trimming_cache_gets_the_same_prompt_from_one_render(monkeypatch):
+    """Without the stable prefix (a cache that trims anywhere does not use it) the conversation is rendered once,
+    not twice, and everything else prepared is the same."""
+    _, model = smollm2()
+    renders = []
+    real_render = model.template.render
+
+    def counting(*args, **kwargs):
+        renders.append(kwargs.get("add_generation_prompt"))
+        return real_render(*args, **kwargs)
+    monkeypatch.setattr(model.template, "render", counting)
+    req = parse_chat_request({"messages": MESSAGES, "temperature": 0, "max_tokens": 7, "stop": ["\n\n"]})
+    full = model.prepare(req, 2048)
+    assert renders == [True, False] and 0 < full.stable_prefix < len(full.prompt_tokens)
+    renders.clear()
+    once = model.prepare(req, 2048, stable_prefix=False)
+    assert renders == [True] and once.stable_prefix == 0
+    assert once.prompt_tokens == full.prompt_tokens and once.params == full.params
+    ids = model.tokenizer.encode("Paris.\n\nMore", add_special=False, parse_special=False)
+    deltas = []
+    for prepared in (full, once):
+        dec = prepared.new_decoder()
+        deltas.append([repr(d) for t in ids for d in dec.feed(t)])
+    assert deltas[0] == deltas[1] and deltas[0]

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from hf2q.errors import InputError
 from hf2q.quality.imatrix_collect import MIN_ROWS, ImatrixCollector
-from hf2q.quality.imatrix_run import chunk_tokens
+from hf2q.quality.scores import windows
 from hf2q.sources.imatrix import read_imatrix, write_imatrix
 
 
@@ -124,14 +124,14 @@ def test_writer_layout_and_round_trip(tmp_path):
 
 def test_chunks_are_llama_imatrix_chunks():
     tokens = list(range(100, 1100))
-    chunks = chunk_tokens(tokens, 128, None, bos_id=1)
+    chunks = windows(tokens, 128, None, bos_id=1).tolist()
     assert len(chunks) == 1000 // 128  # the remainder is dropped
     assert all(len(c) == 128 and c[0] == 1 for c in chunks)
     assert chunks[2][1:] == tokens[2 * 128 + 1:3 * 128]
-    assert chunk_tokens(tokens, 128, None, bos_id=None)[1][0] == tokens[128]
-    assert len(chunk_tokens(tokens, 128, 3, bos_id=1)) == 3
-    with pytest.raises(InputError, match="at least 1024"):
-        chunk_tokens(tokens, 512, None, bos_id=1)
+    assert windows(tokens, 128, None, bos_id=None)[1][0] == tokens[128]
+    assert len(windows(tokens, 128, 3, bos_id=1)) == 3
+    with pytest.raises(ValueError, match="at least 1024"):
+        windows(tokens, 512, None, bos_id=1)
 
 
 def test_command_refusals(cli, tmp_path, tiny_checkpoint):

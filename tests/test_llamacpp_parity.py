@@ -2,7 +2,8 @@
 
 The reference is llama.cpp's own pipeline, built from the llama-cpp-python 0.3.36 sdist:
 ``convert_hf_to_gguf.py --outtype f16|bf16|f32`` (with the sdist's gguf-py) and, for every
-quantized mix, ``llama-quantize F16.gguf OUT.gguf <mix>``. For each GGUF quant name we
+quantized mix, ``llama-quantize F16.gguf OUT.gguf <mix>``. For each GGUF quant name (on SmolLM2 and
+MiniLM; on Gemma 3 the mixes whose choices differ per architecture, ``GEMMA3_PARITY_NAMES``) we
 compare every tensor — name, type, shape and bytes — and the tokenizer / hyper-parameter
 metadata. References are cached under ``<hf2q cache>/llamacpp-ref/`` keyed by the source's
 config hash, so a second run only pays for our own conversions.
@@ -20,11 +21,11 @@ import sys
 import time
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
 
 from hf2q.convert.quant_names import PARITY_GGUF_NAMES
+from tests.tools.gguf_read import read_gguf
 
 pytestmark = [pytest.mark.slow, pytest.mark.llamacpp]
 
@@ -81,75 +82,6 @@ def llamacpp_reference(src: Path, quant: str, convert_args: tuple[str, ...] = ()
     return out
 
 
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-
-
-def read_gguf(path: Path) -> tuple[dict, dict]:
-    """Minimal GGUF v3 reader for comparisons: ``({key: value}, {name: (type, ne, bytes)})``.
-
-    gguf-py's ``GGUFReader`` builds a numpy view per string and needs ~50 s for Gemma's
-    262k-token vocabulary; this plain parser takes well under a second.
-    """
-    import mmap
-    import struct
-
-    with open(path, "rb") as f:
-        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    pos = 0
-
-    def take(fmt):
-        nonlocal pos
-        vals = struct.unpack_from(fmt, m, pos)
-        pos += struct.calcsize(fmt)
-        return vals[0] if len(vals) == 1 else vals
-
-    def string():
-        nonlocal pos
-        n = take("<Q")
-        b = m[pos:pos + n]
-        pos += n
-        return b.decode("utf-8", errors="surrogateescape")
-
-    def value(vtype):
-        nonlocal pos
-        if vtype == 8:
-            return string()
-        if vtype == 9:
-            item, n = take("<I"), take("<Q")
-            if item == 8:
-                return [string() for _ in range(n)]
-            size = struct.calcsize(_SCALARS[item])
-            arr = np.frombuffer(m, dtype=np.dtype(_SCALARS[item]), count=n, offset=pos).tolist()
-            pos += n * size
-            return arr
-        return take(_SCALARS[vtype])
-
-    magic, version, n_tensors, n_kv = take("<IIQQ")
-    assert magic == 0x46554747 and version == 3, (hex(magic), version)
-    kv = {}
-    for _ in range(n_kv):
-        key = string()
-        kv[key] = value(take("<I"))
-    infos = []
-    for _ in range(n_tensors):
-        name = string()
-        nd = take("<I")
-        ne = [take("<Q") for _ in range(nd)]
-        qtype, off = take("<IQ")
-        infos.append((name, ne, qtype, off))
-    align = kv.get("general.alignment", 32)
-    data0 = pos + (align - pos % align) % align
-    starts = sorted(off for *_, off in infos) + [len(m) - data0]
-    tensors = {}
-    for name, ne, qtype, off in infos:
-        nxt = next(s for s in starts if s > off)
-        blk, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
-        nbytes = int(np.prod(ne)) // blk * size
-        assert off + nbytes <= nxt
-        tensors[name] = (gguf.GGMLQuantizationType(qtype), ne, m[data0 + off:data0 + off + nbytes])
-    return kv, tensors
-
-
 def _model_keys(kv: dict) -> dict:
     return {k: v for k, v in kv.items() if not k.startswith(_IGNORED_KEYS) or k in _KEPT_GENERAL}
 
@@ -191,15 +123,33 @@ def oracle(llama_cpp_bin):
 
 REAL_MODELS = ("smollm2_hf", "gemma3_hf", "minilm_hf")
 
+#: Gemma 3 270m checks the mixes whose per-tensor choices differ from SmolLM2's; SmolLM2 and MiniLM check every
+#: name, so every codec and every mix's rules are covered. What llama.cpp's policy reads of a model (policy.py) is
+#: the GQA ratio, the layer count, the row lengths (through the one fallback rule) and whether the output is tied.
+#: Both models tie their output and have rows that are no multiple of 256 (576, 640); Gemma 3 differs in GQA 4
+#: (SmolLM2: 3), which takes q2_k's ``n_gqa >= 4`` attn_v branch, and in 18 layers (SmolLM2: 30), which move the
+#: more-bits layers of q4_k_m and q5_k_m and q4_k_s's ``n // 8`` first layers. f16 is the float export of Gemma's
+#: own tensors (norms +1, four norms per block, Q/K norms kept F32) that every mix starts from.
+GEMMA3_PARITY_NAMES = ("f16", "q2_k", "q4_k_s", "q4_k_m", "q5_k_m")
+
+
+def _parity_names(model: str) -> tuple[str, ...]:
+    """The quant names checked on ``model``; ``HF2Q_PARITY_QUANTS=q8_0,q4_k_m`` narrows them for a quick local run."""
+    if os.environ.get("HF2Q_PARITY_QUANTS"):
+        return tuple(os.environ["HF2Q_PARITY_QUANTS"].split(","))
+    return GEMMA3_PARITY_NAMES if model == "gemma3_hf" else PARITY_GGUF_NAMES
+
+
+def test_gemma3_names_are_parity_names():
+    assert set(GEMMA3_PARITY_NAMES) <= set(PARITY_GGUF_NAMES)
+
 
 @pytest.mark.parametrize("model", REAL_MODELS)
 def test_every_quant_matches_llamacpp(model, request, oracle, tmp_path):
     src = request.getfixturevalue(model)
     started = time.perf_counter()
     failures = {}
-    # HF2Q_PARITY_QUANTS=q8_0,q4_k_m narrows the sweep for a quick local run; CI checks every name
-    names = os.environ.get("HF2Q_PARITY_QUANTS", "").split(",") if os.environ.get("HF2Q_PARITY_QUANTS") \
-        else PARITY_GGUF_NAMES
+    names = _parity_names(model)
     for quant in names:
         ours = tmp_path / f"{quant}.gguf"
         _convert(src, quant, ours)

@@ -101,15 +101,16 @@ def test_real_gemma_k_quant_tensors(gemma3_gguf):
 
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
 def test_banded_repack_equals_one_piece(qtype, monkeypatch):
-    """A big tensor is repacked in row bands on a thread pool; the bands must join to the same bytes."""
+    """A big tensor is repacked in row bands on the shared CPU pool; the bands must join to the same bytes."""
     import hf2q.engine.quant_repack as repack
+    from hf2q.kernels import cpu_blas
 
     w = _weights(rows=37, cols=512, seed=3)
     raw = _raw(w, qtype)
     whole = repack._to_affine_rows(raw, qtype, 37, 512)
     monkeypatch.setattr(repack, "PARALLEL_MIN_ELEMENTS", 0)
-    monkeypatch.setattr(repack, "_POOL", None)
-    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    monkeypatch.setenv("HF2Q_BLAS_THREADS", "4")
+    monkeypatch.setattr(cpu_blas, "_POOL", [])  # a pool of 4 for this test, the shared one back after it
     assert len(repack._bands(37, 512)) > 1
     banded = to_affine(raw, qtype, w.shape)
     for a, b in ((whole.packed, banded.packed), (whole.scales, banded.scales), (whole.biases, banded.biases)):

@@ -375,7 +375,8 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         try:
             runtime = entry.runtime if entry is not None else ctx.runtime
             info = runtime.runner_info
-            prepared = await off_loop(chat_model.prepare, creq, info.get("ctx"))  # render + tokenize
+            prepared = await off_loop(chat_model.prepare, creq, info.get("ctx"),  # render + tokenize
+                                      not info.get("trims_prefix", False))
             rid = g.request_id
             try:
                 events = await runtime.submit(GenerationRequest(rid, prepared.prompt_tokens, prepared.params,

@@ -47,8 +47,9 @@ class PreparedChat:
 class ChatModel(Protocol):
     model_id: str
 
-    def prepare(self, req: ChatRequest, max_context: int | None) -> PreparedChat:
-        """Raises ``ApiError`` (400) for requests this model cannot serve."""
+    def prepare(self, req: ChatRequest, max_context: int | None, stable_prefix: bool = True) -> PreparedChat:
+        """Raises ``ApiError`` (400) for requests this model cannot serve. ``stable_prefix``: whether the
+        serving cache needs ``PreparedChat.stable_prefix`` (only one that cannot trim to any position does)."""
 
     def decode_tokens(self, ids: Sequence[int]) -> str:
         """Plain detokenisation (for logprobs' ``token`` strings)."""

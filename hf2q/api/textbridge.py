@@ -317,7 +317,9 @@ class GGUFChatModel:
         n = len(ids) - len(tail)
         return n if n > 0 and tuple(ids[n:]) == tuple(tail) else 0
 
-    def prepare(self, req: ChatRequest, max_context: int | None):
+    def prepare(self, req: ChatRequest, max_context: int | None, stable_prefix: bool = True):
+        """``stable_prefix=False`` when the serving cache trims to any position: the boundary then moves no
+        transaction that matters, and finding it would render the conversation a second time."""
         from hf2q.api.chatmodel import PreparedChat
 
         fenced, fence = self._fence_contents(req)
@@ -361,7 +363,8 @@ class GGUFChatModel:
                 tool_parser=_tool_parser(syntax, tools) if tools else None,
                 reasoning=_reasoning_splitter(self.template, text) if thinking else None,
                 parallel_calls=req.parallel_tool_calls)
-        return PreparedChat(ids, params, new_decoder, self._stable_prefix(fenced, fence, text, ids))
+        boundary = self._stable_prefix(fenced, fence, text, ids) if stable_prefix else 0
+        return PreparedChat(ids, params, new_decoder, boundary)
 
     def decode_tokens(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids))

@@ -24,8 +24,6 @@ moves them into MLX.
 
 from __future__ import annotations
 
-import os
-
 import attrs
 import numpy as np
 from gguf import GGMLQuantizationType as T
@@ -162,15 +160,18 @@ def to_affine(raw: np.ndarray, qtype: T, shape: tuple[int, ...]) -> AffineWeight
     """GGUF block bytes of a 2-D (or stacked 3-D) tensor → :class:`AffineWeight`.
 
     ``shape`` is numpy order; leading dims are flattened into rows and restored by the caller.
-    A big tensor is split into row bands repacked on a thread pool (numpy's element-wise work
+    A big tensor is split into row bands repacked on the shared CPU pool (numpy's element-wise work
     releases the GIL), so loading a many-gigabyte model uses every core.
     """
+    from hf2q.kernels.cpu_blas import pool
+
     n = shape[-1]
     rows = int(np.prod(shape[:-1]))
     bands = _bands(rows, n)
-    if len(bands) > 1:
+    workers = pool() if len(bands) > 1 else None
+    if workers is not None:
         flat = np.ascontiguousarray(raw).reshape(rows, -1)
-        parts = list(_pool().map(lambda b: _to_affine_rows(flat[b[0]:b[1]], qtype, b[1] - b[0], n), bands))
+        parts = list(workers.map(lambda b: _to_affine_rows(flat[b[0]:b[1]], qtype, b[1] - b[0], n), bands))
         return AffineWeight(np.concatenate([p.packed for p in parts]), np.concatenate([p.scales for p in parts]),
                             np.concatenate([p.biases for p in parts]), parts[0].bits, parts[0].exact)
     return _to_affine_rows(raw, qtype, rows, n)
@@ -180,28 +181,15 @@ PARALLEL_MIN_ELEMENTS = 1 << 22  # below this a tensor is repacked in one piece
 
 
 def _bands(rows: int, n: int) -> list[tuple[int, int]]:
-    workers = _workers()
+    """Row bands for the shared CPU pool (``hf2q.kernels.cpu_blas.pool``; one band when it has one thread)."""
+    from hf2q.kernels.cpu_blas import threads
+
+    workers = threads()
     if workers < 2 or rows * n < PARALLEL_MIN_ELEMENTS or rows < 2 * workers:
         return [(0, rows)]
     k = min(4 * workers, rows)
     edges = np.linspace(0, rows, k + 1).astype(int)
     return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:]) if b > a]
-
-
-_POOL = None
-
-
-def _workers() -> int:
-    return max(1, min(16, os.cpu_count() or 1))
-
-
-def _pool():
-    global _POOL
-    if _POOL is None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _POOL = ThreadPoolExecutor(max_workers=_workers(), thread_name_prefix="hf2q-repack")
-    return _POOL
 
 
 def _to_affine_rows(raw: np.ndarray, qtype: T, rows: int, n: int) -> AffineWeight:

@@ -500,37 +500,39 @@ def _gemma4(d: dict[str, Any]) -> Table:
     return t
 
 
-def _bert(d: dict[str, Any]) -> Table:
-    h, ff = d["hidden"], d["n_ff"]
-    t: Table = {"token_embd.weight": ((h, d["vocab"]), True), "position_embd.weight": ((h, None), True),
-                "token_types.weight": ((h, 2), False), "token_embd_norm.weight": ((h,), True),
-                "token_embd_norm.bias": ((h,), True)}
+def _encoder(d: dict[str, Any], learned_positions: bool,
+             products: tuple[tuple[str, tuple[int, int], int | None], ...]) -> Table:
+    """A BERT-style encoder: token (and type) embeddings with a biased norm, then per block ``products``
+    (name, dims, bias size or None) and two post-norms with biases."""
+    h = d["hidden"]
+    t: Table = {"token_embd.weight": ((h, d["vocab"]), True)}
+    if learned_positions:
+        t["position_embd.weight"] = ((h, None), True)
+    t.update({"token_types.weight": ((h, 2), False), "token_embd_norm.weight": ((h,), True),
+              "token_embd_norm.bias": ((h,), True)})
     for i in range(d["n_layer"]):
         p = f"blk.{i}."
-        for name, dims, bias in (("attn_q", (h, h), h), ("attn_k", (h, h), h), ("attn_v", (h, h), h),
-                                 ("attn_output", (h, h), h), ("ffn_up", (h, ff), ff), ("ffn_down", (ff, h), h)):
+        for name, dims, bias in products:
             t[p + name + ".weight"] = (dims, True)
-            t[p + name + ".bias"] = ((bias,), False)
+            if bias is not None:
+                t[p + name + ".bias"] = ((bias,), False)
         for norm in ("attn_output_norm", "layer_output_norm"):
             t[p + norm + ".weight"] = ((h,), True)
             t[p + norm + ".bias"] = ((h,), True)
     return t
+
+
+def _bert(d: dict[str, Any]) -> Table:
+    h, ff = d["hidden"], d["n_ff"]
+    return _encoder(d, True, (("attn_q", (h, h), h), ("attn_k", (h, h), h), ("attn_v", (h, h), h),
+                              ("attn_output", (h, h), h), ("ffn_up", (h, ff), ff), ("ffn_down", (ff, h), h)))
 
 
 def _nomic_bert(d: dict[str, Any]) -> Table:
     """BERT without learned positions or biases: fused QKV, SwiGLU MLP, post-norms with biases."""
     h, ff = d["hidden"], d["n_ff"]
-    t: Table = {"token_embd.weight": ((h, d["vocab"]), True), "token_types.weight": ((h, 2), False),
-                "token_embd_norm.weight": ((h,), True), "token_embd_norm.bias": ((h,), True)}
-    for i in range(d["n_layer"]):
-        p = f"blk.{i}."
-        for name, dims in (("attn_qkv", (h, 3 * h)), ("attn_output", (h, h)), ("ffn_gate", (h, ff)),
-                           ("ffn_up", (h, ff)), ("ffn_down", (ff, h))):
-            t[p + name + ".weight"] = (dims, True)
-        for norm in ("attn_output_norm", "layer_output_norm"):
-            t[p + norm + ".weight"] = ((h,), True)
-            t[p + norm + ".bias"] = ((h,), True)
-    return t
+    return _encoder(d, False, (("attn_qkv", (h, 3 * h), None), ("attn_output", (h, h), None),
+                               ("ffn_gate", (h, ff), None), ("ffn_up", (h, ff), None), ("ffn_down", (ff, h), None)))
 
 
 _FAMILY_TABLES: dict[str, Callable[[dict[str, Any]], Table]] = {

@@ -23,6 +23,7 @@ from pathlib import Path
 from hf2q.errors import InputError
 from hf2q.quality.corpus import Corpus
 from hf2q.quality.logit_sources import gguf_of
+from hf2q.quality.scores import windows
 
 log = logging.getLogger("hf2q.imatrix")
 
@@ -49,22 +50,6 @@ class ImatrixSummary:
         return dict(self.__dict__)
 
 
-def chunk_tokens(tokens: list[int], n_ctx: int, chunks: int | None, bos_id: int | None) -> list[list[int]]:
-    """The chunks llama-imatrix evaluates: ``n_ctx`` tokens each, the first replaced by ``bos_id``."""
-    if len(tokens) < 2 * n_ctx:
-        raise InputError(f"the corpus tokenizes to {len(tokens)} tokens; a context of {n_ctx} needs at least "
-                         f"{2 * n_ctx} (use a longer corpus or a smaller --n-ctx)")
-    n = len(tokens) // n_ctx
-    n = min(n, chunks) if chunks else n
-    out = []
-    for i in range(n):
-        c = list(tokens[i * n_ctx:(i + 1) * n_ctx])
-        if bos_id is not None:
-            c[0] = bos_id
-        out.append(c)
-    return out
-
-
 def corpus_chunks(gguf_path: Path, corpus: Corpus, n_ctx: int, chunks: int | None) -> tuple[list[list[int]], int]:
     """The chunks of ``corpus`` under the GGUF's tokenizer, and the corpus's token count."""
     from hf2q.text.tokenizer import GGUFTokenizer
@@ -72,7 +57,11 @@ def corpus_chunks(gguf_path: Path, corpus: Corpus, n_ctx: int, chunks: int | Non
     tokenizer = GGUFTokenizer.from_gguf(gguf_path)
     tokens = tokenizer.encode(corpus.text, add_special=True, parse_special=False)
     bos = tokenizer.bos_id if tokenizer.add_bos else None
-    return chunk_tokens(tokens, n_ctx, chunks, bos), len(tokens)
+    try:  # llama-imatrix cuts the text as llama-perplexity does: one chunker for both
+        pieces = windows(tokens, n_ctx, chunks, bos)
+    except ValueError as e:
+        raise InputError(f"corpus {corpus.name}: {e}") from None
+    return pieces.tolist(), len(tokens)
 
 
 def collect(gguf_path: Path, pieces: list[list[int]], progress=None) -> dict:
@@ -129,4 +118,4 @@ def compute_imatrix(model: Path, corpus: Corpus, output: Path, n_ctx: int = DEFA
                           round(time.perf_counter() - t0, 3), partial)
 
 
-__all__ = ["DEFAULT_N_CTX", "ImatrixSummary", "chunk_tokens", "compute_imatrix", "corpus_chunks"]
+__all__ = ["DEFAULT_N_CTX", "ImatrixSummary", "compute_imatrix", "corpus_chunks"]

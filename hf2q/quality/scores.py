@@ -41,7 +41,8 @@ def first_scored(n_ctx: int) -> int:
 
 def windows(tokens: np.ndarray | list[int], n_ctx: int, chunks: int | None = None,
             bos_id: int | None = None) -> np.ndarray:
-    """The ``[n_chunk, n_ctx]`` token windows llama-perplexity scores, BOS (when given) in front.
+    """The ``[n_chunk, n_ctx]`` token windows llama-perplexity scores and llama-imatrix runs, BOS (when
+    given) in front.
 
     ``chunks`` caps their number (None: every whole window). ValueError when the text holds fewer
     than two windows' worth of tokens — llama.cpp refuses that too."""
@@ -49,7 +50,7 @@ def windows(tokens: np.ndarray | list[int], n_ctx: int, chunks: int | None = Non
     if n_ctx < 4:
         raise ValueError(f"context {n_ctx} is too small to score (at least 4 tokens)")
     if tokens.size < 2 * n_ctx:
-        raise ValueError(f"the text has {tokens.size} tokens; scoring with a context of {n_ctx} needs "
+        raise ValueError(f"the corpus tokenizes to {tokens.size} tokens; a context of {n_ctx} needs "
                          f"at least {2 * n_ctx} (a longer corpus or a smaller --n-ctx)")
     n = tokens.size // n_ctx if chunks is None else min(chunks, tokens.size // n_ctx)
     out = tokens[: n * n_ctx].reshape(n, n_ctx).copy()

@@ -73,18 +73,22 @@ KNOWN_PRE_TOKENIZERS = {
 }
 
 
-def _load_json(path: Path) -> Any:
-    """Parsed JSON, shared between callers (do not mutate it); big tokenizer files are parsed once."""
+def _load_json(path: Path, tokenizer_json: bool = False) -> Any:
+    """Parsed JSON, shared between callers (do not mutate it); big tokenizer files are parsed once.
+    ``tokenizer_json``: the parse is also checked as a ``tokenizer.json`` (once per parse, as it is cached)."""
     try:
         st = path.stat()
-        return _parse_json(str(path), st.st_mtime_ns, st.st_size)
+        return _parse_json(str(path), st.st_mtime_ns, st.st_size, tokenizer_json)
     except (OSError, ValueError) as e:
         raise InputError(f"{path}: cannot read tokenizer file ({e})") from None
 
 
 @functools.lru_cache(maxsize=8)
-def _parse_json(path: str, mtime_ns: int, size: int) -> Any:
-    return json.loads(Path(path).read_text(encoding="utf-8"))
+def _parse_json(path: str, mtime_ns: int, size: int, tokenizer_json: bool) -> Any:
+    parsed = json.loads(Path(path).read_text(encoding="utf-8"))
+    if tokenizer_json:  # a failed check raises, and lru_cache keeps nothing of it
+        _check_tokenizer_json(Path(path), parsed)
+    return parsed
 
 
 def _hf_tokenizer(src: Path):
@@ -122,25 +126,12 @@ def _looks_special(token: str) -> bool:
 def release_tokenizer_cache() -> None:
     """Drop parsed tokenizer files (hundreds of MB of Python objects for a 262k vocabulary)."""
     _parse_json.cache_clear()
-    _CHECKED_TOKENIZERS.clear()
 
 
 def load_tokenizer_json(src: Path) -> dict:
     """``tokenizer.json``, its shape checked (model, vocab, added tokens, merges) so that a malformed
     file is one line naming it, not a ``TypeError`` deep in the vocabulary code."""
-    path = src / "tokenizer.json"
-    tj = _load_json(path)
-    st = path.stat()
-    key = (str(path), st.st_mtime_ns, st.st_size)
-    if key in _CHECKED_TOKENIZERS:  # the same parse already passed: its vocabulary is not walked again
-        return tj
-    _check_tokenizer_json(path, tj)
-    _CHECKED_TOKENIZERS.add(key)
-    return tj
-
-
-#: (path, mtime, size) of tokenizer.json parses :func:`load_tokenizer_json` has checked (cleared with the parses)
-_CHECKED_TOKENIZERS: set[tuple[str, int, int]] = set()
+    return _load_json(src / "tokenizer.json", tokenizer_json=True)
 
 
 def _check_tokenizer_json(path: Path, tj: Any) -> None:
