@@ -9,18 +9,14 @@ prints) for the budget, and the engine's ``embed`` on the same GGUF for the embe
 
 from __future__ import annotations
 
-import contextlib
 import re
-import subprocess
-import sys
 import time
 
 import httpx
 import numpy as np
 import pytest
 
-from hf2q.engine.tp_launch import free_ports
-from tests.serve_support import stop_server
+from tests.serve_support import hf2q_server
 
 pytestmark = [pytest.mark.slow]
 
@@ -53,27 +49,11 @@ def budget(smollm2_gguf, gemma3_gguf) -> int:
 
 @pytest.fixture(scope="module")
 def server(smollm2_gguf, gemma3_gguf, bert_gguf, budget, tmp_path_factory):
-    port = free_ports(1)[0]
-    log = (tmp_path_factory.mktemp("serve") / "serve.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "hf2q", "serve", "--model", str(smollm2_gguf), "--model",
-                             str(gemma3_gguf), "--model", str(bert_gguf), "--models-memory", str(budget),
-                             "--models-wait", "1", "--ctx", CTX, "--slots", SLOTS, "--port", str(port),
-                             "--api-key", KEY, "--operator-ui", "plain"], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, "hf2q serve exited before it was ready"
-            assert time.monotonic() < deadline, "hf2q serve not ready after 120 s"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/readyz", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.3)
-        with httpx.Client(base_url=url, headers=AUTH, timeout=120) as client:
-            yield client
-    finally:
-        stop_server(proc)
-        log.close()
+    args = ["--model", str(smollm2_gguf), "--model", str(gemma3_gguf), "--model", str(bert_gguf),
+            "--models-memory", str(budget), "--models-wait", "1", "--ctx", CTX, "--slots", SLOTS, "--api-key", KEY]
+    with hf2q_server(args, tmp_path_factory.mktemp("serve")) as url, \
+            httpx.Client(base_url=url, headers=AUTH, timeout=120) as client:
+        yield client
 
 
 def ask(client, model: str, **extra) -> httpx.Response:
