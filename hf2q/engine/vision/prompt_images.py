@@ -1,0 +1,168 @@
+"""Images inside a token prompt: how an image's tokens name it, and where its M-RoPE ids put the text after it.
+
+The serving runtime moves prompts as tuples of ints and reuses a cached prefix by comparing them, so an
+image's placeholder tokens carry the image itself: token ``index`` of the image whose content key is
+``key`` is ``IMAGE_ID_BASE + key · MAX_IMAGE_TOKENS + index``, an id no vocabulary reaches. Two prompts
+with the same image bytes at the same place therefore share the prefix through it, and a different image
+diverges at its first token — prefix reuse keyed on image bytes without the scheduler knowing images.
+Each id also says which merged token of the image it is, so a prefill chunk may start or end inside one.
+
+After an image the text's M-RoPE ids run behind the cache length (the image's ``h × w`` tokens advance
+the ids only by ``max(h, w)``): each sequence keeps, as ``seq.mrope_shifts``, the ``(length, shift)``
+pairs recorded where an image ended; text appended at length ``n`` sits at id ``n + shift`` of the last
+pair at or before ``n``. Pairs past the length are dropped before every append, so a trim needs no hook.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import threading
+
+import attrs
+import numpy as np
+
+from hf2q.errors import InputError
+
+#: the first image token id (above every vocabulary)
+IMAGE_ID_BASE = 1 << 40
+#: merged tokens one image may have at most (the id's index field)
+MAX_IMAGE_TOKENS = 1 << 20
+#: content keys are this many bits of the image bytes' SHA-256
+KEY_BITS = 40
+#: prepared images a store keeps (the oldest go first); a request's images must all be held until it runs
+STORE_CAPACITY = 256
+#: encoded feature sets kept for prefix misses on a recent image (each ``tokens × d × (1 + deepstack)``)
+FEATURE_CACHE = 8
+
+
+def is_image_token(token: int) -> bool:
+    return token >= IMAGE_ID_BASE
+
+
+def image_token(key: int, index: int) -> int:
+    return IMAGE_ID_BASE + key * MAX_IMAGE_TOKENS + index
+
+
+def split_image_token(token: int) -> tuple[int, int]:
+    """``(key, index)`` of an image token id."""
+    return divmod(token - IMAGE_ID_BASE, MAX_IMAGE_TOKENS)
+
+
+def content_key(data: bytes) -> int:
+    return int.from_bytes(hashlib.sha256(data).digest()[:KEY_BITS // 8], "big")
+
+
+@attrs.frozen
+class PreparedImage:
+    """An image cut into the encoder's patch rows (``grid``: frame pairs, patch rows, patch columns)."""
+
+    patches: np.ndarray
+    grid: tuple[int, int, int]
+    merge: int
+
+    @property
+    def merged_grid(self) -> tuple[int, int, int]:
+        t, h, w = self.grid
+        return t, h // self.merge, w // self.merge
+
+    @property
+    def n_tokens(self) -> int:
+        t, h, w = self.merged_grid
+        return t * h * w
+
+
+class ImageStore:
+    """Prepared images by content key, shared by the request side (which adds them) and the engine
+    thread (which encodes them inside a prefill transaction); encoded features cached for a few."""
+
+    def __init__(self, capacity: int = STORE_CAPACITY, feature_cache: int = FEATURE_CACHE):
+        self._images: collections.OrderedDict[int, PreparedImage] = collections.OrderedDict()
+        self._features: collections.OrderedDict[int, object] = collections.OrderedDict()
+        self._capacity, self._feature_cache = capacity, feature_cache
+        self._lock = threading.Lock()
+
+    def add(self, key: int, image: PreparedImage) -> None:
+        if image.n_tokens > MAX_IMAGE_TOKENS:
+            raise InputError(f"an image of {image.n_tokens} tokens is above the {MAX_IMAGE_TOKENS} an id can index")
+        with self._lock:
+            self._images[key] = image
+            self._images.move_to_end(key)
+            while len(self._images) > self._capacity:
+                self._images.popitem(last=False)
+
+    def get(self, key: int) -> PreparedImage:
+        with self._lock:
+            image = self._images.get(key)
+        if image is None:
+            raise InputError("the prompt names an image this server no longer holds; send the request again")
+        return image
+
+    def features(self, key: int, encode):
+        """The encoder's features of image ``key`` (``encode(patches, grid)`` on a miss); engine thread only."""
+        feats = self._features.get(key)
+        if feats is None:
+            image = self.get(key)
+            feats = encode(image.patches, image.grid)
+            self._features[key] = feats
+            while len(self._features) > self._feature_cache:
+                self._features.popitem(last=False)
+        self._features.move_to_end(key)
+        return feats
+
+
+# ---- per-sequence M-RoPE shift -----------------------------------------------------------------------
+
+
+def shift_at(seq) -> int:
+    """The shift of text appended to ``seq`` now (pairs beyond its length, left by a trim, dropped)."""
+    shifts = getattr(seq, "mrope_shifts", None)
+    if not shifts:
+        return 0
+    while shifts and shifts[-1][0] > seq.length:
+        shifts.pop()
+    return shifts[-1][1] if shifts else 0
+
+
+def record_shift(seq, length: int, shift: int) -> None:
+    shifts = getattr(seq, "mrope_shifts", None)
+    if shifts is None:
+        shifts = seq.mrope_shifts = []
+    shifts.append((length, shift))
+
+
+def chunk_positions(tokens, start: int, shift: int, store: ImageStore):
+    """M-RoPE ids ``[3, n]`` of ``tokens`` appended at cache length ``start`` with ``shift``; the
+    ``(length, shift)`` pairs of images that end in the chunk; and per image run ``(key, indices, rows)``
+    (the image's merged-token indices and where they sit in the chunk)."""
+    n = len(tokens)
+    pos = np.zeros((3, n), dtype=np.int64)
+    ends: list[tuple[int, int]] = []
+    runs: list[tuple[int, np.ndarray, np.ndarray]] = []
+    j = 0
+    while j < n:
+        t = int(tokens[j])
+        if not is_image_token(t):
+            pos[:, j] = start + j + shift
+            j += 1
+            continue
+        key, index = split_image_token(t)
+        image = store.get(key)
+        frames, gh, gw = image.merged_grid
+        count = image.n_tokens
+        k = j
+        while k < n and k - j + index < count and int(tokens[k]) == image_token(key, index + k - j):
+            k += 1
+        indices = np.arange(index, index + k - j)
+        first = start + j - index + shift  # the id of the image's first token (its text position)
+        f, rem = np.divmod(indices, gh * gw)
+        r, c = np.divmod(rem, gw)
+        pos[:, j:k] = np.stack([f, r, c]) + first
+        runs.append((key, indices, np.arange(j, k)))
+        if indices[-1] == count - 1:
+            shift = first + max(gh, gw) - (start + k)
+            ends.append((start + k, shift))
+        elif k < n:
+            raise InputError("an image's tokens are cut short in the prompt")
+        j = k
+    return pos, ends, runs
