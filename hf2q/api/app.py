@@ -367,9 +367,10 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             if creq.model and creq.model not in (ctx.model_id, "default"):
                 raise ApiError(404, f"model {creq.model!r} not found; this server serves {ctx.model_id!r}",
                                code="model_not_found", param="model")
-        if creq.has_images:
-            raise ApiError(400, f"model {model_id!r} does not accept image input", code="invalid_value",
-                           param="messages")
+        if creq.has_images and getattr(chat_model, "vision", None) is None:
+            raise ApiError(400, f"model {model_id!r} does not accept image input (a text-only model, or served "
+                                f"without its mmproj: hf2q serve --mmproj FILE)", code="invalid_value",
+                           param=creq.images[0][0])
         _refuse_if_draining()
         release = await _lease(entry) if entry is not None else (lambda: None)
         try:
