@@ -180,7 +180,11 @@ def preflight(args) -> tuple[Path, Path | None]:
     named = check_gguf(Path(args.mmproj).expanduser(), "--mmproj") if getattr(args, "mmproj", None) else None
     if named is not None and args.tensor_parallel > 1:
         raise UsageError("--mmproj: images are served by a single rank; drop --tensor-parallel")
-    args.mmproj_path, args.mmproj_line = choose_mmproj(header, named) if args.tensor_parallel == 1 else (None, "")
+    if named is not None and args.kv_persist:
+        raise UsageError("--mmproj: the persistent KV cache does not keep images' positions yet; drop --kv-persist")
+    args.mmproj_path, args.mmproj_line = (None, "")
+    if args.tensor_parallel == 1 and not args.kv_persist:
+        args.mmproj_path, args.mmproj_line = choose_mmproj(header, named)
     from hf2q.engine.tp_hosts import group_size, hosts_from_args
 
     args.tp_hosts = hosts_from_args(args)  # --hostfile / --hosts: one rank per host
@@ -214,8 +218,6 @@ def run(args) -> int:
 
 def _vision(args, chat_model):
     """``(mmproj path, ImageStore)`` for the runner, with the chat model's image side set; None without one."""
-    if getattr(args, "mmproj_line", ""):
-        log.info(args.mmproj_line)
     if getattr(args, "mmproj_path", None) is None:
         return None
     from hf2q.api.images import VisionInput
@@ -247,6 +249,8 @@ async def _serve(args, model_path: Path, chat_model, embed_path, embed_model, kv
         lg = logging.getLogger(name)
         if lg.getEffectiveLevel() > logging.INFO:
             lg.setLevel(logging.INFO)
+    if getattr(args, "mmproj_line", ""):
+        log.info(args.mmproj_line)  # which vision projector serves the model's images, or why none
 
     config = RuntimeConfig(slots=args.slots, ctx=args.ctx, kv_budget_bytes=args.kv_cache_budget,
                            queue_capacity=args.queue_capacity, prefill_chunk=args.prefill_chunk,
