@@ -30,8 +30,9 @@ IMAGE_ID_BASE = 1 << 40
 MAX_IMAGE_TOKENS = 1 << 20
 #: content keys are this many bits of the image bytes' SHA-256
 KEY_BITS = 40
-#: prepared images a store keeps (the oldest go first); a request's images must all be held until it runs
-STORE_CAPACITY = 256
+#: bytes of prepared patch rows a store keeps (the least recently added go first); a request whose image
+#: went before its prefill ran is refused (400) and may be sent again
+STORE_BYTES = 1 << 29
 #: encoded feature sets kept for prefix misses on a recent image (each ``tokens × d × (1 + deepstack)``)
 FEATURE_CACHE = 8
 
@@ -76,7 +77,7 @@ class ImageStore:
     """Prepared images by content key, shared by the request side (which adds them) and the engine
     thread (which encodes them inside a prefill transaction); encoded features cached for a few."""
 
-    def __init__(self, capacity: int = STORE_CAPACITY, feature_cache: int = FEATURE_CACHE):
+    def __init__(self, capacity: int = STORE_BYTES, feature_cache: int = FEATURE_CACHE):
         self._images: collections.OrderedDict[int, PreparedImage] = collections.OrderedDict()
         self._features: collections.OrderedDict[int, object] = collections.OrderedDict()
         self._capacity, self._feature_cache = capacity, feature_cache
@@ -88,8 +89,9 @@ class ImageStore:
         with self._lock:
             self._images[key] = image
             self._images.move_to_end(key)
-            while len(self._images) > self._capacity:
-                self._images.popitem(last=False)
+            held = sum(i.patches.nbytes for i in self._images.values())
+            while held > self._capacity and len(self._images) > 1:
+                held -= self._images.popitem(last=False)[1].patches.nbytes
 
     def get(self, key: int) -> PreparedImage:
         with self._lock:
