@@ -113,7 +113,7 @@ def _transformers_greedy(png: bytes, n: int) -> tuple[int, str]:
 
 
 async def test_image_chat_is_transformers_and_reuses_the_prefix_by_image(mmproj):
-    first, other = _png(1), _png(2)
+    first, other = _png(1), _png(2, fmt="JPEG")
     n_prompt, reply = _transformers_greedy(first, 6)
     async with _server(mmproj) as url, httpx.AsyncClient(base_url=url, timeout=120) as client:
         r = await client.post("/v1/chat/completions", json=_body(_uri(first)))
@@ -129,8 +129,8 @@ async def test_image_chat_is_transformers_and_reuses_the_prefix_by_image(mmproj)
         assert again["choices"][0]["message"]["content"] == out["choices"][0]["message"]["content"]
         image_end = 3 + 2 + 64  # <|im_start|>user\n, "Describe", <|vision_start|>, the image tokens
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > image_end
-        # another image at the same place: nothing from its first image token on is reused
-        third = (await client.post("/v1/chat/completions", json=_body(_uri(other)))).json()
+        # another image (a JPEG) at the same place: nothing from its first image token on is reused
+        third = (await client.post("/v1/chat/completions", json=_body(_uri(other, "jpeg")))).json()
         assert 0 < third["usage"]["prompt_tokens_details"]["cached_tokens"] <= image_end - 64
         assert third["usage"]["prompt_tokens"] == n_prompt
         # refusals, naming the part

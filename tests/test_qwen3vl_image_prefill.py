@@ -14,8 +14,12 @@ import hf2q.engine  # noqa: F401
 import numpy as np
 import pytest
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf2q.engine.models.qwen3vl import multimodal_positions
 from hf2q.engine.runner import MlxModelRunner
-from hf2q.engine.vision.prompt_images import ImageStore, PreparedImage, content_key, image_token
+from hf2q.engine.vision.prompt_images import ImageStore, PreparedImage, chunk_positions, content_key, image_token
 from hf2q.engine.vision.qwen3vl import Qwen3VLVisionEncoder, patchify
 from tests.engine_support import random_tokens
 from tests.models.qwen3vl import checkpoint, f32_gguf
@@ -24,8 +28,8 @@ TOL = 1e-3
 IMAGE_TOKEN = 151655  # the fixture config's image_token_id
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen3vl", "qwen3vl_moe"])
+def setup(request, tmp_path_factory):
     import torch
     import transformers
 
@@ -33,12 +37,13 @@ def setup(tmp_path_factory):
     from hf2q.formats.gguf_file import open_gguf
 
     path = tmp_path_factory.mktemp("mmproj") / "mmproj-f32.gguf"
-    convert_mmproj(checkpoint("qwen3vl"), path, "f32")
+    convert_mmproj(checkpoint(request.param), path, "f32")
     encoder = Qwen3VLVisionEncoder(open_gguf(path))
-    runner = MlxModelRunner.load(f32_gguf("qwen3vl"))
+    runner = MlxModelRunner.load(f32_gguf(request.param))
     store = ImageStore()
     runner.attach_vision(encoder, store)
-    model = transformers.AutoModelForImageTextToText.from_pretrained(checkpoint("qwen3vl"), dtype=torch.float32).eval()
+    model = transformers.AutoModelForImageTextToText.from_pretrained(checkpoint(request.param),
+                                                                     dtype=torch.float32).eval()
     return runner, store, encoder, model
 
 
@@ -99,7 +104,7 @@ def test_image_prompt_prefill_and_decode_match_transformers(setup):
         errs.append(np.abs(runner.prefill(seq, tokens[a:b]) - ref[b - 1]).max())
     for j, t in enumerate(decode[:-1]):
         errs.append(np.abs(runner.decode([seq], [t])[0] - ref[n_prompt + j]).max())
-    print(f"image prompt: max |logit error| {max(errs):.2e}")
+    print(f"{runner.arch} image prompt: max |logit error| {max(errs):.2e}")
     assert max(errs) < TOL, errs
     # back into the text after the image, then on again: the shift is still the image's
     seq.trim(n_prompt - 3)
@@ -131,11 +136,42 @@ def test_batched_decode_with_shifted_and_plain_sequences(setup):
     np.testing.assert_allclose(both, np.stack(singles), atol=1e-4, rtol=0)
 
 
-def test_text_only_runner_refuses_vision(setup):
+def test_text_only_runner_refuses_vision(smollm2_gguf):
     from hf2q.errors import InputError
 
-    runner, _store, encoder, _model = setup
-    with pytest.raises(InputError, match="text-only"):
-        text = MlxModelRunner.__new__(MlxModelRunner)
-        text.model, text.gguf, text.arch = object(), runner.gguf, "llama"
-        text.attach_vision(encoder, ImageStore())
+    runner = MlxModelRunner.load(smollm2_gguf)
+    with pytest.raises(InputError, match="text-only model"):
+        runner.attach_vision(object(), ImageStore())
+    seq = runner.new_sequence()
+    with pytest.raises(InputError, match="outside the vocabulary"):  # image ids only where images are served
+        runner.prefill(seq, [1, image_token(0, 0)])
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_chunked_positions_are_the_whole_prompts(data):
+    """However a prompt of text and images is cut into chunks, the chunks' M-RoPE ids (each from the
+    shift the previous ones left) are ``multimodal_positions`` of the whole prompt (transformers' rule)."""
+    merge = 2
+    store, tokens, marked, grids = ImageStore(), [], [], []
+    for k in range(data.draw(st.integers(1, 3), label="images")):
+        n_text = data.draw(st.integers(0, 4))
+        tokens += random_tokens(n_text, seed=k) if n_text else []
+        marked += [0] * n_text
+        grid = (1, 2 * data.draw(st.integers(1, 4)), 2 * data.draw(st.integers(1, 4)))
+        image = PreparedImage(np.zeros((0, 1)), grid, merge)
+        store.add(k, image)
+        tokens += [image_token(k, i) for i in range(image.n_tokens)]
+        marked += [IMAGE_TOKEN] * image.n_tokens
+        grids.append(grid)
+    tail = data.draw(st.integers(0, 4))
+    tokens += random_tokens(tail, seed=9) if tail else []
+    marked += [0] * tail
+    want, _ = multimodal_positions(marked, IMAGE_TOKEN, grids, merge)
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, len(tokens) - 1), max_size=4)) if len(tokens) > 1 else []))
+    got, shift = [], 0
+    for a, b in zip([0, *cuts], [*cuts, len(tokens)]):
+        pos, ends, _ = chunk_positions(tokens[a:b], a, shift, store)
+        got.append(pos)
+        shift = ends[-1][1] if ends else shift
+    np.testing.assert_array_equal(np.concatenate(got, axis=1), want)
