@@ -175,3 +175,29 @@ def test_chunked_positions_are_the_whole_prompts(data):
         got.append(pos)
         shift = ends[-1][1] if ends else shift
     np.testing.assert_array_equal(np.concatenate(got, axis=1), want)
+
+
+def test_pipelined_decode_after_an_image_follows_the_shift(setup, monkeypatch):
+    """The MLX graph's device-sampled, pipelined decode (a GPU's path; here without the CPU host step)
+    after an image: greedy tokens chained through ``PendingTokens`` are transformers' argmax."""
+    from hf2q.engine.sampling.device import DeviceSampler
+    from hf2q.sched.contracts import SamplingParams
+
+    runner, store, encoder, model = setup
+    monkeypatch.setenv("HF2Q_NO_HOST_DECODE", "1")
+    graph = MlxModelRunner.load(runner.gguf)
+    assert graph.pipelines_decode
+    graph.attach_vision(encoder, store)
+    image = _image(encoder, store, 3, 64, 64)
+    prompt = _ours([random_tokens(4, seed=10), image, random_tokens(3, seed=11)])
+    seq = graph.new_sequence()
+    first = int(np.argmax(graph.prefill(seq, prompt)))
+    sampler = [DeviceSampler(SamplingParams(temperature=0.0))]
+    pending, fed = graph.decode_async([seq], [first], sampler), [first]
+    for _ in range(3):
+        nxt = graph.decode_async([seq], pending, sampler)
+        fed.append(int(pending.result()[0][0]))
+        pending = nxt
+    fed.append(int(pending.result()[0][0]))
+    ref = _reference(model, [random_tokens(4, seed=10), image, random_tokens(3, seed=11) + fed[:-1]])
+    assert fed == [int(t) for t in ref[len(prompt) - 1:].argmax(axis=1)]
