@@ -113,7 +113,10 @@ def runner_factory(path: Path, ctx: int | None, tensor_parallel: int = 1, args=N
             from hf2q.engine.vision.qwen3vl import Qwen3VLVisionEncoder
             from hf2q.formats.gguf_file import open_gguf
 
+            from hf2q.engine.vision.prompt_images import warm_up_images
+
             runner.attach_vision(Qwen3VLVisionEncoder(open_gguf(vision[0]), runner.dtype), vision[1])
+            warm_up_images(runner)
         warm_up(runner)  # first-use kernel compilation happens before /readyz says ready
         return runner
     return build

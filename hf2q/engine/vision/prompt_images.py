@@ -100,6 +100,11 @@ class ImageStore:
             raise InputError("the prompt names an image this server no longer holds; send the request again")
         return image
 
+    def forget(self, key: int) -> None:
+        with self._lock:
+            self._images.pop(key, None)
+        self._features.pop(key, None)
+
     def features(self, key: int, encode):
         """The encoder's features of image ``key`` (``encode(patches, grid)`` on a miss); engine thread only."""
         feats = self._features.get(key)
@@ -168,3 +173,23 @@ def chunk_positions(tokens, start: int, shift: int, store: ImageStore):
             raise InputError("an image's tokens are cut short in the prompt")
         j = k
     return pos, ends, runs
+
+
+#: the content key of the warm-up image (no SHA-256 prefix is all ones in practice; it is forgotten at once)
+_WARM_UP_KEY = (1 << KEY_BITS) - 1
+
+
+def warm_up_images(runner, side: int = 16) -> None:
+    """Encode one blank image of ``side × side`` patches (the processor's smallest, 256×256 pixels) and
+    prefill its tokens, so a GPU compiles the encoder's and M-RoPE's kernels before the server says ready."""
+    enc = runner.vision
+    stats = dict(runner.stats)
+    rows = np.zeros((side * side, enc.patch_w.shape[1]), np.float32)
+    runner.images.add(_WARM_UP_KEY, PreparedImage(rows, (1, side, side), enc.merge))
+    try:
+        n = (side // enc.merge) ** 2
+        runner.prefill(runner.new_sequence(), [1, *(image_token(_WARM_UP_KEY, i) for i in range(n)), 1])
+    finally:
+        runner.images.forget(_WARM_UP_KEY)
+        runner.stats.clear()
+        runner.stats.update(stats)
