@@ -81,7 +81,7 @@ async def _server(mmproj_path):
         handle = await nursery.start(lambda task_status: serve(ctx, "127.0.0.1", 0, graceful_timeout=1,
                                                                task_status=task_status))
         try:
-            yield handle.url
+            yield handle.url, model
         finally:
             handle.request_stop()
             with trio.move_on_after(30):
@@ -115,7 +115,7 @@ def _transformers_greedy(png: bytes, n: int) -> tuple[int, str]:
 async def test_image_chat_is_transformers_and_reuses_the_prefix_by_image(mmproj):
     first, other = _png(1), _png(2, fmt="JPEG")
     n_prompt, reply = _transformers_greedy(first, 6)
-    async with _server(mmproj) as url, httpx.AsyncClient(base_url=url, timeout=120) as client:
+    async with _server(mmproj) as (url, model), httpx.AsyncClient(base_url=url, timeout=120) as client:
         r = await client.post("/v1/chat/completions", json=_body(_uri(first)))
         assert r.status_code == 200, r.text
         out = r.json()
@@ -147,13 +147,16 @@ async def test_image_chat_is_transformers_and_reuses_the_prefix_by_image(mmproj)
             assert r.status_code == 400, (what, r.text)
             err = r.json()["error"]
             assert err["param"] == part and part in err["message"], (what, err)
+        r = await client.post("/v1/chat/completions", json=_body(_uri(first), "data:image/png;base64,@@@"))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content[2]"
+        assert model.vision.store.holds == 0  # every request's images released: answered or refused
         r = await client.post("/v1/chat/completions", json=_body(*[_uri(first)] * 9))
         assert r.status_code == 400 and "more than 8 images" in r.json()["error"]["message"]
         assert r.json()["error"]["param"] == "messages[0].content[9]"
 
 
 async def test_without_an_mmproj_images_are_refused():
-    async with _server(None) as url, httpx.AsyncClient(base_url=url, timeout=60) as client:
+    async with _server(None) as (url, _), httpx.AsyncClient(base_url=url, timeout=60) as client:
         r = await client.post("/v1/chat/completions", json=_body(_uri(_png(1))))
         assert r.status_code == 400, r.text
         assert "does not accept image input" in r.json()["error"]["message"]

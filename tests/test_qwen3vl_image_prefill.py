@@ -201,3 +201,17 @@ def test_pipelined_decode_after_an_image_follows_the_shift(setup, monkeypatch):
     fed.append(int(pending.result()[0][0]))
     ref = _reference(model, [random_tokens(4, seed=10), image, random_tokens(3, seed=11) + fed[:-1]])
     assert fed == [int(t) for t in ref[len(prompt) - 1:].argmax(axis=1)]
+
+
+def test_the_store_evicts_only_released_images():
+    from hf2q.errors import InputError
+
+    rows = lambda: np.zeros((16, 64), np.float32)  # noqa: E731  4 KiB of patch rows
+    store = ImageStore(capacity=2 * rows().nbytes)
+    for key in range(4):
+        store.add(key, PreparedImage(rows(), (1, 4, 4), 2))
+    assert store.holds == 4 and all(store.get(k) for k in range(4))  # held: kept beyond the capacity
+    store.release([0, 1, 2])
+    with pytest.raises(InputError, match="does not hold"):
+        store.get(0)  # the oldest released one went; two images' worth stay
+    assert store.get(2) is not None and store.get(3) is not None and store.holds == 1

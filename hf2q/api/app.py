@@ -377,6 +377,8 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             runtime = entry.runtime if entry is not None else ctx.runtime
             info = runtime.runner_info
             prepared = await off_loop(chat_model.prepare, creq, info.get("ctx"))  # render + tokenize
+            if creq.has_images:  # the request's images stay in the store until it ends
+                release = _releasing_images(release, chat_model.vision, prepared.prompt_tokens)
             rid = g.request_id
             try:
                 events = await runtime.submit(GenerationRequest(rid, prepared.prompt_tokens, prepared.params,
@@ -412,6 +414,15 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         resp.headers["X-Accel-Buffering"] = "no"
         resp.timeout = None
         return resp
+
+    def _releasing_images(release, vision, prompt):
+        def both() -> None:
+            if held[0]:
+                held[0] = False
+                vision.release(prompt)
+            release()
+        held = [True]
+        return both
 
     def _record(flow: ChatFlow, rid: str) -> None:
         r = flow.result

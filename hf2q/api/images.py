@@ -25,7 +25,7 @@ import numpy as np
 
 from hf2q.api.errors import ApiError
 from hf2q.engine.vision.patches import MIN_PIXELS, prepare_image
-from hf2q.engine.vision.prompt_images import ImageStore, PreparedImage, content_key, image_token
+from hf2q.engine.vision.prompt_images import ImageStore, PreparedImage, content_key, image_keys, image_token
 from hf2q.errors import InputError
 
 #: images one request may carry
@@ -107,6 +107,10 @@ class VisionInput:
                    list(md.get(Keys.ClipVision.IMAGE_MEAN) or [0.5] * 3),
                    list(md.get(Keys.ClipVision.IMAGE_STD) or [0.5] * 3), single(VISION_START), single(VISION_END),
                    header.path)
+
+    def release(self, prompt: list[int] | tuple[int, ...]) -> None:
+        """The request whose prompt is ``prompt`` ended (or was refused): its images may be evicted."""
+        self.store.release(image_keys(prompt))
 
     def tokens(self, url: str, param: str) -> list[int]:
         """The prompt tokens of one image part (its image registered in the store)."""

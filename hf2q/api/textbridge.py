@@ -247,14 +247,19 @@ class GGUFChatModel:
             return tuple(tok.encode(text, add_special=add_special, parse_special=True))
         ids: list[int] = []
         pending = list(images)
-        for piece, is_message_text in spans:
-            for k, part in enumerate(piece.split(IMAGE_MARKER) if images else [piece]):
-                if k:
-                    ids += self._image_tokens(pending)
-                ids += tok.encode(part, add_special=False, parse_special=not is_message_text)
-        if pending:
-            raise ApiError(400, f"the chat template dropped {len(pending)} of the request's images",
-                           code="invalid_value", param="messages")
+        try:
+            for piece, is_message_text in spans:
+                for k, part in enumerate(piece.split(IMAGE_MARKER) if images else [piece]):
+                    if k:
+                        ids += self._image_tokens(pending)
+                    ids += tok.encode(part, add_special=False, parse_special=not is_message_text)
+            if pending:
+                raise ApiError(400, f"the chat template dropped {len(pending)} of the request's images",
+                               code="invalid_value", param="messages")
+        except BaseException:
+            if images:
+                self.vision.release(ids)  # the images already added: no request will prefill them
+            raise
         if add_special:
             edges = tok.encode("", add_special=True)  # [BOS] and/or [EOS], as the model asks
             head = edges[:1] if tok.add_bos and tok.bos_id is not None else []
@@ -348,12 +353,16 @@ class GGUFChatModel:
         tok = self.tokenizer
         ids = self._encode_prompt(spans, text, req.images)
         if max_context is not None and len(ids) >= max_context:
+            if req.images:
+                self.vision.release(ids)
             raise ApiError(400, f"the prompt has {len(ids)} tokens; this server's context is {max_context} per "
                                 f"conversation", code="context_length_exceeded", param="messages")
         room = (max_context - len(ids)) if max_context else 4096
         max_tokens = min(req.max_tokens, room) if req.max_tokens else room
         bad = next((t for t, _ in req.logit_bias if t >= tok.vocab_size), None)  # negatives: validation
         if bad is not None:
+            if req.images:
+                self.vision.release(ids)
             raise ApiError(400, f"logit_bias: token id {bad} is outside the vocabulary (0..{tok.vocab_size - 1})",
                            code="invalid_value", param="logit_bias")
         max_tokens = max(1, max_tokens)

@@ -30,8 +30,7 @@ IMAGE_ID_BASE = 1 << 40
 MAX_IMAGE_TOKENS = 1 << 20
 #: content keys are this many bits of the image bytes' SHA-256
 KEY_BITS = 40
-#: bytes of prepared patch rows a store keeps (the least recently added go first); a request whose image
-#: went before its prefill ran is refused (400) and may be sent again
+#: bytes of prepared patch rows a store keeps of images no request holds (the least recently added go first)
 STORE_BYTES = 1 << 29
 #: encoded feature sets kept for prefix misses on a recent image (each ``tokens × d × (1 + deepstack)``)
 FEATURE_CACHE = 8
@@ -48,6 +47,11 @@ def image_token(key: int, index: int) -> int:
 def split_image_token(token: int) -> tuple[int, int]:
     """``(key, index)`` of an image token id."""
     return divmod(token - IMAGE_ID_BASE, MAX_IMAGE_TOKENS)
+
+
+def image_keys(tokens) -> list[int]:
+    """The key of every image that starts in ``tokens`` (one per occurrence)."""
+    return [split_image_token(t)[0] for t in tokens if is_image_token(t) and split_image_token(t)[1] == 0]
 
 
 def content_key(data: bytes) -> int:
@@ -75,10 +79,14 @@ class PreparedImage:
 
 class ImageStore:
     """Prepared images by content key, shared by the request side (which adds them) and the engine
-    thread (which encodes them inside a prefill transaction); encoded features cached for a few."""
+    thread (which encodes them inside a prefill transaction); encoded features cached for a few.
+
+    Each ``add`` holds its image until the matching ``release`` (the request ended): an image a queued
+    request still needs is never evicted, since a missing one would fault the engine mid-step."""
 
     def __init__(self, capacity: int = STORE_BYTES, feature_cache: int = FEATURE_CACHE):
         self._images: collections.OrderedDict[int, PreparedImage] = collections.OrderedDict()
+        self._holds: collections.Counter[int] = collections.Counter()
         self._features: collections.OrderedDict[int, object] = collections.OrderedDict()
         self._capacity, self._feature_cache = capacity, feature_cache
         self._lock = threading.Lock()
@@ -89,20 +97,43 @@ class ImageStore:
         with self._lock:
             self._images[key] = image
             self._images.move_to_end(key)
-            held = sum(i.patches.nbytes for i in self._images.values())
-            while held > self._capacity and len(self._images) > 1:
-                held -= self._images.popitem(last=False)[1].patches.nbytes
+            self._holds[key] += 1
+            self._evict()
+
+    @property
+    def holds(self) -> int:
+        """Holds not yet released (requests that may still prefill their images)."""
+        with self._lock:
+            return sum(self._holds.values())
+
+    def release(self, keys) -> None:
+        """End one hold of each of ``keys`` (one per ``add``)."""
+        with self._lock:
+            for key in keys:
+                self._holds[key] -= 1
+                if self._holds[key] <= 0:
+                    del self._holds[key]
+            self._evict()
+
+    def _evict(self) -> None:
+        free = [k for k in self._images if k not in self._holds]
+        held = sum(self._images[k].patches.nbytes for k in free)
+        for key in free:
+            if held <= self._capacity:
+                break
+            held -= self._images.pop(key).patches.nbytes
 
     def get(self, key: int) -> PreparedImage:
         with self._lock:
             image = self._images.get(key)
         if image is None:
-            raise InputError("the prompt names an image this server no longer holds; send the request again")
+            raise InputError("the prompt names an image this server does not hold (released before its prefill)")
         return image
 
     def forget(self, key: int) -> None:
         with self._lock:
             self._images.pop(key, None)
+            self._holds.pop(key, None)
         self._features.pop(key, None)
 
     def features(self, key: int, encode):
