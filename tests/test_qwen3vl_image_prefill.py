@@ -175,6 +175,11 @@ def test_chunked_positions_are_the_whole_prompts(data):
         got.append(pos)
         shift = ends[-1][1] if ends else shift
     np.testing.assert_array_equal(np.concatenate(got, axis=1), want)
+    # a draft that copies a few of an image's tokens and then text (speculative decoding) is no error
+    store.add(7, PreparedImage(np.zeros((0, 1)), (1, 4, 4), merge))  # 2×2 merged tokens
+    pos, ends, runs = chunk_positions([image_token(7, 1), image_token(7, 2), 5, image_token(7, 9)], 3, 0, store)
+    assert not ends and [r[1].tolist() for r in runs] == [[1, 2]]
+    assert pos[:, 2].tolist() == [5] * 3 and pos[:, 3].tolist() == [6] * 3  # text ids, and a stray id as text
 
 
 def test_pipelined_decode_after_an_image_follows_the_shift(setup, monkeypatch):
