@@ -231,6 +231,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--memory-limit", type=parse_size, default=None,
                    help="memory one rank may use for weights + KV, e.g. 40G (default: 90%% of the device)")
     p.add_argument("--model-name", default=None, help="id reported by /v1/models (default: file stem)")
+    p.add_argument("--mmproj", metavar="FILE", help="vision projector GGUF for image input (Qwen3-VL; default: an "
+                   "mmproj-*.gguf beside the model whose projector fits it; docs/API.md, Images)")
     _add_speculative(p)  # a request decoding alone verifies drafts; concurrent requests decode batched
     _add_kv_cache_type(p)
 

@@ -367,9 +367,10 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             if creq.model and creq.model not in (ctx.model_id, "default"):
                 raise ApiError(404, f"model {creq.model!r} not found; this server serves {ctx.model_id!r}",
                                code="model_not_found", param="model")
-        if creq.has_images:
-            raise ApiError(400, f"model {model_id!r} does not accept image input", code="invalid_value",
-                           param="messages")
+        if creq.has_images and getattr(chat_model, "vision", None) is None:
+            raise ApiError(400, f"model {model_id!r} does not accept image input (a text-only model, or served "
+                                f"without its mmproj: hf2q serve --mmproj FILE)", code="invalid_value",
+                           param=creq.images[0][0])
         _refuse_if_draining()
         release = await _lease(entry) if entry is not None else (lambda: None)
         try:
@@ -377,6 +378,8 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             info = runtime.runner_info
             prepared = await off_loop(chat_model.prepare, creq, info.get("ctx"),  # render + tokenize
                                       not info.get("trims_prefix", False))
+            if creq.has_images:  # the request's images stay in the store until it ends
+                release = _releasing_images(release, chat_model.vision, prepared.prompt_tokens)
             rid = g.request_id
             try:
                 events = await runtime.submit(GenerationRequest(rid, prepared.prompt_tokens, prepared.params,
@@ -412,6 +415,15 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         resp.headers["X-Accel-Buffering"] = "no"
         resp.timeout = None
         return resp
+
+    def _releasing_images(release, vision, prompt):
+        def both() -> None:
+            if held[0]:
+                held[0] = False
+                vision.release(prompt)
+            release()
+        held = [True]
+        return both
 
     def _record(flow: ChatFlow, rid: str) -> None:
         r = flow.result

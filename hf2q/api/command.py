@@ -99,8 +99,10 @@ def check_memory(model, args):
                        kv_type=getattr(args, "kv_cache_type", "f16"))
 
 
-def runner_factory(path: Path, ctx: int | None, tensor_parallel: int = 1, args=None):
+def runner_factory(path: Path, ctx: int | None, tensor_parallel: int = 1, args=None, vision=None):
     """Called inside the GPU-owner thread: the only place the serving path touches MLX.
+
+    ``vision``: ``(mmproj path, ImageStore)`` — the runner then encodes the images the store holds.
 
     With ``tensor_parallel > 1`` the runner is rank 0 of a group that
     ``hf2q.engine.tp_launch`` starts (docs/TENSOR_PARALLEL.md).
@@ -120,6 +122,14 @@ def runner_factory(path: Path, ctx: int | None, tensor_parallel: int = 1, args=N
         from hf2q.engine.runner import warm_up
 
         runner = load()
+        if vision is not None:
+            from hf2q.engine.vision.qwen3vl import Qwen3VLVisionEncoder
+            from hf2q.formats.gguf_file import open_gguf
+
+            from hf2q.engine.vision.prompt_images import warm_up_images
+
+            runner.attach_vision(Qwen3VLVisionEncoder(open_gguf(vision[0]), runner.dtype), vision[1])
+            warm_up_images(runner)
         warm_up(runner)  # first-use kernel compilation happens before /readyz says ready
         return runner
     return build
@@ -182,6 +192,16 @@ def preflight(args) -> tuple[Path, Path | None]:
         check_model_kind(embed_header, embed_path, "--embedding-model")
         check_servable(embed_header)
     check_kv_budget(header, args)
+    from hf2q.engine.vision.mmproj_match import choose_mmproj
+
+    named = check_gguf(Path(args.mmproj).expanduser(), "--mmproj") if getattr(args, "mmproj", None) else None
+    if named is not None and args.tensor_parallel > 1:
+        raise UsageError("--mmproj: images are served by a single rank; drop --tensor-parallel")
+    if named is not None and getattr(args, "kv_persist", None):
+        raise UsageError("--mmproj: the persistent KV cache does not keep images' positions yet; drop --kv-persist")
+    args.mmproj_path, args.mmproj_line = (None, "")
+    if args.tensor_parallel == 1 and not getattr(args, "kv_persist", None):
+        args.mmproj_path, args.mmproj_line = choose_mmproj(header, named)
     from hf2q.engine.tp_hosts import group_size, hosts_from_args
 
     args.tp_hosts = hosts_from_args(args)  # --hostfile / --hosts: one rank per host
@@ -205,11 +225,25 @@ def run(args) -> int:
     model_id = args.model_name or model_path.stem
     chat_model = GGUFChatModel.from_gguf(model_path, model_id)
     embed_model = GGUFEmbeddingModel.from_gguf(embed_path, embed_path.stem) if embed_path else None
+    args.vision = _vision(args, chat_model)
     opener = kv_store_opener(args, model_path, getattr(chat_model, "template_source", None))
     failure = trio.run(partial(_serve, args, model_path, chat_model, embed_path, embed_model, opener))
     if failure:
         raise ConversionError(failure)
     return 0
+
+
+def _vision(args, chat_model):
+    """``(mmproj path, ImageStore)`` for the runner, with the chat model's image side set; None without one."""
+    if getattr(args, "mmproj_path", None) is None:
+        return None
+    from hf2q.api.images import VisionInput
+    from hf2q.engine.vision.prompt_images import ImageStore
+    from hf2q.formats.gguf_file import open_gguf
+
+    store = ImageStore()
+    chat_model.vision = VisionInput.from_mmproj(open_gguf(args.mmproj_path), chat_model.tokenizer, store)
+    return args.mmproj_path, store
 
 
 async def _serve(args, model_path: Path, chat_model, embed_path, embed_model, kv_opener) -> str | None:
@@ -232,6 +266,8 @@ async def _serve(args, model_path: Path, chat_model, embed_path, embed_model, kv
         lg = logging.getLogger(name)
         if lg.getEffectiveLevel() > logging.INFO:
             lg.setLevel(logging.INFO)
+    if getattr(args, "mmproj_line", ""):
+        log.info(args.mmproj_line)  # which vision projector serves the model's images, or why none
 
     config = RuntimeConfig(slots=args.slots, ctx=args.ctx, kv_budget_bytes=args.kv_cache_budget,
                            queue_capacity=args.queue_capacity, prefill_chunk=args.prefill_chunk,
@@ -247,7 +283,8 @@ async def _serve(args, model_path: Path, chat_model, embed_path, embed_model, kv
         if engine_thread is not None:
             stack.callback(engine_thread.close)
         runtime = await stack.enter_async_context(
-            open_runtime(runner_factory(model_path, args.ctx, args.tensor_parallel, args), config,
+            open_runtime(runner_factory(model_path, args.ctx, args.tensor_parallel, args, getattr(args, "vision", None)),
+                         config,
                          kv_store_opener=kv_opener, engine_thread=engine_thread and engine_thread.lane))
         embed_runtime = None
         if embed_path is not None:

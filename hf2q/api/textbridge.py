@@ -32,6 +32,7 @@ from typing import Any
 import attrs
 
 from hf2q.api.errors import ApiError
+from hf2q.api.images import IMAGE_MARKER
 from hf2q.api.shapes import (
     ContentDelta,
     OutputDelta,
@@ -183,6 +184,8 @@ class GGUFChatModel:
         self.model_id = model_id
         self.template_source = getattr(template, "source", None)
         self._tool_syntax: Any = _UNKNOWN
+        #: the image side (``hf2q.api.images.VisionInput``) when an mmproj is served with the model
+        self.vision = None
 
     @property
     def tool_syntax(self) -> str:
@@ -233,22 +236,41 @@ class GGUFChatModel:
             return req, None
         return attrs.evolve(req, messages=tuple(messages), tools=tools), fence
 
-    def _encode_prompt(self, spans: list[tuple[str, bool]], text: str) -> tuple[int, ...]:
+    def _encode_prompt(self, spans: list[tuple[str, bool]], text: str,
+                       images: Sequence[tuple[str, str]] = ()) -> tuple[int, ...]:
         """Prompt ids: markup with special-token parsing, message text without; BOS as the
-        model asks unless the template wrote it."""
+        model asks unless the template wrote it. Each image marker becomes the image's tokens."""
         tok = self.tokenizer
         bos_text = tok.token_text(tok.bos_id) if tok.bos_id is not None else None
         add_special = tok.add_bos and not (bos_text and text.startswith(bos_text))
-        if len(spans) == 1 and not spans[0][1]:
+        if len(spans) == 1 and not spans[0][1] and not images:
             return tuple(tok.encode(text, add_special=add_special, parse_special=True))
         ids: list[int] = []
-        for piece, is_message_text in spans:
-            ids += tok.encode(piece, add_special=False, parse_special=not is_message_text)
+        pending = list(images)
+        try:
+            for piece, is_message_text in spans:
+                for k, part in enumerate(piece.split(IMAGE_MARKER) if images else [piece]):
+                    if k:
+                        ids += self._image_tokens(pending)
+                    ids += tok.encode(part, add_special=False, parse_special=not is_message_text)
+            if pending:
+                raise ApiError(400, f"the chat template dropped {len(pending)} of the request's images",
+                               code="invalid_value", param="messages")
+        except BaseException:
+            if images:
+                self.vision.release(ids)  # the images already added: no request will prefill them
+            raise
         if add_special:
             edges = tok.encode("", add_special=True)  # [BOS] and/or [EOS], as the model asks
             head = edges[:1] if tok.add_bos and tok.bos_id is not None else []
             ids = head + ids + edges[len(head):]
         return tuple(ids)
+
+    def _image_tokens(self, pending: list[tuple[str, str]]) -> list[int]:
+        if not pending:
+            raise ApiError(400, "the chat template repeated an image", code="invalid_value", param="messages")
+        param, url = pending.pop(0)
+        return self.vision.tokens(url, param)
 
     # -- rendering --
 
@@ -322,19 +344,27 @@ class GGUFChatModel:
         transaction that matters, and finding it would render the conversation a second time."""
         from hf2q.api.chatmodel import PreparedChat
 
+        if req.images and self.vision is None:
+            raise ApiError(400, f"model {self.model_id!r} does not accept image input (a text-only model, or "
+                                f"served without its mmproj: hf2q serve --mmproj FILE)", code="invalid_value",
+                           param=req.images[0][0])
         fenced, fence = self._fence_contents(req)
         rendered = self.render(fenced)
         spans = fence.spans(rendered) if fence is not None else [(rendered, False)]
         text = "".join(piece for piece, _ in spans)
         tok = self.tokenizer
-        ids = self._encode_prompt(spans, text)
+        ids = self._encode_prompt(spans, text, req.images)
         if max_context is not None and len(ids) >= max_context:
+            if req.images:
+                self.vision.release(ids)
             raise ApiError(400, f"the prompt has {len(ids)} tokens; this server's context is {max_context} per "
                                 f"conversation", code="context_length_exceeded", param="messages")
         room = (max_context - len(ids)) if max_context else 4096
         max_tokens = min(req.max_tokens, room) if req.max_tokens else room
         bad = next((t for t, _ in req.logit_bias if t >= tok.vocab_size), None)  # negatives: validation
         if bad is not None:
+            if req.images:
+                self.vision.release(ids)
             raise ApiError(400, f"logit_bias: token id {bad} is outside the vocabulary (0..{tok.vocab_size - 1})",
                            code="invalid_value", param="logit_bias")
         max_tokens = max(1, max_tokens)

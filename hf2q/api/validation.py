@@ -58,6 +58,8 @@ class ChatRequest:
     reasoning_effort: str | None = None
     chat_template_kwargs: dict = attrs.field(factory=dict)
     has_images: bool = False
+    #: ``(param, url)`` of each ``image_url`` part in prompt order; its place in the text is ``IMAGE_MARKER``
+    images: tuple[tuple[str, str], ...] = ()
 
     @property
     def forced_tool(self) -> str | None:
@@ -242,14 +244,27 @@ def _type_name(v: Any) -> str:
 
 # ---- messages ---------------------------------------------------------------------------
 
-def _content(v: Any, param: str) -> tuple[str | None, bool]:
-    """Normalise message content to text; returns (text, has_image)."""
+def _image_url(part: dict, p: str) -> str:
+    """The URL of an ``image_url`` part (``{"url": …}`` as OpenAI sends it, or the bare string)."""
+    field = "image_url" if "image_url" in part else "url"
+    v = part.get(field)
+    url = v.get("url") if isinstance(v, dict) else v
+    if not isinstance(url, str) or not url:
+        raise invalid(f"{p}.{field}", "expected an object with a url string", "invalid_type")
+    return url
+
+
+def _content(v: Any, param: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """Normalise message content to text, each image part's place marked by ``IMAGE_MARKER``;
+    returns (text, [(param, url) of each image part])."""
+    from hf2q.api.images import IMAGE_MARKER
+
     if v is None or isinstance(v, str):
-        return v, False
+        return v, []
     if not isinstance(v, list):
         raise invalid(param, f"expected a string or an array of content parts, got {_type_name(v)}",
                       "invalid_type")
-    texts, image = [], False
+    texts, images = [], []
     for i, part in enumerate(v):
         p = f"{param}[{i}]"
         if not isinstance(part, dict):
@@ -259,12 +274,15 @@ def _content(v: Any, param: str) -> tuple[str | None, bool]:
             text = part.get("text")
             if not isinstance(text, str):
                 raise invalid(f"{p}.text", "expected a string", "invalid_type")
+            if IMAGE_MARKER in text:
+                raise invalid(f"{p}.text", "holds U+E000, the character the server marks images with")
             texts.append(text)
         elif kind in ("image_url", "input_image"):
-            image = True
+            images.append((p, _image_url(part, p)))
+            texts.append(IMAGE_MARKER)
         else:
             raise invalid(f"{p}.type", f"unsupported content part type {kind!r} (text, image_url)")
-    return "".join(texts), image
+    return "".join(texts), images
 
 
 def _tool_calls(v: Any, param: str) -> list[dict]:
@@ -295,14 +313,16 @@ def _tool_calls(v: Any, param: str) -> list[dict]:
     return out
 
 
-def _messages(v: Any) -> tuple[tuple[dict, ...], bool]:
+def _messages(v: Any) -> tuple[tuple[dict, ...], tuple[tuple[str, str], ...]]:
     if v is None:
         raise invalid("messages", "is required", "missing_required_parameter")
     if not isinstance(v, list):
         raise invalid("messages", f"expected an array, got {_type_name(v)}", "invalid_type")
     if not v:
         raise invalid("messages", "must contain at least one message")
-    out, any_image = [], False
+    from hf2q.api.images import MAX_IMAGES
+
+    out, images = [], []
     for i, m in enumerate(v):
         p = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -311,7 +331,9 @@ def _messages(v: Any) -> tuple[tuple[dict, ...], bool]:
         if role not in ROLES:
             raise invalid(f"{p}.role", f"expected one of {', '.join(ROLES)}, got {role!r}")
         text, image = _content(m.get("content"), f"{p}.content")
-        any_image |= image
+        images += image
+        if len(images) > MAX_IMAGES:
+            raise invalid(images[-1][0], f"more than {MAX_IMAGES} images in one request")
         msg: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": text}
         if m.get("tool_calls") is not None:
             if role != "assistant":
@@ -330,7 +352,7 @@ def _messages(v: Any) -> tuple[tuple[dict, ...], bool]:
         if text is None and role != "assistant":
             raise invalid(f"{p}.content", "is required for this role", "missing_required_parameter")
         out.append(msg)
-    return tuple(out), any_image
+    return tuple(out), tuple(images)
 
 
 # ---- tools ------------------------------------------------------------------------------
@@ -446,7 +468,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object", code="invalid_json")
     model = _string(body, "model")
-    messages, has_images = _messages(body.get("messages"))
+    messages, images = _messages(body.get("messages"))
     n = _integer(body, "n", lo=1)
     if n not in (None, 1):
         raise invalid("n", "only n=1 is supported")
@@ -493,7 +515,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
         response_format=_response_format(body.get("response_format")),
         reasoning_effort=reasoning_effort,
         chat_template_kwargs=dict(kwargs),
-        has_images=has_images,
+        has_images=bool(images),
+        images=images,
     )
 
 

@@ -16,6 +16,8 @@ one thread, because MLX streams are per thread):
   next tokens sampled on the device (``hf2q.engine.sampling.device``) and evaluated
   asynchronously; ``tokens`` may be the previous step's ``PendingTokens``, so step *n+1* is
   built and queued while step *n* still runs (the host reads *n* with ``result()``).
+* ``attach_vision(encoder, store)`` — an M-RoPE model (Qwen3-VL) then takes image tokens
+  (``hf2q.engine.vision.prompt_images``) in ``prefill``: their features are encoded inside the call.
 * ``embed(batch)`` → L2-normalised ``[N, dim]`` (embedding models only).
 * ``export_kv(seq, start, end)`` / ``import_kv(seq, arrays, n)`` — host copies of KV
   positions, keys ``k.{layer}`` / ``v.{layer}``, float32 ``[kv_heads, n, head_dim]``.
@@ -38,6 +40,7 @@ from hf2q.engine.kv_cache import ForwardBatch, SequenceCache, SlidingWindow, Sta
 from hf2q.engine.memory_plan import kv_need
 from hf2q.engine.models import build_model
 from hf2q.engine.recurrent_policy import swa_full
+from hf2q.engine.vision.prompt_images import chunk_positions, is_image_token, record_shift, shift_at
 from hf2q.errors import InputError
 from hf2q.formats.gguf_file import GGUFFile, open_gguf
 from hf2q.formats.gguf_keys import Keys
@@ -126,6 +129,9 @@ class MlxModelRunner:
         if not self.is_embedding_model:
             need = kv_need(gguf.hparams, dtype.size, on_cpu=self.host_decoder is not None, kv_type=kv_cache_type)
             self.kv_bytes_per_token, self.kv_bytes_per_slot = need.per_token, need.window_bytes()
+        #: the vision encoder and the images its prompts name (``attach_vision``), None for text only
+        self.vision = None
+        self.images = None
 
     @classmethod
     def load(cls, gguf_path: str | Path | GGUFFile, ctx: int | None = None,
@@ -159,6 +165,21 @@ class MlxModelRunner:
         synchronous, so pipelining it would only add the device sampler's cost."""
         return self.host_decoder is None and not self.is_embedding_model
 
+    @property
+    def takes_positions(self) -> bool:
+        """Whether the model's forward takes explicit M-RoPE ``positions`` (Qwen3-VL)."""
+        return hasattr(self.model, "sections")
+
+    def attach_vision(self, encoder, store) -> None:
+        """Serve images: ``encoder(patches, grid)`` gives features of the images ``store`` holds."""
+        if not self.takes_positions:
+            raise InputError(f"{self.gguf.path.name} ({self.arch}) is a text-only model; it takes no mmproj")
+        self.vision, self.images = encoder, store
+
+    def _shifted(self, seqs) -> bool:
+        """Whether any of ``seqs`` has text positions behind its length (an image in its cache)."""
+        return self.images is not None and any(shift_at(s) for s in seqs)
+
     # ---- sequences -----------------------------------------------------------------
 
     def new_sequence(self) -> SequenceCache:
@@ -175,7 +196,8 @@ class MlxModelRunner:
             raise InputError(f"context length exceeded: {seq.length + n_new} tokens > context {self.n_ctx}")
 
     def _check_tokens(self, tokens: Sequence[int]) -> None:
-        bad = [t for t in tokens if not 0 <= int(t) < self.vocab_size]
+        bad = [t for t in tokens if not 0 <= int(t) < self.vocab_size
+               and not (self.images is not None and is_image_token(int(t)))]
         if bad:
             raise InputError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
 
@@ -208,6 +230,8 @@ class MlxModelRunner:
             raise ValueError(f"{what} needs at least one token")
         self._check_room(seq, len(tokens))
         self._check_tokens(tokens)
+        if self.images is not None and (self._shifted([seq]) or any(is_image_token(t) for t in tokens)):
+            return self._forward_positions(seq, tokens, every_position)
         ids = np.asarray(tokens, dtype=np.int32)
         if self._host_rows(len(tokens)):
             if every_position:
@@ -218,6 +242,38 @@ class MlxModelRunner:
         mx.eval(logits, fb.eval_state())
         fb.finish()
         return np.array(logits[0])
+
+    def _forward_positions(self, seq: SequenceCache, tokens: list[int], every_position: bool) -> np.ndarray:
+        """``_forward`` with explicit M-RoPE ids: image tokens become their encoded features (the encoder
+        runs here, in this transaction, for an image not cached) and text follows an image's shift."""
+        start = seq.length
+        pos, ends, runs = chunk_positions(tokens, start, shift_at(seq), self.images)
+        ids = np.asarray([t if not is_image_token(t) else 0 for t in tokens], dtype=np.int32)
+        kw = {"positions": mx.array(pos[:, None, :].astype(np.int32))}
+        if runs:
+            x = self.model.embed.rows(mx.array(ids)).astype(self.dtype)
+            rows = np.concatenate([r for _, _, r in runs])
+            feats = [(self.images.features(key, self.vision), mx.array(idx.astype(np.int32))) for key, idx, _ in runs]
+            x[mx.array(rows.astype(np.int32))] = mx.concatenate([f.merged[i] for f, i in feats]).astype(x.dtype)
+            mask = np.zeros((1, len(tokens)), bool)
+            mask[0, rows] = True
+            layers = min(len(f.deepstack) for f, _ in feats)
+            kw.update(embeddings=x[None], visual_mask=mx.array(mask),
+                      deepstack=[mx.concatenate([f.deepstack[k][i] for f, i in feats]) for k in range(layers)])
+        fb = ForwardBatch([seq], len(tokens), end_point=not every_position)
+        logits = self.model(mx.array(ids[None]), fb, last_only=not every_position, **kw)
+        mx.eval(logits, fb.eval_state())
+        fb.finish()
+        for length, shift in ends:
+            record_shift(seq, length, shift)
+        return np.array(logits[0])
+
+    def _decode_positions(self, seqs: Sequence[SequenceCache]) -> dict:
+        """The model keywords of a decode step over ``seqs``: their M-RoPE ids when any is shifted."""
+        if not self._shifted(seqs):
+            return {}
+        ids = np.asarray([s.length + shift_at(s) for s in seqs], dtype=np.int32)
+        return {"positions": mx.broadcast_to(mx.array(ids)[None, :, None], (3, len(seqs), 1))}
 
     def _host_rows(self, n_tokens: int) -> bool:
         """Whether a prefill chunk of ``n_tokens`` runs as rows of the CPU host step."""
@@ -238,8 +294,9 @@ class MlxModelRunner:
             self._stack = None
         if self._stack is None and self.stack_decode and StackedDecode.fits(seqs):
             self._stack = StackedDecode(seqs)
+        kw = self._decode_positions(seqs)  # before the batch: its offsets are the lengths now
         fb = ForwardBatch(seqs, 1, self._stack)
-        logits = self.model(ids, fb)
+        logits = self.model(ids, fb, **kw)
         fb.finish()
         self.stats["decode_steps"] += 1
         return logits, fb
@@ -248,7 +305,7 @@ class MlxModelRunner:
         self._check_decode(seqs, len(tokens))
         self._check_tokens(tokens)
         t0 = time.perf_counter()
-        if self.host_decoder is not None:
+        if self.host_decoder is not None and not self._shifted(seqs):  # the host step has no M-RoPE shift
             out = self.host_decoder.step(np.asarray(tokens, dtype=np.int32), list(seqs))
             self.stats["decode_steps"] += 1
         else:
@@ -264,7 +321,8 @@ class MlxModelRunner:
         one host step when the chunk is short enough for host rows (the decode rows then cost
         little more than the prefill alone), otherwise the two calls. Returns both logits."""
         ptokens = list(ptokens)
-        if not seqs or not ptokens or not self._host_rows(len(ptokens)):
+        if not seqs or not ptokens or not self._host_rows(len(ptokens)) or self._shifted([*seqs, pseq]) \
+                or (self.images is not None and any(is_image_token(t) for t in ptokens)):
             return self.decode(seqs, tokens), self.prefill(pseq, ptokens)
         self._check_decode(seqs, len(tokens))
         self._check_room(pseq, len(ptokens))

@@ -91,6 +91,8 @@ class ModelFacts:
     trims_prefix: bool = True
     #: GGUF ``general.architecture`` (the family's policies key on it: ``hf2q.sched.transactions``)
     arch: str | None = None
+    #: the runner encodes images: their token ids (``hf2q.engine.vision.prompt_images``) lie above the vocabulary
+    takes_images: bool = False
 
     @classmethod
     def of(cls, runner, config: RuntimeConfig) -> "ModelFacts":
@@ -101,7 +103,7 @@ class ModelFacts:
         return cls(int(runner.vocab_size), int(runner.n_ctx_train), int(runner.kv_bytes_per_token),
                    frozenset(int(t) for t in runner.eos_token_ids), bool(runner.is_embedding_model), ctx,
                    bool(getattr(runner, "trims_prefix", True)),
-                   getattr(runner, "arch", None))
+                   getattr(runner, "arch", None), getattr(runner, "images", None) is not None)
 
     def budget_bytes(self, config: RuntimeConfig) -> int:
         """The shared KV budget: the configured one, else every slot at full context."""

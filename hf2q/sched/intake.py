@@ -8,6 +8,7 @@ once instead of waiting forever in the queue.
 from __future__ import annotations
 
 from hf2q.sched.budget import KvBudget
+from hf2q.engine.vision.prompt_images import IMAGE_ID_BASE
 from hf2q.sched.contracts import AdmissionRejected, EmbeddingRequest, GenerationRequest, ModelFacts
 
 
@@ -20,7 +21,7 @@ def check_generation(req: GenerationRequest, facts: ModelFacts, budget: KvBudget
     if never is not None:
         raise AdmissionRejected(400, never.code, never.message)
     vocab = facts.vocab_size
-    bad = next((t for t in prompt if not 0 <= t < vocab), None)
+    bad = next((t for t in prompt if not 0 <= t < vocab and not (facts.takes_images and t >= IMAGE_ID_BASE)), None)
     if bad is not None:
         raise AdmissionRejected(400, "invalid_request", f"token id {bad} is outside the vocabulary ({vocab})")
 

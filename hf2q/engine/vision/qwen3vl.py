@@ -22,28 +22,30 @@ size and :func:`patchify` makes the cut. Then:
 
 from __future__ import annotations
 
-import math
-
 import attrs
 import gguf
 import mlx.core as mx
 import numpy as np
 
 from hf2q.engine.layers import Linear, float_array, gelu_erf, gelu_tanh, layer_norm
+from hf2q.engine.vision.patches import (  # noqa: F401  (the cut lives without MLX, for the request side)
+    MAX_PIXELS,
+    MIN_PIXELS,
+    TEMPORAL_PATCH,
+    merge_order,
+    normalise,
+    patchify,
+    prepare_image,
+    smart_resize,
+)
 from hf2q.errors import InputError
 from hf2q.formats.gguf_file import GGUFFile
 from hf2q.formats.gguf_keys import Keys
 
 MMPROJ_ARCH = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ]
 PROJECTOR = gguf.VisionProjectorType.QWEN3VL
-#: the frames one patch spans (llama.cpp's graph and the converter's Conv3D split assume two)
-TEMPORAL_PATCH = 2
 #: the 2-D rotary base (llama.cpp's and transformers' default; the mmproj does not store it)
 ROPE_THETA = 10000.0
-#: Qwen3-VL's processor bounds on the resized image's pixels (its ``size``; the mmproj does not store them)
-MIN_PIXELS, MAX_PIXELS = 65536, 16777216
-#: the widest aspect ratio the processor accepts
-MAX_ASPECT = 200
 
 
 @attrs.frozen
@@ -54,45 +56,6 @@ class VisionFeatures:
     merged: mx.array
     deepstack: tuple[mx.array, ...]
     grid: tuple[int, int, int]  # (frame pairs, patch rows, patch columns)
-
-
-def merge_order(h: int, w: int, merge: int) -> tuple[np.ndarray, np.ndarray]:
-    """(row, column) of each patch in merge-block order over an ``h × w`` patch grid."""
-    rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
-    shape = (h // merge, merge, w // merge, merge)
-    return rows.reshape(shape).transpose(0, 2, 1, 3).ravel(), cols.reshape(shape).transpose(0, 2, 1, 3).ravel()
-
-
-def patchify(frames: np.ndarray, patch: int, merge: int) -> tuple[np.ndarray, tuple[int, int, int]]:
-    """``frames [T, C, H, W]`` (normalised; T a multiple of two, H and W of ``patch · merge``) →
-    (rows ``[t·h·w, C·2·patch·patch]``, grid ``(t, h, w)``) in the processor's layout."""
-    T, C, H, W = frames.shape
-    if T % TEMPORAL_PATCH or H % (patch * merge) or W % (patch * merge):
-        raise InputError(f"image of {T}×{H}×{W}: frames must pair up and sides be multiples of {patch * merge}")
-    t, h, w = T // TEMPORAL_PATCH, H // patch, W // patch
-    x = frames.reshape(t, TEMPORAL_PATCH, C, h // merge, merge, patch, w // merge, merge, patch)
-    # → t, block row, block column, row in block, column in block, C, time, patch row, patch column
-    x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    return np.ascontiguousarray(x.reshape(t * h * w, C * TEMPORAL_PATCH * patch * patch)), (t, h, w)
-
-
-def smart_resize(height: int, width: int, factor: int, min_pixels: int = MIN_PIXELS,
-                 max_pixels: int = MAX_PIXELS) -> tuple[int, int]:
-    """The processor's target size: both sides multiples of ``factor`` (patch × merge), the aspect
-    ratio kept as nearly as rounding allows, the area brought within ``[min_pixels, max_pixels]``."""
-    if min(height, width) < 1:
-        raise InputError(f"image of {height}×{width} pixels is empty")
-    if max(height, width) / min(height, width) > MAX_ASPECT:
-        raise InputError(f"image of {height}×{width} pixels: aspect ratio above {MAX_ASPECT}")
-    h, w = round(height / factor) * factor, round(width / factor) * factor
-    if h * w > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
-        h = max(factor, math.floor(height / beta / factor) * factor)
-        w = max(factor, math.floor(width / beta / factor) * factor)
-    elif h * w < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
-    return h, w
 
 
 def bilinear_taps(h: int, w: int, side: int, merge: int) -> tuple[np.ndarray, np.ndarray]:
@@ -200,25 +163,12 @@ class Qwen3VLVisionEncoder:
 
     def normalise(self, image: np.ndarray) -> np.ndarray:
         """``image [H, W, C]`` in 0..255 → ``[C, H, W]`` float32 scaled and normalised as the processor."""
-        x = image.astype(np.float32) / 255.0
-        x = (x - np.asarray(self.image_mean, np.float32)) / np.asarray(self.image_std, np.float32)
-        return np.ascontiguousarray(x.transpose(2, 0, 1))
+        return normalise(image, self.image_mean, self.image_std)
 
     def prepare(self, image: np.ndarray, min_pixels: int = MIN_PIXELS,
                 max_pixels: int = MAX_PIXELS) -> tuple[np.ndarray, tuple[int, int, int]]:
-        """An RGB image ``[H, W, 3]`` (uint8) → patch rows and grid, as Qwen3-VL's processor makes them:
-        bicubic resize to :func:`smart_resize`'s size (Pillow), scale, normalise, a still frame doubled."""
-        if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
-            raise InputError(f"expected an RGB uint8 image [H, W, 3], got {image.dtype} {list(image.shape)}")
-        try:
-            from PIL import Image
-        except ImportError:
-            raise InputError("images need Pillow (pip install pillow)") from None
-        h, w = smart_resize(image.shape[0], image.shape[1], self.patch * self.merge, min_pixels, max_pixels)
-        if (h, w) != image.shape[:2]:
-            image = np.asarray(Image.fromarray(image).resize((w, h), Image.Resampling.BICUBIC))
-        frame = self.normalise(image)
-        return patchify(np.stack([frame] * TEMPORAL_PATCH), self.patch, self.merge)
+        """An RGB image ``[H, W, 3]`` (uint8) → patch rows and grid, as Qwen3-VL's processor makes them."""
+        return prepare_image(image, self.patch, self.merge, self.image_mean, self.image_std, min_pixels, max_pixels)
 
     def __call__(self, patches: np.ndarray, grid: tuple[int, int, int]) -> VisionFeatures:
         t, h, w = (int(v) for v in grid)
