@@ -1,0 +1,165 @@
+"""Pipelined decode (device-side sampling, the next step queued before the last is read) at TP = 2.
+
+Rank 0 is the GPU-owner thread of the real actor runtime in a child process (``tp_launch.runner_factory``,
+ring backend on 127.0.0.1); the reference is the same GGUF served at TP = 1 on MLX's graph path
+(``HF2Q_NO_HOST_DECODE=1``), where the runtime pipelines with the same device sampler.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CTX = 256
+GROUP_TIMEOUT_S = 240
+PROMPTS = [[1, 504, 3094, 1210, 282, 253, 3467, 30, 1205], [1, 2129, 314, 5, 1140, 2616], [1, 77, 1900, 42]]
+SAMPLED = {"temperature": 0.8, "seed": 7}
+MAX_TOKENS = 8
+
+
+async def collect(rt, request_id: str, prompt, params, on_token=None) -> list:
+    """The request's token ids, then its terminal ``Failed`` as ``"failed STATUS CODE"`` if it failed."""
+    from hf2q.sched.contracts import AdmissionRejected, Failed, GenerationRequest, Token
+
+    try:
+        events = await rt.submit(GenerationRequest(request_id, tuple(prompt), params))
+    except AdmissionRejected as e:
+        return [f"rejected {e.status} {e.code}"]
+    out: list = []
+    async with events:
+        async for ev in events:
+            if isinstance(ev, Token):
+                out.append(ev.token_id)
+                if on_token is not None:
+                    on_token(len(out))
+            elif isinstance(ev, Failed):
+                out.append(f"failed {ev.status} {ev.code}")
+    return out
+
+
+async def serve_scenario(rt) -> dict:
+    """Three concurrent greedy requests, then one sampled request: their tokens."""
+    import trio
+
+    from hf2q.sched.contracts import SamplingParams
+
+    greedy = [None] * len(PROMPTS)
+
+    async def one(i):
+        greedy[i] = await collect(rt, f"g{i}", PROMPTS[i], SamplingParams(max_tokens=MAX_TOKENS))
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(PROMPTS)):
+            nursery.start_soon(one, i)
+    sampled = await collect(rt, "s", PROMPTS[0], SamplingParams(max_tokens=MAX_TOKENS, **SAMPLED))
+    return {"greedy": greedy, "sampled": sampled}
+
+
+def runtime_config():
+    from hf2q.sched.contracts import RuntimeConfig
+
+    return RuntimeConfig(slots=3, ctx=CTX, prefill_chunk=4, gpu_deadline_s=60)
+
+
+DRIVER = r"""
+import collections, json, os, signal, sys, time
+sys.path.insert(0, {root!r})
+import trio
+from hf2q.actors.runtime import open_runtime
+from hf2q.engine import distributed_runner, tp_launch
+from hf2q.sched.contracts import SamplingParams
+from tests.test_tp_pipelined import collect, runtime_config, serve_scenario
+
+sent = collections.Counter()  # commands rank 0 sent to the follower, by op (+ how a pipelined step got its ids)
+_send = distributed_runner.send_message
+def counting_send(sock, header, arrays=None):
+    op = header["op"]
+    if op == "decode_async":
+        op += ".chained" if "after" in header else ".ids"
+    sent[op] += 1
+    return _send(sock, header, arrays)
+distributed_runner.send_message = counting_send
+
+async def main(path):
+    async with open_runtime(tp_launch.runner_factory(path, 2, {ctx}), runtime_config()) as rt:
+        assert await rt.wait_ready(), rt.readiness()
+        sent.clear()  # start-up and warm-up
+        out = await serve_scenario(rt)
+        out["pipeline"] = dict(rt._system.gpu.pipeline.stats)
+        out["sent"] = dict(sent)
+        pid = next(tp_launch_pids())
+        killed = {{}}
+        def kill_after(n):
+            if n == 3 and not killed:
+                os.kill(pid, signal.SIGKILL)
+                killed["at"] = time.monotonic()
+        out["stream"] = await collect(rt, "k", [1, 9, 8, 7], SamplingParams(max_tokens=200), kill_after)
+        out["stream_end_s"] = time.monotonic() - killed["at"]
+        out["after"] = await collect(rt, "a", [1, 2], SamplingParams(max_tokens=2))
+        out["ready"], out["detail"] = rt.readiness()
+        print(json.dumps(out))
+
+def tp_launch_pids():
+    for pid in os.listdir("/proc"):
+        try:
+            stat = open(f"/proc/{{pid}}/stat").read().rsplit(")", 1)[1].split()
+            cmd = open(f"/proc/{{pid}}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if pid.isdigit() and int(stat[1]) == os.getpid() and b"hf2q.engine.tp_launch" in cmd:
+            yield int(pid)
+
+trio.run(main, sys.argv[1])
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory, tiny_checkpoint) -> Path:
+    from hf2q.cli import main
+
+    path = tmp_path_factory.mktemp("tp-pipelined") / "llama-q8_0.gguf"
+    assert main(["convert", str(tiny_checkpoint("llama")), "--quant", "q8_0", "-o", str(path)]) == 0
+    return path
+
+
+@pytest.mark.slow
+async def test_pipelined_decode_at_two_ranks_serves_what_one_rank_serves_and_fails_closed(
+        tiny_llama, tmp_path, monkeypatch):
+    import trio
+
+    from hf2q.actors.runtime import open_runtime
+    from hf2q.engine.tp_launch import runner_factory
+
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER.format(root=str(ROOT), ctx=CTX))
+    with trio.fail_after(GROUP_TIMEOUT_S):
+        proc = await trio.run_process([sys.executable, str(script), str(tiny_llama)], cwd=ROOT,
+                                      capture_stdout=True, capture_stderr=True, check=False)
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    got = json.loads(proc.stdout.decode().strip().splitlines()[-1])
+
+    monkeypatch.setenv("HF2Q_NO_HOST_DECODE", "1")  # one rank on the graph path: it pipelines too
+    async with open_runtime(runner_factory(tiny_llama, 1, CTX), runtime_config()) as rt:
+        assert await rt.wait_ready()
+        want = await serve_scenario(rt)
+        assert rt._system.gpu.pipeline.stats["hits"] > 0
+
+    assert got["greedy"] == want["greedy"] and all(len(t) == MAX_TOKENS for t in want["greedy"]), (got, want)
+    # same seed, same draws: rank 0 samples with the request's key, as one rank does
+    assert got["sampled"] == want["sampled"] and len(want["sampled"]) == MAX_TOKENS, (got, want)
+    assert got["sampled"] != want["greedy"][0]
+    # the steps were pipelined, and a queued step named its predecessor instead of carrying ids
+    assert got["pipeline"]["hits"] >= MAX_TOKENS, got["pipeline"]
+    assert got["sent"].get("decode", 0) == 0, got["sent"]
+    assert got["sent"]["decode_async.chained"] > 2 * got["sent"].get("decode_async.ids", 0), got["sent"]
+    # a rank killed mid-stream: the request ends once with 503, the next is refused, not ready
+    assert got["stream"][:3] == [t for t in got["stream"][:3] if isinstance(t, int)], got["stream"]
+    assert got["stream"][-1] == "failed 503 engine_unhealthy", got["stream"]
+    assert sum(isinstance(t, str) for t in got["stream"]) == 1
+    assert got["stream_end_s"] < 5, got["stream_end_s"]
+    assert got["after"] == ["rejected 503 engine_unhealthy"], got["after"]
+    assert got["ready"] is False and "tensor-parallel" in got["detail"], got["detail"]
