@@ -1,8 +1,8 @@
 """A ``ModelRunner`` spread over tensor-parallel ranks: rank 0 leads, the followers replay.
 
 Rank 0 (the serving process) holds a :class:`DistributedRunner`; every engine call on it —
-``new_sequence``, ``prefill``, ``decode``, ``trim`` (on the sequence), ``export_kv``,
-``import_kv`` — is first sent to every follower as a small command, then run on rank 0's
+``new_sequence``, ``prefill``, ``decode``, ``decode_async``, ``trim`` (on the sequence),
+``export_kv``, ``import_kv`` — is first sent to every follower as a small command, then run on rank 0's
 own shard. Each follower runs :func:`follow`, which executes the same call on its shard;
 the ranks meet inside the forward pass at the ``mx.distributed.all_sum`` of every
 row-parallel layer, so the logits on rank 0 are the full model's. Sequence ids are
