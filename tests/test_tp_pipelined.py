@@ -163,3 +163,50 @@ async def test_pipelined_decode_at_two_ranks_serves_what_one_rank_serves_and_fai
     assert got["stream_end_s"] < 5, got["stream_end_s"]
     assert got["after"] == ["rejected 503 engine_unhealthy"], got["after"]
     assert got["ready"] is False and "tensor-parallel" in got["detail"], got["detail"]
+
+
+def test_rank0_chains_recent_steps_by_id_and_sends_ids_for_stale_ones(tiny_llama):
+    """Rank 0's side alone (a one-process group, the follower's end of the control link read here):
+    a step fed the last queued one names it, a step fed an old one carries its ids, and the sampled
+    tokens are one process's ``decode_async`` with the same seed."""
+    import socket
+
+    import mlx.core as mx
+
+    from hf2q.engine.distributed_runner import KEPT_STEPS, DistributedRunner, recv_message
+    from hf2q.engine.runner import MlxModelRunner
+    from hf2q.engine.sampling.device import DeviceSampler
+    from hf2q.sched.contracts import SamplingParams
+
+    params = SamplingParams(**SAMPLED)
+
+    ref = MlxModelRunner.load(tiny_llama, ctx=CTX)
+    seq = ref.new_sequence()
+    first = int(ref.prefill(seq, PROMPTS[0]).argmax())
+    want, sampler = [], DeviceSampler(params)
+    pending = ref.decode_async([seq], [first], [sampler])
+    for _ in range(KEPT_STEPS + 2):
+        want.append(int(pending.result()[0][0]))
+        pending = ref.decode_async([seq], pending, [sampler])
+
+    lead, peer = socket.socketpair()
+    local = MlxModelRunner.load(tiny_llama, ctx=CTX)
+    group = mx.distributed.init()  # one process: the all_sum of the ids is the identity
+    runner = DistributedRunner(local, [lead], [None, None], group)
+    seq = runner.new_sequence()
+    local.prefill(seq.local, PROMPTS[0])  # the follower's side is not running: no prefill command
+    sampler = DeviceSampler(params)
+    steps = [runner.decode_async([seq], [first], [sampler])]
+    for _ in range(KEPT_STEPS + 1):
+        steps.append(runner.decode_async([seq], steps[-1], [sampler]))
+    stale = runner.decode_async([seq], steps[0], [DeviceSampler(params)])  # KEPT_STEPS + 1 steps old
+    got = [int(p.result()[0][0]) for p in steps]
+    assert got == want, (got, want)
+    headers = [recv_message(peer) for _ in range(len(steps) + 2)]
+    assert headers[0][0]["op"] == "new"
+    first_step, *chained, last = headers[1:]
+    assert "after" not in first_step[0] and first_step[1]["tokens"].tolist() == [first]
+    assert [h["after"] for h, _ in chained] == list(range(len(chained)))
+    assert "after" not in last[0] and last[1]["tokens"].tolist() == [got[0]] and stale.step == len(steps)
+    lead.close()
+    peer.close()
