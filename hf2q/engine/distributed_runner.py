@@ -23,8 +23,8 @@ each rank feeds its next step, so the follower never waits for rank 0's host and
 reads its tokens to send them: the command for step *n+1* names step *n* (``after``) instead of
 carrying ids. Why not sample identically on every rank: the followers would need every
 request's sampler and RNG key, and their tokens would match rank 0's only if the all-reduced
-logits were bitwise equal on every rank and backend; one small integer collective per step
-costs less than that promise (docs/TENSOR_PARALLEL.md has the figures).
+logits were bitwise equal on every rank and backend (an assumption about each backend's
+all-reduce algorithm); one small integer collective per step costs less than relying on it (docs/TENSOR_PARALLEL.md has the figures).
 
 Failure handling (fail closed, docs/TENSOR_PARALLEL.md): a follower that died is noticed before the next
 command (process watch, broken pipe) or inside a collective (the ring backend raises
