@@ -91,7 +91,7 @@ async def main(path):
         out = await serve_scenario(rt)
         out["pipeline"] = dict(rt._system.gpu.pipeline.stats)
         out["sent"] = dict(sent)
-        pid = next(tp_launch_pids())
+        pid = rt._system.gpu.dead_peer.__self__.followers.pids[0]  # rank 1, through rank 0's runner
         killed = {{}}
         def kill_after(n):
             if n == 3 and not killed:
@@ -102,16 +102,6 @@ async def main(path):
         out["after"] = await collect(rt, "a", [1, 2], SamplingParams(max_tokens=2))
         out["ready"], out["detail"] = rt.readiness()
         print(json.dumps(out))
-
-def tp_launch_pids():
-    for pid in os.listdir("/proc"):
-        try:
-            stat = open(f"/proc/{{pid}}/stat").read().rsplit(")", 1)[1].split()
-            cmd = open(f"/proc/{{pid}}/cmdline", "rb").read()
-        except OSError:
-            continue
-        if pid.isdigit() and int(stat[1]) == os.getpid() and b"hf2q.engine.tp_launch" in cmd:
-            yield int(pid)
 
 trio.run(main, sys.argv[1])
 """
@@ -157,9 +147,9 @@ async def test_pipelined_decode_at_two_ranks_serves_what_one_rank_serves_and_fai
     assert got["sent"].get("decode", 0) == 0, got["sent"]
     assert got["sent"]["decode_async.chained"] > 2 * got["sent"].get("decode_async.ids", 0), got["sent"]
     # a rank killed mid-stream: the request ends once with 503, the next is refused, not ready
-    assert got["stream"][:3] == [t for t in got["stream"][:3] if isinstance(t, int)], got["stream"]
-    assert got["stream"][-1] == "failed 503 engine_unhealthy", got["stream"]
-    assert sum(isinstance(t, str) for t in got["stream"]) == 1
+    *streamed, end = got["stream"]
+    assert len(streamed) >= 3 and all(isinstance(t, int) for t in streamed), got["stream"]
+    assert end == "failed 503 engine_unhealthy", got["stream"]
     assert got["stream_end_s"] < 5, got["stream_end_s"]
     assert got["after"] == ["rejected 503 engine_unhealthy"], got["after"]
     assert got["ready"] is False and "tensor-parallel" in got["detail"], got["detail"]
