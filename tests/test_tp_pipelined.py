@@ -8,10 +8,13 @@ ring backend on 127.0.0.1); the reference is the same GGUF served at TP = 1 on M
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
+
+from hf2q.engine.distributed_runner import RING_PIPELINE_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 CTX = 256
@@ -66,13 +69,12 @@ def runtime_config():
 
 
 DRIVER = r"""
-import collections, json, os, signal, sys, time
+import collections, json, sys
 sys.path.insert(0, {root!r})
 import trio
 from hf2q.actors.runtime import open_runtime
 from hf2q.engine import distributed_runner, tp_launch
-from hf2q.sched.contracts import SamplingParams
-from tests.test_tp_pipelined import collect, runtime_config, serve_scenario
+from tests.test_tp_pipelined import runtime_config, serve_scenario
 
 sent = collections.Counter()  # commands rank 0 sent to the follower, by op (+ how a pipelined step got its ids)
 _send = distributed_runner.send_message
@@ -91,16 +93,6 @@ async def main(path):
         out = await serve_scenario(rt)
         out["pipeline"] = dict(rt._system.gpu.pipeline.stats)
         out["sent"] = dict(sent)
-        pid = rt._system.gpu.dead_peer.__self__.followers.pids[0]  # rank 1, through rank 0's runner
-        killed = {{}}
-        def kill_after(n):
-            if n == 3 and not killed:
-                os.kill(pid, signal.SIGKILL)
-                killed["at"] = time.monotonic()
-        out["stream"] = await collect(rt, "k", [1, 9, 8, 7], SamplingParams(max_tokens=200), kill_after)
-        out["stream_end_s"] = time.monotonic() - killed["at"]
-        out["after"] = await collect(rt, "a", [1, 2], SamplingParams(max_tokens=2))
-        out["ready"], out["detail"] = rt.readiness()
         print(json.dumps(out))
 
 trio.run(main, sys.argv[1])
@@ -117,7 +109,7 @@ def tiny_llama(tmp_path_factory, tiny_checkpoint) -> Path:
 
 
 @pytest.mark.slow
-async def test_pipelined_decode_at_two_ranks_serves_what_one_rank_serves_and_fails_closed(
+async def test_pipelined_decode_at_two_ranks_serves_what_one_rank_serves(
         tiny_llama, tmp_path, monkeypatch):
     import trio
 
@@ -128,6 +120,7 @@ async def test_pipelined_decode_at_two_ranks_serves_what_one_rank_serves_and_fai
     script.write_text(DRIVER.format(root=str(ROOT), ctx=CTX))
     with trio.fail_after(GROUP_TIMEOUT_S):
         proc = await trio.run_process([sys.executable, str(script), str(tiny_llama)], cwd=ROOT,
+                                      env={**os.environ, RING_PIPELINE_ENV: "1"},  # on by default on GPUs only
                                       capture_stdout=True, capture_stderr=True, check=False)
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
     got = json.loads(proc.stdout.decode().strip().splitlines()[-1])
@@ -146,13 +139,6 @@ async def test_pipelined_decode_at_two_ranks_serves_what_one_rank_serves_and_fai
     assert got["pipeline"]["hits"] >= MAX_TOKENS, got["pipeline"]
     assert got["sent"].get("decode", 0) == 0, got["sent"]
     assert got["sent"]["decode_async.chained"] > 2 * got["sent"].get("decode_async.ids", 0), got["sent"]
-    # a rank killed mid-stream: the request ends once with 503, the next is refused, not ready
-    *streamed, end = got["stream"]
-    assert len(streamed) >= 3 and all(isinstance(t, int) for t in streamed), got["stream"]
-    assert end == "failed 503 engine_unhealthy", got["stream"]
-    assert got["stream_end_s"] < 5, got["stream_end_s"]
-    assert got["after"] == ["rejected 503 engine_unhealthy"], got["after"]
-    assert got["ready"] is False and "tensor-parallel" in got["detail"], got["detail"]
 
 
 def test_rank0_chains_recent_steps_by_id_and_sends_ids_for_stale_ones(tiny_llama):
@@ -200,3 +186,12 @@ def test_rank0_chains_recent_steps_by_id_and_sends_ids_for_stale_ones(tiny_llama
     assert "after" not in last[0] and last[1]["tokens"].tolist() == [got[0]] and stale.step == len(steps)
     lead.close()
     peer.close()
+
+
+def test_ring_pipelining_is_opt_in(monkeypatch):
+    from hf2q.engine.distributed_runner import pipelines_over
+
+    monkeypatch.delenv(RING_PIPELINE_ENV, raising=False)
+    assert pipelines_over("nccl") and not pipelines_over("ring")
+    monkeypatch.setenv(RING_PIPELINE_ENV, "1")
+    assert pipelines_over("ring")

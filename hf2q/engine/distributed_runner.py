@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import struct
 import threading
@@ -95,6 +96,22 @@ def recv_message(sock: socket.socket) -> tuple[dict, dict[str, np.ndarray]] | No
 
 
 # ---- pipelined decode (every rank) -----------------------------------------------------------
+
+#: set to 1 to pipeline decode steps over the ring backend too (tests, benchmarks)
+RING_PIPELINE_ENV = "HF2Q_TP_PIPELINE"
+
+
+def pipelines_over(backend: str) -> bool:
+    """Whether the serving runtime should queue decode steps ahead over ``backend``.
+
+    Not over MLX's ring backend (CPU) unless ``HF2Q_TP_PIPELINE=1``: measured, a queued step buys
+    nothing on a CPU, which builds the graph and runs the kernels on the same cores; and a peer that
+    dies while a step is queued can crash rank 0 inside the ring backend (a segfault in
+    ``mx.async_eval`` while the ring fails its pending tasks) instead of raising, which a synchronous
+    step does. NCCL (GPUs), the case pipelining is for, fails by hanging, which the GPU owner's
+    dead-rank poll catches."""
+    return backend != "ring" or os.environ.get(RING_PIPELINE_ENV) == "1"
+
 
 #: queued steps a follower keeps addressable for ``after`` (a pipeline chains from the newest one)
 KEPT_STEPS = 4
@@ -188,7 +205,8 @@ class DistributedRunner:
     """
 
     def __init__(self, local, links: Sequence[socket.socket], plans, group, *,
-                 check_alive: Callable[[], None] = lambda: None, on_fault: Callable[[], None] = lambda: None):
+                 check_alive: Callable[[], None] = lambda: None, on_fault: Callable[[], None] = lambda: None,
+                 pipelined: bool = True):
         self.local = local
         self.links = list(links)
         self.plans = list(plans)
@@ -200,6 +218,7 @@ class DistributedRunner:
         self._released: list[int] = []
         self._broken: str | None = None
         self._lock = threading.Lock()  # one caller thread in practice; keeps commands whole regardless
+        self._pipelined = pipelined  # whether the runtime may queue steps ahead (``pipelines_over``)
         self._step = 0  # id of the next pipelined step (the followers keep the last KEPT_STEPS by id)
         for name in ("vocab_size", "n_ctx_train", "n_ctx", "eos_token_ids", "is_embedding_model",
                      "kv_bytes_per_token", "gguf", "arch", "dtype", "stats"):
@@ -287,9 +306,10 @@ class DistributedRunner:
 
     @property
     def pipelines_decode(self) -> bool:
-        """Whether ``decode_async`` overlaps work: rank 0's shard runs the MLX graph (it always does
-        at N > 1, since the host decode step has no all-reduce)."""
-        return bool(getattr(self.local, "pipelines_decode", False))
+        """Whether the runtime should queue steps ahead: rank 0's shard runs the MLX graph (it always
+        does at N > 1, since the host decode step has no all-reduce) and the backend allows it
+        (:func:`pipelines_over`). ``decode_async`` itself works either way."""
+        return self._pipelined and bool(getattr(self.local, "pipelines_decode", False))
 
     def decode_async(self, seqs: Sequence[ShardedSequence], tokens, samplers) -> GroupPending:
         """``MlxModelRunner.decode_async`` across the group: rank 0 samples with ``samplers``, every
