@@ -413,7 +413,7 @@ def follow(runner, sock: socket.socket, group, plan) -> int:
 
     seqs: dict[int, object] = {}
     queued: dict[int, PendingTokens] = {}  # pipelined steps by id: the tokens a later step is fed
-    greedy = SamplingParams(temperature=0.0)  # a follower's own sample only orders its collectives
+    greedy = DeviceSampler(SamplingParams(temperature=0.0))  # a follower's own pick only orders its collectives
     while True:
         msg = recv_message(sock)
         if msg is None:
@@ -436,8 +436,7 @@ def follow(runner, sock: socket.socket, group, plan) -> int:
                 step = header["step"]
                 fed = queued[header["after"]] if "after" in header else arrays["tokens"].tolist()
                 rows = [seqs[i] for i in header["seqs"]]
-                shared, logprobs = shared_step(runner, rows, fed, [DeviceSampler(greedy) for _ in rows], group,
-                                               lead=False)
+                shared, logprobs = shared_step(runner, rows, fed, [greedy] * len(rows), group, lead=False)
                 queued[step] = PendingTokens(shared, logprobs)
                 for old in [k for k in queued if k <= step - KEPT_STEPS]:
                     del queued[old]
