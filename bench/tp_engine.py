@@ -13,6 +13,7 @@ pipelined step adds to broadcast the sampled ids.
 
     python bench/tp_engine.py --model /tmp/qwen3-8b-q4_k_m.gguf --sizes 1,2
     python bench/tp_engine.py --model /tmp/q06.gguf --sizes 1,2 --prefill 128 --tg 32 --reps 3   # CPU
+    # CPU pipelined rows: HF2Q_TP_PIPELINE=1 (the ring backend) and HF2Q_NO_HOST_DECODE=1 (one rank's graph path)
 """
 
 from __future__ import annotations
