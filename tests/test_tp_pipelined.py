@@ -108,7 +108,6 @@ def tiny_llama(tmp_path_factory, tiny_checkpoint) -> Path:
     return path
 
 
-@pytest.mark.slow
 async def test_pipelined_decode_at_two_ranks_serves_what_one_rank_serves(
         tiny_llama, tmp_path, monkeypatch):
     import trio
