@@ -4,12 +4,16 @@ On a multi-GPU host the ranks use NCCL (one GPU each, ``NCCL_NVLS_ENABLE=0``); o
 machine the ring backend. Uses ``bench/decode.py``'s timing (warm-up, ``--prefill`` sizes in
 2048-token transactions, ``--tg`` decode tokens) on ``hf2q.engine.tp_launch.runner_factory``,
 plus what a decode step is made of: its time alone and with ``--slots`` sequences decoding
-together (aggregate tokens/s), and at TP > 1 the time of one ``all_sum`` of a decode step's
+together (aggregate tokens/s), each also pipelined (``*_pipelined``: ``decode_async``, tokens
+sampled on the device, the next step queued before the last is read) where the runner's graph
+path allows it, and at TP > 1 the time of one ``all_sum`` of a decode step's
 hidden state (``[1, hidden]`` and ``[slots, hidden]``) next to how many a step makes (two per
-block), so the share of a step spent in all-reduces can be read off.
+block), so the share of a step spent in all-reduces can be read off, and of the ``[1]`` one a
+pipelined step adds to broadcast the sampled ids.
 
     python bench/tp_engine.py --model /tmp/qwen3-8b-q4_k_m.gguf --sizes 1,2
     python bench/tp_engine.py --model /tmp/q06.gguf --sizes 1,2 --prefill 128 --tg 32 --reps 3   # CPU
+    # CPU pipelined rows: HF2Q_TP_PIPELINE=1 (the ring backend) and HF2Q_NO_HOST_DECODE=1 (one rank's graph path)
 """
 
 from __future__ import annotations
@@ -44,18 +48,50 @@ def batched_step_ms(runner, slots: int, steps: int, reps: int) -> float:
     return 1000 * statistics.median(times)
 
 
+def batched_pipelined_step_ms(runner, slots: int, steps: int, reps: int) -> float:
+    """As :func:`batched_step_ms` through ``decode_async`` (greedy on the device, step n+1 queued
+    before step n is read), the way the serving runtime's decode pipeline runs a steady batch."""
+    from hf2q.engine.sampling.device import DeviceSampler
+    from hf2q.sched.contracts import SamplingParams
+
+    seqs = [runner.new_sequence() for _ in range(slots)]
+    toks = [int(np.argmax(runner.prefill(s, [(7 * i + j) % runner.vocab_size + 1 for j in range(16)])))
+            for i, s in enumerate(seqs)]
+    samplers = [DeviceSampler(SamplingParams(temperature=0.0)) for _ in seqs]
+    pending = runner.decode_async(seqs, toks, samplers)
+    pending.result()  # builds the stacked batch: not timed
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            nxt = runner.decode_async(seqs, pending, samplers)
+            pending.result()
+            pending = nxt
+        times.append((time.perf_counter() - t0) / steps)
+    pending.result()
+    return 1000 * statistics.median(times)
+
+
 def step_anatomy(runner, n: int, a) -> dict:
     hp = runner.gguf.hparams
     tg = 1000 / a.last_tg  # ms per single-sequence step, from bench_runner's tg
     batch = batched_step_ms(runner, a.slots, a.tg // 2 or 1, a.reps)
     out = {"step_ms": round(tg, 2), f"step_ms_{a.slots}_slots": round(batch, 2),
            f"tg_{a.slots}_slots_aggregate": round(1000 * a.slots / batch, 1)}
+    if getattr(runner, "pipelines_decode", False):  # the pipelined rows: device sampling, next step queued
+        out["step_ms_pipelined"] = round(1000 / a.last_tg_pipelined, 2)
+        piped = batched_pipelined_step_ms(runner, a.slots, a.tg // 2 or 1, a.reps)
+        out[f"step_ms_{a.slots}_slots_pipelined"] = round(piped, 2)
+        out[f"tg_{a.slots}_slots_aggregate_pipelined"] = round(1000 * a.slots / piped, 1)
     if n > 1:
         per_step = 2 * hp.n_layers
         for rows in (1, a.slots):  # median and 10th percentile: on a loaded CPU the peer's wake-up dominates
             ms = sorted(1000 * t for t in runner.time_all_sum([rows, hp.hidden], a.allsum_reps))
             out[f"all_sum_ms_{rows}x{hp.hidden}"] = round(statistics.median(ms), 3)
             out[f"all_sum_ms_{rows}x{hp.hidden}_p10"] = round(ms[len(ms) // 10], 3)
+        # a pipelined step adds one all_sum of the sampled ids ([slots] int32; timed as float32 [1])
+        ms = sorted(1000 * t for t in runner.time_all_sum([1], a.allsum_reps))
+        out["all_sum_ms_1"], out["all_sum_ms_1_p10"] = round(statistics.median(ms), 3), round(ms[len(ms) // 10], 3)
         out["all_sums_per_step"] = per_step
         out["all_sum_share_of_step"] = round(per_step * out[f"all_sum_ms_1x{hp.hidden}"] / tg, 3)
     return out
@@ -82,6 +118,7 @@ def main() -> int:
         load_s = time.time() - t0
         figs = bench_runner(runner, [int(x) for x in a.prefill.split(",")], a.tg, a.reps, 2048)
         a.last_tg = figs.get(f"tg{a.tg}_sync", figs[f"tg{a.tg}"])
+        a.last_tg_pipelined = figs[f"tg{a.tg}"]
         out["runs"][n] = {"load_s": round(load_s, 1), **{k: round(v, 1) for k, v in figs.items()},
                           **step_anatomy(runner, n, a)}
         print(json.dumps({"ranks": n, **out["runs"][n]}), flush=True)

@@ -1,8 +1,8 @@
 """A ``ModelRunner`` spread over tensor-parallel ranks: rank 0 leads, the followers replay.
 
 Rank 0 (the serving process) holds a :class:`DistributedRunner`; every engine call on it —
-``new_sequence``, ``prefill``, ``decode``, ``trim`` (on the sequence), ``export_kv``,
-``import_kv`` — is first sent to every follower as a small command, then run on rank 0's
+``new_sequence``, ``prefill``, ``decode``, ``decode_async``, ``trim`` (on the sequence),
+``export_kv``, ``import_kv`` — is first sent to every follower as a small command, then run on rank 0's
 own shard. Each follower runs :func:`follow`, which executes the same call on its shard;
 the ranks meet inside the forward pass at the ``mx.distributed.all_sum`` of every
 row-parallel layer, so the logits on rank 0 are the full model's. Sequence ids are
@@ -14,6 +14,17 @@ bytes); only tensors use ``mx.distributed``. Measured reason: a follower that
 waits for its next command inside an MLX ring ``all_sum`` spins at ~30 % of a CPU core
 while the server is idle (and a waiting NCCL collective would occupy the GPU), whereas a
 socket ``recv`` sleeps. The socket also reports a dead peer at once (EOF / broken pipe).
+
+Pipelined decode (``decode_async``): rank 0 samples on the device and its tokens reach the
+followers inside the graph — each rank adds its contribution to one ``all_sum`` of an int32 ``[N]``
+array (rank 0 its sampled ids, a follower zeros that depend on its own logits, so every rank
+meets that collective after the step's last layer). The sum, identical on every rank, is what
+each rank feeds its next step, so the follower never waits for rank 0's host and rank 0 never
+reads its tokens to send them: the command for step *n+1* names step *n* (``after``) instead of
+carrying ids. Why not sample identically on every rank: the followers would need every
+request's sampler and RNG key, and their tokens would match rank 0's only if the all-reduced
+logits were bitwise equal on every rank and backend (an assumption about each backend's
+all-reduce algorithm); one small integer collective per step costs less than relying on it (docs/TENSOR_PARALLEL.md has the figures).
 
 Failure handling (fail closed, docs/TENSOR_PARALLEL.md): a follower that died is noticed before the next
 command (process watch, broken pipe) or inside a collective (the ring backend raises
@@ -29,6 +40,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import struct
 import threading
@@ -83,6 +95,65 @@ def recv_message(sock: socket.socket) -> tuple[dict, dict[str, np.ndarray]] | No
     return header, arrays
 
 
+# ---- pipelined decode (every rank) -----------------------------------------------------------
+
+#: set to 1 to pipeline decode steps over the ring backend too (tests, benchmarks)
+RING_PIPELINE_ENV = "HF2Q_TP_PIPELINE"
+
+
+def pipelines_over(backend: str) -> bool:
+    """Whether the serving runtime should queue decode steps ahead over ``backend``.
+
+    Not over MLX's ring backend (CPU) unless ``HF2Q_TP_PIPELINE=1``: measured, a queued step buys
+    nothing on a CPU, which builds the graph and runs the kernels on the same cores; and a peer that
+    dies while a step is queued can crash rank 0 inside the ring backend (a segfault in
+    ``mx.async_eval`` while the ring fails its pending tasks) instead of raising, which a synchronous
+    step does. NCCL (GPUs), the case pipelining is for, fails by hanging, which the GPU owner's
+    dead-rank poll catches."""
+    return backend != "ring" or os.environ.get(RING_PIPELINE_ENV) == "1"
+
+
+#: queued steps a follower keeps addressable for ``after`` (a pipeline chains from the newest one)
+KEPT_STEPS = 4
+
+
+def shared_step(runner, seqs, tokens, samplers, group, lead: bool) -> tuple["mx.array", "mx.array"]:
+    """Collective: one ``decode_async`` on this rank's shard, then rank 0's sampled ids on every
+    rank (an ``all_sum`` where only ``lead`` contributes). Lazy ``(tokens [N] int32, logprobs [N])``;
+    the logprobs are meaningful on rank 0 only."""
+    import mlx.core as mx
+
+    own = runner.decode_async(seqs, tokens, samplers)
+    # a follower's zeros are computed from its own sample, so its all_sum waits for the step's last
+    # all-reduce, as rank 0's does: every rank meets the collectives in the same order
+    shared = mx.distributed.all_sum(own.tokens if lead else own.tokens * 0, group=group)
+    mx.async_eval(shared)
+    return shared, own.logprobs
+
+
+class GroupPending:
+    """Rank 0's queued distributed step; reading it fails the group closed if a collective broke.
+
+    Wraps the ``PendingTokens`` of the broadcast ids (``inner``, what rank 0's shard is fed next)."""
+
+    __slots__ = ("inner", "step", "_runner")
+
+    def __init__(self, inner, step: int, runner: "DistributedRunner"):
+        self.inner, self.step, self._runner = inner, step, runner
+
+    @property
+    def tokens(self):
+        return self.inner.tokens
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        try:
+            return self.inner.result()
+        except Exception as e:
+            if self._runner._broken is None:
+                self._runner._fail(e)
+            raise GroupBroken(self._runner._broken) from e
+
+
 # ---- rank 0 ---------------------------------------------------------------------------------
 
 class GroupBroken(RuntimeError):
@@ -134,7 +205,8 @@ class DistributedRunner:
     """
 
     def __init__(self, local, links: Sequence[socket.socket], plans, group, *,
-                 check_alive: Callable[[], None] = lambda: None, on_fault: Callable[[], None] = lambda: None):
+                 check_alive: Callable[[], None] = lambda: None, on_fault: Callable[[], None] = lambda: None,
+                 pipelined: bool = True):
         self.local = local
         self.links = list(links)
         self.plans = list(plans)
@@ -146,6 +218,8 @@ class DistributedRunner:
         self._released: list[int] = []
         self._broken: str | None = None
         self._lock = threading.Lock()  # one caller thread in practice; keeps commands whole regardless
+        self._pipelined = pipelined  # whether the runtime may queue steps ahead (``pipelines_over``)
+        self._step = 0  # id of the next pipelined step (the followers keep the last KEPT_STEPS by id)
         for name in ("vocab_size", "n_ctx_train", "n_ctx", "eos_token_ids", "is_embedding_model",
                      "kv_bytes_per_token", "gguf", "arch", "dtype", "stats"):
             setattr(self, name, getattr(local, name))
@@ -230,6 +304,36 @@ class DistributedRunner:
         return self._run({"op": "decode", "seqs": ids},
                          lambda: self.local.decode([s.local for s in seqs], toks.tolist()), {"tokens": toks})
 
+    @property
+    def pipelines_decode(self) -> bool:
+        """Whether the runtime should queue steps ahead: rank 0's shard runs the MLX graph (it always
+        does at N > 1, since the host decode step has no all-reduce) and the backend allows it
+        (:func:`pipelines_over`). ``decode_async`` itself works either way."""
+        return self._pipelined and bool(getattr(self.local, "pipelines_decode", False))
+
+    def decode_async(self, seqs: Sequence[ShardedSequence], tokens, samplers) -> GroupPending:
+        """``MlxModelRunner.decode_async`` across the group: rank 0 samples with ``samplers``, every
+        rank feeds the broadcast ids to its next step. ``tokens`` is a list of ints or a recent
+        :class:`GroupPending`, which the followers find by its step id (no host read on rank 0)."""
+        if len(seqs) != len(samplers):
+            raise ValueError("decode_async needs one sampler per sequence")
+        step, self._step = self._step, self._step + 1
+        header = {"op": "decode_async", "seqs": [s.seq_id for s in seqs], "step": step}
+        arrays = None
+        if isinstance(tokens, GroupPending) and tokens._runner is self and step - tokens.step < KEPT_STEPS:
+            header["after"] = tokens.step
+            tokens = tokens.inner
+        else:  # ids from the host (or a step too old for the followers to hold)
+            ints = tokens.result()[0] if hasattr(tokens, "result") else tokens
+            tokens = [int(t) for t in ints]
+            arrays = {"tokens": np.asarray(tokens, dtype=np.int64)}
+        locals_ = [s.local for s in seqs]
+        from hf2q.engine.runner import PendingTokens
+
+        shared, logprobs = self._run(header, lambda: shared_step(self.local, locals_, tokens, samplers,
+                                                                  self.group, lead=True), arrays)
+        return GroupPending(PendingTokens(shared, logprobs), step, self)
+
     def _trim(self, seq: ShardedSequence, n_tokens: int) -> None:
         self._run({"op": "trim", "seq": seq.seq_id, "n": int(n_tokens)}, lambda: seq.local.trim(n_tokens))
 
@@ -303,7 +407,13 @@ def all_sum_times(group, shape: Sequence[int], reps: int) -> list[float]:
 
 def follow(runner, sock: socket.socket, group, plan) -> int:
     """Replay rank 0's calls on this rank's shard until rank 0 says stop or goes away; exit status."""
+    from hf2q.engine.runner import PendingTokens
+    from hf2q.engine.sampling.device import DeviceSampler
+    from hf2q.sched.contracts import SamplingParams
+
     seqs: dict[int, object] = {}
+    queued: dict[int, PendingTokens] = {}  # pipelined steps by id: the tokens a later step is fed
+    greedy = DeviceSampler(SamplingParams(temperature=0.0))  # a follower's own pick only orders its collectives
     while True:
         msg = recv_message(sock)
         if msg is None:
@@ -322,6 +432,14 @@ def follow(runner, sock: socket.socket, group, plan) -> int:
                 runner.prefill(seqs[header["seq"]], arrays["tokens"].tolist())
             elif op == "decode":
                 runner.decode([seqs[i] for i in header["seqs"]], arrays["tokens"].tolist())
+            elif op == "decode_async":
+                step = header["step"]
+                fed = queued[header["after"]] if "after" in header else arrays["tokens"].tolist()
+                rows = [seqs[i] for i in header["seqs"]]
+                shared, logprobs = shared_step(runner, rows, fed, [greedy] * len(rows), group, lead=False)
+                queued[step] = PendingTokens(shared, logprobs)
+                for old in [k for k in queued if k <= step - KEPT_STEPS]:
+                    del queued[old]
             elif op == "trim":
                 seqs[header["seq"]].trim(header["n"])
             elif op == "export":

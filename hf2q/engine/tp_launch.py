@@ -45,6 +45,7 @@ from hf2q.engine.distributed_runner import (
     DistributedRunner,
     GroupBroken,
     follow,
+    pipelines_over,
     recv_message,
     send_message,
 )
@@ -344,7 +345,8 @@ def launch(path: str | Path, size: int, ctx: int | None = None, *, backend: str 
         log.info("tensor-parallel group of %d ranks ready (%s%s)", size, backend,
                  "" if hosts is None else ", " + ", ".join(hosts.addresses))
         runner = DistributedRunner(local, [links[r] for r in range(1, size)], plans, group,
-                                   check_alive=followers.check_alive, on_fault=followers.terminate)
+                                   check_alive=followers.check_alive, on_fault=followers.terminate,
+                                   pipelined=pipelines_over(backend))
         runner.followers = followers
         return runner
     except BaseException:
