@@ -70,7 +70,8 @@ def _refuse_flags(args) -> None:
                                  ("--kv-persist", args.kv_persist, None),
                                  ("--model-name", args.model_name, None),
                                  ("--hostfile", getattr(args, "hostfile", None), None),
-                                 ("--hosts", getattr(args, "hosts", None), None)):
+                                 ("--hosts", getattr(args, "hosts", None), None),
+                                 ("--mmproj", getattr(args, "mmproj", None), None)):
         if value != default:
             raise UsageError(f"{flag} is for a single --model; with several models each is served "
                              f"by its file name and alone on its device")
