@@ -157,6 +157,17 @@ def test_tool_results_render_as_the_template_does_in_call_order(chat_model):
         assert got == want
 
 
+def test_results_keep_user_messages_in_place_and_unknown_ids_last():
+    from hf2q.text.deepseek4_turns import results_in_call_order
+
+    def tool(cid):
+        return {"role": "tool", "tool_call_id": cid, "content": cid}
+    turn = {"role": "assistant", "tool_calls": [{"id": "a"}, {"id": "b"}]}
+    note = {"role": "user", "content": "meanwhile"}
+    got = results_in_call_order([turn, tool("x"), tool("b"), note, tool("a"), {"role": "assistant"}, tool("b")])
+    assert got == [turn, tool("a"), tool("b"), note, tool("x"), {"role": "assistant"}, tool("b")]
+
+
 def test_thinking_variables_reach_the_template(chat_model):
     def prompt(**extra):
         return chat_model.render(_request(ASK, **extra))

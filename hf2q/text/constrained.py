@@ -384,7 +384,7 @@ def _dsml(tag: str) -> str:
 
 
 #: what DeepSeek-V4's template writes between an assistant turn's content and its DSML block
-DSML_SEPARATOR = "\n\n"
+_DSML_SEPARATOR = "\n\n"
 
 
 def _deepseek_grammar(tools: Sequence[Mapping], many: bool, budget: int) -> str:
@@ -392,7 +392,7 @@ def _deepseek_grammar(tools: Sequence[Mapping], many: bool, budget: int) -> str:
     included, an empty argument list as one blank line), so the turn the model wrote is the text the
     next request's history repeats and its cached KV stays reusable."""
     end_param = _dsml("/parameter").replace("<" + _DSML + "/", "</" + _DSML) + "\n"
-    opening = _lit(DSML_SEPARATOR + _dsml("tool_calls") + "\n")
+    opening = _lit(_DSML_SEPARATOR + _dsml("tool_calls") + "\n")
     rules = [f"start: {opening} {_calls('invoke', many)} {_lit('</' + _DSML + 'tool_calls>')}"]
     forbidden = (end_param.strip(), "</" + _DSML + "invoke>", "</" + _DSML + "tool_calls>")
     invokes = []
