@@ -14,6 +14,8 @@ from tests.models.cache import build_once
 
 FILE = "f16.gguf"
 TEMPLATE = "deepseek-ai-DeepSeek-V4"
+#: bump when the conversion's output changes, so the cached file is built again
+VERSION = "v1"
 
 
 def template_source() -> str:
@@ -27,7 +29,7 @@ def deepseek4_chat_gguf() -> Path:
     from tests.models.deepseek4 import deepseek4_checkpoint
 
     src = deepseek4_checkpoint()
-    return build_once(f"{src.name}-hf2q-f16", lambda out: _build(src, out)) / FILE
+    return build_once(f"{src.name}-hf2q-f16-{VERSION}", lambda out: _build(src, out)) / FILE
 
 
 def _build(src: Path, out: Path) -> None:
