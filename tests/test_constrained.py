@@ -260,7 +260,7 @@ CALL_TEXT = {  # syntax → one call with {city} for the value (and {extra} for 
     "llama3": '{{"name": "get_weather", "parameters": {{"city": "{city}"{extra}}}}}',
     "qwen_xml": ("<tool_call>\n<function=get_weather>\n<parameter=city>\n{city}\n</parameter>\n{extra}"
                  "</function>\n</tool_call>"),
-    "deepseek": (f'<{_DS}tool_calls>\n<{_DS}invoke name="get_weather">\n<{_DS}parameter name="city" string="true">'
+    "deepseek": (f'\n\n<{_DS}tool_calls>\n<{_DS}invoke name="get_weather">\n<{_DS}parameter name="city" string="true">'
                  f"{{city}}</{_DS}parameter>\n{{extra}}</{_DS}invoke>\n</{_DS}tool_calls>"),
     "gemma4": '<|tool_call>call:get_weather{{city:<|"|>{city}<|"|>{extra}}}<tool_call|>',
 }

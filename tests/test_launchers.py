@@ -116,7 +116,7 @@ def test_launcher_starts_server_and_config_works(tmp_path):
             bad.models.list()
 
 
-# ---- the per-family launchers: qwen36-opencode.sh, gemma4-opencode.sh -----------------------------
+# ---- the per-family launchers: qwen36-opencode.sh, gemma4-opencode.sh, deepseek4-opencode.sh ------------
 
 
 def _qwen35_gguf():
@@ -131,6 +131,12 @@ def _gemma4_gguf():
     return gemma4_chat_gguf()
 
 
+def _deepseek4_gguf():
+    from tests.models.deepseek4_chat import deepseek4_chat_gguf
+
+    return deepseek4_chat_gguf()
+
+
 @attrs.frozen
 class Family:
     script: str
@@ -139,12 +145,15 @@ class Family:
     named: str  # how the refusal names the family
     gguf: object  # () -> Path of a tiny GGUF of the family
     other: object  # () -> Path of another family's GGUF (also refused)
+    context_env: bool = False  # the per-slot context comes from CONTEXT_LEN
 
 
 FAMILIES = {
     "qwen36": Family("qwen36-opencode", 8081, "a qwen35 or qwen35moe GGUF", "Qwen 3.5 / 3.6 (qwen35, qwen35moe)",
                      _qwen35_gguf, _gemma4_gguf),
     "gemma4": Family("gemma4-opencode", 8082, "a gemma4 GGUF", "Gemma 4 (gemma4)", _gemma4_gguf, _qwen35_gguf),
+    "deepseek4": Family("deepseek4-opencode", 8080, "a deepseek4 GGUF", "DeepSeek-V4 (deepseek4)", _deepseek4_gguf,
+                        _gemma4_gguf, context_env=True),
 }
 
 
@@ -188,14 +197,16 @@ def test_family_launcher_serves_four_slots_and_forced_tool_calls(name):
 
     f = FAMILIES[name]
     port = _free_port()
+    ctx = ([], {"CONTEXT_LEN": "2048"}) if f.context_env else (["--ctx", "2048"], {})
     with launched(["bash", str(ROOT / "launchers" / f"{f.script}.sh"), "--model", str(f.gguf()), "--port", str(port),
-                   "--ctx", "2048"], env={**os.environ, "HF2Q_PYTHON": sys.executable}) as proc:
+                   *ctx[0]], env={**os.environ, "HF2Q_PYTHON": sys.executable, **ctx[1]}) as proc:
         cfg = printed_config(proc)
         prov = cfg["provider"]["hf2q"]
         assert prov["npm"] == "@ai-sdk/openai-compatible"
         assert prov["options"]["baseURL"] == f"http://127.0.0.1:{port}/v1"
         model_id = cfg["model"].split("/", 1)[1]
         assert prov["models"][model_id]["tool_call"] is True
+        assert prov["models"][model_id]["limit"]["context"] == 2048
         client = openai.OpenAI(base_url=prov["options"]["baseURL"], api_key=prov["options"]["apiKey"], max_retries=0)
         tools = [{"type": "function", "function": {"name": "read_file", "parameters": {
             "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]

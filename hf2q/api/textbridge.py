@@ -85,12 +85,12 @@ def _generic_messages(messages: list[dict], tools, tool_choice) -> list[dict]:
     return messages_for_generic_template(messages, tools, tool_choice)
 
 
-def _reasoning_splitter(template, prompt: str):
+def _reasoning_splitter(template, prompt: str, syntax: str | None):
     if getattr(template, "thinking_markers", None) is None:
         return None  # the template has no reasoning syntax: all output is content
-    from hf2q.text import reasoning
+    from hf2q.text import reasoning, toolcalls
 
-    return reasoning.splitter_for(template, prompt)
+    return reasoning.splitter_for(template, prompt, toolcalls.reasoning_exits(syntax) if syntax else ())
 
 
 def _stop_matcher(stops: Sequence[str]):
@@ -299,6 +299,10 @@ class GGUFChatModel:
 
             if reads_only_native_responses(self.template.source):
                 messages = fold_tool_responses(messages)
+        elif self.tool_syntax == "deepseek":
+            from hf2q.text.deepseek4_turns import results_in_call_order
+
+            messages = results_in_call_order(messages)
         return messages, tools
 
     def render(self, req: ChatRequest, add_generation_prompt: bool = True) -> str:
@@ -391,7 +395,7 @@ class GGUFChatModel:
             return ChatOutputDecoder(
                 tok, req.stop,
                 tool_parser=_tool_parser(syntax, tools) if tools else None,
-                reasoning=_reasoning_splitter(self.template, text) if thinking else None,
+                reasoning=_reasoning_splitter(self.template, text, syntax) if thinking else None,
                 parallel_calls=req.parallel_tool_calls)
         boundary = self._stable_prefix(fenced, fence, text, ids) if stable_prefix else 0
         return PreparedChat(ids, params, new_decoder, boundary)

@@ -383,11 +383,17 @@ def _dsml(tag: str) -> str:
     return "<" + _DSML + tag + ">"
 
 
+#: what DeepSeek-V4's template writes between an assistant turn's content and its DSML block
+_DSML_SEPARATOR = "\n\n"
+
+
 def _deepseek_grammar(tools: Sequence[Mapping], many: bool, budget: int) -> str:
+    """The block as DeepSeek-V4's template renders a past call, byte for byte (the separator before it
+    included, an empty argument list as one blank line), so the turn the model wrote is the text the
+    next request's history repeats and its cached KV stays reusable."""
     end_param = _dsml("/parameter").replace("<" + _DSML + "/", "</" + _DSML) + "\n"
-    rules = [
-        f"start: {_lit(_dsml('tool_calls') + chr(10))} {_calls('invoke', many)} {_lit('</' + _DSML + 'tool_calls>')}",
-    ]
+    opening = _lit(_DSML_SEPARATOR + _dsml("tool_calls") + "\n")
+    rules = [f"start: {opening} {_calls('invoke', many)} {_lit('</' + _DSML + 'tool_calls>')}"]
     forbidden = (end_param.strip(), "</" + _DSML + "invoke>", "</" + _DSML + "tool_calls>")
     invokes = []
     for i, tool in enumerate(tools):
@@ -403,8 +409,10 @@ def _deepseek_grammar(tools: Sequence[Mapping], many: bool, budget: int) -> str:
             rules.append(f"p{i}_{j}: {head} {value}")
             rule_of[name] = f"p{i}_{j}"
         body = _param_sequence(fn, rule_of)
-        opening = _lit(_dsml(f'invoke name="{fn["name"]}"') + "\n")
-        rules.append(f"v{i}: {opening} {body} {_lit('</' + _DSML + 'invoke>' + chr(10))}")
+        if not any(r in rule_of for r in _required(fn)):  # no argument written: the template's blank line
+            body = f"({body.removesuffix('?')} | {_lit(chr(10))})" if body else _lit(chr(10))
+        head = _lit(_dsml(f'invoke name="{fn["name"]}"') + "\n")
+        rules.append(f"v{i}: {head} {body} {_lit('</' + _DSML + 'invoke>' + chr(10))}")
         invokes.append(f"v{i}")
     rules.append(f"invoke: {' | '.join(invokes)}")
     return "\n".join(rules) + "\n"

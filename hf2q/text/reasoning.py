@@ -12,6 +12,10 @@ thinking on end the prompt with ``<think>``): pass ``started_in_prompt=True`` �
 Whitespace that only frames the block (newlines after the opening marker, before the
 closing one, and before the answer) is dropped, as the templates themselves do when
 they render a past turn.
+
+Some models may also leave their reasoning by opening a tool-call block without the closing
+marker (DeepSeek-V4 writes ``<｜DSML｜tool_calls>`` straight after its thoughts; llama.cpp's
+parser takes that too): such markers (``also_ends``) end the reasoning and begin the answer.
 """
 
 from __future__ import annotations
@@ -33,13 +37,14 @@ class _State(enum.Enum):
 class ReasoningSplitter:
     """``feed(text) -> (reasoning_delta, content_delta)``; ``finish()`` flushes."""
 
-    def __init__(self, start: str = "<think>", end: str = "</think>", *, started_in_prompt: bool = False):
+    def __init__(self, start: str = "<think>", end: str = "</think>", *, started_in_prompt: bool = False,
+                 also_ends: tuple[str, ...] = ()):
         self.start = start
         self.end = end
         self.label = GEMMA4_CHANNEL_LABEL if start == "<|channel>" else ""
         self._state = _State.REASONING if started_in_prompt else _State.DECIDING
         self._buf = ""
-        self._end = MarkerMatcher([end])  # holds back a closing marker cut at a chunk end
+        self._end = MarkerMatcher([end, *also_ends])  # holds back a closing marker cut at a chunk end
         self._reasoning_started = False  # leading whitespace of the block already skipped
         self._held_newlines = ""
         self.saw_reasoning = started_in_prompt
@@ -85,6 +90,8 @@ class ReasoningSplitter:
                 self._reasoning_started = True
             ready, end, self._buf = self._end.scan(buf)
             if end is not None:
+                if end != self.end:  # a marker of the answer's own: it stays there
+                    self._buf = end + self._buf
                 piece = self._held_newlines + ready
                 self._held_newlines = ""
                 reasoning.append(piece.rstrip("\n"))
@@ -141,13 +148,14 @@ def closing_text(prompt: str, prompt_without_thinking: str | None, end: str = "<
     return end
 
 
-def splitter_for(template, prompt: str) -> ReasoningSplitter | None:
+def splitter_for(template, prompt: str, also_ends: tuple[str, ...] = ()) -> ReasoningSplitter | None:
     """The splitter for a :class:`~hf2q.text.chat_template.ChatTemplate`'s markers, or None."""
     markers = template.thinking_markers
     if markers is None:
         return None
     start, end = markers
-    return ReasoningSplitter(start, end, started_in_prompt=prompt_opens_reasoning(prompt, start, end))
+    return ReasoningSplitter(start, end, started_in_prompt=prompt_opens_reasoning(prompt, start, end),
+                             also_ends=also_ends)
 
 
 def split_complete(text: str, start: str = "<think>", end: str = "</think>", *, started_in_prompt: bool = False) -> tuple[str, str]:

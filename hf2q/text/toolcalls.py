@@ -73,6 +73,7 @@ __all__ = [
     "messages_for_generic_template",
     "new_call_id",
     "parse_complete",
+    "reasoning_exits",
 ]
 
 SYNTAXES = ("qwen", "qwen_xml", "llama3", "gemma4", "deepseek", "generic")
@@ -139,6 +140,12 @@ def detect_syntax(template_source: str | None) -> str:
     if "<|python_tag|>" in src or ('"parameters": ' in src and "<|eot_id|>" in src):
         return "llama3"
     return "generic"
+
+
+def reasoning_exits(syntax: str) -> tuple[str, ...]:
+    """Markers that end a reasoning block besides its closing one: DeepSeek-V4 may open its DSML
+    block straight from its thoughts, with no ``</think>`` (llama.cpp's parser takes that too)."""
+    return ("<" + DSML + "tool_calls>",) if syntax == "deepseek" else ()
 
 
 # ---------------------------------------------------------------------------- streaming
