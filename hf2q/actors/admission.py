@@ -138,8 +138,8 @@ class Admission:
         self.admit_ready()  # assign at once when possible, so the next offer sees the true state
 
     def _decide(self, h: RequestHandle):
-        for slot, running in self.assigned.items():  # ended, not yet released: worth waiting for?
-            if running.done:
+        for slot, running in self.assigned.items():  # ended or stopped by its client, not yet released:
+            if running.gone:                           # worth waiting for?
                 self.ledger.mark_finishing(slot, running.req.prompt_tokens)
         return self.budget.decide(self.ledger, self.reservations, h.req.prompt_tokens, h.req.params.max_tokens)
 
