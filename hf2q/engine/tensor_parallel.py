@@ -266,26 +266,3 @@ def parallelize(model, group) -> Any:
             raise InputError(f"tensor parallelism does not support the feed-forward layer "
                              f"{type(ffn).__name__} yet")
     return model
-
-
-def load_shard(model: str | Path | GGUFFile, rank: int, size: int, group, ctx: int | None = None):
-    """An ``MlxModelRunner`` over rank ``rank``'s share of ``model`` (a path or an opened GGUF).
-
-    Its KV caches hold the rank's KV heads only, so ``kv_bytes_per_token`` is per rank.
-    """
-    from hf2q.engine.models import build_model
-    from hf2q.engine.runner import MlxModelRunner, compute_dtype
-    from hf2q.formats.gguf_file import open_gguf
-
-    g = model if isinstance(model, GGUFFile) else open_gguf(model)
-    if g.hparams.is_encoder:
-        raise InputError(f"{g.path.name}: tensor parallelism serves decoder (chat) models only")
-    from hf2q.formats.gguf_check import check_weights
-
-    check_weights(g)  # the whole file, before its tensors are cut into this rank's shares
-    view = shard_gguf(g, rank, size)
-    dtype = compute_dtype(g.arch)
-    model = parallelize(build_model(view, dtype), group)
-    runner = MlxModelRunner(view, model, dtype, ctx)
-    runner.gguf = g  # names, tokenizer and metadata of the real file
-    return runner

@@ -220,7 +220,6 @@ def launch(path: str | Path, size: int, ctx: int | None = None, *, backend: str 
     prepare_mlx()
     import mlx.core as mx
 
-    from hf2q.engine.tensor_parallel import load_shard
     from hf2q.formats.gguf_file import open_gguf
 
     gguf = open_gguf(path)  # parsed once here: big tokenizers make parsing take seconds
@@ -446,7 +445,7 @@ def run_follower(model: str | Path, rank: int, size: int, control: tuple[str, in
         prepare_mlx()
         import mlx.core as mx
 
-        from hf2q.engine.tensor_parallel import head_plan, load_shard
+        from hf2q.engine.tensor_parallel import head_plan
 
         group = mx.distributed.init(strict=True, backend=backend)
         runner = load_shard(g, rank, size, group, ctx)
@@ -497,6 +496,30 @@ def follower_main(argv: list[str] | None = None) -> int:
     except Hf2qError as e:
         print(f"hf2q tp rank {a.rank}: {e}", file=sys.stderr, flush=True)
         return e.exit_code
+
+
+
+def load_shard(model: str | Path | GGUFFile, rank: int, size: int, group, ctx: int | None = None):
+    """An ``MlxModelRunner`` over rank ``rank``'s share of ``model`` (a path or an opened GGUF).
+
+    Its KV caches hold the rank's KV heads only, so ``kv_bytes_per_token`` is per rank.
+    """
+    from hf2q.engine.models import build_model
+    from hf2q.engine.runner import MlxModelRunner, compute_dtype
+    from hf2q.engine.tensor_parallel import parallelize, shard_gguf
+    from hf2q.formats.gguf_check import check_weights
+    from hf2q.formats.gguf_file import GGUFFile, open_gguf
+
+    g = model if isinstance(model, GGUFFile) else open_gguf(model)
+    if g.hparams.is_encoder:
+        raise InputError(f"{g.path.name}: tensor parallelism serves decoder (chat) models only")
+    check_weights(g)  # the whole file, before its tensors are cut into this rank's shares
+    view = shard_gguf(g, rank, size)
+    dtype = compute_dtype(g.arch)
+    model = parallelize(build_model(view, dtype), group)
+    runner = MlxModelRunner(view, model, dtype, ctx)
+    runner.gguf = g  # names, tokenizer and metadata of the real file
+    return runner
 
 
 if __name__ == "__main__":
