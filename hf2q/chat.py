@@ -394,7 +394,18 @@ def _load_tools(path: str | None) -> tuple[dict, ...]:
     return tuple(tools)
 
 
+def _own_ctrl_c() -> None:
+    """Ctrl-C must stop a reply even when this process inherited SIGINT as ignored (a parent that ignores it, such
+    as a background job or a test runner, passes that on, and Python then installs no KeyboardInterrupt handler)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def run(args) -> int:
+    _own_ctrl_c()
     from rich.console import Console
 
     try:
