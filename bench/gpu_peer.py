@@ -34,6 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import emit  # noqa: E402
+
 LLAMA_TOOLS = ("llama-bench", "llama-batched-bench", "llama-server", "llama-completion")
 BATCHES = (1, 2, 4, 8)
 
@@ -99,23 +101,21 @@ def ratios(ours: dict, peer: dict) -> dict:
     return {k: round(ours[k] / v, 3) for k, v in peer.items() if k in ours and isinstance(v, (int, float)) and v}
 
 
-def part_engine(gguf: Path, reps: int) -> dict:
-    from bench.decode import bench_hf2q, bench_llama_cpp
+def part_engine(r, gguf: Path, reps: int) -> dict:
+    from bench.decode import bench_llama_cpp, bench_runner
 
-    ours = {k: round(v, 1) for k, v in bench_hf2q(gguf, [512, 2048], 128, reps, 2048).items()}
+    ours = {k: round(v, 1) for k, v in bench_runner(r, [512, 2048], 128, reps, 2048).items()}
     peer = bench_llama_cpp(gguf, [512, 2048], 128, reps, os.cpu_count() or 4, ["-ngl", "99", "-fa", "1"]) or {}
     peer = {k: round(v, 1) for k, v in peer.items()}
     return {"hf2q": ours, "llama.cpp": peer, "ratio": ratios(ours, peer)}
 
 
-def part_batch(gguf: Path, steps: int) -> dict:
+def part_batch(r, gguf: Path, steps: int) -> dict:
     from bench.gpu_batch import aggregate_decode
-    from hf2q.engine.runner import MlxModelRunner, warm_up
+    from hf2q.engine.runner import warm_up
 
-    r = MlxModelRunner.load(gguf, ctx=4096)
     warm_up(r)
     rows = aggregate_decode(r, cases=tuple((b, True) for b in BATCHES), steps=steps)
-    del r
     ours = {k: v["pipelined_tok_s"] for k, v in rows.items()}
     peer = llama_batched(gguf, steps)
     return {"hf2q": ours, "hf2q_build_ms": {k: v["build_ms"] for k, v in rows.items()}, "llama-batched-bench": peer,
@@ -179,9 +179,16 @@ def main(argv: list[str] | None = None) -> int:
     for mix in [m for m in a.mixes.split(",") if m]:
         gguf = synth(a.shape, mix, work, a.vocab_gguf, a.chat_template if "serve" in parts else None)
         row = report["runs"].setdefault(mix, {"bytes": gguf.stat().st_size})
+        runner = None  # one load serves the engine and batch parts; dropped before the servers start
         for part in parts:
             t0 = time.time()
-            fn = {"engine": lambda: part_engine(gguf, a.reps), "batch": lambda: part_batch(gguf, a.steps),
+            if part in ("engine", "batch") and runner is None:
+                from hf2q.engine.runner import MlxModelRunner
+
+                runner = MlxModelRunner.load(gguf, ctx=4096)
+            elif part == "serve":
+                runner = None
+            fn = {"engine": lambda: part_engine(runner, gguf, a.reps), "batch": lambda: part_batch(runner, gguf, a.steps),
                   "serve": lambda: part_serve(gguf, a.max_tokens)}[part]
             try:
                 row[part] = fn()
@@ -191,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"mix": mix, part: row[part]}), flush=True)
             save()
     save()
-    return 0
+    return emit(report, None)  # the file is already written; print it as every bench does
 
 
 if __name__ == "__main__":
