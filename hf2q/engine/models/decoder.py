@@ -92,6 +92,12 @@ class Attention:
                          freqs=freqs)
         k = mx.fast.rope(k, c.rope_dims, traditional=c.rope_traditional, base=base, scale=scale, offset=off,
                          freqs=freqs)
+        return self.attend_rotated(q, k, v, fb)
+
+    def attend_rotated(self, q: mx.array, k: mx.array, v: mx.array, fb: ForwardBatch) -> mx.array:
+        """Rotated ``q``/``k`` and ``v`` (``[B, heads, L, d]``) appended to the cache and attended (f16 or 8-bit
+        cache, host or MLX kernel); the heads' outputs ``[B, L, heads·head_dim]``."""
+        B, L = q.shape[0], q.shape[2]
         keys, values = fb.update(self.layer, k, v)
         n_keys = (keys[0] if fb.codec is not None else keys).shape[2]
         if fb.codec is not None and not (L > 1 and cpu_ops.attention_on_host(q, n_keys)):

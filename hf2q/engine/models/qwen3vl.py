@@ -29,7 +29,6 @@ from hf2q.engine.models.llama import common_config, gated_mlp
 from hf2q.errors import InputError
 from hf2q.formats.gguf_file import GGUFFile
 from hf2q.formats.gguf_keys import Keys
-from hf2q.kernels import cpu_ops
 
 #: the three position axes of M-RoPE
 TIME, HEIGHT, WIDTH = 0, 1, 2
@@ -118,12 +117,7 @@ class MRopeAttention(Attention):
         q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
         q = rotate_mrope(q, positions, self.inv_freq, self.axes)
         k = rotate_mrope(k, positions, self.inv_freq, self.axes)
-        keys, values = fb.update(self.layer, k, v)
-        if cpu_ops.attention_on_host(q, keys.shape[2]):
-            out = cpu_ops.attention(q, keys, values, self.scale, fb.mask_np(None))
-        else:
-            out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=fb.mask(None))
-        return self.o(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return self.o(self.attend_rotated(q, k, v, fb))
 
 
 class MRopeLayer(DecoderLayer):
