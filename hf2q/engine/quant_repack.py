@@ -168,10 +168,9 @@ def to_affine(raw: np.ndarray, qtype: T, shape: tuple[int, ...]) -> AffineWeight
     n = shape[-1]
     rows = int(np.prod(shape[:-1]))
     bands = _bands(rows, n)
-    workers = pool() if len(bands) > 1 else None
-    if workers is not None:
+    if len(bands) > 1:  # one band when the pool has a single thread
         flat = np.ascontiguousarray(raw).reshape(rows, -1)
-        parts = list(workers.map(lambda b: _to_affine_rows(flat[b[0]:b[1]], qtype, b[1] - b[0], n), bands))
+        parts = list(pool().map(lambda b: _to_affine_rows(flat[b[0]:b[1]], qtype, b[1] - b[0], n), bands))
         return AffineWeight(np.concatenate([p.packed for p in parts]), np.concatenate([p.scales for p in parts]),
                             np.concatenate([p.biases for p in parts]), parts[0].bits, parts[0].exact)
     return _to_affine_rows(raw, qtype, rows, n)

@@ -105,7 +105,8 @@ class MlxModelRunner:
         self.eos_token_ids = eos_ids(gguf)
         #: how every sequence's K/V is stored (``--kv-cache-type``): None in ``dtype``, else 8-bit
         self.kv_cache_type = kv_cache_type
-        self.kv_codec = None if self.is_embedding_model else _kv_codec(kv_cache_type, model, dtype, self.arch)
+        self.kv_codec = None if self.is_embedding_model else _kv_codec(kv_cache_type, model, dtype, self.arch,
+                                                                       gguf.hparams.value_length)
         self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_steps": 0, "decode_s": 0.0}
         #: batched graph decodes keep their sequences' K/V stacked (kv_cache.StackedDecode) while
         #: the same sequences decode together; HF2Q_NO_STACKED_DECODE=1 keeps per-sequence buffers
@@ -388,12 +389,12 @@ class MlxModelRunner:
         seq.import_(arrays, n_tokens)
 
 
-def _kv_codec(kv_cache_type: str, model, dtype, arch: str):
+def _kv_codec(kv_cache_type: str, model, dtype, arch: str, v_head_dim: int | None):
     """The 8-bit codec of ``kv_cache_type`` for ``model``'s caches, None for ``f16`` (a family that
     cannot hold one is refused in one line, ``kv_layout.check_kv_type``)."""
     from hf2q.engine.kv_quant import make_codec
 
-    return make_codec(kv_cache_type, model.kv_shape[2], dtype, arch)
+    return make_codec(kv_cache_type, model.kv_shape[2], dtype, arch, v_head_dim=v_head_dim)
 
 
 WARM_UP_PROMPT = 96  # tokens, prefilled in chunks of 64, 24 and 8 (the GPU's matmul row tiles)

@@ -226,10 +226,6 @@ class Deepseek4Model:
     def kv_shape(self) -> tuple[int, int, int]:
         return self.cfg.n_layers, self.layout.heads, self.layout.piece
 
-    def kv_bytes(self, elem: int, windowed: bool = True) -> tuple[int, int]:
-        """``(per token, per slot)``: every layer keeps every position's rows (K and V buffers)."""
-        return self.cfg.n_layers * self.layout.width * 2 * elem, 0
-
     def weights_nbytes(self) -> int:
         return distinct_nbytes([self.embed, self.lm_head] + [lin for b in self.blocks for lin in b.linears()])
 
