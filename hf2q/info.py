@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import gguf
+
 from hf2q.errors import EXIT_INPUT, EXIT_OK, InputError
 from hf2q.formats.gguf_check import problem, unserved
 from hf2q.formats.gguf_file import open_gguf
@@ -20,7 +22,7 @@ from hf2q.formats.gguf_keys import Keys
 
 EMBEDDING_ARCHS = ENCODER_ARCHS
 #: llama.cpp's architecture name of a projector (mmproj) file
-MMPROJ_ARCH = "clip"
+MMPROJ_ARCH = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ]
 
 
 def kv_dtype_bytes() -> int:

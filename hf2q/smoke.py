@@ -115,11 +115,9 @@ def load_cases_file(path: Path) -> list[Case]:
 
 def gguf_family(arch: str):
     """The family class (``hf2q/arch/``) that writes GGUF architecture ``arch``, or None."""
-    import gguf
-
     from hf2q.arch.registry import FAMILIES
 
-    return next((f for f in FAMILIES if gguf.MODEL_ARCH_NAMES[f.gguf_arch] == arch), None)
+    return next((f for f in FAMILIES if f.architecture() == arch), None)
 
 
 def family_cases(arch: str) -> list[Case]:

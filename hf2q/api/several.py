@@ -18,7 +18,8 @@ from pathlib import Path
 
 import trio
 
-from hf2q.api.command import _size_hint, _watch_signals, check_gguf, check_kv_budget, runner_factory
+from hf2q.api.command import (_size_hint, _watch_signals, check_gguf, check_kv_budget, check_kv_cache_type,
+                               check_model_kind, runner_factory)
 from hf2q.errors import InputError, UsageError
 from hf2q.logs import log_format
 
@@ -99,13 +100,13 @@ def plan_models(args):
         header = open_gguf(path)
         check_servable(header)
         encoder = header.hparams.is_encoder
-        if flag == "--embedding-model" and not encoder:
-            raise InputError(f"--embedding-model: {path.name} is a {header.arch or 'unknown'} text-generation "
-                             f"model, not an embedding model; serve it with --model")
+        if flag == "--embedding-model":
+            check_model_kind(header, path, flag)
         if encoder:
             need = check_model(header, 1, ctx=None, slots=1, kv_budget=None, limit=args.memory_limit)
         else:
             check_kv_budget(header, args)
+            check_kv_cache_type(header, args)
             need = check_memory(header, args)
         plans.append((path, model_id, "embedding" if encoder else "chat", need.total))
     budget = args.models_memory

@@ -57,9 +57,12 @@ class ChatRequest:
     response_format: dict | None = None  # {"type": "json_object"} | {"type": "json_schema", "json_schema": {...}}
     reasoning_effort: str | None = None
     chat_template_kwargs: dict = attrs.field(factory=dict)
-    has_images: bool = False
     #: ``(param, url)`` of each ``image_url`` part in prompt order; its place in the text is ``IMAGE_MARKER``
     images: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def has_images(self) -> bool:
+        return bool(self.images)
 
     @property
     def forced_tool(self) -> str | None:
@@ -515,7 +518,6 @@ def parse_chat_request(body: Any) -> ChatRequest:
         response_format=_response_format(body.get("response_format")),
         reasoning_effort=reasoning_effort,
         chat_template_kwargs=dict(kwargs),
-        has_images=bool(images),
         images=images,
     )
 

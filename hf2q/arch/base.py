@@ -232,7 +232,7 @@ class Family:
 
     @property
     def arch_name(self) -> str:
-        return self.gguf_arch_name or gguf.MODEL_ARCH_NAMES[self.gguf_arch]
+        return self.architecture()
 
     @classmethod
     def architecture(cls) -> str:

@@ -351,9 +351,7 @@ class DeepSeek4(Family):
             return PlannedTensor(name, HashTable(hf_name, e.shape), False)
         self._check_shape(official, hf_name, e.shape)
         if e.dtype in ("F8_E4M3", "F8_E5M2"):
-            scale = self._scale_of(ck, official, by_official)
-            if scale is None:
-                raise InputError(f"{hf_name} is {e.dtype} but the checkpoint has no block scale for it")
+            scale = self._scale_of(ck, official, by_official)  # raises when an 8-bit float has none
             return PlannedTensor(name, BlockScaledQ8(((hf_name, scale),), e.shape), False)
         if e.dtype not in ("F32", "BF16", "F16"):
             raise InputError(f"{hf_name} has dtype {e.dtype}; expected F32, BF16, F16 or block-scaled FP8")

@@ -87,8 +87,7 @@ def read_hostfile(path: str | Path, base_port: int = DEFAULT_PORT) -> TPHosts:
             raise InputError(f"--hostfile {p.name}: envs entry {e!r} is not KEY=VALUE")
         k, v = e.split("=", 1)
         pairs.append((k, v))
-    if not 1 <= base_port <= 65535 - len(addresses):
-        raise InputError(f"--tp-port {base_port}: ports {base_port}..{base_port + len(addresses)} must lie in 1..65535")
+    _check_ports(base_port, len(addresses))
     return TPHosts(tuple(addresses), base_port, backend, tuple(pairs))
 
 
@@ -97,9 +96,14 @@ def hosts_from_list(text: str, base_port: int = DEFAULT_PORT) -> TPHosts:
     names = [h.strip() for h in text.split(",")]
     if len(names) < 2 or not all(names):
         raise InputError(f"--hosts {text!r}: needs at least 2 comma-separated host names or IPs")
-    if not 1 <= base_port <= 65535 - len(names):
-        raise InputError(f"--tp-port {base_port}: ports {base_port}..{base_port + len(names)} must lie in 1..65535")
+    _check_ports(base_port, len(names))
     return TPHosts(tuple(names), base_port)
+
+
+def _check_ports(base_port: int, n_hosts: int) -> None:
+    """The ring's P+rank and rank 0's control port P+N must all be real ports."""
+    if not 1 <= base_port <= 65535 - n_hosts:
+        raise InputError(f"--tp-port {base_port}: ports {base_port}..{base_port + n_hosts} must lie in 1..65535")
 
 
 def hosts_from_args(args) -> TPHosts | None:

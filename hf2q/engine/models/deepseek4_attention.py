@@ -37,7 +37,7 @@ import mlx.core as mx
 import numpy as np
 
 from hf2q.engine.kv_cache import ForwardBatch
-from hf2q.engine.layers import Linear, float_array
+from hf2q.engine.layers import Linear, float_array, rms_norm
 from hf2q.errors import InputError
 from hf2q.formats.gguf_file import GGUFFile
 
@@ -104,10 +104,6 @@ def rope_tail(x: mx.array, pos: mx.array, inv_freq: mx.array, rope_dims: int, si
     return mx.concatenate([nope, rotated], axis=-1) if nope.shape[-1] else rotated
 
 
-def _rms(x: mx.array, w: mx.array | None, eps: float) -> mx.array:
-    return mx.fast.rms_norm(x, w, eps)
-
-
 class Compressor:
     """Pools every ``ratio`` positions' projected rows into one compressed entry (see the module doc)."""
 
@@ -141,7 +137,7 @@ class Compressor:
             kv = mx.concatenate([prev_kv, kv[..., d:]], axis=2)
             logits = mx.concatenate([prev_logits, logits[..., d:]], axis=2)
         weights = mx.softmax(logits, axis=2, precise=True)
-        pooled = _rms((kv * weights).sum(axis=2), self.norm.astype(mx.float32), eps)  # [B, n, d]
+        pooled = rms_norm((kv * weights).sum(axis=2), self.norm.astype(mx.float32), eps)  # [B, n, d]
         pos = mx.broadcast_to((mx.arange(n) * m)[None], (B, n))
         return rope_tail(pooled[:, None], pos, inv_freq, rope_dims)[:, 0]
 
@@ -192,10 +188,10 @@ class Deepseek4Attention:
         offsets = np.asarray(fb.offsets)
         q_pos_np = offsets[:, None] + np.arange(T)[None, :]
         q_pos = mx.array(q_pos_np)
-        q_res = _rms(self.q_a(x), self.q_a_norm, eps)
+        q_res = rms_norm(self.q_a(x), self.q_a_norm, eps)
         q = self.q_b(q_res).reshape(B, T, H, D).transpose(0, 2, 1, 3)
-        q = rope_tail(_rms(q, None, eps), q_pos, self.inv_freq, r)
-        kv = rope_tail(_rms(self.kv(x), self.kv_norm, eps)[:, None], q_pos, self.inv_freq, r)[:, 0]  # [B, T, D]
+        q = rope_tail(rms_norm(q, None, eps), q_pos, self.inv_freq, r)
+        kv = rope_tail(rms_norm(self.kv(x), self.kv_norm, eps)[:, None], q_pos, self.inv_freq, r)[:, 0]  # [B, T, D]
 
         k_parts, v_parts = [kv], []
         if self.compressor is not None:
