@@ -112,9 +112,7 @@ def part_engine(r, gguf: Path, reps: int) -> dict:
 
 def part_batch(r, gguf: Path, steps: int) -> dict:
     from bench.gpu_batch import aggregate_decode
-    from hf2q.engine.runner import warm_up
 
-    warm_up(r)
     rows = aggregate_decode(r, cases=tuple((b, True) for b in BATCHES), steps=steps)
     ours = {k: v["pipelined_tok_s"] for k, v in rows.items()}
     peer = llama_batched(gguf, steps)
@@ -169,9 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["HF2Q_LLAMA_BIN"] = str(build / "bin")
 
     def save() -> None:
-        tmp = Path(a.out + ".tmp")
-        tmp.write_text(json.dumps(report, indent=2))
-        os.replace(tmp, a.out)
+        from hf2q.atomic import atomic_write_text
+
+        atomic_write_text(a.out, json.dumps(report, indent=2))
 
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -185,7 +183,10 @@ def main(argv: list[str] | None = None) -> int:
             if part in ("engine", "batch") and runner is None:
                 from hf2q.engine.runner import MlxModelRunner
 
+                from hf2q.engine.runner import warm_up
+
                 runner = MlxModelRunner.load(gguf, ctx=4096)
+                warm_up(runner)  # as serve does before ready (bench_runner warms its shapes again)
             elif part == "serve":
                 runner = None
             fn = {"engine": lambda: part_engine(runner, gguf, a.reps), "batch": lambda: part_batch(runner, gguf, a.steps),
@@ -197,7 +198,6 @@ def main(argv: list[str] | None = None) -> int:
             row[part]["seconds"] = round(time.time() - t0, 1)
             print(json.dumps({"mix": mix, part: row[part]}), flush=True)
             save()
-    save()
     return emit(report, None)  # the file is already written; print it as every bench does
 
 
