@@ -34,7 +34,7 @@ import numpy as np
 
 from hf2q.arch.base import MT, Direct, Family, Metadata, Packed, PlannedTensor, quantize_order_key
 from hf2q.errors import InputError
-from hf2q.formats.gguf_keys import DeepSeek4Keys, DeepSeek4Tensors, Keys
+from hf2q.formats.gguf_keys import DeepSeek4Keys, DeepSeek4Tensors, ExtraKeys, Keys
 from hf2q.ggml import mxfp4
 from hf2q.sources import fp8
 from hf2q.sources.hf_config import require
@@ -479,15 +479,15 @@ class DeepSeek4(Family):
         md.u32(Keys.Attention.Indexer.HEAD_COUNT.format(arch=a), require(c, "index_n_heads", kind=int))
         md.u32(Keys.Attention.Indexer.KEY_LENGTH.format(arch=a), require(c, "index_head_dim", kind=int))
         md.u32(Keys.Attention.Indexer.TOP_K.format(arch=a), require(c, "index_topk", kind=int))
-        md.u32(DeepSeek4Keys.OUTPUT_GROUP_COUNT.format(arch=a), require(c, "o_groups", kind=int))
-        md.u32(DeepSeek4Keys.OUTPUT_LORA_RANK.format(arch=a), require(c, "o_lora_rank", kind=int))
-        md.array(DeepSeek4Keys.COMPRESS_RATIOS.format(arch=a), self.ratios, gguf.GGUFValueType.INT32)
-        md.f32(DeepSeek4Keys.COMPRESS_ROPE_FREQ_BASE.format(arch=a), require(c, "compress_rope_theta"))
-        md.u32(DeepSeek4Keys.HYPER_CONNECTION_COUNT.format(arch=a), require(c, "hc_mult", kind=int))
-        md.u32(DeepSeek4Keys.HYPER_CONNECTION_SINKHORN_ITERATIONS.format(arch=a),
+        md.u32(ExtraKeys.OUTPUT_GROUP_COUNT.format(arch=a), require(c, "o_groups", kind=int))
+        md.u32(ExtraKeys.OUTPUT_LORA_RANK.format(arch=a), require(c, "o_lora_rank", kind=int))
+        md.array(ExtraKeys.COMPRESS_RATIOS.format(arch=a), self.ratios, gguf.GGUFValueType.INT32)
+        md.f32(ExtraKeys.COMPRESS_ROPE_FREQ_BASE.format(arch=a), require(c, "compress_rope_theta"))
+        md.u32(ExtraKeys.HYPER_CONNECTION_COUNT.format(arch=a), require(c, "hc_mult", kind=int))
+        md.u32(ExtraKeys.HYPER_CONNECTION_SINKHORN_ITERATIONS.format(arch=a),
                require(c, "hc_sinkhorn_iters", kind=int))
-        md.f32(DeepSeek4Keys.HYPER_CONNECTION_EPSILON.format(arch=a), require(c, "hc_eps"))
-        md.u32(DeepSeek4Keys.HASH_LAYER_COUNT.format(arch=a), self.n_hash)
+        md.f32(ExtraKeys.HYPER_CONNECTION_EPSILON.format(arch=a), require(c, "hc_eps"))
+        md.u32(ExtraKeys.HASH_LAYER_COUNT.format(arch=a), self.n_hash)
         md.u32(Keys.LLM.EMBEDDING_LENGTH_OUT.format(arch=a), self.hidden_size * HC_STREAMS)
         if self.mtp == "only":
             md.u32(Keys.LLM.NEXTN_PREDICT_LAYERS.format(arch=a), self.n_nextn)

@@ -58,16 +58,7 @@ class ExtraTensors:
 class DeepSeek4Keys:
     """DeepSeek-V4's architecture name and the keys of its own (llama.cpp's ``deepseek4``; gguf 0.19 lacks them)."""
 
-    ARCH = "deepseek4"
-    OUTPUT_GROUP_COUNT = "{arch}.attention.output_group_count"
-    OUTPUT_LORA_RANK = "{arch}.attention.output_lora_rank"
-    #: per block: 0 sliding window only, 4 compressed sparse attention, 128 heavily compressed attention
-    COMPRESS_RATIOS = "{arch}.attention.compress_ratios"
-    COMPRESS_ROPE_FREQ_BASE = "{arch}.attention.compress_rope_freq_base"
-    HYPER_CONNECTION_COUNT = "{arch}.hyper_connection.count"
-    HYPER_CONNECTION_SINKHORN_ITERATIONS = "{arch}.hyper_connection.sinkhorn_iterations"
-    HYPER_CONNECTION_EPSILON = "{arch}.hyper_connection.epsilon"
-    HASH_LAYER_COUNT = "{arch}.hash_layer_count"
+    ARCH = "deepseek4"  # its metadata keys are ExtraKeys' COMPRESS_*, OUTPUT_*, HASH_*, HYPER_CONNECTION_*
     #: ``{arch}.expert_gating_func`` value of sqrt(softplus) scoring (llama.cpp's ``SQRT_SOFTPLUS``)
     GATING_SQRT_SOFTPLUS = 4
 
