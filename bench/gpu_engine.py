@@ -8,6 +8,8 @@
    token and of 8 decode steps after it (the CPU's greedy tokens, forced on both), GPU vs the CPU
    backend in float32 (subprocess with ``HF2Q_DEVICE=cpu``), beside the same CPU run in the GPU's
    compute dtype: the GPU's deviation should be of the size its precision alone gives.
+4. ``--check-mmproj``: the Qwen3-VL vision encoder on one fixed image, GPU (float32 and float16)
+   vs the CPU in float32, beside the CPU in float16.
 
     python bench/gpu_engine.py --vocab-gguf V.gguf --mixes q4_k_m,q8_0 --check tiny.gguf
 """
@@ -85,6 +87,41 @@ def compare_backends(path: str) -> dict:
             "steps": int(cpu.shape[0])}
 
 
+def vision_probe(mmproj: str, dtype: str | None = None) -> dict:
+    """The Qwen3-VL encoder's merged and deepstack features for one fixed 64×48 random image."""
+    import mlx.core as mx
+    import numpy as np
+
+    from hf2q.engine.vision.qwen3vl import Qwen3VLVisionEncoder
+    from hf2q.formats.gguf_file import open_gguf
+
+    if os.environ.get("HF2Q_DEVICE") == "cpu":
+        mx.set_default_device(mx.cpu)
+    enc = Qwen3VLVisionEncoder(open_gguf(mmproj), getattr(mx, dtype) if dtype else mx.float32)
+    image = np.random.default_rng(2).integers(0, 256, (48, 64, 3), dtype=np.uint8)
+    feats = enc(*enc.prepare(image))
+    rows = [feats.merged, *feats.deepstack]
+    return {"features": [np.array(r.astype(mx.float32)).astype("float64").tolist() for r in rows]}
+
+
+def compare_vision(mmproj: str, gpu_dtype: str) -> dict:
+    """The encoder on the GPU (float32 and the serving dtype) vs the CPU in float32."""
+    import numpy as np
+
+    cmd = [sys.executable, __file__, "--probe-vision", mmproj]
+    ref = json.loads(subprocess.run(cmd, env={**os.environ, "HF2Q_DEVICE": "cpu"}, capture_output=True, text=True,
+                                    check=True).stdout)["features"]
+    out = {"scale": max(float(np.abs(np.array(r)).max()) for r in ref)}
+    for dt in (None, gpu_dtype):
+        got = vision_probe(mmproj, dt)["features"]
+        out[f"gpu_{dt or 'float32'}_max_abs"] = max(float(np.abs(np.array(a) - np.array(b)).max())
+                                                   for a, b in zip(got, ref))
+    yard = json.loads(subprocess.run(cmd + ["--probe-dtype", gpu_dtype], env={**os.environ, "HF2Q_DEVICE": "cpu"},
+                                     capture_output=True, text=True, check=True).stdout)["features"]
+    out[f"cpu_{gpu_dtype}_max_abs"] = max(float(np.abs(np.array(a) - np.array(b)).max()) for a, b in zip(yard, ref))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-8b")
@@ -93,10 +130,15 @@ def main() -> int:
     ap.add_argument("--work", default="/tmp/hf2q-gpu")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--check", action="append", default=[])
+    ap.add_argument("--check-mmproj", action="append", default=[], help="a Qwen3-VL mmproj: its encoder GPU vs CPU")
+    ap.add_argument("--probe-vision", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--probe", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--forced", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--probe-dtype", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.probe_vision:
+        print(json.dumps(vision_probe(a.probe_vision, a.probe_dtype)))
+        return 0
     if a.probe:
         print(json.dumps(logits_probe(a.probe, json.loads(a.forced) if a.forced else None, a.probe_dtype)))
         return 0
@@ -106,6 +148,9 @@ def main() -> int:
     result = {"device": str(mx.default_device()), "mlx": mx.__version__, "shape": a.shape, "runs": {}, "checks": {}}
     for path in a.check:
         result["checks"][Path(path).name] = compare_backends(path)
+        print(json.dumps({"check": Path(path).name, **result["checks"][Path(path).name]}), flush=True)
+    for path in a.check_mmproj:
+        result["checks"][Path(path).name] = compare_vision(path, "float16")
         print(json.dumps({"check": Path(path).name, **result["checks"][Path(path).name]}), flush=True)
     from bench.decode import bench_hf2q
 

@@ -37,7 +37,8 @@ QUALITY = ("kld_mean", "kld_p99", "kld_max", "same_top", "ppl", "ppl_ref", "ln_p
 def _speed(runner, tokens: list[int], steps: int) -> dict:
     """Prefill ``tokens`` (chunks of 512) into a fresh sequence, then ``steps`` single-sequence decodes."""
     seq = runner.new_sequence()
-    runner.prefill(seq, tokens[:8])  # first-use compilation outside the timing
+    runner.prefill(seq, tokens[:512])  # first-use compilation (the prefill shape, then decode) outside the timing
+    runner.decode([seq], [tokens[0]])
     seq.trim(0)
     t0 = time.perf_counter()
     for a in range(0, len(tokens), 512):
@@ -100,14 +101,18 @@ def _llama_bench(path: Path, args, cache: str) -> dict:
     from tests.tools import llama_cpp
 
     exe = llama_cpp.tool("llama-bench")
-    cmd = [str(exe), "-m", str(path), "-p", str(args.speed_ctx), "-n", str(args.decode_steps), "-r", "1",
-           "-t", str(args.threads), "-ctk", cache, "-ctv", cache, "-fa", "on", "-o", "json"]
-    p = subprocess.run(cmd, env=dict(llama_cpp.env(), OMP_NUM_THREADS=str(args.threads)), capture_output=True,
-                       text=True)
-    if p.returncode != 0:
-        return {"error": p.stderr.strip().splitlines()[-1] if p.stderr.strip() else f"exit {p.returncode}"}
-    rows = json.loads(p.stdout)
-    pick = {("prefill_tok_s" if r["n_prompt"] else "decode_tok_s"): r["avg_ts"] for r in rows}
+    # as ours: the prompt prefilled from an empty cache, then decode steps at that depth
+    runs = {"prefill_tok_s": ("-p", str(args.speed_ctx), "-n", "0"),
+            "decode_tok_s": ("-p", "0", "-n", str(args.decode_steps), "-d", str(args.speed_ctx))}
+    pick = {}
+    for key, shape in runs.items():
+        cmd = [str(exe), "-m", str(path), *shape, "-r", "1", "-t", str(args.threads), "-ngl", "99",
+               "-ctk", cache, "-ctv", cache, "-fa", "on", "-o", "json"]
+        p = subprocess.run(cmd, env=dict(llama_cpp.env(), OMP_NUM_THREADS=str(args.threads)), capture_output=True,
+                           text=True)
+        if p.returncode != 0:
+            return {"error": p.stderr.strip().splitlines()[-1] if p.stderr.strip() else f"exit {p.returncode}"}
+        pick[key] = json.loads(p.stdout)[0]["avg_ts"]
     return pick
 
 
@@ -116,14 +121,15 @@ def theirs(path: Path, args, corpus_file: Path) -> dict:
     quantized V cache needs it), on the same text, context and windows."""
     from tests.tools import llama_perplexity
 
-    out: dict = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        logits = Path(tmp) / "base.kld"
-        fa = ("-fa", "on")
-        out["f16"] = llama_perplexity.base(path, corpus_file, args.n_ctx, args.windows, logits, args.threads, fa)
-        q8 = ("-ctk", "q8_0", "-ctv", "q8_0", *fa)
-        got = llama_perplexity.kl(path, corpus_file, args.n_ctx, args.windows, logits, args.threads, q8)
-        out["q8_0"] = {k: got[k] for k in QUALITY if k in got}
+    out: dict = {"f16": {}, "q8_0": {}}
+    if not args.no_quality:
+        with tempfile.TemporaryDirectory() as tmp:
+            logits = Path(tmp) / "base.kld"
+            fa = ("-fa", "on")
+            out["f16"] = llama_perplexity.base(path, corpus_file, args.n_ctx, args.windows, logits, args.threads, fa)
+            q8 = ("-ctk", "q8_0", "-ctv", "q8_0", *fa)
+            got = llama_perplexity.kl(path, corpus_file, args.n_ctx, args.windows, logits, args.threads, q8)
+            out["q8_0"] = {k: got[k] for k in QUALITY if k in got}
     for cache in ("f16", "q8_0"):
         out[cache].update(_llama_bench(path, args, cache))
     return out
@@ -133,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     from hf2q.cli import parse_size
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="smollm2,gemma3")
+    ap.add_argument("--models", default="smollm2,gemma3", help="test models by name ('' for none)")
+    ap.add_argument("--gguf", action="append", default=[], help="also this GGUF (repeatable; e.g. a random-weight "
+                    "real shape from bench/synth_gguf.py, with --no-quality)")
     ap.add_argument("--n-ctx", type=int, default=512, help="tokens per scored window")
     ap.add_argument("--windows", type=int, default=8, help="windows scored (8 × 512 = 4096 tokens of text)")
     ap.add_argument("--speed-ctx", type=int, default=512, help="prompt tokens before the decode steps")
@@ -165,8 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         corpus_file = Path(tmp) / "corpus.txt"
         corpus_file.write_text(corpus.text)
-        for name in args.models.split(","):
-            path = Path(getattr(real, MODELS[name])())
+        named = {n: Path(getattr(real, MODELS[n])()) for n in args.models.split(",") if n}
+        for name, path in (named | {Path(g).stem: Path(g) for g in args.gguf}).items():
             tok = GGUFTokenizer.from_gguf(path)
             ids = tok.encode(corpus.text, add_special=False)
             entry = {"gguf": path.name, "text_tokens": len(ids), "ours": ours(path, args, ids, tok.bos_id)}

@@ -21,6 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from hf2q.engine.kv_layout import check_kv_type, group_size, row_nbytes
+from hf2q.kernels import cuda_q8_attention, cuda_qmv
 
 BITS = 8
 #: codes are stored as ``round(x / scale) + OFFSET`` in ``[1, 255]``
@@ -48,7 +49,12 @@ class KvCodec:
     kind: str  # "q8" | "q8-rotated"
     head_dim: int
     dtype: object  # the compute dtype: the scales' dtype and the attention's
-    rotation: mx.array | None = None  # float32: rows are rotated before rounding to any 16-bit type
+    rotated: bool = False  # rows are rotated (in float32) before rounding to any 16-bit type
+
+    def rotate(self, x: mx.array) -> mx.array:
+        """``x`` times the orthonormal Hadamard matrix (its own inverse), in float32: MLX's fast transform,
+        exact where a float32 matmul may run at TF32 precision (CUDA)."""
+        return mx.hadamard_transform(x.astype(mx.float32), scale=x.shape[-1] ** -0.5)
 
     @property
     def group(self) -> int:
@@ -65,8 +71,8 @@ class KvCodec:
     def encode(self, x: mx.array, rotate: bool = True) -> tuple[mx.array, mx.array]:
         """Rows ``x [..., d]`` (rotated first unless ``rotate`` is False: values already in the stored
         space) → ``(codes uint32 [..., d/4], scales [..., d/group])``."""
-        if rotate and self.rotation is not None:
-            x = x.astype(mx.float32) @ self.rotation
+        if rotate and self.rotated:
+            x = self.rotate(x)
         d = x.shape[-1]
         g = group_size(d)
         groups = x.astype(mx.float32).reshape(*x.shape[:-1], d // g, g)
@@ -98,14 +104,26 @@ class KvCodec:
         rep = n_heads // kv_heads
         out_dtype = q.dtype
         q = q.astype(mx.float32) * scale
-        if self.rotation is not None:
-            q = q @ self.rotation
+        if self.rotated:
+            q = self.rotate(q)
         # the heads sharing a KV head become rows of one product: K/V batch dims match q's exactly
         q = q.reshape(B, kv_heads, rep, L, d)
+        T, dv = keys[0].shape[-2], values[0].shape[-1] * 4
+        if cuda_qmv.available():  # MLX's CUDA backend multiplies neither product below
+            if cuda_q8_attention.takes(rep * L, d, dv):
+                out = cuda_q8_attention.attend(q.reshape(B, kv_heads, rep * L, d), keys, values, mask,
+                                               group_size(d), group_size(dv))
+            else:  # a long prefill chunk: one dequantized copy of the rows for the fused kernel
+                k, v = self.decode(*keys), self.decode(*values)
+                out = mx.fast.scaled_dot_product_attention(q.reshape(B, n_heads, L, d), k, v, scale=1.0,
+                                                           mask=mask)
+            out = out.reshape(B, n_heads, L, dv)
+            if self.rotated:
+                out = self.rotate(out)
+            return out.astype(out_dtype)
         kc, ks = keys[0], keys[1].astype(mx.float32)
         vc, vs = values[0], values[1].astype(mx.float32)
         kb, vb = ks * -OFFSET, vs * -OFFSET
-        T, dv = kc.shape[-2], vc.shape[-1] * 4
         parts = []
         for a in range(0, L, QUERY_BLOCK):
             rows = slice(a, min(a + QUERY_BLOCK, L))
@@ -119,8 +137,8 @@ class KvCodec:
             out = mx.quantized_matmul(p, vc, vs, vb, transpose=False, group_size=group_size(dv), bits=BITS)
             parts.append(out.reshape(B, kv_heads, rep, n, dv))
         out = (parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-2)).reshape(B, n_heads, L, dv)
-        if self.rotation is not None:
-            out = out @ self.rotation
+        if self.rotated:
+            out = self.rotate(out)
         return out.astype(out_dtype)
 
     def dense(self, q: mx.array, keys: tuple[mx.array, mx.array], values: tuple[mx.array, mx.array]
@@ -128,12 +146,12 @@ class KvCodec:
         """``(q, keys, values)`` as float32 arrays of the stored space (``q`` rotated like the keys), for
         an attention kernel that reads only floats; its output goes back through :meth:`unrotate`.
         A copy of the rows: for the CPU's prefill chunks only, never a decode step (docs/ENGINE.md)."""
-        if self.rotation is not None:
-            q = (q.astype(mx.float32) @ self.rotation).astype(q.dtype)
+        if self.rotated:
+            q = self.rotate(q).astype(q.dtype)
         return q, self.decode(*keys), self.decode(*values)
 
     def unrotate(self, out: mx.array) -> mx.array:
-        return out if self.rotation is None else (out.astype(mx.float32) @ self.rotation).astype(out.dtype)
+        return self.rotate(out).astype(out.dtype) if self.rotated else out
 
 
 def make_codec(kind: str, head_dim: int, dtype, family: str, *, v_head_dim: int | None = None) -> KvCodec | None:
@@ -142,5 +160,4 @@ def make_codec(kind: str, head_dim: int, dtype, family: str, *, v_head_dim: int 
     check_kv_type(kind, (head_dim, v_head_dim or head_dim), family)
     if kind == "f16":
         return None
-    rotation = mx.array(hadamard(head_dim), dtype=mx.float32) if kind == "q8-rotated" else None
-    return KvCodec(kind, head_dim, dtype, rotation)
+    return KvCodec(kind, head_dim, dtype, kind == "q8-rotated")
