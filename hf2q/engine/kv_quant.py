@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import attrs
 import mlx.core as mx
-import numpy as np
 
 from hf2q.engine.kv_layout import check_kv_type, group_size, row_nbytes
 from hf2q.kernels import cuda_q8_attention, cuda_qmv
@@ -29,17 +28,6 @@ OFFSET = 128
 LEVELS = 127
 #: queries whose scores are formed at once (``KvCodec.attend``)
 QUERY_BLOCK = 512
-
-
-def hadamard(n: int) -> np.ndarray:
-    """The orthonormal Sylvester–Hadamard matrix of order ``n`` (a power of two), float64; symmetric,
-    so it is its own inverse."""
-    if n < 1 or n & (n - 1):
-        raise ValueError(f"no Hadamard matrix of order {n}")
-    h = np.ones((1, 1))
-    while h.shape[0] < n:
-        h = np.block([[h, h], [h, -h]])
-    return h / np.sqrt(n)
 
 
 @attrs.frozen(eq=False)
