@@ -191,6 +191,60 @@ def test_long_prompt_chunks_and_decode_match_one_forward(runner, long_text):
         assert _close(step, whole[LONG - 1 + j]) < 4e-5, f"step {j}"
 
 
+def test_reuse_points_equal_cold_and_rows_batch_as_alone(deepseek4, runner, long_text):
+    """The long cache returns to its reuse points (chunk ends, every 256 tokens) and continues as a cold
+    prefill of that prefix does; a length it no longer holds is refused; two rows at different lengths
+    (different window starts and entry counts, blocks closing at different steps) decode in one batch
+    as each does alone."""
+    from hf2q.engine.kv_cache import PrefixNotReusable
+
+    text, _, seq = long_text
+    points = seq.reuse_points()
+    assert {0, 293, 512, 586, 700, LONG + DECODE} <= set(points)
+    with pytest.raises(PrefixNotReusable, match="can return to"):
+        seq.trim(400)
+    other = random_tokens(20, low=3, high=49152, seed=22)
+    cold = {}
+    for point in (586, 293):
+        seq.trim(point)
+        assert max(seq.reuse_points()) == point
+        cold[point] = runner.new_sequence()
+        assert _close(runner.prefill(seq, other), runner.prefill(cold[point], text[:point] + other)) < 4e-5
+    _, _, tokens, _ = deepseek4
+    short, short_alone = runner.new_sequence(), runner.new_sequence()
+    runner.prefill(short, tokens[:PROMPT - 3])
+    runner.prefill(short_alone, tokens[:PROMPT - 3])
+    for t in random_tokens(6, low=3, high=49152, seed=23):
+        both = runner.decode([seq, short], [t, t])
+        assert _close(both[0], runner.decode([cold[293]], [t])[0]) < 4e-5  # (cold: one forward, not chunks)
+        assert _close(both[1], runner.decode([short_alone], [t])[0]) < 1e-5
+
+
+def test_slot_bytes_stay_bounded_as_the_context_grows(runner):
+    """From 1,000 to 3,000 tokens a slot grows by the compressed entries only (within the plan's
+    per-token figure), and stays inside what admission reserves for it."""
+    from hf2q.engine.models.deepseek4_layout import compact_need
+
+    text = random_tokens(3001, low=3, high=49152, seed=24)
+    seq, held = runner.new_sequence(), {}
+    for start in range(0, 3000, 500):
+        runner.prefill(seq, text[start:start + 500])
+        if start + 500 in (1000, 3000):
+            runner.decode([seq], [text[3000]])  # the step after a prompt lets its chunk's rows go
+            held[seq.length - 1] = seq.nbytes
+            seq.trim(seq.length - 1)
+    per_token, per_slot = runner.kv_bytes_per_token, runner.kv_bytes_per_slot
+    need = compact_need(runner.gguf.hparams, 4)
+    rounding = sum(256 * lay.entry_width * 4 for lay in need.layers)  # entry buffers grow in 256 steps
+    # by 3,000 two chunk ends have aged out of the four newest points: each keeps a copy of its rows
+    ends = 2 * sum(lay.snapshot_values(need.window) * 4 for lay in need.layers)
+    for n, nbytes in held.items():
+        assert nbytes <= n * per_token + per_slot
+    assert 2000 * per_token <= held[3000] - held[1000] <= 2000 * per_token + rounding + ends
+    # every position's raw rows alone would be more (the cache this replaces held 7 times those)
+    assert held[3000] < 3000 * len(need.layers) * need.layers[0].head_dim * 4
+
+
 @pytest.mark.slow
 def test_generate_gives_transformers_greedy_text(deepseek4, cli):
     """``hf2q generate`` at T=0 on the GGUF prints the text of transformers' greedy tokens."""
