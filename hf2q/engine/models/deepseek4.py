@@ -32,10 +32,11 @@ from hf2q.engine.layers import Linear, float_array, silu
 from hf2q.engine.models.decoder import distinct_nbytes
 from hf2q.engine.models.deepseek4_attention import AttnGeometry, Deepseek4Attention, default_inv_freq, yarn_inv_freq
 from hf2q.engine.models.deepseek4_cache import Deepseek4Cache
-from hf2q.engine.models.deepseek4_layout import bad_ratios, layer_rows
+from hf2q.engine.models.deepseek4_layout import layer_rows
 from hf2q.engine.models.deepseek4_hc import HyperConnection, HyperHead
 from hf2q.engine.quant_repack import FLOAT_TYPES, QUANTIZED_TYPES
 from hf2q.errors import InputError
+from hf2q.formats.gguf_check_deepseek4 import ratios_problem
 from hf2q.formats.gguf_file import GGUFFile, GGUFTensor
 from hf2q.formats.gguf_keys import ExtraKeys, Keys
 
@@ -159,10 +160,10 @@ def read_config(g: GGUFFile) -> tuple[Deepseek4Config, AttnGeometry]:
         return v
 
     n = hp.n_layers
-    ratios = [int(r) for r in need(ExtraKeys.COMPRESS_RATIOS)][:n]
-    if len(ratios) < n or bad_ratios(ratios):
-        raise InputError(f"{name}: {hp.key(ExtraKeys.COMPRESS_RATIOS)} needs one ratio in (0, 4, 128) per layer "
-                         f"({n}), found {ratios}")
+    ratios = list(need(ExtraKeys.COMPRESS_RATIOS))
+    if problem := ratios_problem(ratios, n):
+        raise InputError(f"{name}: {hp.key(ExtraKeys.COMPRESS_RATIOS)} {problem}")
+    ratios = [int(r) for r in ratios[:n]]
     n_heads = hp.n_heads
     if isinstance(n_heads, list):
         raise InputError(f"{name}: per-layer query head counts are not supported")

@@ -21,16 +21,8 @@ import attrs
 from hf2q.engine.recurrent_policy import KV_GROW, WINDOW_POINTS_KEPT, WINDOW_SNAPSHOTS_KEPT
 from hf2q.formats.gguf_keys import ExtraKeys, Keys
 
-#: compress ratios the deepseek4 graph has: sliding window only, compressed sparse (with the lightning
-#: indexer and overlapping windows), heavily compressed
-RATIOS = (0, 4, 128)
 #: the ratio whose compressor windows overlap and whose layers have the lightning indexer
 SPARSE_RATIO = 4
-
-
-def bad_ratios(ratios) -> list:
-    """The entries of ``ratios`` the graph has no path for (empty when all are fine)."""
-    return sorted({r for r in ratios if r not in RATIOS}, key=str)
 
 
 @attrs.frozen
