@@ -220,6 +220,25 @@ def test_reuse_points_equal_cold_and_rows_batch_as_alone(deepseek4, runner, long
         assert _close(both[1], runner.decode([short_alone], [t])[0]) < 1e-5
 
 
+def test_a_prompt_end_outlives_a_long_reply(deepseek4, runner):
+    """A reply longer than the kept points (here at an 8-token interval) pushes the prompt's end out of
+    them; its copy is kept, and a next turn returning there continues as a cold prefill does."""
+    from hf2q.engine.models.deepseek4_cache import Deepseek4Cache
+    from hf2q.engine.models.deepseek4_layout import layer_rows
+
+    _, _, tokens, _ = deepseek4
+    geo = runner.model.geo
+    seq = Deepseek4Cache(layer_rows(geo.head_dim, geo.index_dim, runner.model.cfg.compress_ratios), geo.window,
+                         runner.dtype, interval=8)
+    runner.prefill(seq, tokens[:PROMPT])
+    for t in random_tokens(5 * 8, low=3, high=49152, seed=25):
+        runner.decode([seq], [t])
+    assert PROMPT not in seq.points and PROMPT in seq.reuse_points()
+    seq.trim(PROMPT)
+    other = random_tokens(12, low=3, high=49152, seed=26)
+    assert _close(runner.prefill(seq, other), runner.prefill(runner.new_sequence(), tokens[:PROMPT] + other)) < 4e-5
+
+
 def test_slot_bytes_stay_bounded_as_the_context_grows(runner):
     """From 1,000 to 3,000 tokens a slot grows by the compressed entries only (within the plan's
     per-token figure), and stays inside what admission reserves for it."""
