@@ -101,24 +101,18 @@ def runner(deepseek4):
     return MlxModelRunner.load(deepseek4[0])
 
 
-def seq_bytes(runner) -> int:
-    """K/V bytes a sequence's buffers take per position, from their shapes."""
-    seq = runner.new_sequence()
-    runner.prefill(seq, [5, 6])
-    return sum(k.shape[0] * k.shape[2] + v.shape[0] * v.shape[2] for k, v in zip(seq.keys, seq.values)) * 4
-
-
 def _close(ours: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(ours - ref).max())
 
 
 def test_prefill_matches_transformers(deepseek4, runner):
     _, _, tokens, ref = deepseek4
-    assert runner.trims_prefix  # the cache is positions' rows: any earlier length is exact
+    assert not runner.trims_prefix  # the compact cache returns to its reuse points only
     from hf2q.engine.memory_plan import kv_need
 
-    # the header-only plan (serve's memory check, hf2q info) counts what the slot cache allocates
-    assert kv_need(runner.gguf.hparams, 4).per_token == runner.kv_bytes_per_token == seq_bytes(runner)
+    # the header-only plan (serve's memory check, hf2q info) is what admission reserves
+    need = kv_need(runner.gguf.hparams, 4)
+    assert (need.per_token, need.window_bytes()) == (runner.kv_bytes_per_token, runner.kv_bytes_per_slot)
     seq = runner.new_sequence()
     ours = runner.verify(seq, tokens[:PROMPT])  # every position's logits
     assert _close(ours, ref[:PROMPT]) < TOL
@@ -138,25 +132,22 @@ def test_chunked_prefill_and_decode_match(deepseek4, runner):
         assert int(np.argmax(step)) == tokens[PROMPT + j + 1]
 
 
-def test_trim_and_batched_decode_stay_exact(deepseek4, runner):
-    """Trimming back inside a compression window and re-feeding gives the same logits; two sequences
-    of different lengths decoded in one batch give each its own; an exported and imported cache continues."""
+def test_trim_inside_the_last_forward_and_export_import_stay_exact(deepseek4, runner):
+    """Trimming back inside the last forward (across a closed block of the sparse layers) and re-feeding
+    gives the same logits; a cache trimmed and continued with other tokens is what a fresh one of that
+    text gives; exported and imported blocks continue exactly."""
     _, _, tokens, ref = deepseek4
-    a, b = runner.new_sequence(), runner.new_sequence()
+    a = runner.new_sequence()
     runner.prefill(a, tokens[:PROMPT + 3])
-    a.trim(PROMPT - 7)  # back across a closed window of the sparse layers
+    a.trim(PROMPT - 7)
     again = runner.prefill(a, tokens[PROMPT - 7:PROMPT])
     assert _close(again, ref[PROMPT - 1]) < TOL
-    runner.prefill(b, tokens[:PROMPT - 20])
-    both = runner.decode([a, b], [tokens[PROMPT], tokens[PROMPT - 20]])
-    assert _close(both[0], ref[PROMPT]) < TOL and _close(both[1], ref[PROMPT - 20]) < TOL
-    # trimmed back and continued with other tokens: what a fresh sequence of that text gives
     other = random_tokens(30, low=3, high=49152, seed=12)
     d, fresh = runner.new_sequence(), runner.new_sequence()
     runner.prefill(d, tokens[:PROMPT])
     d.trim(101)
     assert _close(runner.prefill(d, other), runner.prefill(fresh, tokens[:101] + other)) < 1e-5
-    # the persistent store's restore: trimmed, then another text's K/V blocks imported back to the same length
+    # the persistent store's restore: trimmed, then another text's blocks imported back to the same length
     text = tokens[:101] + random_tokens(PROMPT - 101, low=3, high=49152, seed=13)
     source, e, same = runner.new_sequence(), runner.new_sequence(), runner.new_sequence()
     runner.prefill(source, text)
@@ -165,10 +156,112 @@ def test_trim_and_batched_decode_stay_exact(deepseek4, runner):
     e.import_(source.export(101, PROMPT), PROMPT - 101)
     runner.prefill(same, text)
     assert _close(runner.decode([e], [7])[0], runner.decode([same], [7])[0]) < 1e-5
-    # the K/V blocks hold the whole state: exported and imported (the persistent store's path), they continue
-    c = runner.new_sequence()
-    c.import_(a.export(0, a.length), a.length)
-    assert _close(runner.decode([c], [tokens[PROMPT + 1]])[0], ref[PROMPT + 1]) < TOL
+    # one forward's state in two blocks (the first ends mid-block), imported into an empty cache
+    f, c = runner.new_sequence(), runner.new_sequence()
+    runner.prefill(f, tokens[:PROMPT])
+    c.import_(f.export(0, 65), 65)
+    c.import_(f.export(65, PROMPT), PROMPT - 65)
+    assert _close(runner.decode([c], [tokens[PROMPT]])[0], ref[PROMPT]) < TOL
+
+
+LONG = 700  # past two reuse-point intervals (256) and five heavily compressed blocks (128)
+
+
+@pytest.fixture(scope="module")
+def long_text(runner):
+    """A long prompt, its greedy decode steps' logits from one cache, and that cache (decoded on)."""
+    text = random_tokens(LONG, low=3, high=49152, seed=21)
+    seq = runner.new_sequence()
+    for start in range(0, LONG, 256 + 37):  # chunks that end mid-block and mid-interval
+        logits = runner.prefill(seq, text[start:start + 256 + 37])
+    steps = [logits]
+    for _ in range(DECODE):
+        text.append(int(np.argmax(logits)))
+        logits = runner.decode([seq], [text[-1]])[0]
+        steps.append(logits)
+    return text, steps, seq
+
+
+def test_long_prompt_chunks_and_decode_match_one_forward(runner, long_text):
+    """700 tokens in three chunks, then 8 decode steps, through the compact cache: every step's logits
+    are those one forward over the whole text gives."""
+    text, steps, _ = long_text
+    whole = runner.verify(runner.new_sequence(), text)
+    for j, step in enumerate(steps):
+        assert _close(step, whole[LONG - 1 + j]) < 4e-5, f"step {j}"
+
+
+def test_reuse_points_equal_cold_and_rows_batch_as_alone(deepseek4, runner, long_text):
+    """The long cache returns to its reuse points (chunk ends, every 256 tokens) and continues as a cold
+    prefill of that prefix does; a length it no longer holds is refused; two rows at different lengths
+    (different window starts and entry counts, blocks closing at different steps) decode in one batch
+    as each does alone."""
+    from hf2q.engine.kv_cache import PrefixNotReusable
+
+    text, _, seq = long_text
+    points = seq.reuse_points()
+    assert {0, 293, 512, 586, 700, LONG + DECODE} <= set(points)
+    with pytest.raises(PrefixNotReusable, match="can return to"):
+        seq.trim(400)
+    other = random_tokens(20, low=3, high=49152, seed=22)
+    cold = {}
+    for point in (586, 293):
+        seq.trim(point)
+        assert max(seq.reuse_points()) == point
+        cold[point] = runner.new_sequence()
+        assert _close(runner.prefill(seq, other), runner.prefill(cold[point], text[:point] + other)) < 4e-5
+    _, _, tokens, _ = deepseek4
+    short, short_alone = runner.new_sequence(), runner.new_sequence()
+    runner.prefill(short, tokens[:PROMPT - 3])
+    runner.prefill(short_alone, tokens[:PROMPT - 3])
+    for t in random_tokens(6, low=3, high=49152, seed=23):
+        both = runner.decode([seq, short], [t, t])
+        assert _close(both[0], runner.decode([cold[293]], [t])[0]) < 4e-5  # (cold: one forward, not chunks)
+        assert _close(both[1], runner.decode([short_alone], [t])[0]) < 1e-5
+
+
+def test_a_prompt_end_outlives_a_long_reply(deepseek4, runner):
+    """A reply longer than the kept points (here at an 8-token interval) pushes the prompt's end out of
+    them; its copy is kept, and a next turn returning there continues as a cold prefill does."""
+    from hf2q.engine.models.deepseek4_cache import Deepseek4Cache
+    from hf2q.engine.models.deepseek4_layout import layer_rows
+
+    _, _, tokens, _ = deepseek4
+    geo = runner.model.geo
+    seq = Deepseek4Cache(layer_rows(geo.head_dim, geo.index_dim, runner.model.cfg.compress_ratios), geo.window,
+                         runner.dtype, interval=8)
+    runner.prefill(seq, tokens[:PROMPT])
+    for t in random_tokens(5 * 8, low=3, high=49152, seed=25):
+        runner.decode([seq], [t])
+    assert PROMPT not in seq.points and PROMPT in seq.reuse_points()
+    seq.trim(PROMPT)
+    other = random_tokens(12, low=3, high=49152, seed=26)
+    assert _close(runner.prefill(seq, other), runner.prefill(runner.new_sequence(), tokens[:PROMPT] + other)) < 4e-5
+
+
+def test_slot_bytes_stay_bounded_as_the_context_grows(runner):
+    """From 1,000 to 3,000 tokens a slot grows by the compressed entries only (within the plan's
+    per-token figure), and stays inside what admission reserves for it."""
+    from hf2q.engine.models.deepseek4_layout import compact_need
+
+    text = random_tokens(3001, low=3, high=49152, seed=24)
+    seq, held = runner.new_sequence(), {}
+    for start in range(0, 3000, 500):
+        runner.prefill(seq, text[start:start + 500])
+        if start + 500 in (1000, 3000):
+            runner.decode([seq], [text[3000]])  # the step after a prompt lets its chunk's rows go
+            held[seq.length - 1] = seq.nbytes
+            seq.trim(seq.length - 1)
+    per_token, per_slot = runner.kv_bytes_per_token, runner.kv_bytes_per_slot
+    need = compact_need(runner.gguf.hparams, 4)
+    rounding = sum(256 * lay.entry_width * 4 for lay in need.layers)  # entry buffers grow in 256 steps
+    # by 3,000 two chunk ends have aged out of the four newest points: each keeps a copy of its rows
+    ends = 2 * sum(lay.snapshot_values(need.window) * 4 for lay in need.layers)
+    for n, nbytes in held.items():
+        assert nbytes <= n * per_token + per_slot
+    assert 2000 * per_token <= held[3000] - held[1000] <= 2000 * per_token + rounding + ends
+    # every position's raw rows alone would be more (the cache this replaces held 7 times those)
+    assert held[3000] < 3000 * len(need.layers) * need.layers[0].head_dim * 4
 
 
 @pytest.mark.slow

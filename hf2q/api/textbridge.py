@@ -111,10 +111,11 @@ def _reasoning_closing(template, prompt: str, render_without_thinking) -> str:
     return reasoning.closing_text(prompt, render_without_thinking(), markers[1])
 
 
-def _constraint(tokenizer, req: ChatRequest, syntax, max_tokens: int, opening=lambda: ""):
+def _constraint(tokenizer, req: ChatRequest, syntax, max_tokens: int, opening=lambda: "", fence=("", "")):
     """A ``SamplingParams.constraint`` for json_object / json_schema / forced tool calls, or None.
-    ``opening()``: what the reply writes before the constrained part (an open reasoning block's close)."""
-    forced = req.tools_active and (req.tool_choice == "required" or req.forced_tool is not None)
+    ``opening()``: what the reply writes before the constrained part (an open reasoning block's close);
+    ``fence``: what a JSON reply is written between."""
+    forced = _forced(req)
     if req.response_format is None and not forced:
         return None
     try:
@@ -128,7 +129,7 @@ def _constraint(tokenizer, req: ChatRequest, syntax, max_tokens: int, opening=la
         return constrained.for_request(tokenizer, response_format=req.response_format, tools=list(req.tools),
                                        tool_choice=req.tool_choice, syntax=syntax,
                                        parallel=req.parallel_tool_calls, max_tokens=max_tokens,
-                                       opening=opening())
+                                       opening=opening(), fence=fence)
     except InputError as e:
         raise ApiError(400, str(e), code="invalid_value",
                        param="tool_choice" if forced else "response_format") from None
@@ -311,6 +312,8 @@ class GGUFChatModel:
         if req.reasoning_effort is not None:
             kwargs.setdefault("reasoning_effort", req.reasoning_effort)
             kwargs.setdefault("enable_thinking", _thinking(req))
+        if self.tool_syntax == "deepseek" and (schema := _deepseek_schema(req)) is not None:
+            kwargs.setdefault("response_format", schema)  # the template asks for it in its system block
         try:
             return self.template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs)
         except InputError as e:
@@ -386,7 +389,7 @@ class GGUFChatModel:
             logit_bias=req.logit_bias, logprobs=req.logprobs, top_logprobs=req.top_logprobs,
             stop_token_ids=frozenset(tok.eos_ids),
             constraint=_constraint(tok, req, self.tool_syntax if req.tools_active else None, max_tokens,
-                                   opening=closing))
+                                   opening=closing, fence=_json_fence(self.tool_syntax, req)))
         thinking = _thinking(req)
         tools = list(req.tools) if req.tools_active else None
         syntax = self.tool_syntax if tools else None
@@ -396,7 +399,7 @@ class GGUFChatModel:
                 tok, req.stop,
                 tool_parser=_tool_parser(syntax, tools) if tools else None,
                 reasoning=_reasoning_splitter(self.template, text, syntax) if thinking else None,
-                parallel_calls=req.parallel_tool_calls)
+                parallel_calls=req.parallel_tool_calls, fence=_json_fence(self.tool_syntax, req))
         boundary = self._stable_prefix(fenced, fence, text, ids) if stable_prefix else 0
         return PreparedChat(ids, params, new_decoder, boundary)
 
@@ -465,7 +468,7 @@ class ChatOutputDecoder:
     """
 
     def __init__(self, tokenizer, stops: Sequence[str], *, tool_parser=None, reasoning=None,
-                 parallel_calls: bool = True):
+                 parallel_calls: bool = True, fence: tuple[str, str] = ("", "")):
         from hf2q.text.tokenizer import IncrementalDetokenizer
 
         self._detok = IncrementalDetokenizer(tokenizer, skip_special=True)
@@ -481,6 +484,12 @@ class ChatOutputDecoder:
         self.stop_hit = False
         self.stop_cause: str | None = None
         self.truncated_call = False
+        #: a JSON reply's fence, taken off its content (``deepseek4_turns.FencedContent``)
+        self._fence = None
+        if any(fence):
+            from hf2q.text.deepseek4_turns import FencedContent
+
+            self._fence = FencedContent(fence)
 
     def feed(self, token_id: int) -> list[OutputDelta]:
         if self.stop_hit:
@@ -514,6 +523,8 @@ class ChatOutputDecoder:
         return out
 
     def _content(self, text: str, final: bool) -> list[OutputDelta]:
+        if self._fence is not None:
+            text = self._fence.feed(text) + (self._fence.finish() if final else "")
         if self._tools is None:
             return [ContentDelta(text)] if text else []
         if self._calls_ended:
@@ -584,6 +595,26 @@ class ChatOutputDecoder:
     def _end_calls(self, cause: str) -> None:
         self._calls_ended = True
         self.stop_hit, self.stop_cause = True, cause
+
+
+def _deepseek_schema(req) -> dict | None:
+    from hf2q.text.deepseek4_turns import response_format_schema
+
+    return None if _forced(req) else response_format_schema(req.response_format)
+
+
+def _forced(req) -> bool:
+    return req.tools_active and (req.tool_choice == "required" or req.forced_tool is not None)
+
+
+def _json_fence(syntax, req) -> tuple[str, str]:
+    """What a JSON reply is written between: DeepSeek-V4's fenced json block (as llama.cpp reads this
+    family), nothing elsewhere."""
+    if syntax != "deepseek" or _deepseek_schema(req) is None:
+        return ("", "")
+    from hf2q.text.deepseek4_turns import JSON_FENCE
+
+    return JSON_FENCE
 
 
 def _thinking(req) -> bool:

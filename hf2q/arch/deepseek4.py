@@ -34,6 +34,7 @@ import numpy as np
 
 from hf2q.arch.base import MT, Direct, Family, Metadata, Packed, PlannedTensor, quantize_order_key
 from hf2q.errors import InputError
+from hf2q.formats.gguf_check_deepseek4 import RATIOS, bad_ratios
 from hf2q.formats.gguf_keys import DeepSeek4Keys, DeepSeek4Tensors, ExtraKeys, Keys
 from hf2q.ggml import mxfp4
 from hf2q.sources import fp8
@@ -43,8 +44,6 @@ from hf2q.sources.safetensors_reader import SafetensorsCheckpoint, to_f32
 log = logging.getLogger("hf2q.convert")
 T = gguf.GGMLQuantizationType
 
-#: compress ratios llama.cpp's deepseek4 graph has: sliding window only, compressed sparse (CSA), heavily compressed
-RATIOS = (0, 4, 128)
 #: residual streams llama.cpp's hyper-connection kernels are written for
 HC_STREAMS = 4
 _EXPERT = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.(weight|scale)$")
@@ -189,8 +188,7 @@ class DeepSeek4(Family):
         need = self.n_layer + (self.n_nextn if self.mtp == "only" else 0)
         if len(ratios) < need:
             raise InputError(f"config.json: compress_ratios has {len(ratios)} entries but the model has {need} blocks")
-        bad = sorted({r for r in ratios if r not in RATIOS})
-        if bad:
+        if bad := bad_ratios(ratios):
             raise InputError(f"config.json: compress ratio(s) {bad} are not supported (llama.cpp's deepseek4 "
                              f"has {', '.join(map(str, RATIOS))})")
         return ratios

@@ -16,6 +16,7 @@ for 3/5/6-bit decode matvecs, the bounded dense-weight cache of prefill).
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import attrs
 from gguf import GGMLQuantizationType as T
@@ -62,12 +63,15 @@ class KvNeed:
     window: int | None = None  # the sliding window of the layers that keep only it (gemma4, gemma3)
     window_layers: int = 0
     window_position: int = 0  # bytes of one position in one of those layers
+    #: a family's own bounded part (deepseek4: ``new_tokens`` → bytes, ``models/deepseek4_layout.py``)
+    bounded: Callable[[int], int] | None = None
 
     def window_bytes(self, new_tokens: int = 1) -> int:
         """Most bytes the window layers of one slot hold while a forward of ``new_tokens`` runs."""
+        held = self.bounded(new_tokens) if self.bounded is not None else 0
         if not self.window_layers:
-            return 0
-        return self.window_layers * window_positions(self.window, new_tokens) * self.window_position
+            return held
+        return held + self.window_layers * window_positions(self.window, new_tokens) * self.window_position
 
     def slot_bytes(self, ctx: int) -> int:
         """One slot at ``ctx`` tokens, decoding."""
@@ -107,10 +111,11 @@ def kv_need(hp, elem: int, *, on_cpu: bool = False, kv_type: str = "f16") -> KvN
         local = gemma3_local_layers(hp)
         position = token_bytes(hp, elem, kv_type) // hp.n_layers
         return KvNeed((len(local) - sum(local)) * position, hp.sliding_window, sum(local), position)
-    if hp.arch == "deepseek4":  # every layer's rows, one width (models/deepseek4_layout.py)
-        from hf2q.engine.models.deepseek4_layout import kv_bytes_per_token
+    if hp.arch == "deepseek4":  # entries grow at 1/ratio, the rest is bounded (models/deepseek4_layout.py)
+        from hf2q.engine.models.deepseek4_layout import compact_need
 
-        return KvNeed(kv_bytes_per_token(hp, elem))
+        need = compact_need(hp, elem)
+        return KvNeed(need.per_token, bounded=need.bounded)
     if hp.arch != "gemma4":
         return KvNeed(token_bytes(hp, elem, kv_type))
     a = Keys.Attention

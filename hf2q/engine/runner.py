@@ -158,7 +158,8 @@ class MlxModelRunner:
         """Whether a sequence can be trimmed to any earlier position (prefix reuse); a hybrid model's
         recurrent state, and a sliding-window model's window layers, only at its reuse points
         (``seq.reuse_points()``)."""
-        return not hasattr(self.model, "new_recurrent_state") and not self.window_layers
+        return (not hasattr(self.model, "new_recurrent_state") and not self.window_layers
+                and getattr(self.model, "trims_prefix", True))
 
     @property
     def pipelines_decode(self) -> bool:
@@ -186,6 +187,8 @@ class MlxModelRunner:
     def new_sequence(self) -> SequenceCache:
         if self.is_embedding_model:
             raise InputError(f"{self.gguf.path.name} is an embedding model; it cannot generate")
+        if hasattr(self.model, "new_sequence_cache"):  # a cache of the family's own (deepseek4)
+            return self.model.new_sequence_cache()
         n_layers, kv_heads, head_dim = self.model.kv_shape
         recurrent = self.model.new_recurrent_state() if hasattr(self.model, "new_recurrent_state") else None
         window = SlidingWindow(*self.window_layers) if self.window_layers else None

@@ -19,6 +19,23 @@ from hf2q.errors import InputError
 from hf2q.formats.gguf_file import GGUFFile
 from hf2q.formats.gguf_keys import ExtraKeys, Keys
 
+#: compress ratios llama.cpp's deepseek4 graph (and ours) has: sliding window only, compressed sparse (with
+#: the lightning indexer and overlapping windows), heavily compressed — the one list the converter, this
+#: check and the engine read
+RATIOS = (0, 4, 128)
+
+
+def bad_ratios(ratios) -> list:
+    """The entries of ``ratios`` no deepseek4 graph has a path for (empty when all are fine)."""
+    return sorted({r for r in ratios if r not in RATIOS})
+
+
+def ratios_problem(ratios, n_layers: int) -> str | None:
+    """Why ``ratios`` (a GGUF's ``compress_ratios``) cannot drive ``n_layers`` layers, or None."""
+    if not isinstance(ratios, list) or len(ratios) < n_layers or bad_ratios(ratios[:n_layers]):
+        return f"needs one ratio in {RATIOS} per layer ({n_layers}), found {ratios}"
+    return None
+
 _A, _L = Keys.Attention, Keys.LLM
 
 #: types the engine reads a matrix in (dequantized at load where no kernel takes them)
@@ -110,9 +127,8 @@ def check_deepseek4(g: GGUFFile, fail: Callable[[str], InputError], vocab: int |
     d = _ints(g, fail)
     hp = g.hparams
     ratios = hp.stored(ExtraKeys.COMPRESS_RATIOS)
-    if not isinstance(ratios, list) or len(ratios) < d["layers"] or any(r not in (0, 4, 128)
-                                                                         for r in ratios[:d["layers"]]):
-        raise fail(f"{hp.key(ExtraKeys.COMPRESS_RATIOS)} needs one ratio in (0, 4, 128) per layer ({d['layers']})")
+    if problem := ratios_problem(ratios, d["layers"]):
+        raise fail(f"{hp.key(ExtraKeys.COMPRESS_RATIOS)} {problem}")
     ratios = [int(r) for r in ratios[:d["layers"]]]
     expected = table(g, d, ratios)
     for name, (shape, types) in expected.items():

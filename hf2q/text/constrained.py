@@ -467,6 +467,7 @@ def for_request(
     parallel: bool = True,
     max_tokens: int | None = None,
     opening: str = "",
+    fence: tuple[str, str] = ("", ""),
 ) -> GrammarConstraint | None:
     """The one constraint an OpenAI chat request needs, or None.
 
@@ -475,18 +476,21 @@ def for_request(
     ``parallel_tool_calls`` and ``max_tokens`` its budget, which sizes the call's value bounds.
     ``opening`` is text the reply must write before the constrained part: a prompt that leaves
     a reasoning block open (Qwen3.5 with thinking on) has it closed first, or the call or JSON
-    would be written inside the reasoning and never reach the answer.
+    would be written inside the reasoning and never reach the answer. ``fence``: text the JSON of a
+    ``response_format`` is written between (DeepSeek-V4's fenced json block).
     """
     forced = bool(tools) and tool_choice not in (None, "auto", "none")
     if forced and syntax is not None:
         return for_tool_choice(tokenizer, syntax, tools, tool_choice, parallel=parallel, max_tokens=max_tokens,
                                opening=opening)
     constraint = for_response_format(tokenizer, response_format)
-    if constraint is None or not opening:
+    if constraint is None or not (opening or any(fence)):
         return constraint
     kind = response_format.get("type")
     schema = response_format["json_schema"].get("schema", {"type": "object"}) if kind == "json_schema" else {
         "type": "object"}
-    lark = f"start: {_lit(opening)} {_json_value(schema)}\n"
+    parts = [_lit(opening + fence[0])] if opening + fence[0] else []
+    parts += [_json_value(schema)] + ([_lit(fence[1])] if fence[1] else [])
+    lark = f"start: {' '.join(parts)}\n"
     return GrammarConstraint(tokenizer, _load_llguidance().LLMatcher.grammar_from_lark(lark),
                              description=constraint.description)

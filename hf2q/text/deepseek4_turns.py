@@ -38,3 +38,54 @@ def results_in_call_order(messages: Sequence[Mapping]) -> list[dict]:
             out[k] = m
         i = end
     return out
+
+
+#: what a DeepSeek-V4 reply under a ``response_format`` writes around its JSON: the template's system
+#: block asks for the schema, and llama.cpp's reader for this family expects a fenced json block
+JSON_FENCE = ("```json\n", "\n```")
+
+
+def response_format_schema(response_format: Mapping | None) -> dict | None:
+    """The template's ``response_format`` variable for an OpenAI ``response_format``, as llama.cpp hands
+    it over: the JSON schema itself (``{}`` for ``json_object``); None for plain text."""
+    if not response_format:
+        return None
+    kind = response_format.get("type")
+    if kind == "json_object":
+        return dict(response_format.get("schema") or {})
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        return dict(spec.get("schema") or {}) if isinstance(spec, Mapping) else {}
+    return None
+
+
+class FencedContent:
+    """The reply's content with the fence around it taken off, as it streams: the opening is dropped
+    once it has arrived whole, and the last ``len(closing)`` characters are held back until the end
+    shows whether they are the closing fence. Text that does not open with the fence passes through."""
+
+    def __init__(self, fence: tuple[str, str] = JSON_FENCE):
+        self.opening, self.closing = fence
+        self._head = ""  # text seen while it may still be the opening
+        self._opened: bool | None = None
+        self._held = ""
+
+    def feed(self, text: str) -> str:
+        if self._opened is None:
+            self._head += text
+            if self.opening.startswith(self._head):
+                return ""
+            self._opened = self._head.startswith(self.opening)
+            text = self._head[len(self.opening):] if self._opened else self._head
+        if not self._opened:
+            return text
+        self._held += text
+        cut = max(0, len(self._held) - len(self.closing))
+        out, self._held = self._held[:cut], self._held[cut:]
+        return out
+
+    def finish(self) -> str:
+        if self._opened is None:
+            return self._head
+        held, self._held = self._held, ""
+        return "" if self._opened and held == self.closing else held

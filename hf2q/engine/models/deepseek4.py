@@ -30,12 +30,13 @@ from gguf import GGMLQuantizationType as T
 from hf2q.engine.kv_cache import ForwardBatch
 from hf2q.engine.layers import Linear, float_array, silu
 from hf2q.engine.models.decoder import distinct_nbytes
-from hf2q.engine.models.deepseek4_attention import (AttnGeometry, Deepseek4Attention, RowLayout, default_inv_freq,
-                                                    yarn_inv_freq)
-from hf2q.engine.models.deepseek4_layout import cache_shape
+from hf2q.engine.models.deepseek4_attention import AttnGeometry, Deepseek4Attention, default_inv_freq, yarn_inv_freq
+from hf2q.engine.models.deepseek4_cache import Deepseek4Cache
+from hf2q.engine.models.deepseek4_layout import layer_rows
 from hf2q.engine.models.deepseek4_hc import HyperConnection, HyperHead
 from hf2q.engine.quant_repack import FLOAT_TYPES, QUANTIZED_TYPES
 from hf2q.errors import InputError
+from hf2q.formats.gguf_check_deepseek4 import ratios_problem
 from hf2q.formats.gguf_file import GGUFFile, GGUFTensor
 from hf2q.formats.gguf_keys import ExtraKeys, Keys
 
@@ -122,14 +123,14 @@ class Deepseek4MoE:
 
 
 class Deepseek4Block:
-    def __init__(self, cfg: Deepseek4Config, geo: AttnGeometry, g: GGUFFile, i: int, layout: RowLayout, dtype):
+    def __init__(self, cfg: Deepseek4Config, geo: AttnGeometry, g: GGUFFile, i: int, dtype):
         p = f"blk.{i}."
         hc = (cfg.hc_count, cfg.hidden, cfg.hc_iterations, cfg.hc_eps, cfg.norm_eps)
         self.attn_hc = HyperConnection(g, p + "hc_attn_", *hc)
         self.ffn_hc = HyperConnection(g, p + "hc_ffn_", *hc)
         self.attn_norm = float_array(g.tensor(p + "attn_norm.weight"), dtype)
         self.ffn_norm = float_array(g.tensor(p + "ffn_norm.weight"), dtype)
-        self.attn = Deepseek4Attention(geo, g, i, cfg.compress_ratios[i], layout, dtype)
+        self.attn = Deepseek4Attention(geo, g, i, cfg.compress_ratios[i], dtype)
         self.moe = Deepseek4MoE(cfg, g, i, dtype)
         self.eps = cfg.norm_eps
 
@@ -159,10 +160,10 @@ def read_config(g: GGUFFile) -> tuple[Deepseek4Config, AttnGeometry]:
         return v
 
     n = hp.n_layers
-    ratios = [int(r) for r in need(ExtraKeys.COMPRESS_RATIOS)][:n]
-    if len(ratios) < n or any(r not in (0, 4, 128) for r in ratios):
-        raise InputError(f"{name}: {hp.key(ExtraKeys.COMPRESS_RATIOS)} needs one ratio in (0, 4, 128) per layer "
-                         f"({n}), found {ratios}")
+    ratios = list(need(ExtraKeys.COMPRESS_RATIOS))
+    if problem := ratios_problem(ratios, n):
+        raise InputError(f"{name}: {hp.key(ExtraKeys.COMPRESS_RATIOS)} {problem}")
+    ratios = [int(r) for r in ratios[:n]]
     n_heads = hp.n_heads
     if isinstance(n_heads, list):
         raise InputError(f"{name}: per-layer query head counts are not supported")
@@ -198,25 +199,21 @@ def read_config(g: GGUFFile) -> tuple[Deepseek4Config, AttnGeometry]:
     return cfg, geo
 
 
-def row_layout(geo: AttnGeometry, ratios: list[int]) -> RowLayout:
-    heads, piece = cache_shape(geo.head_dim, geo.index_dim, ratios)
-    return RowLayout(heads=heads, piece=piece)
-
-
 class Deepseek4Model:
     """Embedding → ``n`` copies (the streams) → blocks → stream collapse → final norm → logits.
 
     The blocks are ``blocks``, not ``layers``: the host decode kernels (``engine.cpu_decode``) assume
-    a plain decoder, so this model always runs on the MLX graph."""
+    a plain decoder, so this model always runs on the MLX graph. Its slots hold the compact cache
+    (:meth:`new_sequence_cache`), which returns only to its reuse points."""
 
     is_embedding_model = False
+    trims_prefix = False
 
     def __init__(self, g: GGUFFile, dtype):
         self.cfg, self.geo = read_config(g)
         self.dtype = dtype
-        self.layout = row_layout(self.geo, self.cfg.compress_ratios)
         self.embed = Linear(g.tensor("token_embd.weight"), dtype)
-        self.blocks = [Deepseek4Block(self.cfg, self.geo, g, i, self.layout, dtype) for i in range(self.cfg.n_layers)]
+        self.blocks = [Deepseek4Block(self.cfg, self.geo, g, i, dtype) for i in range(self.cfg.n_layers)]
         c = self.cfg
         self.head = HyperHead(g, c.hc_count, c.hc_eps, c.norm_eps)
         self.norm = float_array(g.tensor("output_norm.weight"), dtype)
@@ -224,7 +221,12 @@ class Deepseek4Model:
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:
-        return self.cfg.n_layers, self.layout.heads, self.layout.piece
+        return self.cfg.n_layers, 1, self.geo.head_dim
+
+    def new_sequence_cache(self) -> Deepseek4Cache:
+        geo = self.geo
+        return Deepseek4Cache(layer_rows(geo.head_dim, geo.index_dim, self.cfg.compress_ratios), geo.window,
+                              self.dtype)
 
     def weights_nbytes(self) -> int:
         return distinct_nbytes([self.embed, self.lm_head] + [lin for b in self.blocks for lin in b.linears()])

@@ -19,13 +19,10 @@ the query's own angle. Layers differ by their compression ratio ``m``:
 A query at position ``p`` may use compressed entry ``w`` once its window has closed: ``(w + 1)·m ≤ p + 1``.
 The compressed layers use the ``compress_rope_freq_base`` RoPE for queries, keys and entries.
 
-**Cache.** The slot cache stores, per position and layer, the raw key-value row and the compressor's
-(and indexer's) projected rows and gate logits, packed into the layer's K and V buffers
-(:class:`RowLayout`). The compressed entries are a pure function of those rows, so they are pooled
-again at every forward from the rows of positions ``[0, length)``: a cache trimmed to any earlier
-length (prefix reuse, cancellation, a speculative rollback) or moved through export/import is exactly
-the state a fresh prefill of that prefix would leave, and the "compressor state" carried across
-prefill chunks and decode steps is simply the rows of the unfinished window.
+**Cache.** A slot keeps each layer's raw rows of the window, the compressor's (and indexer's) rows of
+the unfinished block, and the compressed entries appended as blocks close (``models/deepseek4_cache.py``):
+a forward extends them by its own tokens only, pooling just the blocks it closes, so prefill chunks split
+anywhere (mid-block too) and one-token decode steps give one forward's logits.
 """
 
 from __future__ import annotations
@@ -38,6 +35,7 @@ import numpy as np
 
 from hf2q.engine.kv_cache import ForwardBatch
 from hf2q.engine.layers import Linear, float_array, rms_norm
+from hf2q.engine.models.deepseek4_cache import LayerState
 from hf2q.errors import InputError
 from hf2q.formats.gguf_file import GGUFFile
 
@@ -62,34 +60,6 @@ class AttnGeometry:
     norm_eps: float
     main_inv_freq: np.ndarray  # RoPE per-pair frequencies of the sliding-only layers
     compress_inv_freq: np.ndarray  # ... of the compressed layers (their queries, keys and entries)
-
-
-@attrs.define
-class RowLayout:
-    """Where a layer's per-position rows sit in its K and V cache buffers (flattened to channels).
-
-    K holds ``[raw kv | compressor kv | indexer kv]``, V ``[compressor gate | indexer gate]``; the
-    buffers of every layer have ``heads × piece`` channels, so each layer's widths are padded up."""
-
-    heads: int
-    piece: int
-
-    @property
-    def width(self) -> int:
-        return self.heads * self.piece
-
-    def pack(self, parts: list[mx.array], B: int, T: int, dtype) -> mx.array:
-        """``[B, T, c]`` parts → one ``[B, heads, T, piece]`` buffer row block (zero padded)."""
-        used = sum(p.shape[-1] for p in parts)
-        if used < self.width:
-            parts = parts + [mx.zeros((B, T, self.width - used), dtype=dtype)]
-        flat = mx.concatenate([p.astype(dtype) for p in parts], axis=-1) if len(parts) > 1 else parts[0].astype(dtype)
-        return flat.reshape(B, T, self.heads, self.piece).transpose(0, 2, 1, 3)
-
-    def unpack(self, buf: mx.array) -> mx.array:
-        """``[B, heads, L, piece]`` → ``[B, L, heads·piece]``."""
-        B, H, L, P = buf.shape
-        return buf.transpose(0, 2, 1, 3).reshape(B, L, H * P)
 
 
 def rope_tail(x: mx.array, pos: mx.array, inv_freq: mx.array, rope_dims: int, sign: float = 1.0) -> mx.array:
@@ -121,25 +91,55 @@ class Compressor:
     def linears(self):
         return (self.kv, self.gate)
 
-    def pool(self, kv: mx.array, gate: mx.array, eps: float, inv_freq: mx.array, rope_dims: int) -> mx.array:
-        """Rows ``kv, gate [B, P, width]`` of positions ``[0, P)`` → entries ``[B, P // ratio, dim]``
-        (normalised and rotated at their window's first position)."""
+    def pool(self, kv: mx.array, gate: mx.array, first: int, prev: tuple[mx.array, mx.array] | None, eps: float,
+             inv_freq: mx.array, rope_dims: int) -> mx.array:
+        """Rows ``kv, gate [B, n·ratio, width]`` of blocks ``first …`` → their entries ``[B, n, dim]``
+        (normalised and rotated at each block's first position). ``prev``: block ``first − 1``'s rows
+        ``[B, ratio, width]`` where windows overlap (None before block 0)."""
         m, d = self.ratio, self.dim
         B, P, _ = kv.shape
         n = P // m
-        if n == 0:
-            return mx.zeros((B, 0, d), dtype=kv.dtype)
-        kv = kv[:, :n * m].reshape(B, n, m, self.width).astype(mx.float32)
-        logits = gate[:, :n * m].reshape(B, n, m, self.width).astype(mx.float32) + self.ape
+        kv = kv.reshape(B, n, m, self.width).astype(mx.float32)
+        logits = gate.reshape(B, n, m, self.width).astype(mx.float32) + self.ape
         if self.overlap:  # window w: the a half of window w − 1 (none before window 0), then its own b half
-            prev_kv = mx.concatenate([mx.zeros((B, 1, m, d)), kv[:, :-1, :, :d]], axis=1)
-            prev_logits = mx.concatenate([mx.full((B, 1, m, d), NEG_INF), logits[:, :-1, :, :d]], axis=1)
+            if prev is None:
+                prev_kv, prev_logits = mx.zeros((B, 1, m, d)), mx.full((B, 1, m, d), NEG_INF)
+            else:
+                prev_kv = prev[0].reshape(B, 1, m, self.width)[..., :d].astype(mx.float32)
+                prev_logits = (prev[1].reshape(B, 1, m, self.width).astype(mx.float32) + self.ape)[..., :d]
+            prev_kv = mx.concatenate([prev_kv, kv[:, :-1, :, :d]], axis=1)
+            prev_logits = mx.concatenate([prev_logits, logits[:, :-1, :, :d]], axis=1)
             kv = mx.concatenate([prev_kv, kv[..., d:]], axis=2)
             logits = mx.concatenate([prev_logits, logits[..., d:]], axis=2)
         weights = mx.softmax(logits, axis=2, precise=True)
         pooled = rms_norm((kv * weights).sum(axis=2), self.norm.astype(mx.float32), eps)  # [B, n, d]
-        pos = mx.broadcast_to((mx.arange(n) * m)[None], (B, n))
+        pos = mx.broadcast_to(((first + mx.arange(n)) * m)[None], (B, n))
         return rope_tail(pooled[:, None], pos, inv_freq, rope_dims)[:, 0]
+
+    def closed(self, rows, start: int, n_new: int, eps: float, inv_freq: mx.array, rope_dims: int):
+        """The entries of the blocks a forward of ``n_new`` tokens from ``start`` closes, from one
+        sequence's rows (``deepseek4_cache.Rows`` of ``[kv | gate]``, holding what they need); None
+        when it closes none."""
+        m, w = self.ratio, self.width
+        first, end = start // m, (start + n_new) // m
+        if end == first:
+            return None
+        block = rows.span(first * m, end * m)[None]
+        prev = None
+        if self.overlap and first:
+            before = rows.span((first - 1) * m, first * m)[None]
+            prev = (before[..., :w], before[..., w:])
+        return self.pool(block[..., :w], block[..., w:], first, prev, eps, inv_freq, rope_dims)[0]
+
+
+def _padded_rows(rows: list[mx.array]) -> mx.array:
+    """Per-sequence rows ``[n_b, w]`` → ``[B, max n_b, w]`` (the padding is masked: it lies past each
+    row's positions)."""
+    if len(rows) == 1:
+        return rows[0][None]
+    n = max(a.shape[0] for a in rows)
+    return mx.stack([a if a.shape[0] == n else mx.concatenate([a, mx.zeros((n - a.shape[0], a.shape[1]), a.dtype)])
+                     for a in rows])
 
 
 def entry_visible(q_pos: np.ndarray, n_entries: int, ratio: int) -> np.ndarray:
@@ -148,9 +148,9 @@ def entry_visible(q_pos: np.ndarray, n_entries: int, ratio: int) -> np.ndarray:
 
 
 class Deepseek4Attention:
-    def __init__(self, geo: AttnGeometry, g: GGUFFile, i: int, ratio: int, layout: RowLayout, dtype):
+    def __init__(self, geo: AttnGeometry, g: GGUFFile, i: int, ratio: int, dtype):
         p = f"blk.{i}."
-        self.geo, self.ratio, self.layout, self.layer, self.dtype = geo, ratio, layout, i, dtype
+        self.geo, self.ratio, self.layer, self.dtype = geo, ratio, i, dtype
         self.q_a = Linear(g.tensor(p + "attn_q_a.weight"), dtype)
         self.q_a_norm = float_array(g.tensor(p + "attn_q_a_norm.weight"), dtype)
         self.q_b = Linear(g.tensor(p + "attn_q_b.weight"), dtype)
@@ -193,53 +193,57 @@ class Deepseek4Attention:
         q = rope_tail(rms_norm(q, None, eps), q_pos, self.inv_freq, r)
         kv = rope_tail(rms_norm(self.kv(x), self.kv_norm, eps)[:, None], q_pos, self.inv_freq, r)[:, 0]  # [B, T, D]
 
-        k_parts, v_parts = [kv], []
-        if self.compressor is not None:
-            k_parts.append(self.compressor.kv(x))
-            v_parts.append(self.compressor.gate(x))
-        if self.indexer is not None:
-            k_parts.append(self.indexer.kv(x))
-            v_parts.append(self.indexer.gate(x))
-        lay = self.layout
-        k_rows = lay.pack(k_parts, B, T, dtype)
-        v_rows = lay.pack(v_parts, B, T, dtype) if v_parts else mx.zeros_like(k_rows)
-        keys_buf, values_buf = fb.update(self.layer, k_rows, v_rows)
-        k_all = lay.unpack(keys_buf)  # [B, L, width]: every position of every row so far
-        # the raw window: causal, within the window, and within each row's own length (no row's query
-        # sees a position before the earliest query's window)
-        first = max(0, int(offsets.min()) - geo.window + 1)
-        raw = k_all[:, first:, :D]
-        k_pos = np.arange(first, k_all.shape[1])[None, None, :]
+        held = [c.layer(self.layer) for c in fb.caches]  # (rows, entries, indexer keys) as of the last commit
+        raw = [st.raw.extended(kv[b]) for b, (st, _, _) in enumerate(held)]
+        keys, starts = _padded_rows([rw.data for rw in raw]), np.array([rw.start for rw in raw])
+        # the raw window: each row's kept positions, causal and within the window
+        k_pos = starts[:, None, None] + np.arange(keys.shape[1])[None, None, :]
         allowed = (k_pos <= q_pos_np[:, :, None]) & (k_pos > q_pos_np[:, :, None] - geo.window)
-        keys, masks = [raw], [allowed]
+        keys, masks = [keys], [mx.array(allowed)]
+        comp = index = [None] * B
+        counts = index_counts = [0] * B
         if self.compressor is not None:
-            v_all = lay.unpack(values_buf)
-            c = self.compressor
-            entries = c.pool(k_all[..., D:D + c.width], v_all[..., :c.width], eps, self.inv_freq, r)
-            E = entries.shape[1]
-            if E:
-                visible = mx.array(entry_visible(q_pos_np, E, self.ratio))
+            comp, entries, counts = self._extend(self.compressor, held, 1, x, offsets, T)
+            if max(counts):
+                visible = mx.array(entry_visible(q_pos_np, max(counts), self.ratio))
                 if self.indexer is not None:
-                    visible = self._indexed(x, q_res, q_pos, k_all, v_all, visible)
-                keys.append(entries.astype(dtype))
+                    index, index_keys, index_counts = self._extend(self.indexer, held, 2, x, offsets, T)
+                    visible = self._indexed(x, q_res, q_pos, index_keys, visible)
+                keys.append(entries)
                 masks.append(visible)
+            elif self.indexer is not None:
+                index, _, index_counts = self._extend(self.indexer, held, 2, x, offsets, T)
+        for b, c in enumerate(fb.caches):
+            c.stage(self.layer, LayerState(raw[b], comp[b], index[b]), counts[b], index_counts[b], fb.end_point)
         keys = mx.concatenate(keys, axis=1) if len(keys) > 1 else keys[0]
-        mask = mx.concatenate([mx.array(allowed), *masks[1:]], axis=-1)[:, None] if len(masks) > 1 \
-            else mx.array(allowed[:, None])
+        mask = mx.concatenate(masks, axis=-1)[:, None]
         out = self._attend(q, keys, mask)  # [B, H, T, D]
         out = rope_tail(out, q_pos, self.inv_freq, r, sign=-1.0)
         grouped = out.transpose(0, 2, 1, 3).reshape(B * T, geo.groups, -1).transpose(1, 0, 2)  # [G, BT, in]
         low = (grouped @ self.o_a).transpose(1, 0, 2).reshape(B, T, -1)
         return self.o_b(low)
 
-    def _indexed(self, x, q_res, q_pos, k_all, v_all, visible: mx.array) -> mx.array:
+    def _extend(self, comp: "Compressor", held, part: int, x: mx.array, offsets: np.ndarray, T: int):
+        """One compressor's rows extended by this forward's, the entries of every row ``[B, E, dim]``
+        (padded to the most; the closed blocks pooled and written after the committed ones) and each
+        row's entry count."""
+        new = mx.concatenate([comp.kv(x), comp.gate(x)], axis=-1)  # [B, T, 2·width]
+        rows, views, counts = [], [], []
+        for b, (st, *ents) in enumerate(held):
+            rw = (st.comp if part == 1 else st.index).extended(new[b])
+            store = ents[part - 1]
+            count = store.write(comp.closed(rw, int(offsets[b]), T, self.geo.norm_eps, self.inv_freq,
+                                            self.geo.rope_dims))
+            rows.append(rw)
+            views.append(store.view(count))
+            counts.append(count)
+        return rows, _padded_rows(views).astype(self.dtype), counts
+
+    def _indexed(self, x, q_res, q_pos, entries: mx.array, visible: mx.array) -> mx.array:
         """``[B, T, E]``: the visible compressed entries the lightning indexer keeps for each query (its
-        top ``index_top_k`` by score; all of them when there are no more)."""
-        geo, ix = self.geo, self.indexer
-        D, c = geo.head_dim, self.compressor
-        start = D + c.width
-        entries = ix.pool(k_all[..., start:start + ix.width], v_all[..., c.width:c.width + ix.width], geo.norm_eps,
-                          self.inv_freq, geo.rope_dims)  # [B, E, I]
+        top ``index_top_k`` by score, over its own keys ``entries [B, E, I]``; all of them when there are
+        no more)."""
+        geo = self.geo
         B, T = q_pos.shape
         iq = self.index_q(q_res).reshape(B, T, geo.index_heads, geo.index_dim).transpose(0, 2, 1, 3)
         iq = rope_tail(iq, q_pos, self.inv_freq, geo.rope_dims).astype(mx.float32)  # [B, Hi, T, I]

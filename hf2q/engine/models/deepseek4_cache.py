@@ -1,0 +1,352 @@
+"""A DeepSeek-V4 slot's compact cache (what it holds: ``models/deepseek4_layout.py``).
+
+A query at position ``p`` needs, per layer, the raw rows of its window ``(p − window, p]`` and every
+compressed entry closed before it; the entries are pure functions of ``ratio`` (or ``2·ratio``)
+consecutive compressor rows. So instead of every position's rows this cache keeps, per layer,
+
+* :class:`Rows` — raw rows, and compressor (and indexer) rows, of consecutive positions up to the
+  length; before each forward (:meth:`Deepseek4Cache.reserve`) they let go of what the next query and
+  the decode pipeline's one-position undo no longer need, so right after a forward every length
+  inside it can still be returned to (speculative verification, a mid-prompt trim);
+* :class:`Entries` — the compressed entries (and indexer keys), appended as each block closes.
+
+A forward's new rows and entries are staged by the attention layers (:meth:`stage`) and committed
+only by :meth:`advance` (``ForwardBatch.finish``), so a failed forward leaves the last commit.
+Entries are written past the committed count in place: they stay unread until committed.
+
+**Reuse points** are ``recurrent_policy.ReusePoints`` (one every ``CHECKPOINT_INTERVAL`` tokens and
+at the end of every prefill transaction, the newest ``WINDOW_POINTS_KEPT``), each with a copy of the
+rows at that length; a transaction end that ages out of them is kept as well (the newest
+``WINDOW_SNAPSHOTS_KEPT``), as ``SlidingWindow`` keeps its snapshots. The entries need no copy: a
+point is never past the length, and the entries of a shorter length are a prefix of the live ones.
+``trim`` honours 0, the length, any point, and any length whose rows are still held; anything else
+raises ``PrefixNotReusable``.
+
+**Export/import** move the state at the block's end: the entries closed inside the block and the
+rows the end needs. A block can be exported while the cache still holds its end's rows (its end is
+the length, a point, or inside the last forward); imported after a trim (or onto an empty cache),
+its entries are appended and its rows become the live ones.
+"""
+
+from __future__ import annotations
+
+import attrs
+import mlx.core as mx
+import numpy as np
+
+from hf2q.engine.kv_cache import PrefixNotReusable, SequenceCache
+from hf2q.engine.models.deepseek4_layout import LayerRows
+from hf2q.engine.recurrent_policy import (CHECKPOINT_INTERVAL, WINDOW_POINTS_KEPT, WINDOW_SNAPSHOTS_KEPT,
+                                          ReusePoints, room_for)
+
+
+def _copy(a: mx.array) -> mx.array:
+    """``a`` in a buffer of its own (a slice would keep its whole source alive)."""
+    return a + mx.zeros((), dtype=a.dtype)
+
+
+@attrs.frozen
+class Rows:
+    """Rows ``data [n, width]`` of the consecutive positions ``[start, start + n)``."""
+
+    start: int
+    data: mx.array
+
+    @property
+    def end(self) -> int:
+        return self.start + self.data.shape[0]
+
+    def span(self, first: int, end: int) -> mx.array:
+        """The rows of positions ``[first, end)`` (which this holds)."""
+        return self.data[first - self.start:end - self.start]
+
+    def cut(self, first: int, end: int) -> "Rows":
+        return Rows(first, self.span(first, end))
+
+    def extended(self, new: mx.array) -> "Rows":
+        return Rows(self.start, mx.concatenate([self.data, new.astype(self.data.dtype)], axis=0))
+
+
+def _empty_rows(width: int, dtype) -> Rows:
+    return Rows(0, mx.zeros((0, width), dtype=dtype))
+
+
+@attrs.frozen
+class LayerState:
+    """One layer's rows at some length: raw, compressor, indexer compressor (the last two None
+    where the layer has none)."""
+
+    raw: Rows
+    comp: Rows | None = None
+    index: Rows | None = None
+
+    def arrays(self) -> list[mx.array]:
+        return [r.data for r in (self.raw, self.comp, self.index) if r is not None]
+
+
+class Entries:
+    """A layer's compressed entries ``[count, width]`` in a buffer grown in ``KV_GROW`` steps."""
+
+    def __init__(self, width: int, dtype):
+        self.width, self.dtype = width, dtype
+        self.buf: mx.array | None = None
+        self.count = 0
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buf is None else self.buf.nbytes
+
+    def write(self, new: mx.array | None) -> int:
+        """Write ``new [n, width]`` after the committed entries; the count they make (not committed)."""
+        if new is None or not new.shape[0]:
+            return self.count
+        end = self.count + new.shape[0]
+        cap = 0 if self.buf is None else self.buf.shape[0]
+        if end > cap:
+            grown = mx.zeros((room_for(end), self.width), dtype=self.dtype)
+            if self.count:
+                grown[:self.count] = self.buf[:self.count]
+            self.buf = grown
+        self.buf[self.count:end] = new.astype(self.dtype)
+        return end
+
+    def view(self, count: int) -> mx.array:
+        if self.buf is None:
+            return mx.zeros((0, self.width), dtype=self.dtype)
+        return self.buf[:count]
+
+    def keep(self, count: int) -> None:
+        """The first ``count`` entries stay (room beyond them given back)."""
+        self.count = count
+        room = room_for(count)
+        if self.buf is not None and room < self.buf.shape[0]:
+            self.buf = _copy(self.buf[:room]) if room else None
+
+
+class Deepseek4Cache(SequenceCache):
+    """The compact cache of one sequence (see the module doc). Not stackable: batched decode reads
+    each row's own arrays."""
+
+    #: the payload marking a point that ends a prefill transaction
+    TRANSACTION_END = "end"
+
+    def __init__(self, layers: list[LayerRows], window: int, dtype, interval: int = CHECKPOINT_INTERVAL,
+                 keep: int = WINDOW_POINTS_KEPT, ends_kept: int = WINDOW_SNAPSHOTS_KEPT):
+        super().__init__(len(layers), 1, layers[0].head_dim, dtype)
+        self.specs, self.size = list(layers), window
+        self.states = [self._empty_state(s) for s in self.specs]
+        self.entries = [Entries(s.head_dim, dtype) if s.ratio else None for s in self.specs]
+        self.index_entries = [Entries(s.index_dim, dtype) if s.overlap else None for s in self.specs]
+        self.points = ReusePoints(interval, keep)
+        #: transaction ends older than the kept points: length → rows per layer
+        self.ends: dict[int, list[LayerState]] = {}
+        self.ends_kept = ends_kept
+        #: where the last forward started (its rows are all held until the next one)
+        self._rollback: int | None = None
+        self._pending: dict[int, tuple[LayerState, int, int]] = {}
+        self._transaction = True
+        self.published_points = (0,)
+
+    def _empty_state(self, s: LayerRows) -> LayerState:
+        return LayerState(_empty_rows(s.head_dim, self.dtype),
+                          _empty_rows(s.comp_width, self.dtype) if s.ratio else None,
+                          _empty_rows(s.index_width, self.dtype) if s.overlap else None)
+
+    # ---- what a length needs ----------------------------------------------------------------
+
+    def raw_first(self, n: int) -> int:
+        """The first raw row the query at ``n`` needs from the cache."""
+        return max(0, n - self.size + 1)
+
+    @staticmethod
+    def comp_first(spec: LayerRows, n: int) -> int:
+        """The first compressor row the blocks still open at ``n`` need."""
+        return max(0, (n // spec.ratio - (1 if spec.overlap else 0)) * spec.ratio)
+
+    def _needs(self, n: int):
+        for spec, st in zip(self.specs, self.states):
+            yield spec, st, self.raw_first(n), self.comp_first(spec, n) if spec.ratio else 0
+
+    def _held(self, n: int) -> bool:
+        return all(st.raw.start <= raw and (st.comp is None or st.comp.start <= comp)
+                   for _, st, raw, comp in self._needs(n))
+
+    def _state_at(self, n: int, end: int | None = None) -> list[LayerState]:
+        """Every layer's rows from what ``n`` needs (which :meth:`_held`) up to ``end`` (default ``n``),
+        as views of the live rows."""
+        end = n if end is None else end
+        return [LayerState(st.raw.cut(raw, end), st.comp.cut(comp, end) if st.comp is not None else None,
+                           st.index.cut(comp, end) if st.index is not None else None)
+                for _, st, raw, comp in self._needs(n)]
+
+    # ---- the forward -------------------------------------------------------------------------
+
+    def reserve(self, n_tokens: int) -> None:
+        """Before a forward: let go of the rows neither the next query nor the one-position undo needs."""
+        self._pending = {}
+        if self._length and self._held(self._length - 1):  # (not after a return to a point: already minimal)
+            self.states = self._state_at(self._length - 1, self._length)
+
+    def stage(self, layer: int, state: LayerState, entries: int, index_entries: int, transaction: bool) -> None:
+        """Layer ``layer``'s rows and entry counts after this forward (committed by :meth:`advance`)."""
+        self._pending[layer] = (state, entries, index_entries)
+        self._transaction = transaction
+
+    def advance(self, n: int) -> None:
+        if len(self._pending) != self.n_layers:
+            raise RuntimeError("a deepseek4 forward did not stage every layer's rows")
+        start = self._length
+        for i, (state, e, ie) in sorted(self._pending.items()):
+            self.states[i] = state
+            if self.entries[i] is not None:
+                self.entries[i].count = e
+            if self.index_entries[i] is not None:
+                self.index_entries[i].count = ie
+        self._pending = {}
+        self._length += n
+        self._rollback = start
+        self._add_points(start, n, self._transaction)
+        self.published_points = self.reuse_points()
+
+    def _add_points(self, start: int, n: int, transaction: bool) -> None:
+        aged = {}
+        for cut in self.points.due(start, n):
+            aged |= self.points.add(start + cut, (None, self._snapshot(start + cut)))
+        end = start + n
+        if self.points.ends_at(end, n, transaction):
+            kind = self.TRANSACTION_END if n > 1 and transaction else None
+            aged |= self.points.add(end, (kind, self._snapshot(end)))
+        for p, (kind, rows) in aged.items():
+            if kind == self.TRANSACTION_END:
+                self.ends[p] = rows
+        while len(self.ends) > self.ends_kept:
+            del self.ends[min(self.ends)]
+
+    def _snapshot(self, n: int) -> list[LayerState]:
+        rows = [LayerState(*(None if r is None else Rows(r.start, _copy(r.data))
+                             for r in (st.raw, st.comp, st.index))) for st in self._state_at(n)]
+        mx.eval([a for st in rows for a in st.arrays()])
+        return rows
+
+    def layer(self, i: int) -> tuple[LayerState, Entries | None, Entries | None]:
+        return self.states[i], self.entries[i], self.index_entries[i]
+
+    # ---- prefix operations ---------------------------------------------------------------------
+
+    def reuse_points(self) -> tuple[int, ...]:
+        points = {0, self._length} | {p for p in (*self.points, *self.ends) if p <= self._length}
+        if self._rollback is not None and self._rollback <= self._length and self._held(self._rollback):
+            points.add(self._rollback)
+        return tuple(sorted(points))
+
+    def trim(self, n_tokens: int) -> None:
+        if n_tokens < 0 or n_tokens > self._length:
+            raise ValueError(f"cannot trim a cache of {self._length} tokens to {n_tokens}")
+        self._pending = {}
+        if n_tokens == self._length:
+            return
+        if n_tokens == 0:
+            self.states = [self._empty_state(s) for s in self.specs]
+            self.points.clear()
+            self.ends.clear()
+        elif n_tokens in self.points:
+            self.states = list(self.points[n_tokens][1])
+        elif n_tokens in self.ends:
+            self.states = list(self.ends[n_tokens])
+        elif self._held(n_tokens):
+            self.states = self._state_at(n_tokens)
+        else:
+            raise PrefixNotReusable(
+                f"cannot trim a deepseek4 cache of {self._length} tokens to {n_tokens}: it keeps only the last "
+                f"window's rows; it can return to {self.reuse_points()} tokens")
+        self._cut_entries(n_tokens)
+        self.points.drop_after(n_tokens)
+        for p in [p for p in self.ends if p > n_tokens]:
+            del self.ends[p]
+        self._length = n_tokens
+        self._rollback = None
+        self.published_points = self.reuse_points()
+
+    def _cut_entries(self, n: int) -> None:
+        for spec, e, ie in zip(self.specs, self.entries, self.index_entries):
+            for ents in (e, ie):
+                if ents is not None:
+                    ents.keep(n // spec.ratio)
+
+    # ---- memory ----------------------------------------------------------------------------------
+
+    @property
+    def keys(self) -> list[mx.array]:
+        """Every array the cache holds, the staged forward's included (what a forward's eval must reach)."""
+        states = [self._pending[i][0] if i in self._pending else st for i, st in enumerate(self.states)]
+        out = [a for st in states for a in st.arrays()]
+        return out + [e.buf for e in (*self.entries, *self.index_entries) if e is not None and e.buf is not None]
+
+    @property
+    def values(self) -> list[mx.array]:
+        return []
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 0
+
+    @property
+    def nbytes(self) -> int:
+        live = sum(a.nbytes for st in self.states for a in st.arrays())
+        kept = [rows for _, rows in (self.points[p] for p in self.points)] + list(self.ends.values())
+        copies = sum(a.nbytes for rows in kept for st in rows for a in st.arrays())
+        return live + copies + sum(e.nbytes for e in (*self.entries, *self.index_entries) if e is not None)
+
+    # ---- export / import ---------------------------------------------------------------------------
+
+    def export(self, start: int, end: int) -> dict[str, np.ndarray]:
+        if end == self._length or self._held(end):
+            rows = self._state_at(end)
+        elif end in self.points:
+            rows = self.points[end][1]
+        elif end in self.ends:
+            rows = self.ends[end]
+        else:
+            raise PrefixNotReusable(f"cannot export a deepseek4 cache of {self._length} tokens up to {end}: its "
+                                    f"rows there are no longer held (it can: {self.reuse_points()})")
+        out = {}
+        for i, (spec, st) in enumerate(zip(self.specs, rows)):
+            out[f"raw.{i}"] = np.array(st.raw.data.astype(mx.float32))
+            if spec.ratio:
+                out[f"comp.{i}"] = np.array(st.comp.data.astype(mx.float32))
+                out[f"entries.{i}"] = np.array(self.entries[i].view(end // spec.ratio)[start // spec.ratio:]
+                                               .astype(mx.float32))
+            if spec.overlap:
+                out[f"index.{i}"] = np.array(st.index.data.astype(mx.float32))
+                out[f"index_entries.{i}"] = np.array(
+                    self.index_entries[i].view(end // spec.ratio)[start // spec.ratio:].astype(mx.float32))
+        return out
+
+    def import_(self, arrays: dict[str, np.ndarray], n_tokens: int) -> None:
+        start, end = self._length, self._length + n_tokens
+        rows = []
+        for i, spec in enumerate(self.specs):
+            raw_first, comp_first = self.raw_first(end), self.comp_first(spec, end) if spec.ratio else 0
+            n_entries = end // spec.ratio - start // spec.ratio if spec.ratio else 0
+            want = {f"raw.{i}": (end - raw_first, spec.head_dim)}
+            if spec.ratio:
+                want |= {f"comp.{i}": (end - comp_first, spec.comp_width), f"entries.{i}": (n_entries, spec.head_dim)}
+            if spec.overlap:
+                want |= {f"index.{i}": (end - comp_first, spec.index_width),
+                         f"index_entries.{i}": (n_entries, spec.index_dim)}
+            for name, shape in want.items():
+                got = None if name not in arrays else tuple(np.shape(arrays[name]))
+                if got != shape:
+                    raise ValueError(f"layer {i}: KV block part {name!r} has shape {got}, expected {shape}")
+            put = lambda name: mx.array(arrays[name]).astype(self.dtype)  # noqa: E731
+            rows.append(LayerState(Rows(raw_first, put(f"raw.{i}")),
+                                   Rows(comp_first, put(f"comp.{i}")) if spec.ratio else None,
+                                   Rows(comp_first, put(f"index.{i}")) if spec.overlap else None))
+            if spec.ratio:
+                self.entries[i].count = self.entries[i].write(put(f"entries.{i}"))
+            if spec.overlap:
+                self.index_entries[i].count = self.index_entries[i].write(put(f"index_entries.{i}"))
+        self.states = rows
+        mx.eval(self.keys)
+        self._length, self._rollback = end, None
+        self.published_points = self.reuse_points()
