@@ -10,7 +10,9 @@ stored (symmetric codes), only formed per step beside the scores, at one value p
 ``q8-rotated`` first multiplies every K and V row by a fixed orthonormal Hadamard matrix ``H``
 (``head_dim`` a power of two): an outlier channel is spread over the whole row, so the group's
 scale no longer follows one large value. Queries are rotated the same way, so ``(qH)·(kH) = q·k``;
-the output ``p·(VH)`` is rotated back by ``H`` (its own inverse). docs/ENGINE.md, "8-bit KV cache",
+the output ``p·(VH)`` is rotated back by ``H`` (its own inverse). A head wider than the codec's row
+(Gemma 4's global heads, stored as pieces of its narrowest head size) is rotated and grouped piece
+by piece: a block-diagonal ``H``, just as orthonormal. docs/ENGINE.md, "8-bit KV cache",
 gives the choices and their measured cost; ``kv_quant_ref`` is the numpy twin the tests hold this to.
 """
 
@@ -62,11 +64,19 @@ class KvCodec:
         """``(last dimension, dtype)`` of each stored array of a ``width``-value row: packed codes, scales."""
         return [(width // 4, mx.uint32), (width // group_size(width), self.dtype)]
 
+    def rotate(self, x: mx.array) -> mx.array:
+        """``x [..., w]`` (``w`` a multiple of the rotation's order) times ``H`` piece by piece, float32."""
+        x = x.astype(mx.float32)
+        n, w = self.rotation.shape[0], x.shape[-1]
+        if w == n:
+            return x @ self.rotation
+        return (x.reshape(*x.shape[:-1], w // n, n) @ self.rotation).reshape(x.shape)
+
     def encode(self, x: mx.array, rotate: bool = True) -> tuple[mx.array, mx.array]:
         """Rows ``x [..., d]`` (rotated first unless ``rotate`` is False: values already in the stored
         space) → ``(codes uint32 [..., d/4], scales [..., d/group])``."""
         if rotate and self.rotation is not None:
-            x = x.astype(mx.float32) @ self.rotation
+            x = self.rotate(x)
         d = x.shape[-1]
         g = group_size(d)
         groups = x.astype(mx.float32).reshape(*x.shape[:-1], d // g, g)
@@ -80,7 +90,7 @@ class KvCodec:
         """The stored rows as float32 ``[..., d]`` (in the stored space: still rotated)."""
         q = mx.view(codes, mx.uint8).astype(mx.float32) - OFFSET
         d = q.shape[-1]
-        g = group_size(d)
+        g = d // scales.shape[-1]
         x = q.reshape(*q.shape[:-1], d // g, g) * scales.astype(mx.float32)[..., None]
         return x.reshape(*q.shape[:-1], d)
 
@@ -88,7 +98,8 @@ class KvCodec:
                scale: float, mask: mx.array | None) -> mx.array:
         """Attention of ``q [B, heads, L, d]`` over stored ``keys``/``values`` (``[B, kv_heads, T, ·]``
         planes), grouped-query heads sharing a KV head; ``mask`` boolean ``[B, 1, L, T]`` (True =
-        attend) or None. Returns ``[B, heads, L, dv]`` in ``q``'s dtype.
+        attend) or None. Returns ``[B, heads, L, dv]`` in ``q``'s dtype. A plane's group is read off its
+        scales (a row may be several codec rows side by side: Gemma 4's pieces).
 
         Scores, softmax and the weighted sum run in float32, as the fused 16-bit kernels accumulate
         (in bfloat16 they doubled the error against the float64 twin), over blocks of ``QUERY_BLOCK``
@@ -99,28 +110,29 @@ class KvCodec:
         out_dtype = q.dtype
         q = q.astype(mx.float32) * scale
         if self.rotation is not None:
-            q = q @ self.rotation
+            q = self.rotate(q)
         # the heads sharing a KV head become rows of one product: K/V batch dims match q's exactly
         q = q.reshape(B, kv_heads, rep, L, d)
         kc, ks = keys[0], keys[1].astype(mx.float32)
         vc, vs = values[0], values[1].astype(mx.float32)
         kb, vb = ks * -OFFSET, vs * -OFFSET
         T, dv = kc.shape[-2], vc.shape[-1] * 4
+        k_group, v_group = d // ks.shape[-1], dv // vs.shape[-1]
         parts = []
         for a in range(0, L, QUERY_BLOCK):
             rows = slice(a, min(a + QUERY_BLOCK, L))
             n = rows.stop - rows.start
             scores = mx.quantized_matmul(q[..., rows, :].reshape(B, kv_heads, rep * n, d), kc, ks, kb,
-                                         transpose=True, group_size=group_size(d), bits=BITS)
+                                         transpose=True, group_size=k_group, bits=BITS)
             if mask is not None:
                 scores = mx.where(mask[:, :, None, rows, :], scores.reshape(B, kv_heads, rep, n, T), -mx.inf)
                 scores = scores.reshape(B, kv_heads, rep * n, T)
             p = mx.softmax(scores, axis=-1)
-            out = mx.quantized_matmul(p, vc, vs, vb, transpose=False, group_size=group_size(dv), bits=BITS)
+            out = mx.quantized_matmul(p, vc, vs, vb, transpose=False, group_size=v_group, bits=BITS)
             parts.append(out.reshape(B, kv_heads, rep, n, dv))
         out = (parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-2)).reshape(B, n_heads, L, dv)
         if self.rotation is not None:
-            out = out @ self.rotation
+            out = self.rotate(out)
         return out.astype(out_dtype)
 
     def dense(self, q: mx.array, keys: tuple[mx.array, mx.array], values: tuple[mx.array, mx.array]
@@ -129,11 +141,23 @@ class KvCodec:
         an attention kernel that reads only floats; its output goes back through :meth:`unrotate`.
         A copy of the rows: for the CPU's prefill chunks only, never a decode step (docs/ENGINE.md)."""
         if self.rotation is not None:
-            q = (q.astype(mx.float32) @ self.rotation).astype(q.dtype)
+            q = self.rotate(q).astype(q.dtype)
         return q, self.decode(*keys), self.decode(*values)
 
     def unrotate(self, out: mx.array) -> mx.array:
-        return out if self.rotation is None else (out.astype(mx.float32) @ self.rotation).astype(out.dtype)
+        return out if self.rotation is None else self.rotate(out).astype(out.dtype)
+
+    def attention(self, q: mx.array, keys: tuple[mx.array, mx.array], values: tuple[mx.array, mx.array],
+                  scale: float, fb, window: int | None) -> mx.array:
+        """A layer's attention over the stored planes of forward ``fb`` (masked by ``window``): read as
+        stored (:meth:`attend`), except a CPU prefill chunk big enough for the host's tiled float kernel
+        (:meth:`dense`, docs/ENGINE.md)."""
+        from hf2q.kernels import cpu_ops
+
+        if q.shape[2] > 1 and cpu_ops.attention_on_host(q, keys[0].shape[2]):
+            qd, kd, vd = self.dense(q, keys, values)
+            return self.unrotate(cpu_ops.attention(qd, kd, vd, scale, fb.mask_np(window)))
+        return self.attend(q, keys, values, scale, fb.mask_array(window))
 
 
 def make_codec(kind: str, head_dim: int, dtype, family: str, *, v_head_dim: int | None = None) -> KvCodec | None:

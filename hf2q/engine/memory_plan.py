@@ -119,7 +119,7 @@ def kv_need(hp, elem: int, *, on_cpu: bool = False, kv_type: str = "f16") -> KvN
     kv = hp.n_kv_heads if isinstance(hp.n_kv_heads, list) else [hp.n_kv_heads] * n
     dims = [int(hp.require(a.KEY_LENGTH_SWA)) if s else int(hp.require(a.KEY_LENGTH)) for s in sliding]
     piece = min(dims)
-    position = max(h * d // piece for h, d in zip(kv, dims)) * piece * 2 * elem
+    position = max(h * d // piece for h, d in zip(kv, dims)) * 2 * row_nbytes(kv_type, piece, elem)
     owners = range(n - int(hp.stored(a.SHARED_KV_LAYERS) or 0))
     window = hp.sliding_window
     n_window = sum(sliding[i] for i in owners) if windowed else 0
