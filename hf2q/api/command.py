@@ -61,8 +61,6 @@ def check_kv_cache_type(header, args) -> None:
     from hf2q.formats.gguf_keys import Keys
 
     kv_type = getattr(args, "kv_cache_type", "f16")
-    if kv_type != "f16" and args.tensor_parallel > 1:
-        raise UsageError(f"--kv-cache-type {kv_type} does not work with --tensor-parallel yet (use f16)")
     hp = header.hparams
     swa = hp.stored(Keys.Attention.KEY_LENGTH_SWA)  # gemma4's sliding layers have their own head size
     check_kv_type(kv_type, (hp.key_length, hp.value_length, *([int(swa)] if swa else [])), header.arch)
@@ -113,7 +111,7 @@ def runner_factory(path: Path, ctx: int | None, tensor_parallel: int = 1, args=N
         from hf2q.engine.tp_launch import runner_factory as tp_runner_factory
 
         load = tp_runner_factory(path, tensor_parallel, ctx, getattr(args, "tp_hosts", None),
-                                 getattr(args, "tp_timeout", 600.0))
+                                 getattr(args, "tp_timeout", 600.0), getattr(args, "kv_cache_type", "f16"))
     else:
         def load():
             from hf2q.engine.factory import load_runner
