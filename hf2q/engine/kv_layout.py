@@ -14,6 +14,11 @@ GROUP = 64
 NO_QUANTIZED_KV = frozenset({"deepseek4"})
 
 
+#: ``export_kv`` of an 8-bit cache: ``k.{i}`` / ``v.{i}`` are the codes themselves (uint8, the
+#: row's values in ``[1, 255]``), and ``k.{i}`` + this suffix their scales (float32 host copies)
+SCALES_SUFFIX = ".scales"
+
+
 def group_size(width: int) -> int:
     return min(GROUP, width)
 

@@ -22,7 +22,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from hf2q.engine.kv_layout import check_kv_type, group_size, row_nbytes
+from hf2q.engine.kv_layout import SCALES_SUFFIX, check_kv_type, group_size, row_nbytes
 
 BITS = 8
 #: codes are stored as ``round(x / scale) + OFFSET`` in ``[1, 255]``
@@ -143,6 +143,23 @@ class KvCodec:
         if self.rotation is not None:
             q = self.rotate(q).astype(q.dtype)
         return q, self.decode(*keys), self.decode(*values)
+
+    def to_host(self, name: str, planes: tuple[mx.array, mx.array]) -> dict[str, np.ndarray]:
+        """Stored rows as exported (``kv_layout.SCALES_SUFFIX``): ``name`` → uint8 codes ``[..., d]``,
+        ``name + SCALES_SUFFIX`` → float32 scales (an exact widening of a 16-bit engine's)."""
+        codes, scales = planes
+        return {name: np.array(mx.view(codes, mx.uint8)), name + SCALES_SUFFIX: np.array(scales.astype(mx.float32))}
+
+    def from_host(self, arrays, name: str, width: int) -> tuple[mx.array, mx.array]:
+        """The planes of exported rows ``arrays[name]``: codes and scales stored as they were, or float
+        rows of the stored space (an f16-era block of this cache: still rotated) encoded again."""
+        rows = np.asarray(arrays[name])
+        if rows.dtype != np.uint8:
+            return self.encode(mx.array(rows).astype(self.dtype), rotate=False)
+        scales = np.asarray(arrays[name + SCALES_SUFFIX])
+        if scales.shape != (*rows.shape[:-1], width // group_size(width)):
+            raise ValueError(f"{name}: scales of shape {scales.shape} for codes of shape {rows.shape}")
+        return mx.view(mx.array(np.ascontiguousarray(rows)), mx.uint32), mx.array(scales).astype(self.dtype)
 
     def unrotate(self, out: mx.array) -> mx.array:
         return out if self.rotation is None else self.rotate(out).astype(out.dtype)
