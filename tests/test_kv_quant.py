@@ -102,6 +102,7 @@ def _on_cache(f16, kv_type: str, stack: bool):
 
     runner = MlxModelRunner(f16.gguf, f16.model, f16.dtype, None, kv_type)
     runner.stack_decode = stack
+    runner.host_decoder = None  # the MLX graph's 8-bit attention (the host step's: test_kv_quant_host.py)
     return runner
 
 

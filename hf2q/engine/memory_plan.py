@@ -186,7 +186,7 @@ def check_model(path, size: int, *, ctx: int | None, slots: int, kv_budget: int 
     elem = device.activation_bytes()
     if kv_budget is None:
         hp = g.hparams
-        kv = kv_need(hp, elem, on_cpu=device.on_cpu and kv_type == "f16", kv_type=kv_type)
+        kv = kv_need(hp, elem, on_cpu=device.on_cpu, kv_type=kv_type)  # the host step reads every cache type
         # hybrid models: each slot's recurrent state, its rollback copy and its reuse points (docs/ENGINE.md)
         kv_budget = slots * (kv.slot_bytes(ctx or hp.n_ctx_train)
                              + STATES_PER_SEQUENCE * hp.recurrent_state_bytes(elem))

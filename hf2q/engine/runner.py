@@ -116,8 +116,8 @@ class MlxModelRunner:
         if not self.is_embedding_model:
             from hf2q.engine.cpu_decode import HostDecoder
 
-            if HostDecoder.supported(model) and self.kv_codec is None:  # its kernels read float32 K/V
-                self.host_decoder = HostDecoder(model)
+            if HostDecoder.supported(model, self.kv_codec):  # float32 K/V, or an 8-bit cache of one head size
+                self.host_decoder = HostDecoder(model, self.kv_codec)
         #: ``(window, layers)`` whose K/V each sequence keeps to the window (``kv_cache.SlidingWindow``); not
         #: with the CPU host decode step, whose kernels address every position (gemma3 on the CPU), nor
         #: with ``HF2Q_SWA_FULL=1``
