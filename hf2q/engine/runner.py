@@ -20,7 +20,8 @@ one thread, because MLX streams are per thread):
   (``hf2q.engine.vision.prompt_images``) in ``prefill``: their features are encoded inside the call.
 * ``embed(batch)`` → L2-normalised ``[N, dim]`` (embedding models only).
 * ``export_kv(seq, start, end)`` / ``import_kv(seq, arrays, n)`` — host copies of KV
-  positions, keys ``k.{layer}`` / ``v.{layer}``, float32 ``[kv_heads, n, head_dim]``.
+  positions, keys ``k.{layer}`` / ``v.{layer}``, float32 ``[kv_heads, n, head_dim]`` (an 8-bit cache: its
+  uint8 codes, and their float32 scales under ``k.{layer}.scales`` / ``v.{layer}.scales``).
 
 Errors a user can cause (prompt beyond the context, wrong model kind) are
 ``InputError``; everything else is a bug or an engine fault for the supervisor.
