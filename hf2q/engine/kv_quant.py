@@ -152,7 +152,7 @@ class KvCodec:
 
     def from_host(self, arrays, name: str, width: int) -> tuple[mx.array, mx.array]:
         """The planes of exported rows ``arrays[name]``: codes and scales stored as they were, or float
-        rows of the stored space (an f16-era block of this cache: still rotated) encoded again."""
+        rows of the stored space (a block an older hf2q wrote for this cache: still rotated) encoded again."""
         rows = np.asarray(arrays[name])
         if rows.dtype != np.uint8:
             return self.encode(mx.array(rows).astype(self.dtype), rotate=False)
