@@ -221,12 +221,13 @@ class DistributedRunner:
         self._pipelined = pipelined  # whether the runtime may queue steps ahead (``pipelines_over``)
         self._step = 0  # id of the next pipelined step (the followers keep the last KEPT_STEPS by id)
         for name in ("vocab_size", "n_ctx_train", "n_ctx", "eos_token_ids", "is_embedding_model",
-                     "kv_bytes_per_token", "kv_cache_type", "gguf", "arch", "dtype", "stats"):
+                     "kv_bytes_per_token", "gguf", "arch", "dtype", "stats"):
             setattr(self, name, getattr(local, name))
         self.tensor_parallel = self.size
         # prefix reuse: a recurrent or sliding-window model trims only at its reuse points, at any TP
         self.trims_prefix = bool(getattr(local, "trims_prefix", True))
         self.kv_bytes_per_slot = getattr(local, "kv_bytes_per_slot", 0)
+        self.kv_cache_type = getattr(local, "kv_cache_type", "f16")  # every rank's (tp_launch tells the followers)
         # KV computed over a tensor-parallel split (sharded heads, all-reduced partial sums) is its own kind
         self.kv_identity = f"{local.kv_identity}-tp{self.size}"
 
