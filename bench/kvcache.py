@@ -52,10 +52,12 @@ def _speed(runner, tokens: list[int], steps: int) -> dict:
             "host_decode_step": runner.host_decoder is not None}
 
 
-def _slots(hp, elem: int, kv_type: str, budget: int, ctx: int) -> int:
+def _slots(hp, elem: int, kv_type: str, budget: int, ctx: int, on_cpu: bool = False) -> int:
+    """Slots of ``ctx`` tokens in ``budget``; ``on_cpu``: the host decode step keeps every position of
+    gemma3's local layers."""
     from hf2q.engine.memory_plan import kv_need
 
-    return budget // kv_need(hp, elem, kv_type=kv_type).slot_bytes(ctx)
+    return budget // kv_need(hp, elem, on_cpu=on_cpu, kv_type=kv_type).slot_bytes(ctx)
 
 
 def ours(path: Path, args, text_tokens: list[int], bos: int | None) -> dict:
@@ -66,12 +68,13 @@ def ours(path: Path, args, text_tokens: list[int], bos: int | None) -> dict:
     base = load_runner(path, ctx=max(args.n_ctx, args.speed_ctx + args.decode_steps + 8))
     runners = runners_by_kv_type(base, KV_TYPES)
     hp, elem = base.gguf.hparams, base.dtype.size
-    # the runner's figure leaves out the layers an 8-bit cache windows where f16 on the CPU host step does not
-    # (gemma3): the all-layer figures compare the storage alone
+    # the runner's figure leaves out the layers a cache windows (gemma3 off the CPU host step): the all-layer
+    # figures compare the storage alone
     out = {t: {"kv_bytes_per_token": r.kv_bytes_per_token,
                "kv_bytes_per_token_all_layers": token_bytes(hp, elem, t),
                "kv_bytes_per_token_16bit": token_bytes(hp, 2, t),
-               f"slots_{args.slot_ctx}_in_budget": _slots(hp, elem, t, args.budget, args.slot_ctx),
+               f"slots_{args.slot_ctx}_in_budget": _slots(hp, elem, t, args.budget, args.slot_ctx,
+                                                          r.host_decoder is not None),
                f"slots_{args.slot_ctx}_in_budget_16bit": _slots(hp, 2, t, args.budget, args.slot_ctx)}
            for t, r in runners.items()}
     for t, r in runners.items():
@@ -80,12 +83,13 @@ def ours(path: Path, args, text_tokens: list[int], bos: int | None) -> dict:
                                             / out[t]["kv_bytes_per_token_all_layers"])
         out[t]["bytes_smaller_than_f16_16bit"] = (out["f16"]["kv_bytes_per_token_16bit"]
                                                   / out[t]["kv_bytes_per_token_16bit"])
-    if base.host_decoder is not None:  # the 8-bit caches decode through the MLX graph: f16 there too, for scale
+    if base.host_decoder is not None:  # every cache type on the MLX graph too: what the host step saves
         from hf2q.engine.runner import MlxModelRunner
 
-        graph = MlxModelRunner(base.gguf, base.model, base.dtype, base.n_ctx, "f16")
-        graph.host_decoder = None
-        out["f16_mlx_graph"] = _speed(graph, text_tokens[:args.speed_ctx], args.decode_steps)
+        for t in KV_TYPES:
+            graph = MlxModelRunner(base.gguf, base.model, base.dtype, base.n_ctx, t)
+            graph.host_decoder = None
+            out[f"{t}_mlx_graph"] = _speed(graph, text_tokens[:args.speed_ctx], args.decode_steps)
     if args.no_quality:
         return out
     t0 = time.perf_counter()

@@ -78,7 +78,7 @@ def inspect(path, ctx: int | None = None, slots: int = 4, kv_budget: int | None 
             if kind == "chat":
                 check_kv_type(kv_type, (hp.key_length, hp.value_length), arch)
             # an 8-bit cache runs the MLX graph, which keeps gemma3's local layers to their window
-            kv = kv_need(hp, elem, on_cpu=probe().on_cpu and kv_type == "f16", kv_type=kv_type)
+            kv = kv_need(hp, elem, on_cpu=probe().on_cpu, kv_type=kv_type)
             per_token = kv.per_token
         except InputError as e:
             reasons.append(str(e).split(": ", 1)[-1])

@@ -58,12 +58,12 @@ def check_model_kind(header, path: Path, flag: str) -> None:
 def check_kv_cache_type(header, args) -> None:
     """``--kv-cache-type`` the model's family and the server's layout can hold, checked before loading."""
     from hf2q.engine.kv_layout import check_kv_type
+    from hf2q.formats.gguf_keys import Keys
 
     kv_type = getattr(args, "kv_cache_type", "f16")
-    if kv_type != "f16" and args.tensor_parallel > 1:
-        raise UsageError(f"--kv-cache-type {kv_type} does not work with --tensor-parallel yet (use f16)")
     hp = header.hparams
-    check_kv_type(kv_type, (hp.key_length, hp.value_length), header.arch)
+    swa = hp.stored(Keys.Attention.KEY_LENGTH_SWA)  # gemma4's sliding layers have their own head size
+    check_kv_type(kv_type, (hp.key_length, hp.value_length, *([int(swa)] if swa else [])), header.arch)
 
 
 def check_kv_budget(header, args) -> None:
@@ -111,7 +111,7 @@ def runner_factory(path: Path, ctx: int | None, tensor_parallel: int = 1, args=N
         from hf2q.engine.tp_launch import runner_factory as tp_runner_factory
 
         load = tp_runner_factory(path, tensor_parallel, ctx, getattr(args, "tp_hosts", None),
-                                 getattr(args, "tp_timeout", 600.0))
+                                 getattr(args, "tp_timeout", 600.0), getattr(args, "kv_cache_type", "f16"))
     else:
         def load():
             from hf2q.engine.factory import load_runner

@@ -10,6 +10,10 @@ buffers through their addresses. That keeps a layer at about ten ctypes calls an
 temporaries. A step is a list of rows (token, position, cache), so a short prefill chunk runs
 through it too, one row per position (``prefill``); long chunks stay on MLX (BLAS bound, with
 a tiled attention kernel). The kernels share their work over ``hf2q.kernels.cpu_pool``.
+An 8-bit cache (``--kv-cache-type q8|q8-rotated``, ``engine/kv_quant.py``) is read by ``attend_q8``,
+which quantizes each new K/V row into the cache's codes and scales and attends over them as stored;
+for ``q8-rotated`` the step multiplies q, k and v by the Hadamard matrix before it and the heads'
+outputs after it (one numpy matmul each: the C kernel never sees the rotation).
 It covers dense families (llama,
 qwen3, gemma3); anything it does not know (MoE, non-float activations) reports
 ``supported() == False`` and the MLX path runs. Tests compare both paths token for token.
@@ -23,6 +27,7 @@ import os
 import mlx.core as mx
 import numpy as np
 
+from hf2q.engine.kv_quant_ref import hadamard
 from hf2q.engine.layers import GatedMLP, Linear, gelu_tanh, silu
 
 
@@ -129,11 +134,14 @@ class _Workspace:
 class HostDecoder:
     """The decode step of one dense decoder model, run on the host (see the module docstring)."""
 
-    def __init__(self, model):
+    def __init__(self, model, codec=None):
         from hf2q.kernels.cpu_decode_ops import library
 
         self.ops = library()
         self.model = model
+        #: the 8-bit cache's codec (None: float32 K/V); its rotation as a float32 numpy matrix
+        self.codec = codec
+        self.rotation = None if codec is None or not codec.rotated else hadamard(codec.head_dim).astype(np.float32)
         self._kv_cache_key: tuple | None = None  # ((id(cache), cache.version), ...) of the last step
         self._kv_cache_value: tuple | None = None
         cfg = model.cfg
@@ -168,8 +176,10 @@ class HostDecoder:
         self._ws_rows = 0
 
     @staticmethod
-    def supported(model) -> bool:
+    def supported(model, codec=None) -> bool:
         if os.environ.get("HF2Q_NO_HOST_DECODE") or mx.default_device() != mx.cpu:
+            return False
+        if codec is not None and (codec.dtype != mx.float32 or codec.head_dim != getattr(model.cfg, "head_dim", None)):
             return False
         if getattr(model, "dtype", None) != mx.float32 or not hasattr(model, "layers"):
             return False
@@ -241,29 +251,43 @@ class HostDecoder:
             return self._kv_cache_value
         L = len(self.layers)
         unique: dict[int, int] = {}
-        cols_k, cols_v, caps = [], [], []
+        cols, caps = [], []  # per sequence: per plane (K, V; or K codes, K scales, V codes, V scales), per layer
+        want = (mx.float32,) * 2 if self.codec is None else (mx.uint32, mx.float32) * 2
         for s in caches:
             if id(s) in unique:
                 continue
-            unique[id(s)] = len(cols_k)
+            unique[id(s)] = len(cols)
             mx.eval(s.keys, s.values)
-            cap = int(s.keys[0].shape[1])
-            ks, vs = [], []
+            cap = int((s.keys[0] if self.codec is None else s.keys[0][0]).shape[1])
+            per_plane = [[] for _ in want]
             for li in range(L):
-                k, v = s.keys[li], s.values[li]
-                if k.dtype != mx.float32 or k.shape[1] != cap or v.shape[1] != cap:
-                    raise ValueError("host decode needs float32 KV buffers of one capacity")
-                ks.append(_addr(k))
-                vs.append(_addr(v))
-            cols_k.append(ks)
-            cols_v.append(vs)
+                planes = (s.keys[li], s.values[li]) if self.codec is None else (*s.keys[li], *s.values[li])
+                for p, (a, dtype) in enumerate(zip(planes, want)):
+                    if a.dtype != dtype or a.shape[1] != cap:
+                        raise ValueError("host decode needs the KV buffers of its cache type, of one capacity")
+                    per_plane[p].append(_addr(a))
+            cols.append(per_plane)
             caps.append(cap)
         rows = [unique[id(s)] for s in caches]
-        kp = np.ascontiguousarray(np.asarray(cols_k, dtype=np.uint64).T[:, rows])
-        vp = np.ascontiguousarray(np.asarray(cols_v, dtype=np.uint64).T[:, rows])
+        ptrs = tuple(np.ascontiguousarray(np.asarray([c[p] for c in cols], dtype=np.uint64).T[:, rows])
+                     for p in range(len(want)))
         cap = np.asarray(caps, dtype=np.int32)[rows]
-        self._kv_cache_key, self._kv_cache_value = key, (kp, vp, cap)
-        return kp, vp, cap
+        self._kv_cache_key, self._kv_cache_value = key, (ptrs, cap)
+        return ptrs, cap
+
+    def _attend_q8(self, A, P, at, cap_ptr, cpos, L, B: int) -> None:
+        """``attend_q8`` over the layer's 8-bit planes ``at`` (K codes, K scales, V codes, V scales),
+        q, k and v rotated before it and the heads' outputs after it for ``q8-rotated``."""
+        c = self.cfg
+        H, Hkv, D = c.n_heads, c.n_kv_heads, c.head_dim
+        if self.rotation is not None:
+            qkv = A["qkv"][:B].reshape(B * (H + 2 * Hkv), D)
+            qkv[...] = qkv @ self.rotation
+        self.ops.attend_q8(P["qkv"], (H + 2 * Hkv) * D, *at, cap_ptr, cpos, L["window"], P["att"], B, H, Hkv, D,
+                           self.codec.group, L["scale"])
+        if self.rotation is not None:
+            att = A["att"][:B].reshape(B * H, D)
+            att[...] = att @ self.rotation
 
     def _workspace(self, rows: int) -> _Workspace:
         """Buffers for at least ``rows`` rows (the first ``rows`` rows of a larger one are the
@@ -327,8 +351,8 @@ class HostDecoder:
         self.embed(tokens.astype(np.intp), x)
         if c.embed_scale != 1.0:
             x *= np.float32(c.embed_scale)
-        kp, vp, cap = self._kv_addresses(caches)
-        kp0, vp0, step = kp.ctypes.data, vp.ctypes.data, B * 8
+        ptrs, cap = self._kv_addresses(caches)
+        planes, step = [p.ctypes.data for p in ptrs], B * 8
         cap_ptr = cap.ctypes.data
         cpos_arr = np.ascontiguousarray(pos, dtype=np.int32)
         cpos = cpos_arr.ctypes.data
@@ -344,9 +368,11 @@ class HostDecoder:
                 k_at = P["qkv"] + 4 * H * D
                 ops.rms_norm(k_at, qs, L["k_norm"].ptr, k_at, qs, B, Hkv, D, eps)
             ops.rope(P["qkv"], qs, table_ptr[L["base"]], B, H + Hkv, D, d, int(c.rope_traditional))
-            if ops.attend(P["qkv"], qs, kp0 + li * step, vp0 + li * step, cap_ptr, cpos, L["window"], P["att"],
-                          B, H, Hkv, D, L["scale"]):
-                raise MemoryError("host attention: out of memory")
+            at = [p + li * step for p in planes]
+            if self.codec is None:
+                ops.attend(P["qkv"], qs, *at, cap_ptr, cpos, L["window"], P["att"], B, H, Hkv, D, L["scale"])
+            else:
+                self._attend_q8(A, P, at, cap_ptr, cpos, L, B)
             L["o"].run(A["att"], P["att"], A["o"], P["o"], B)
             if c.sandwich_norms:
                 ops.rms_norm(P["o"], hidden, L["post_attn"].ptr, P["o"], hidden, B, 1, hidden, eps)

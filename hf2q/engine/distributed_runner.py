@@ -227,6 +227,7 @@ class DistributedRunner:
         # prefix reuse: a recurrent or sliding-window model trims only at its reuse points, at any TP
         self.trims_prefix = bool(getattr(local, "trims_prefix", True))
         self.kv_bytes_per_slot = getattr(local, "kv_bytes_per_slot", 0)
+        self.kv_cache_type = getattr(local, "kv_cache_type", "f16")  # every rank's (tp_launch tells the followers)
         # KV computed over a tensor-parallel split (sharded heads, all-reduced partial sums) is its own kind
         self.kv_identity = f"{local.kv_identity}-tp{self.size}"
 
@@ -380,11 +381,20 @@ def gather_kv(local, seq, start: int, end: int, group, plan) -> dict[str, np.nda
     import mlx.core as mx
 
     mine = local.export_kv(seq, start, end)
-    names = sorted(mine, key=lambda k: (int(k.split(".")[1]), k))
-    stacked = np.stack([mine[k] for k in names], axis=1)  # [kv_local, 2L, n, d]
-    full = np.array(mx.distributed.all_gather(mx.array(stacked), group=group))
+    names = sorted(mine)
+    # one collective whatever the arrays' widths and dtypes (an 8-bit cache's codes and scales): each
+    # KV head's bytes of every array side by side
+    packed = np.concatenate([np.ascontiguousarray(mine[k]).reshape(len(mine[k]), -1).view(np.uint8)
+                             for k in names], axis=1)  # [kv_local, bytes]
+    full = np.array(mx.distributed.all_gather(mx.array(packed), group=group))
     full = full[:: plan.kv_replicas]  # replicated KV heads appear once
-    return {k: np.ascontiguousarray(full[:, i]) for i, k in enumerate(names)}
+    out, at = {}, 0
+    for k in names:
+        a = mine[k]
+        n = a[:1].nbytes
+        out[k] = np.ascontiguousarray(full[:, at:at + n]).view(a.dtype).reshape(len(full), *a.shape[1:])
+        at += n
+    return out
 
 
 def all_sum_times(group, shape: Sequence[int], reps: int) -> list[float]:

@@ -466,7 +466,10 @@ class SequenceCache:
         for i in range(self.n_layers):
             for name, buf in ((f"k.{i}", self.keys[i]), (f"v.{i}", self.values[i])):
                 part = _each(lambda a: a[:, start:end, :], buf)
-                out[name] = np.array(self.codec.decode(*part) if self.codec else part.astype(mx.float32))
+                if self.codec is None:
+                    out[name] = np.array(part.astype(mx.float32))
+                else:  # the codes and scales themselves: a block restores them bit for bit
+                    out.update(self.codec.to_host(name, part))
         return out
 
     def import_(self, arrays: dict[str, np.ndarray], n_tokens: int) -> None:
@@ -478,10 +481,11 @@ class SequenceCache:
             if k.shape != (self.kv_heads, n_tokens, self.head_dim) or v.shape[1] != n_tokens:
                 raise ValueError(f"layer {i}: KV block has shape {k.shape}, expected "
                                  f"{(self.kv_heads, n_tokens, self.head_dim)}")
-            for buf, rows in ((self.keys[i], k), (self.values[i], v)):
-                # a codec cache exports its stored (rotated) rows, so they are stored again as they are
-                rows = mx.array(rows).astype(self.dtype)
-                _write(buf, start, self.codec.encode(rows, rotate=False) if self.codec else rows)
+            for buf, name, width in ((self.keys[i], f"k.{i}", self.head_dim),
+                                     (self.values[i], f"v.{i}", self.v_head_dim)):
+                # an 8-bit cache takes its exported codes and scales back as they are (``KvCodec.from_host``)
+                rows = self.codec.from_host(arrays, name, width) if self.codec else mx.array(arrays[name])
+                _write(buf, start, rows if self.codec else rows.astype(self.dtype))
         mx.eval([a for buf in self.keys + self.values for a in _planes(buf)])
         self._length += n_tokens
         self.version = next(_VERSIONS)

@@ -9,10 +9,14 @@ from hf2q.errors import InputError
 KV_CACHE_TYPES = ("f16", "q8", "q8-rotated")
 #: values sharing one scale in an 8-bit row (a shorter row is one group)
 GROUP = 64
-#: families whose attention does not read an 8-bit cache yet (gemma4: per-layer head shapes padded
-#: into one cache layout and KV shared between layers, its own attention code; deepseek4: its cache
-#: rows are compressor and indexer state, not K/V heads)
-NO_QUANTIZED_KV = frozenset({"gemma4", "deepseek4"})
+#: families whose attention does not read an 8-bit cache (deepseek4: its cache rows are compressor
+#: and indexer state, not K/V heads)
+NO_QUANTIZED_KV = frozenset({"deepseek4"})
+
+
+#: ``export_kv`` of an 8-bit cache: ``k.{i}`` / ``v.{i}`` are the codes themselves (uint8, the
+#: row's values in ``[1, 255]``), and ``k.{i}`` + this suffix their scales (float32 host copies)
+SCALES_SUFFIX = ".scales"
 
 
 def group_size(width: int) -> int:

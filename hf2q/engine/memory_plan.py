@@ -124,7 +124,7 @@ def kv_need(hp, elem: int, *, on_cpu: bool = False, kv_type: str = "f16") -> KvN
     kv = hp.n_kv_heads if isinstance(hp.n_kv_heads, list) else [hp.n_kv_heads] * n
     dims = [int(hp.require(a.KEY_LENGTH_SWA)) if s else int(hp.require(a.KEY_LENGTH)) for s in sliding]
     piece = min(dims)
-    position = max(h * d // piece for h, d in zip(kv, dims)) * piece * 2 * elem
+    position = max(h * d // piece for h, d in zip(kv, dims)) * 2 * row_nbytes(kv_type, piece, elem)
     owners = range(n - int(hp.stored(a.SHARED_KV_LAYERS) or 0))
     window = hp.sliding_window
     n_window = sum(sliding[i] for i in owners) if windowed else 0
@@ -191,7 +191,7 @@ def check_model(path, size: int, *, ctx: int | None, slots: int, kv_budget: int 
     elem = device.activation_bytes()
     if kv_budget is None:
         hp = g.hparams
-        kv = kv_need(hp, elem, on_cpu=device.on_cpu and kv_type == "f16", kv_type=kv_type)
+        kv = kv_need(hp, elem, on_cpu=device.on_cpu, kv_type=kv_type)  # the host step reads every cache type
         # hybrid models: each slot's recurrent state, its rollback copy and its reuse points (docs/ENGINE.md)
         kv_budget = slots * (kv.slot_bytes(ctx or hp.n_ctx_train)
                              + STATES_PER_SEQUENCE * hp.recurrent_state_bytes(elem))

@@ -20,7 +20,8 @@ one thread, because MLX streams are per thread):
   (``hf2q.engine.vision.prompt_images``) in ``prefill``: their features are encoded inside the call.
 * ``embed(batch)`` → L2-normalised ``[N, dim]`` (embedding models only).
 * ``export_kv(seq, start, end)`` / ``import_kv(seq, arrays, n)`` — host copies of KV
-  positions, keys ``k.{layer}`` / ``v.{layer}``, float32 ``[kv_heads, n, head_dim]``.
+  positions, keys ``k.{layer}`` / ``v.{layer}``, float32 ``[kv_heads, n, head_dim]`` (an 8-bit cache: its
+  uint8 codes, and their float32 scales under ``k.{layer}.scales`` / ``v.{layer}.scales``).
 
 Errors a user can cause (prompt beyond the context, wrong model kind) are
 ``InputError``; everything else is a bug or an engine fault for the supervisor.
@@ -116,8 +117,8 @@ class MlxModelRunner:
         if not self.is_embedding_model:
             from hf2q.engine.cpu_decode import HostDecoder
 
-            if HostDecoder.supported(model) and self.kv_codec is None:  # its kernels read float32 K/V
-                self.host_decoder = HostDecoder(model)
+            if HostDecoder.supported(model, self.kv_codec):  # float32 K/V, or an 8-bit cache of one head size
+                self.host_decoder = HostDecoder(model, self.kv_codec)
         #: ``(window, layers)`` whose K/V each sequence keeps to the window (``kv_cache.SlidingWindow``); not
         #: with the CPU host decode step, whose kernels address every position (gemma3 on the CPU), nor
         #: with ``HF2Q_SWA_FULL=1``

@@ -210,8 +210,10 @@ def _wait(what: str | Callable[[], str], done: Callable[[], bool], followers, de
 
 
 def launch(path: str | Path, size: int, ctx: int | None = None, *, backend: str | None = None,
-           timeout_s: float = START_TIMEOUT_S, hosts: TPHosts | None = None) -> DistributedRunner:
-    """Start ``size`` ranks over ``path``; this process becomes rank 0. Returns its runner.
+           timeout_s: float = START_TIMEOUT_S, hosts: TPHosts | None = None,
+           kv_cache_type: str = "f16") -> DistributedRunner:
+    """Start ``size`` ranks over ``path``; this process becomes rank 0. Returns its runner. Every rank
+    stores its own KV heads as ``kv_cache_type`` (the welcome message tells the followers).
 
     Without ``hosts`` the followers are child processes on this machine; with them (a parsed
     hostfile) they are started by hand on their hosts (``hf2q tp-follower``) and connect here."""
@@ -289,7 +291,7 @@ def launch(path: str | Path, size: int, ctx: int | None = None, *, backend: str 
                 send_message(conn, {"op": "refused", "error": problem})
                 conn.close()
                 raise GroupBroken(problem)
-            send_message(conn, {"op": "welcome", "backend": backend, "ctx": ctx})
+            send_message(conn, {"op": "welcome", "backend": backend, "ctx": ctx, "kv_cache_type": kv_cache_type})
             conn.settimeout(None)
             tune(conn)
             links[rank] = conn
@@ -318,7 +320,7 @@ def launch(path: str | Path, size: int, ctx: int | None = None, *, backend: str 
             raise GroupBroken(f"mx.distributed.init({backend!r}) failed: {group}")
         if group.size() != size:
             raise GroupBroken(f"mx.distributed.init({backend!r}) formed a group of {group.size()}, not {size}")
-        local = load_shard(gguf, 0, size, group, ctx)
+        local = load_shard(gguf, 0, size, group, ctx, kv_cache_type)
         ready: set[int] = set()
         for r, conn in links.items():
             conn.settimeout(0.2)
@@ -362,14 +364,14 @@ def _init(mx, backend: str):
 
 
 def runner_factory(path: str | Path, size: int, ctx: int | None = None, hosts: TPHosts | None = None,
-                   timeout_s: float = START_TIMEOUT_S) -> Callable[[], object]:
+                   timeout_s: float = START_TIMEOUT_S, kv_cache_type: str = "f16") -> Callable[[], object]:
     """What the serving runtime calls in its GPU-owner thread: one rank (plain runner) or a TP group."""
     def build():
         if size == 1:
             from hf2q.engine.factory import load_runner
 
-            return load_runner(path, ctx)
-        return launch(path, size, ctx, hosts=hosts, timeout_s=timeout_s)
+            return load_runner(path, ctx, kv_cache_type)
+        return launch(path, size, ctx, hosts=hosts, timeout_s=timeout_s, kv_cache_type=kv_cache_type)
     return build
 
 
@@ -435,7 +437,7 @@ def run_follower(model: str | Path, rank: int, size: int, control: tuple[str, in
     sock.settimeout(None)
     tune(sock)
     threading.Thread(target=_watch_control, args=(sock, rank), daemon=True).start()
-    backend, ctx = reply[0]["backend"], reply[0].get("ctx")
+    backend, ctx, kv_type = reply[0]["backend"], reply[0].get("ctx"), reply[0].get("kv_cache_type", "f16")
     try:
         if hosts is not None:
             workdir = tempfile.mkdtemp(prefix="hf2q-tp-")
@@ -448,7 +450,7 @@ def run_follower(model: str | Path, rank: int, size: int, control: tuple[str, in
         from hf2q.engine.tensor_parallel import head_plan
 
         group = mx.distributed.init(strict=True, backend=backend)
-        runner = load_shard(g, rank, size, group, ctx)
+        runner = load_shard(g, rank, size, group, ctx, kv_type)
         plan = head_plan(*g.hparams.uniform_heads(), size, rank)
     except Exception as e:  # noqa: BLE001 — reported to rank 0, which fails the load
         send_message(sock, {"op": "failed", "error": f"{type(e).__name__}: {e}"})
@@ -499,7 +501,8 @@ def follower_main(argv: list[str] | None = None) -> int:
 
 
 
-def load_shard(model: str | Path | GGUFFile, rank: int, size: int, group, ctx: int | None = None):
+def load_shard(model: str | Path | GGUFFile, rank: int, size: int, group, ctx: int | None = None,
+               kv_cache_type: str = "f16"):
     """An ``MlxModelRunner`` over rank ``rank``'s share of ``model`` (a path or an opened GGUF).
 
     Its KV caches hold the rank's KV heads only, so ``kv_bytes_per_token`` is per rank.
@@ -517,7 +520,7 @@ def load_shard(model: str | Path | GGUFFile, rank: int, size: int, group, ctx: i
     view = shard_gguf(g, rank, size)
     dtype = compute_dtype(g.arch)
     model = parallelize(build_model(view, dtype), group)
-    runner = MlxModelRunner(view, model, dtype, ctx)
+    runner = MlxModelRunner(view, model, dtype, ctx, kv_cache_type)
     runner.gguf = g  # names, tokenizer and metadata of the real file
     return runner
 

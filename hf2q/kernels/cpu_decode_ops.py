@@ -10,7 +10,9 @@ numpy; the tests hold the two together and the whole step against the MLX graph.
 ``csrc/cpu_decode_ops.c``.
 
 Conventions: every buffer is float32 and C-contiguous along its last axis; strides are in
-elements. The KV cache buffers are ``[kv_heads, capacity, head_dim]`` (``SequenceCache``).
+elements. The KV cache buffers are ``[kv_heads, capacity, head_dim]`` (``SequenceCache``); an 8-bit
+cache's (``attend_q8``, ``engine/kv_quant.py``) are its codes as bytes ``[kv_heads, capacity, head_dim]``
+and float32 scales ``[kv_heads, capacity, head_dim / group]``.
 Every entry point first checks that its dims are possible (positive counts, a stride that holds
 the row, a position inside its cache) and refuses with :class:`KernelDimsError` otherwise.
 """
@@ -41,6 +43,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "rms_norm": [_P, _L, _P, _P, _L, _I, _I, _I, _F],
         "rope": [_P, _L, _P, _I, _I, _I, _I, _I],
         "attend": [_P, _L, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _F],
+        "attend_q8": [_P, _L, _P, _P, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F],
         "glu": [_P, _P, _I, _I, _I],
         "add_rms": [_P, _P, _L, _P, _P, _I, _I, _F],
     }

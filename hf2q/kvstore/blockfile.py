@@ -8,6 +8,11 @@ fields in ``__metadata__`` (string → string, as safetensors requires): format 
 version, model fingerprint, block hash, parent hash, payload kind, token count and ids,
 the tensors' dtype/shape summary and the body's sha256.
 
+Versions: a block is written at ``FORMAT_VERSION`` (1), except one holding an 8-bit cache's own codes
+and scales (payload ``kv-codes``), written at ``CODES_FORMAT_VERSION`` (2) — a reader that predates
+those blocks refuses them as ``wrong-version`` rather than misreading the codes as K/V values, while
+every version-1 store stays readable. A version goes with its payload kinds only.
+
 Everything here is pure byte work with no locking or directory policy, so recovery,
 the store, the CLI and tests share one parser. Any defect raises ``BlockFileError`` with a
 short ``reason`` (``truncated``, ``bad-header``, ``wrong-version``, ``bad-checksum`` …)
@@ -30,11 +35,16 @@ from hf2q.kvstore.fingerprint import chain_hash
 
 FORMAT_NAME = "hf2q-kv-block"
 FORMAT_VERSION = 1
+CODES_FORMAT_VERSION = 2
 BLOCK_SUFFIX = ".safetensors"
 PAYLOAD_KV = "kv"  # tensors at the engine's own KV dtype
 PAYLOAD_KV_Q8 = "kv-q8"  # int8 rows + float16 scales (hf2q/kvstore/q8.py)
 PAYLOAD_KV_F16 = "kv-f16"  # float32 KV rounded to float16 (half the bytes of a CPU block; not bit-exact)
-PAYLOAD_KINDS = (PAYLOAD_KV, PAYLOAD_KV_Q8, PAYLOAD_KV_F16)
+PAYLOAD_KINDS = (PAYLOAD_KV, PAYLOAD_KV_Q8, PAYLOAD_KV_F16)  # what ``--kv-persist-payload`` chooses
+#: an 8-bit cache's codes and scales as the engine holds them (whatever the store's chosen kind)
+PAYLOAD_KV_CODES = "kv-codes"
+#: the payload kinds each readable format version holds
+VERSION_PAYLOADS = {FORMAT_VERSION: PAYLOAD_KINDS, CODES_FORMAT_VERSION: (PAYLOAD_KV_CODES,)}
 
 _MAX_HEADER = 1 << 20
 
@@ -133,7 +143,7 @@ def encode_block(*, block_hash: str, parent_hash: str, fingerprint: str, token_i
         offset += view.nbytes
     metadata = {
         "format": FORMAT_NAME,
-        "format_version": str(FORMAT_VERSION),
+        "format_version": str(CODES_FORMAT_VERSION if payload_kind == PAYLOAD_KV_CODES else FORMAT_VERSION),
         "fingerprint": fingerprint,
         "block_hash": block_hash,
         "parent_hash": parent_hash,
@@ -176,9 +186,10 @@ def parse_header(prefix: bytes, file_bytes: int, path: Path) -> BlockMeta:
         raise BlockFileError("bad-header", type(e).__name__) from None
     if not isinstance(md, dict) or md.get("format") != FORMAT_NAME:
         raise BlockFileError("foreign-format", "not an hf2q KV block")
-    if md.get("format_version") != str(FORMAT_VERSION):
+    versions = {str(v): kinds for v, kinds in VERSION_PAYLOADS.items()}
+    if md.get("format_version") not in versions:
         raise BlockFileError("wrong-version", f"format version {md.get('format_version')!r}, "
-                                              f"expected {FORMAT_VERSION}")
+                                              f"expected one of {', '.join(versions)}")
     try:
         tensors = {}
         for name, e in header.items():
@@ -194,8 +205,9 @@ def parse_header(prefix: bytes, file_bytes: int, path: Path) -> BlockMeta:
         token_ids = tuple(int(t) for t in json.loads(md["token_ids"]))
         if int(md["token_count"]) != len(token_ids):
             raise ValueError("token_count")
-        if md["payload_kind"] not in PAYLOAD_KINDS:
-            raise BlockFileError("unknown-payload", f"payload kind {md['payload_kind']!r}")
+        if md["payload_kind"] not in versions[md["format_version"]]:
+            raise BlockFileError("unknown-payload", f"payload kind {md['payload_kind']!r} in a version "
+                                                    f"{md['format_version']} block")
         payload_dtypes = {str(k): str(v) for k, v in json.loads(md.get("payload_dtypes", "{}")).items()}
         meta = BlockMeta(block_hash=str(md["block_hash"]), parent_hash=str(md["parent_hash"]),
                          fingerprint=str(md["fingerprint"]), payload_kind=str(md["payload_kind"]),

@@ -7,7 +7,10 @@ changing a bit of what ``import_kv`` receives. bfloat16 is stored as its 16 raw 
 the safetensors tag ``BF16``. ``kv-f16`` (opt-in, lossy): float32 arrays that do not narrow
 losslessly are rounded to float16 (when every value is within its range) — the CPU engine's
 float32 KV at half the bytes, at the cost of bit-exact restores. ``kv-q8`` (opt-in, lossy):
-floating-point arrays become int8 rows plus float16 scales (``q8.py``). In every case
+floating-point arrays become int8 rows plus float16 scales (``q8.py``). ``kv-codes`` (chosen by the
+block, not the store): an 8-bit cache's export — uint8 codes and their scales
+(``engine/kv_layout.SCALES_SUFFIX``) — kept as it is, the scales narrowed only losslessly, so a
+restore gives back the very codes, whatever ``--kv-persist-payload`` says. In every case
 ``payload_dtypes`` in the header records the dtype each narrowed tensor is restored to, so
 readers get back exactly the exported dtype.
 """
@@ -18,7 +21,8 @@ from typing import Mapping
 
 import numpy as np
 
-from hf2q.kvstore.blockfile import PAYLOAD_KV, PAYLOAD_KV_F16, PAYLOAD_KV_Q8, BlockMeta
+from hf2q.engine.kv_layout import SCALES_SUFFIX
+from hf2q.kvstore.blockfile import PAYLOAD_KV, PAYLOAD_KV_CODES, PAYLOAD_KV_F16, PAYLOAD_KV_Q8, BlockMeta
 from hf2q.kvstore.q8 import SCALE_SUFFIX, dequantize_rows, quantize_rows
 
 
@@ -35,6 +39,12 @@ def _narrow_lossless(arr: np.ndarray) -> tuple[np.ndarray, str | None] | None:
     if not np.any(bits & 0xFFFF):
         return (bits >> 16).astype(np.uint16), "BF16"
     return None
+
+
+def block_kind(arrays: Mapping[str, np.ndarray], kind: str) -> str:
+    """The payload kind a block of ``arrays`` is stored as in a store of ``kind``: ``kv-codes`` for an
+    8-bit cache's export (re-quantizing or rounding its codes and scales would only lose)."""
+    return PAYLOAD_KV_CODES if any(name.endswith(SCALES_SUFFIX) for name in arrays) else kind
 
 
 def encode_payload(arrays: Mapping[str, np.ndarray], kind: str
@@ -85,4 +95,5 @@ def decode_payload(stored: Mapping[str, np.ndarray], meta: BlockMeta) -> dict[st
     return out
 
 
-__all__ = ["PAYLOAD_KV", "PAYLOAD_KV_F16", "PAYLOAD_KV_Q8", "decode_payload", "encode_payload"]
+__all__ = ["PAYLOAD_KV", "PAYLOAD_KV_CODES", "PAYLOAD_KV_F16", "PAYLOAD_KV_Q8", "block_kind", "decode_payload",
+           "encode_payload"]

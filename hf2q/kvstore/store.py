@@ -260,10 +260,11 @@ class BlockStore:
             raise ValueError("block hash does not match its parent, tokens and this store's fingerprint")
         if self.contains(block.block_hash):
             return None
-        arrays, tags, dtypes = payload.encode_payload(block.arrays, self.payload_kind)
+        kind = payload.block_kind(block.arrays, self.payload_kind)
+        arrays, tags, dtypes = payload.encode_payload(block.arrays, kind)
         prefix, parts = encode_block(block_hash=block.block_hash, parent_hash=block.parent_hash,
                                      fingerprint=self.fingerprint, token_ids=block.token_ids, arrays=arrays,
-                                     payload_kind=self.payload_kind, payload_dtypes=dtypes, dtype_tags=tags)
+                                     payload_kind=kind, payload_dtypes=dtypes, dtype_tags=tags)
         final = self.blocks_dir / block_file_name(block.block_hash)
         tmp = self.blocks_dir / f".{block.block_hash}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)

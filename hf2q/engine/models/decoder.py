@@ -100,11 +100,8 @@ class Attention:
         B, L = q.shape[0], q.shape[2]
         keys, values = fb.update(self.layer, k, v)
         n_keys = (keys[0] if fb.codec is not None else keys).shape[2]
-        if fb.codec is not None and not (L > 1 and cpu_ops.attention_on_host(q, n_keys)):
-            out = fb.codec.attend(q, keys, values, self.scale, fb.mask_array(self.window))  # 8-bit, read as stored
-        elif fb.codec is not None:  # a CPU prefill chunk: the host's tiled kernel over this layer's rows as floats
-            qd, kd, vd = fb.codec.dense(q, keys, values)
-            out = fb.codec.unrotate(cpu_ops.attention(qd, kd, vd, self.scale, fb.mask_np(self.window)))
+        if fb.codec is not None:
+            out = fb.codec.attention(q, keys, values, self.scale, fb, self.window)  # 8-bit, read as stored
         elif cpu_ops.attention_on_host(q, n_keys):
             out = cpu_ops.attention(q, keys, values, self.scale, fb.mask_np(self.window))
         else:

@@ -168,12 +168,16 @@ class Gemma4Attention:
             x = mx.concatenate([x, mx.zeros((B, c.cache_heads - H * m, T, c.cache_dim), dtype=x.dtype)], axis=1)
         return x
 
-    def _from_cache(self, x: mx.array) -> mx.array:
+    def _from_cache(self, x):
+        """The cache layout back to ``[B, n_kv, T, ·]`` (each plane of an 8-bit cache on its own: a
+        head's pieces of codes and of scales lie side by side, so its row is the pieces' rows joined)."""
+        if isinstance(x, tuple):
+            return tuple(self._from_cache(plane) for plane in x)
         s, m = self.shape, self.pieces
         B, _, L, D = x.shape
         x = x[:, :s.n_kv * m]
         if m > 1:
-            x = x.reshape(B, s.n_kv, m, L, D).transpose(0, 1, 3, 2, 4).reshape(B, s.n_kv, L, s.head_dim)
+            x = x.reshape(B, s.n_kv, m, L, D).transpose(0, 1, 3, 2, 4).reshape(B, s.n_kv, L, m * D)
         return x
 
     def __call__(self, x: mx.array, fb: ForwardBatch, kv: dict[int, tuple[mx.array, mx.array]]) -> mx.array:
@@ -192,7 +196,9 @@ class Gemma4Attention:
             keys, values = fb.update(self.layer, self._to_cache(k), self._to_cache(v))
             kv[self.layer] = self._from_cache(keys), self._from_cache(values)
         keys, values = kv[s.kv_source]
-        if cpu_ops.attention_on_host(q, keys.shape[2]):
+        if fb.codec is not None:  # 8-bit planes (docs/ENGINE.md, "8-bit KV cache")
+            out = fb.codec.attention(q, keys, values, 1.0, fb, s.window)
+        elif cpu_ops.attention_on_host(q, keys.shape[2]):
             out = cpu_ops.attention(q, keys, values, 1.0, fb.mask_np(s.window))
         else:
             out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0, mask=fb.mask(s.window))

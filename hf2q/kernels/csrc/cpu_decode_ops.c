@@ -200,7 +200,54 @@ typedef struct {
     int window, B, H, Hkv, D, CH, nch; float scale;
     float* part; /* [Hkv, nch, B, rep, D + 2] */
     _Atomic int failed;
+    /* an 8-bit cache (attend_q8): codes [Hkv, cap, D] and scales [Hkv, cap, D / G]; kc/vc unused */
+    uint8_t* const* kq; float* const* ks; uint8_t* const* vq; float* const* vs; int G;
 } attn_job;
+
+/* The 8-bit twins of scores and weighted_sum: a row is codes c (offset 128) and one scale per G
+   values, read as stored — scale · Σ_g s_g Σ_{i in g} q_i (c_i − 128), o += p_j s_jg (c_ji − 128). */
+static void scores_q8(const float* q, const uint8_t* K, const float* S, int D, int G, int n, float scale,
+                      float* out) {
+    const int ng = D / G;
+    for (int j = 0; j < n; j++) {
+        const uint8_t* kj = K + (int64_t)j * D;
+        float dot = 0.f;
+        for (int g = 0; g < ng; g++) {
+            float part = 0.f;
+            for (int i = g * G; i < (g + 1) * G; i++) part += q[i] * (float)((int)kj[i] - 128);
+            dot += part * S[(int64_t)j * ng + g];
+        }
+        out[j] = dot * scale;
+    }
+}
+
+static void weighted_sum_q8(const float* p, const uint8_t* V, const float* S, int D, int G, int n, float* o) {
+    const int ng = D / G;
+    for (int i = 0; i < D; i++) o[i] = 0.f;
+    for (int j = 0; j < n; j++) {
+        const uint8_t* vj = V + (int64_t)j * D;
+        for (int g = 0; g < ng; g++) {
+            const float w = p[j] * S[(int64_t)j * ng + g];
+            for (int i = g * G; i < (g + 1) * G; i++) o[i] += w * (float)((int)vj[i] - 128);
+        }
+    }
+}
+
+/* x [D] → codes [D] and scales [D / G] at row `at` of a cache: per group s = max|x| / 127, code
+   rint(x / s) + 128 in [1, 255] (s = 0: every code 128) — KvCodec.encode's arithmetic in float32. */
+static void quantize_row(const float* x, int D, int G, uint8_t* codes, float* scales) {
+    for (int g = 0; g < D / G; g++) {
+        float m = 0.f;
+        for (int i = g * G; i < (g + 1) * G; i++) m = fabsf(x[i]) > m ? fabsf(x[i]) : m;
+        const float sc = m / 127.0f, safe = sc == 0.f ? 1.0f : sc;
+        for (int i = g * G; i < (g + 1) * G; i++) {
+            float c = rintf(x[i] / safe);
+            c = c < -127.f ? -127.f : c > 127.f ? 127.f : c;
+            codes[i] = (uint8_t)((int)c + 128);
+        }
+        scales[g] = sc;
+    }
+}
 
 static void attn_items(void* p, int lo, int hi) {
     attn_job* j = p;
@@ -224,16 +271,19 @@ static void attn_items(void* p, int lo, int hi) {
             continue;
         }
         const int len = c1 - c0;
-        const int64_t C = j->cap[b];
-        const float* K = j->kc[b] + ((int64_t)kh * C + c0) * D;
-        const float* V = j->vc[b] + ((int64_t)kh * C + c0) * D;
+        const int64_t C = j->cap[b], at = (int64_t)kh * C + c0, ng = j->G ? D / j->G : 0;
         const float* qh = j->qkv + b * j->qs + (int64_t)kh * rep * D;
-        for (int r = 0; r < rep; r++) scores(qh + (int64_t)r * D, K, D, len, j->scale, S + (int64_t)r * len);
+        for (int r = 0; r < rep; r++) {
+            if (j->kq) scores_q8(qh + (int64_t)r * D, j->kq[b] + at * D, j->ks[b] + at * ng, D, j->G, len, j->scale,
+                                 S + (int64_t)r * len);
+            else scores(qh + (int64_t)r * D, j->kc[b] + at * D, D, len, j->scale, S + (int64_t)r * len);
+        }
         for (int r = 0; r < rep; r++) {
             float* sr = S + (int64_t)r * len;
             float* pr = part + r * (D + 2);
             exp_shifted(sr, len, pr, pr + 1);
-            weighted_sum(sr, V, D, len, pr + 2);
+            if (j->vq) weighted_sum_q8(sr, j->vq[b] + at * D, j->vs[b] + at * ng, D, j->G, len, pr + 2);
+            else weighted_sum(sr, j->vc[b] + at * D, D, len, pr + 2);
         }
     }
 }
@@ -248,24 +298,69 @@ static void attn_items(void* p, int lo, int hi) {
    Returns -1 when out of memory, BAD_DIMS when a head layout or a row's position cannot be
    right (checked before any cache is written: a position past its cache's capacity would write
    outside it). */
-int attend(const float* qkv, int64_t qs, float* const* kc, float* const* vc, const int* cap, const int* pos,
-           int window, float* out, int B, int H, int Hkv, int D, float scale) {
+static int attend_rows(attn_job* j, float* out);
+
+static int dims_bad(const float* qkv, int64_t qs, const void* kc, const void* vc, const int* cap, const int* pos,
+                    int window, const float* out, int B, int H, int Hkv, int D) {
     if (B <= 0 || H <= 0 || Hkv <= 0 || H % Hkv || D <= 0 || window < 0 || qs < (int64_t)(H + 2 * Hkv) * D ||
         !qkv || !kc || !vc || !cap || !pos || !out)
+        return 1;
+    for (int b = 0; b < B; b++)
+        if (cap[b] <= 0 || pos[b] < 0 || pos[b] >= cap[b]) return 1;
+    return 0;
+}
+
+int attend(const float* qkv, int64_t qs, float* const* kc, float* const* vc, const int* cap, const int* pos,
+           int window, float* out, int B, int H, int Hkv, int D, float scale) {
+    if (dims_bad(qkv, qs, kc, vc, cap, pos, window, out, B, H, Hkv, D)) return BAD_DIMS;
+    for (int b = 0; b < B; b++)
+        if (!kc[b] || !vc[b]) return BAD_DIMS;
+    for (int b = 0; b < B; b++) {
+        const float* k = qkv + b * qs + (int64_t)H * D;
+        const float* v = k + (int64_t)Hkv * D;
+        for (int kh = 0; kh < Hkv; kh++) {
+            memcpy(kc[b] + ((int64_t)kh * cap[b] + pos[b]) * D, k + (int64_t)kh * D, sizeof(float) * D);
+            memcpy(vc[b] + ((int64_t)kh * cap[b] + pos[b]) * D, v + (int64_t)kh * D, sizeof(float) * D);
+        }
+    }
+    attn_job j = {qkv, qs, kc, vc, cap, pos, window, B, H, Hkv, D, 0, 0, scale, NULL, 0, NULL, NULL, NULL, NULL, 0};
+    return attend_rows(&j, out);
+}
+
+/* attend over an 8-bit cache (--kv-cache-type q8, the rows already rotated for q8-rotated by the
+   caller): each row's new k/v is quantized into its cache's codes kq/vq ([Hkv, cap, D] bytes) and
+   scales ks/vs ([Hkv, cap, D / G] floats) at pos[b], then the rows attend over the codes as stored.
+   G divides D (a group of G values per scale). The rest as attend. */
+int attend_q8(const float* qkv, int64_t qs, uint8_t* const* kq, float* const* ks, uint8_t* const* vq,
+              float* const* vs, const int* cap, const int* pos, int window, float* out, int B, int H, int Hkv,
+              int D, int G, float scale) {
+    if (dims_bad(qkv, qs, kq, vq, cap, pos, window, out, B, H, Hkv, D) || !ks || !vs || G <= 0 || D % G)
         return BAD_DIMS;
     for (int b = 0; b < B; b++)
-        if (!kc[b] || !vc[b] || cap[b] <= 0 || pos[b] < 0 || pos[b] >= cap[b]) return BAD_DIMS;
+        if (!kq[b] || !vq[b] || !ks[b] || !vs[b]) return BAD_DIMS;
+    const int ng = D / G;
+    for (int b = 0; b < B; b++) {
+        const float* k = qkv + b * qs + (int64_t)H * D;
+        const float* v = k + (int64_t)Hkv * D;
+        for (int kh = 0; kh < Hkv; kh++) {
+            const int64_t at = (int64_t)kh * cap[b] + pos[b];
+            quantize_row(k + (int64_t)kh * D, D, G, kq[b] + at * D, ks[b] + at * ng);
+            quantize_row(v + (int64_t)kh * D, D, G, vq[b] + at * D, vs[b] + at * ng);
+        }
+    }
+    attn_job j = {qkv, qs, NULL, NULL, cap, pos, window, B, H, Hkv, D, 0, 0, scale, NULL, 0, kq, ks, vq, vs, G};
+    return attend_rows(&j, out);
+}
+
+/* The attention of rows whose K/V are in their caches (the job's CH, nch and part are set here). */
+static int attend_rows(attn_job* job, float* out) {
+    const int B = job->B, H = job->H, Hkv = job->Hkv, D = job->D, window = job->window;
+    const int* pos = job->pos;
     const int rep = H / Hkv;
     int longest = 1;
     int64_t work = 0;
     for (int b = 0; b < B; b++) {
         const int t = pos[b];
-        const float* k = qkv + b * qs + (int64_t)H * D;
-        const float* v = k + (int64_t)Hkv * D;
-        for (int kh = 0; kh < Hkv; kh++) {
-            memcpy(kc[b] + ((int64_t)kh * cap[b] + t) * D, k + (int64_t)kh * D, sizeof(float) * D);
-            memcpy(vc[b] + ((int64_t)kh * cap[b] + t) * D, v + (int64_t)kh * D, sizeof(float) * D);
-        }
         longest = t + 1 > longest ? t + 1 : longest;
         const int lo = window > 0 && t + 1 > window ? t + 1 - window : 0;
         work += (int64_t)(t + 1 - lo) * Hkv;
@@ -276,11 +371,12 @@ int attend(const float* qkv, int64_t qs, float* const* kc, float* const* vc, con
     const int CH = ch < 32 ? 32 : ch > 1024 ? 1024 : (int)ch;
     const int nch = (longest + CH - 1) / CH;
     const int items = Hkv * nch * B;
-    attn_job j = {qkv, qs, kc, vc, cap, pos, window, B, H, Hkv, D, CH, nch, scale, NULL, 0};
-    j.part = malloc(sizeof(float) * (size_t)items * rep * (D + 2));
-    if (!j.part) return -1;
-    pool_share(attn_items, &j, items, work * D * rep >= (1 << 15));
-    if (j.failed) { free(j.part); return -1; }
+    job->CH = CH;
+    job->nch = nch;
+    job->part = malloc(sizeof(float) * (size_t)items * rep * (D + 2));
+    if (!job->part) return -1;
+    pool_share(attn_items, job, items, work * D * rep >= (1 << 15));
+    if (job->failed) { free(job->part); return -1; }
     /* combine the chunks of each (row, head): o = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c */
     for (int b = 0; b < B; b++)
         for (int h = 0; h < H; h++) {
@@ -288,13 +384,13 @@ int attend(const float* qkv, int64_t qs, float* const* kc, float* const* vc, con
             float* o = out + ((int64_t)b * H + h) * D;
             float M = -INFINITY;
             for (int c = 0; c < nch; c++) {
-                const float m = j.part[((int64_t)((kh * nch + c) * B + b) * rep + r) * (D + 2)];
+                const float m = job->part[((int64_t)((kh * nch + c) * B + b) * rep + r) * (D + 2)];
                 M = m > M ? m : M;
             }
             float L = 0.f;
             for (int i = 0; i < D; i++) o[i] = 0.f;
             for (int c = 0; c < nch; c++) {
-                const float* pr = j.part + ((int64_t)((kh * nch + c) * B + b) * rep + r) * (D + 2);
+                const float* pr = job->part + ((int64_t)((kh * nch + c) * B + b) * rep + r) * (D + 2);
                 if (pr[1] == 0.f) continue;
                 const float w = pr[0] == M ? 1.0f : exp_approx(pr[0] - M);
                 L += w * pr[1];
@@ -303,7 +399,7 @@ int attend(const float* qkv, int64_t qs, float* const* kc, float* const* vc, con
             const float inv = 1.0f / L;
             for (int i = 0; i < D; i++) o[i] *= inv;
         }
-    free(j.part);
+    free(job->part);
     return 0;
 }
 
