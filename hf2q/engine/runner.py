@@ -181,6 +181,28 @@ class MlxModelRunner:
         """Whether any of ``seqs`` has text positions behind its length (an image in its cache)."""
         return self.images is not None and any(shift_at(s) for s in seqs)
 
+    def enable_mtp(self) -> None:
+        """Draft with the model's multi-token-prediction head (``--speculative mtp``, qwen35): call before
+        the first sequence. ``InputError`` for a file without one, ``UsageError`` with an 8-bit KV cache."""
+        from hf2q.errors import UsageError
+
+        if not hasattr(self.model, "enable_mtp"):
+            raise InputError(f"{self.gguf.path.name} ({self.arch}) has no multi-token-prediction head")
+        if self.kv_codec is not None:
+            raise UsageError("--speculative mtp needs --kv-cache-type f16")
+        n_attention = self.model.kv_shape[0]
+        self.model.enable_mtp()
+        self.kv_bytes_per_token = self.kv_bytes_per_token * (n_attention + 1) // max(n_attention, 1)
+
+    @property
+    def drafts(self) -> bool:
+        """Whether the model drafts for itself (:meth:`draft`)."""
+        return getattr(self.model, "mtp", None) is not None
+
+    def draft(self, seq: SequenceCache, pending: int, k: int) -> list[int]:
+        """Up to ``k`` tokens the model's MTP head drafts after ``pending`` (sampled, not yet in ``seq``)."""
+        return self.model.mtp.draft(seq, pending, k)[0] if k > 0 else []
+
     # ---- sequences -----------------------------------------------------------------
 
     def new_sequence(self) -> SequenceCache:
