@@ -270,3 +270,78 @@ def test_mtp_without_a_nextn_block_is_a_clear_input_error(tiny_checkpoint, tmp_p
     r = cli("generate", "--model", str(out), "--prompt", "hi", "--speculative", "mtp")
     assert r.code == 3
     assert "nextn" in r.err and "Traceback" not in r.err and len(r.err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------------------- serving
+
+
+def _plain_greedy(runner, prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens of ``prompt`` decoded one by one, stopping at an end-of-generation token."""
+    seq = runner.new_sequence()
+    logits, out = runner.prefill(seq, prompt), []
+    for _ in range(n):
+        t = int(np.argmax(logits))
+        if t in runner.eos_token_ids:
+            break
+        out.append(t)
+        logits = runner.decode([seq], [t])[0]
+    return out
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+async def test_the_runtime_decodes_a_lone_request_with_mtp_drafts(gguf, kind):
+    """The server's step loop (slots, bounded prefill, drafts made in the engine thread) with the real
+    engine: T=0 tokens are plain greedy decoding's, and the drafts are counted."""
+    from hf2q.actors.runtime import open_runtime
+    from hf2q.sched.contracts import GenerationRequest, RuntimeConfig, Token
+
+    path = gguf(kind)
+    prompt, n = random_tokens(40, seed=13), 20
+    config = RuntimeConfig(slots=2, ctx=256, draft_tokens=3, prefill_chunk=16, gpu_deadline_s=300)
+    async with open_runtime(lambda: _runner(path, mtp=True, fresh=True), config) as rt:
+        assert await rt.wait_ready(), rt.readiness()
+        ch = await rt.submit(GenerationRequest("r", tuple(prompt), SamplingParams(max_tokens=n)))
+        async with ch:
+            events = [e async for e in ch]
+        counters = rt.snapshot().counters
+    reference = _plain_greedy(_runner(path, mtp=False), prompt, n)  # this thread: MLX streams are per thread
+    assert [e.token_id for e in events if isinstance(e, Token)] == reference
+    assert counters["drafted_tokens"] > 0
+    assert counters["gpu_steps"] < len(reference) + len(prompt) // 16 + 1  # verify forwards, not one per token
+
+
+@pytest.mark.slow  # two real servers (~40 s)
+def test_serve_speculative_mtp_over_http_is_byte_identical(gguf, tmp_path):
+    import httpx
+
+    from tests.serve_support import hf2q_server
+
+    path = gguf("dense")
+    body = {"messages": [{"role": "user", "content": "Write a haiku about rivers."}], "temperature": 0,
+            "max_tokens": 16}
+    answers, metrics = {}, {}
+    for mode in ("off", "mtp"):
+        logs = tmp_path / mode
+        logs.mkdir()
+        with hf2q_server(["--model", str(path), "--slots", "1", "--ctx", "512", "--speculative", mode], logs) as url:
+            r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            answers[mode] = r.json()["choices"][0]["message"]
+            metrics[mode] = httpx.get(url + "/metrics", timeout=10).text
+    assert answers["mtp"] == answers["off"] and answers["off"].get("content")
+    drafted = [line for line in metrics["mtp"].splitlines() if line.startswith("hf2q_drafted_tokens")]
+    assert drafted and float(drafted[0].split()[-1]) > 0
+
+
+def test_serve_refuses_mtp_for_a_file_without_its_head(tiny_checkpoint, tmp_path):
+    import subprocess
+    import sys
+
+    from hf2q.cli import main
+
+    out = tmp_path / "no-mtp.gguf"
+    assert main(["convert", str(tiny_checkpoint(FAMILIES["dense"])), "-q", "f32", "-o", str(out), "--no-integrity",
+                 "--no-mtp"]) == 0
+    r = subprocess.run([sys.executable, "-m", "hf2q", "serve", "--model", str(out), "--speculative", "mtp", "--port",
+                        "0"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 3 and "nextn" in r.stderr and "Traceback" not in r.stderr

@@ -161,6 +161,13 @@ class MlxModelRunner:
         return not hasattr(self.model, "new_recurrent_state") and not self.window_layers
 
     @property
+    def rolls_back_drafts(self) -> bool:
+        """Whether a sequence can stop at any position inside a verify forward (speculative decoding in
+        the server): a hybrid model's verify keeps the recurrent state after each token; a model with
+        sliding-window layers does not drop drafts there yet."""
+        return not self.window_layers
+
+    @property
     def pipelines_decode(self) -> bool:
         """True when ``decode_async`` overlaps work (the MLX graph path); the CPU host decode step is
         synchronous, so pipelining it would only add the device sampler's cost."""
@@ -449,6 +456,8 @@ def warm_up(runner) -> None:
         runner.decode([seq], [first])
         runner.prefill(other, toks[:5])
         runner.decode([seq, other], [first, first])  # a batched step (per-sequence masks)
+        if getattr(runner, "drafts", False):
+            runner.verify(seq, [first] + runner.draft(seq, first, 2))  # the MTP head's draft steps
         if getattr(runner, "pipelines_decode", False):
             for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9, seed=0)):
                 pending = runner.decode_async([seq], [first], [DeviceSampler(params)])

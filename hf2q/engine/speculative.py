@@ -78,7 +78,8 @@ class NgramDrafter:
 
 class MtpDrafter:
     """Drafts for one sequence with the runner's MTP head (``runner.draft``), in the engine thread: the
-    :class:`NgramDrafter` interface, where ``append`` only notes the pending token."""
+    :class:`NgramDrafter` interface, where ``append`` only notes the pending token (the server's step
+    loop, outside that thread, hands :meth:`draft` the runner instead)."""
 
     def __init__(self, runner, seq):
         self.runner, self.seq, self.pending = runner, seq, None
@@ -87,7 +88,10 @@ class MtpDrafter:
         self.pending = int(token)
 
     def propose(self, k: int) -> list[int]:
-        return self.runner.draft(self.seq, self.pending, k) if self.pending is not None and k > 0 else []
+        return self.draft(self.runner, k)
+
+    def draft(self, runner, k: int) -> list[int]:
+        return runner.draft(self.seq, self.pending, k) if self.pending is not None and k > 0 else []
 
 
 def nextn_block(g) -> int | None:
@@ -113,7 +117,7 @@ def check_speculative(g, args) -> None:
                          "(nextn) block — convert without --no-mtp, or use --speculative ngram")
     if getattr(args, "kv_cache_type", "f16") != "f16":
         raise UsageError("--speculative mtp needs --kv-cache-type f16")
-    if getattr(args, "tensor_parallel", 1) > 1 or getattr(args, "tp_hosts", None):
+    if getattr(args, "tensor_parallel", 1) > 1 or getattr(args, "hostfile", None) or getattr(args, "hosts", None):
         raise UsageError("--speculative mtp runs on one rank; drop --tensor-parallel")
 
 
@@ -147,8 +151,9 @@ def accept_draft(sampler, draft: Sequence[int], rows: np.ndarray, history: Seque
 
 
 def keep_accepted(runner, seq, start: int, fed: list[int]) -> None:
-    """Cut ``seq`` back to ``start + len(fed)`` after a verify forward from ``start``. A hybrid-
-    recurrent sequence cannot stop inside that forward, so it goes back to ``start`` (the state
+    """Cut ``seq`` back to ``start + len(fed)`` after a verify forward from ``start``. A hybrid-recurrent
+    sequence stops there through the state its verify kept after each token (``RecurrentState``'s
+    verify states); a sequence that cannot stop inside the forward goes back to ``start`` (the state
     the forward began from) and the accepted tokens are fed again."""
     keep = start + len(fed)
     if keep == seq.length:
