@@ -36,6 +36,17 @@ def gguf(tiny_checkpoint, tmp_path_factory):
 _RUNNERS: dict = {}
 
 
+@pytest.fixture(scope="module")
+def no_mtp_gguf(tiny_checkpoint, tmp_path_factory):
+    """The dense checkpoint converted with ``--no-mtp`` (no nextn block)."""
+    from hf2q.cli import main
+
+    out = tmp_path_factory.mktemp("no-mtp") / "no-mtp.gguf"
+    assert main(["convert", str(tiny_checkpoint(FAMILIES["dense"])), "-q", "f32", "-o", str(out), "--no-integrity",
+                 "--no-mtp"]) == 0
+    return out
+
+
 def _runner(path, mtp: bool, fresh: bool = False):
     """A runner of ``path`` with its MTP head on or off (shared by the tests of this module)."""
     from hf2q.engine.factory import load_runner
@@ -261,13 +272,8 @@ def test_generate_cli_mtp_is_byte_identical(gguf, cli):
     assert mtp.out == plain.out and mtp.out.strip()
 
 
-def test_mtp_without_a_nextn_block_is_a_clear_input_error(tiny_checkpoint, tmp_path, cli):
-    from hf2q.cli import main
-
-    out = tmp_path / "no-mtp.gguf"
-    assert main(["convert", str(tiny_checkpoint(FAMILIES["dense"])), "-q", "f32", "-o", str(out), "--no-integrity",
-                 "--no-mtp"]) == 0
-    r = cli("generate", "--model", str(out), "--prompt", "hi", "--speculative", "mtp")
+def test_mtp_without_a_nextn_block_is_a_clear_input_error(no_mtp_gguf, cli):
+    r = cli("generate", "--model", str(no_mtp_gguf), "--prompt", "hi", "--speculative", "mtp")
     assert r.code == 3
     assert "nextn" in r.err and "Traceback" not in r.err and len(r.err.strip().splitlines()) == 1
 
@@ -333,15 +339,10 @@ def test_serve_speculative_mtp_over_http_is_byte_identical(gguf, tmp_path):
     assert drafted and float(drafted[0].split()[-1]) > 0
 
 
-def test_serve_refuses_mtp_for_a_file_without_its_head(tiny_checkpoint, tmp_path):
+def test_serve_refuses_mtp_for_a_file_without_its_head(no_mtp_gguf):
     import subprocess
     import sys
 
-    from hf2q.cli import main
-
-    out = tmp_path / "no-mtp.gguf"
-    assert main(["convert", str(tiny_checkpoint(FAMILIES["dense"])), "-q", "f32", "-o", str(out), "--no-integrity",
-                 "--no-mtp"]) == 0
-    r = subprocess.run([sys.executable, "-m", "hf2q", "serve", "--model", str(out), "--speculative", "mtp", "--port",
+    r = subprocess.run([sys.executable, "-m", "hf2q", "serve", "--model", str(no_mtp_gguf), "--speculative", "mtp", "--port",
                         "0"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 3 and "nextn" in r.stderr and "Traceback" not in r.stderr
