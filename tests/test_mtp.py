@@ -282,16 +282,11 @@ def test_mtp_without_a_nextn_block_is_a_clear_input_error(no_mtp_gguf, cli):
 
 
 def _plain_greedy(runner, prompt: list[int], n: int) -> list[int]:
-    """Greedy tokens of ``prompt`` decoded one by one, stopping at an end-of-generation token."""
-    seq = runner.new_sequence()
-    logits, out = runner.prefill(seq, prompt), []
-    for _ in range(n):
-        t = int(np.argmax(logits))
-        if t in runner.eos_token_ids:
-            break
-        out.append(t)
-        logits = runner.decode([seq], [t])[0]
-    return out
+    """Greedy tokens of ``prompt`` decoded one by one, without the end-of-generation token that stops them."""
+    from hf2q.engine.generate import generate_once
+
+    out = generate_once(runner, prompt, SamplingParams(max_tokens=n, temperature=0.0))
+    return out["tokens"][:-1] if out["finish_reason"] == "stop" else out["tokens"]
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
