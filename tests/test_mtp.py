@@ -311,6 +311,33 @@ async def test_the_runtime_decodes_a_lone_request_with_mtp_drafts(gguf, kind):
     assert counters["gpu_steps"] < len(reference) + len(prompt) // 16 + 1  # verify forwards, not one per token
 
 
+def test_a_server_step_verifies_a_listed_draft_on_a_hybrid_model(gguf):
+    """The step the server runs for a lone request (``run_step`` with an n-gram-style token list) on the
+    qwen35 model: it stops the sequence at the last accepted token, and decoding goes on as plain decoding."""
+    from types import SimpleNamespace
+
+    from hf2q.engine.sampling import Sampler
+    from hf2q.engine.step import Drafted, run_step
+
+    runner = _runner(gguf("dense"), mtp=False)
+    prompt = random_tokens(16, seed=21)
+    answer = _plain_greedy(runner, prompt, 12)
+    seq = runner.new_sequence()
+    runner.prefill(seq, prompt)
+    run = SimpleNamespace(slot=0, seq=seq, sampler=Sampler(SamplingParams(temperature=0.0)), history=[])
+    out, fed = [answer[0]], 0
+    while len(out) < len(answer):
+        good = answer[len(out):len(out) + 3]
+        draft = good[:1] + [(t + 1) % 1000 for t in good[1:]]  # the first drafted token right, the rest wrong
+        res = run_step(runner, [run], [out[-1]], None, draft=draft)[0]
+        assert isinstance(res, Drafted) and res.tokens[0] == draft[0]
+        fed += len(res.tokens)
+        out += list(res.tokens)
+        run.history = list(out)
+        assert seq.length == len(prompt) + fed
+    assert out[:len(answer)] == answer
+
+
 @pytest.mark.slow  # two real servers (~40 s)
 def test_serve_speculative_mtp_over_http_is_byte_identical(gguf, tmp_path):
     import httpx
