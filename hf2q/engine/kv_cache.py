@@ -73,8 +73,9 @@ class RecurrentState:
       sequence can stop at the last accepted one; they live until the next forward or trim.
 
     ``hidden`` is not recurrent state but lives beside it for the same models: ``(first position,
-    rows [n, d])``, the main model's final-normed hidden rows of the last forward (and the row before
-    it), which a multi-token-prediction draft head reads (``engine/models/qwen35_mtp.py``).
+    rows [n, d])``, the main model's final-normed hidden rows the last forward leaves (its last two; a
+    verify's every row and the one before), which a multi-token-prediction draft head reads
+    (``engine/models/qwen35_mtp.py``).
     """
 
     def __init__(self, n_layers: int, conv_shape: tuple[int, int], ssm_shape: tuple[int, int, int], dtype,

@@ -92,8 +92,12 @@ class MtpHead:
         rows = mx.concatenate([before, hidden], axis=1)  # positions off − 1 … off + T − 1
         k, v = self._kv(self._fused(tokens, rows[:, :-1]), fb.offset)
         fb.update(self.kv_index, k, v)
+        T = tokens.shape[1]
+        # a verify may stop at any of its tokens; any other forward only at its end, or one before
+        # (the decode pipeline's one-position rollback): the last two rows are enough there
+        kept = rows if not fb.end_point else rows[:, -2:]
         for b, (c, off) in enumerate(zip(fb.caches, fb.offsets)):
-            c.recurrent.hidden = (off - 1, rows[b])
+            c.recurrent.hidden = (off - 1 if not fb.end_point else off + T - 2, kept[b])
 
     # ---- drafting -------------------------------------------------------------------------
 
