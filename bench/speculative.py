@@ -1,4 +1,4 @@
-"""Speculative decoding with n-gram (prompt-lookup) drafts: hf2q with and without, and llama.cpp's peer.
+"""Speculative decoding with n-gram (prompt-lookup) or MTP drafts: hf2q with and without, and llama.cpp's peer.
 
 Workload: an agentic edit — the prompt holds a source file and asks for the whole file back with one
 small change, so most of the answer is already in the context and drafts should hit. Greedy
@@ -12,8 +12,17 @@ small change, so most of the answer is already in the context and drafts should 
   its own ``--jinja``); its
   ``timings`` give tokens/s and drafted / accepted counts. Skipped, with the reason, when absent.
 
+* ``--mode mtp`` (a Qwen 3.5 / 3.6 GGUF with its ``nextn`` block): the drafts come from the model's
+  multi-token-prediction head (``--speculative mtp``), against plain decoding of a runner without the
+  head; and ``rollback`` times the two ways a hybrid-recurrent sequence can stop inside a verify
+  forward: the recurrent state kept after each verified token (what the engine does) against going
+  back to the state before the forward and feeding the accepted tokens again. With random weights
+  (``bench/synth_gguf.py``, the tiny test checkpoints) the head's acceptance means nothing: only the
+  costs do.
+
     python bench/speculative.py --out bench-speculative.json
     python bench/speculative.py --model some.gguf --draft-tokens 4,8,16 --max-tokens 384
+    python bench/speculative.py --mode mtp --model qwen35.gguf --draft-tokens 1,2,3 --skip-llama-cpp
 """
 
 from __future__ import annotations
@@ -49,7 +58,7 @@ def edit_prompt() -> str:
     return EDIT_ASK.format(old=old, new=old + "_v2", source=source)
 
 
-def bench_hf2q(model: Path, text: str, draft_list: list[int], max_tokens: int, reps: int) -> dict:
+def bench_hf2q(model: Path, text: str, draft_list: list[int], max_tokens: int, reps: int, mode: str = "ngram") -> dict:
     from hf2q.engine.factory import load_runner
     from hf2q.engine.generate import generate_once, render_prompt
     from hf2q.sched.contracts import SamplingParams
@@ -59,14 +68,19 @@ def bench_hf2q(model: Path, text: str, draft_list: list[int], max_tokens: int, r
     prompt = render_prompt(argparse.Namespace(prompt=text, prompt_file=None, raw=False, chat_template=None,
                                               chat_template_file=None, no_thinking=False), model, tokenizer)
     runner = load_runner(model)
+    drafting = runner
+    if mode == "mtp":  # the head writes K/V rows in every forward: the plain runs keep a runner without it
+        drafting = load_runner(model)
+        drafting.enable_mtp()
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    generate_once(runner, prompt, SamplingParams(max_tokens=4, temperature=0.0))  # warm caches and kernels
+    for r in {id(runner): runner, id(drafting): drafting}.values():
+        generate_once(r, prompt, SamplingParams(max_tokens=4, temperature=0.0), draft_tokens=2)  # warm kernels
 
     configs = [0] + draft_list
     got: dict[int, list[dict]] = {k: [] for k in configs}
     for _ in range(reps):  # interleaved, so a load change on a shared machine hits every config alike
         for k in configs:
-            got[k].append(generate_once(runner, prompt, params, draft_tokens=k))
+            got[k].append(generate_once(drafting if k else runner, prompt, params, draft_tokens=k))
 
     def row(k: int) -> dict:
         r = got[k][-1]
@@ -80,12 +94,48 @@ def bench_hf2q(model: Path, text: str, draft_list: list[int], max_tokens: int, r
         return out
 
     plain = row(0)
-    out = {"prompt_tokens": len(prompt), "plain": plain, "ngram": []}
+    out = {"prompt_tokens": len(prompt), "plain": plain, mode: []}
     for k in draft_list:
         r = row(k)
         r["speedup"] = round(r["decode_tokens_per_sec"] / plain["decode_tokens_per_sec"], 3)
-        out["ngram"].append(r)
+        out[mode].append(r)
+    if mode == "mtp":
+        out["rollback"] = bench_rollback(runner, prompt, max(draft_list), reps)
     return out
+
+
+def bench_rollback(runner, prompt: list[int], k: int, reps: int, steps: int = 24) -> dict:
+    """Milliseconds per verify step of ``1 + k`` tokens that keeps ``j`` of them (``j`` cycling through
+    ``1 … k``): the recurrent state kept after each token vs the state before the forward + a re-feed."""
+    from hf2q.engine import kv_cache
+    from hf2q.engine.speculative import keep_accepted
+
+    fed = [(prompt[i % len(prompt)] + 1) % runner.vocab_size for i in range(k + 1)]
+
+    def run(per_position: bool) -> float:
+        kept = kv_cache.ForwardBatch.keeps_every_state
+        if not per_position:
+            kv_cache.ForwardBatch.keeps_every_state = property(lambda self: False)
+        try:
+            seq = runner.new_sequence()
+            runner.prefill(seq, prompt)
+            t0 = time.perf_counter()
+            for i in range(steps):
+                start = seq.length
+                runner.verify(seq, fed)
+                keep_accepted(runner, seq, start, fed[:1 + i % k])
+            return (time.perf_counter() - t0) * 1000 / steps
+        finally:
+            kv_cache.ForwardBatch.keeps_every_state = kept
+
+    if not hasattr(runner.model, "new_recurrent_state"):
+        return {"skipped": "not a hybrid-recurrent model"}
+    per, replay = [], []
+    for _ in range(reps):
+        per.append(run(True))
+        replay.append(run(False))
+    return {"verify_tokens": k + 1, "per_position_states_ms": round(statistics.median(per), 2),
+            "replay_ms": round(statistics.median(replay), 2)}
 
 
 def bench_llama_cpp(model: Path, text: str, max_tokens: int, threads: int) -> dict:
@@ -143,7 +193,9 @@ def _post(url: str, body: dict) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="GGUF (default: the built-in chat model)")
-    p.add_argument("--draft-tokens", default="3,6", help="comma-separated draft lengths to try")
+    p.add_argument("--mode", choices=["ngram", "mtp"], default="ngram", help="where the drafts come from")
+    p.add_argument("--draft-tokens", default=None, help="comma-separated draft lengths to try (default 3,6; "
+                   "mtp: 1,2,3)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama-server threads")
@@ -154,12 +206,15 @@ def main(argv=None) -> int:
 
     prepare_mlx()
     model = chat_model(args.model)
+    drafts = args.draft_tokens or ("1,2,3" if args.mode == "mtp" else "3,6")
     text = edit_prompt()
     t0 = time.perf_counter()
     report = {"model": model.name, "workload": f"rewrite {EDIT_SOURCE.relative_to(ROOT)} with one rename",
               "temperature": 0.0, "max_tokens": args.max_tokens, "reps": args.reps,
-              "hf2q": bench_hf2q(model, text, [int(k) for k in args.draft_tokens.split(",")], args.max_tokens,
-                                 args.reps)}
+              "hf2q": bench_hf2q(model, text, [int(k) for k in drafts.split(",")], args.max_tokens, args.reps,
+                                 args.mode)}
+    if args.mode == "mtp":
+        report["note"] = "random weights (synthetic / test files) make the MTP acceptance rate meaningless"
     report["llama_cpp"] = ({"skipped": "--skip-llama-cpp"} if args.skip_llama_cpp
                            else bench_llama_cpp(model, text, args.max_tokens, args.threads))
     report["wall_s"] = round(time.perf_counter() - t0, 1)

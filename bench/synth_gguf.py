@@ -101,6 +101,7 @@ def main() -> int:
     ap.add_argument("--mix", default="q4_k_m", choices=sorted(MIXES))
     ap.add_argument("--layers", type=int, default=None, help="override the layer count")
     ap.add_argument("--vocab-gguf", default=None, help="copy tokenizer.* metadata from this GGUF")
+    ap.add_argument("--mtp", action="store_true", help="qwen35: also write a multi-token-prediction (nextn) block")
     ap.add_argument("-o", "--output", required=True)
     a = ap.parse_args()
     if a.skeleton:
@@ -117,7 +118,10 @@ def main() -> int:
     arch = s.get("arch", "qwen3")
     w = gguf.GGUFWriter(a.output, arch)
     w.add_name(f"random {a.shape} {a.mix}")
-    w.add_block_count(s["layers"])
+    mtp = bool(a.mtp and arch == "qwen35")
+    w.add_block_count(s["layers"] + mtp)
+    if mtp:
+        w.add_uint32(gguf.Keys.LLM.NEXTN_PREDICT_LAYERS.format(arch=arch), 1)
     w.add_context_length(40960)
     w.add_embedding_length(s["hidden"])
     w.add_feed_forward_length(s["ffn"])
@@ -128,7 +132,7 @@ def main() -> int:
     w.add_rope_freq_base(1_000_000.0)
     w.add_layer_norm_rms_eps(1e-6)
     if arch == "qwen35":
-        recurrent = [(i + 1) % s["interval"] != 0 for i in range(s["layers"])]
+        recurrent = [(i + 1) % s["interval"] != 0 for i in range(s["layers"])] + [False] * mtp
         w.add_ssm_conv_kernel(s["conv"])
         w.add_ssm_state_size(s["lin_dim"])
         w.add_ssm_group_count(s["lin_k_heads"])
@@ -207,6 +211,13 @@ def main() -> int:
         add(p + "ffn_gate.weight", s["ffn"], h, "ffn_gate")
         add(p + "ffn_up.weight", s["ffn"], h, "ffn_up")
         add(p + "ffn_down.weight", h, s["ffn"], "ffn_down")
+    if mtp:  # a full-attention block after the main ones, with the head's own norms and projection
+        p = f"blk.{s['layers']}."
+        norm(p + "attn_norm.weight", h)
+        add_qwen35_block(p, False)
+        add(p + "nextn.eh_proj.weight", h, 2 * h, "attn_output")
+        for n in ("enorm", "hnorm", "shared_head_norm"):
+            norm(p + f"nextn.{n}.weight", h)
     norm("output_norm.weight", h)
     add("output.weight", s["vocab"], h, "output")
     w.write_header_to_file()

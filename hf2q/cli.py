@@ -171,10 +171,11 @@ def _add_kv_cache_type(p) -> None:
 
 
 def _add_speculative(p) -> None:
-    p.add_argument("--speculative", choices=["ngram", "off"], default="off",
-                   help="ngram: draft from earlier context (prompt lookup) and verify several tokens per forward")
+    p.add_argument("--speculative", choices=["ngram", "mtp", "off"], default="off",
+                   help="verify several drafted tokens per forward; ngram: drafts from earlier context (prompt "
+                        "lookup); mtp: from the model's multi-token-prediction head (Qwen 3.5 / 3.6)")
     p.add_argument("--draft-tokens", type=_positive_int, default=None, metavar="K",
-                   help="with --speculative ngram: most tokens drafted per forward (default 6)")
+                   help="with --speculative: most tokens drafted per forward (default 6 for ngram, 3 for mtp)")
 
 
 def _add_chat(sub) -> None:

@@ -3,8 +3,8 @@
 The drafter is checked against a brute-force search; the acceptance rule against the target
 distribution it must preserve (sampled many times); ``runner.verify`` against one decode step per
 token; and greedy generation with drafting against plain greedy generation, token for token, on
-the real SmolLM2, tiny qwen3 / llama and the hybrid-recurrent tiny qwen35 (whose sequences cannot
-stop inside a forward, so the accepted tokens are fed again from the state before it).
+the real SmolLM2, tiny qwen3 / llama and the hybrid-recurrent tiny qwen35 (whose verify forwards keep
+the recurrent state after each token, so a sequence stops at the last accepted one).
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def test_verify_logits_match_one_decode_step_per_token(tiny_gguf, path):
     np.testing.assert_allclose(runner.decode([a], [5])[0], runner.decode([b], [5])[0], atol=1e-4, rtol=1e-4)
 
 
-def test_a_hybrid_sequence_goes_back_only_to_the_start_of_the_verify(tiny_gguf):
+def test_a_hybrid_sequence_stops_inside_a_verify_until_the_next_forward(tiny_gguf):
     from hf2q.engine.kv_cache import PrefixNotReusable
     from tests.engine_support import random_tokens
 
@@ -135,10 +135,12 @@ def test_a_hybrid_sequence_goes_back_only_to_the_start_of_the_verify(tiny_gguf):
     seq = runner.new_sequence()
     runner.prefill(seq, random_tokens(10, seed=1))
     runner.verify(seq, [5, 6, 7, 8])
+    seq.trim(12)  # the recurrent state after the verify's second token (kept per position)
+    runner.decode([seq], [9])
     with pytest.raises(PrefixNotReusable):
-        seq.trim(12)
-    seq.trim(10)  # the state the verify began from
-    assert seq.length == 10
+        seq.trim(11)  # that verify's states went with the next forward
+    seq.trim(12)  # the state the decode began from
+    assert seq.length == 12
 
 
 def _repetitive_prompt(seed: int = 0) -> list[int]:
@@ -235,4 +237,4 @@ def test_draft_tokens_without_speculative_is_a_usage_error(smollm2_gguf, cli):
     res = cli("generate", "--model", smollm2_gguf, "--prompt", "hi", "--draft-tokens", "4")
     assert res.code == 2 and "--speculative ngram" in res.err
     res = cli("generate", "--model", smollm2_gguf, "--prompt", "hi", "--speculative", "mtp")
-    assert res.code == 2
+    assert res.code == 3 and "multi-token-prediction" in res.err  # a llama file has no MTP head

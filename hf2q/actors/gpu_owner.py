@@ -32,7 +32,7 @@ from hf2q.actors.supervisor import EnginePoisoned
 from hf2q.engine.decode_pipeline import DecodePipeline
 from hf2q.engine.sampling import Sampler
 from hf2q.engine.sampling.rows import Sampled, SampleError
-from hf2q.engine.speculative import NgramDrafter
+from hf2q.engine.speculative import MtpDrafter, NgramDrafter
 from hf2q.engine.step import Drafted, run_step
 from hf2q.sched.contracts import Failed, PrefillProgress, Token
 from hf2q.sched.planner import StepPlanner
@@ -67,7 +67,7 @@ class RunningRequest:
     resident: int = 0  # tokens in the slot's KV
     emitted: int = 0
     token: int | None = None
-    drafter: NgramDrafter | None = None  # prompt + tokens so far, when it decodes speculatively
+    drafter: NgramDrafter | MtpDrafter | None = None  # when it decodes speculatively
 
     @property
     def slot(self) -> int:
@@ -113,6 +113,7 @@ class GpuOwner:
         self.pipeline = None if os.environ.get("HF2Q_NO_DECODE_PIPELINE") else DecodePipeline()
         self.dead_peer: Callable[[], str | None] | None = None
         self.draft_tokens = draft_tokens  # set to 0 at load when the runner cannot verify drafts
+        self.mtp = False  # drafts come from the model's MTP head (``runner.drafts``), made in the engine thread
 
     # ---- loading and single transactions ----------------------------------------------
 
@@ -148,10 +149,11 @@ class GpuOwner:
         # a runner over several processes says when one of them died (polled from trio: thread-safe)
         self.dead_peer = getattr(box[0].value, "dead_peer", None)
         runner = box[0].value
-        if self.draft_tokens and not (hasattr(runner, "verify") and getattr(runner, "trims_prefix", True)):
-            # a recurrent state cannot be cut back inside a verified draft (nor a runner without verify)
+        if self.draft_tokens and not (hasattr(runner, "verify") and getattr(runner, "rolls_back_drafts", True)):
+            # a sliding window cannot be cut back inside a verified draft yet (nor a runner without verify)
             log.warning("speculative decoding is off: %s cannot verify drafts in the server", type(runner).__name__)
             self.draft_tokens = 0
+        self.mtp = bool(self.draft_tokens and getattr(runner, "drafts", False))
         return runner
 
     async def transact(self, job: Callable[[Any], Any], what: str, then: Callable[[], None] | None = None) -> Any:
@@ -294,18 +296,24 @@ class GpuOwner:
         params = req.params
         # drafts are verified only where the acceptance rule is all there is: no constraint to
         # advance token by token, no per-token logprobs to report
-        drafter = (NgramDrafter(req.prompt_tokens) if self.draft_tokens and params.constraint is None
-                   and not params.logprobs else None)
+        drafter = None
+        if self.draft_tokens and params.constraint is None and not params.logprobs:
+            drafter = MtpDrafter(None, work.seq) if self.mtp else NgramDrafter(req.prompt_tokens)
         return RunningRequest(work.generation, work.seq, make_sampler(params), params.constraint,
                               resident=work.generation.prompt_len, drafter=drafter)  # once its last chunk is in
 
-    def _draft(self, run: RunningRequest) -> list[int] | None:
-        """The tokens to verify after ``run``'s fed token this step, if any."""
+    def _draft(self, run: RunningRequest):
+        """The tokens to verify after ``run``'s fed token this step, if any — or, for MTP drafts, the
+        call that makes them in the engine thread (``run_step`` takes either)."""
         if run.drafter is None:
             return None
         lim = run.gen.limits
         room = min(self.draft_tokens, lim.max_tokens - run.emitted - 1, lim.ctx - run.resident - 2)
-        return (run.drafter.propose(room) or None) if room > 0 else None
+        if room <= 0:
+            return None
+        if isinstance(run.drafter, MtpDrafter):
+            return lambda runner, drafter=run.drafter: drafter.draft(runner, room)
+        return run.drafter.propose(room) or None
 
     def _postprocess_step(self, run: RunningRequest, result) -> bool:
         """A decode run's step result: one sampled token, or a verified draft's accepted tokens."""

@@ -122,6 +122,8 @@ def runner_factory(path: Path, ctx: int | None, tensor_parallel: int = 1, args=N
         from hf2q.engine.runner import warm_up
 
         runner = load()
+        if getattr(args, "speculative", "off") == "mtp":
+            runner.enable_mtp()  # before any sequence: the head keeps K/V rows of its own
         if vision is not None:
             from hf2q.engine.vision.qwen3vl import Qwen3VLVisionEncoder
             from hf2q.formats.gguf_file import open_gguf
@@ -187,6 +189,9 @@ def preflight(args) -> tuple[Path, Path | None]:
     check_model_kind(header, model_path, "--model")
     check_servable(header)  # what `hf2q info` reports: no defect reaches the engine
     check_kv_cache_type(header, args)
+    from hf2q.engine.speculative import check_speculative
+
+    check_speculative(header, args)  # --speculative mtp needs the file's nextn block
     if embed_path is not None:
         embed_header = open_gguf(embed_path)
         check_model_kind(embed_header, embed_path, "--embedding-model")

@@ -107,6 +107,9 @@ def plan_models(args):
         else:
             check_kv_budget(header, args)
             check_kv_cache_type(header, args)
+            from hf2q.engine.speculative import check_speculative
+
+            check_speculative(header, args)  # --speculative mtp: every chat model needs its nextn block
             need = check_memory(header, args)
         plans.append((path, model_id, "embedding" if encoder else "chat", need.total))
     budget = args.models_memory

@@ -9,7 +9,8 @@ throughput; with ``--json`` the last line is one JSON object of the medians.
 ``--speculative ngram`` decodes with prompt-lookup drafts (``hf2q.engine.speculative``): each
 step feeds the last token plus up to ``--draft-tokens`` drafted ones to ``runner.verify`` and
 keeps what the acceptance rule accepts, so the output is the one plain decoding gives (the same
-bytes at temperature 0, the same distribution above it).
+bytes at temperature 0, the same distribution above it). ``--speculative mtp`` drafts with the
+model's multi-token-prediction head instead (Qwen 3.5 / 3.6 files with their ``nextn`` block).
 """
 
 from __future__ import annotations
@@ -90,9 +91,10 @@ def generate_once(runner, prompt: list[int], params, on_token=None, ignore_eos: 
                   draft_tokens: int = 0, drafter=None) -> dict:
     """Prefill + decode one request; returns counts and timings (seconds).
 
-    ``draft_tokens`` > 0 decodes speculatively with n-gram drafts of up to that many tokens; the
-    result then also counts ``drafted_tokens`` and ``accepted_tokens``. ``drafter`` replaces the
-    n-gram drafter: anything with its ``append(token)`` / ``propose(k)`` (fed the prompt first).
+    ``draft_tokens`` > 0 decodes speculatively with drafts of up to that many tokens — the model's MTP
+    head's when ``runner.drafts`` (``runner.enable_mtp()``), else n-gram ones; the result then also
+    counts ``drafted_tokens`` and ``accepted_tokens``. ``drafter`` replaces the drafter: anything
+    with ``append(token)`` / ``propose(k)`` (fed the prompt first).
 
     ``ignore_eos`` treats end-of-generation tokens as ordinary ones, so a decode benchmark runs the
     whole ``max_tokens`` budget on the same (pipelined or host) path instead of stopping early.
@@ -113,7 +115,11 @@ def generate_once(runner, prompt: list[int], params, on_token=None, ignore_eos: 
     stops = frozenset() if ignore_eos else frozenset(runner.eos_token_ids)
     spec = {"drafted_tokens": 0, "accepted_tokens": 0, "forwards": 0}
     if draft_tokens > 0:
-        if drafter is None:
+        if drafter is None and getattr(runner, "drafts", False):
+            from hf2q.engine.speculative import MtpDrafter
+
+            drafter = MtpDrafter(runner, seq)
+        elif drafter is None:
             from hf2q.engine.speculative import NgramDrafter
 
             drafter = NgramDrafter(prompt)
@@ -247,12 +253,17 @@ def run(args) -> int:
     header = check_generative_model(model_path)
     tokenizer = GGUFTokenizer.from_gguf(model_path)
     prompt = render_prompt(args, model_path, tokenizer)
+    from hf2q.engine.speculative import check_speculative
+
+    check_speculative(header, args)  # before the weights load
     runner = load_runner(header, ctx=getattr(args, "ctx", None), kv_cache_type=getattr(args, "kv_cache_type", "f16"))
     if runner.is_embedding_model:
         raise InputError(f"{model_path.name} is an embedding model; generate needs a chat/text model")
     params = _params(args)
     ignore_eos = getattr(args, "ignore_eos", False)
     draft_tokens = _draft_tokens(args, runner)
+    if draft_tokens and args.speculative == "mtp":
+        runner.enable_mtp()
 
     if not args.benchmark:
         detok = IncrementalDetokenizer(tokenizer)
@@ -285,7 +296,7 @@ def run(args) -> int:
                "decode_tokens_per_sec": round(float(np.median(dec)), 3)}
     if draft_tokens:
         print(f"speculative: {_acceptance_text(runs[-1])}")
-        summary.update(speculative="ngram", draft_tokens=draft_tokens,
+        summary.update(speculative=args.speculative, draft_tokens=draft_tokens,
                        acceptance_rate=round(_acceptance_rate(runs[-1]), 4),
                        tokens_per_forward=round(_tokens_per_forward(runs[-1]), 3))
     if args.json:

@@ -68,7 +68,14 @@ class RecurrentState:
     * the *rollback* state before the last forward (the decode pipeline's one-position undo);
     * *reuse points*: the state at every multiple of ``interval`` tokens and at the end of every
       prefill forward (a transaction, so the end of each prompt), the newest ``keep`` of them — the
-      positions a later prompt that diverges inside this history can restart from.
+      positions a later prompt that diverges inside this history can restart from;
+    * *verify states*: after a speculative verify forward, the state after each of its tokens, so the
+      sequence can stop at the last accepted one; they live until the next forward or trim.
+
+    ``hidden`` is not recurrent state but lives beside it for the same models: ``(first position,
+    rows [n, d])``, the main model's final-normed hidden rows the last forward leaves (its last two; a
+    verify's every row and the one before), which a multi-token-prediction draft head reads
+    (``engine/models/qwen35_mtp.py``).
     """
 
     def __init__(self, n_layers: int, conv_shape: tuple[int, int], ssm_shape: tuple[int, int, int], dtype,
@@ -82,6 +89,9 @@ class RecurrentState:
         self._checkpoint: tuple[int, list, list] | None = None
         #: length → (conv, ssm) per layer at that length
         self.points = ReusePoints(interval, keep)
+        #: length → (conv, ssm) per layer inside the last verify forward
+        self.verify_states: dict[int, tuple[list, list]] = {}
+        self.hidden: tuple[int, mx.array] | None = None
 
     @property
     def state_nbytes(self) -> int:
@@ -98,6 +108,7 @@ class RecurrentState:
     def checkpoint(self, length: int) -> None:
         """Remember the state at ``length`` tokens (called before each forward)."""
         self._checkpoint = (length, list(self.conv), list(self.ssm))
+        self.verify_states = {}
 
     def checkpoint_length(self) -> int | None:
         return None if self._checkpoint is None else self._checkpoint[0]
@@ -105,11 +116,14 @@ class RecurrentState:
     def restore(self) -> None:
         length, self.conv, self.ssm = self._checkpoint
         self._checkpoint = None
+        self.verify_states = {}
         self.points.drop_after(length)
 
     def reset(self) -> None:
         self.conv, self.ssm = [None] * self.n_layers, [None] * self.n_layers
         self._checkpoint = None
+        self.verify_states = {}
+        self.hidden = None
         self.points.clear()
 
     def add_point(self, length: int, conv: list, ssm: list) -> None:
@@ -123,6 +137,14 @@ class RecurrentState:
         conv, ssm = self.points[length]
         self.conv, self.ssm = list(conv), list(ssm)
         self._checkpoint = None
+        self.verify_states = {}
+        self.points.drop_after(length)
+
+    def restore_verified(self, length: int) -> None:
+        """Stop inside the last verify forward, after its token at ``length`` (the rollback state then
+        stays the one before that forward: it is still an earlier state of this history)."""
+        self.conv, self.ssm = (list(a) for a in self.verify_states[length])
+        self.verify_states = {}
         self.points.drop_after(length)
 
     def batched(self, caches: Sequence["SequenceCache"], layer: int) -> tuple[mx.array, mx.array]:
@@ -136,7 +158,8 @@ class RecurrentState:
                 mx.stack([a if a is not None else mx.zeros(self.ssm_shape, dtype=mx.float32) for a in ssm]))
 
     def arrays(self) -> list[mx.array]:
-        return [a for a in self.conv + self.ssm if a is not None]
+        hidden = [self.hidden[1]] if self.hidden is not None else []
+        return [a for a in self.conv + self.ssm if a is not None] + hidden
 
 
 class SlidingWindow:
@@ -397,6 +420,8 @@ class SequenceCache:
             rec.restore()
         elif n_tokens in rec.points:
             rec.restore_point(n_tokens)
+        elif n_tokens in rec.verify_states:
+            rec.restore_verified(n_tokens)
         else:
             raise PrefixNotReusable(
                 f"cannot trim a hybrid-recurrent cache of {self._length} tokens to {n_tokens}: its recurrent state "
@@ -411,7 +436,7 @@ class SequenceCache:
         if self.recurrent is not None:
             rec = self.recurrent
             rollback = () if rec.checkpoint_length() is None else (rec.checkpoint_length(),)
-            points |= {p for p in (*rollback, *rec.points) if p <= self._length}
+            points |= {p for p in (*rollback, *rec.points, *rec.verify_states) if p <= self._length}
         if self.window is not None:
             w = self.window
             held = {p for p in w.points if p <= self._length and w.reachable(p)}
@@ -701,7 +726,14 @@ class ForwardBatch:
         rec = self.caches[0].recurrent
         if rec is None or len(self.caches) != 1:
             return []
+        if self.keeps_every_state:
+            return list(range(1, self.n_new))
         return rec.due_points(self.offsets[0], self.n_new)
+
+    @property
+    def keeps_every_state(self) -> bool:
+        """A speculative verify keeps the recurrent state after each of its tokens (``verify_states``)."""
+        return not self.end_point and self.n_new > 1
 
     def set_recurrent_point(self, layer: int, cut: int, conv: mx.array, ssm: mx.array) -> None:
         """Layer ``layer``'s state after the first ``cut`` tokens of this forward (batch of one)."""
@@ -792,11 +824,15 @@ class ForwardBatch:
             if self._staged:
                 rec = c.recurrent
                 rec.checkpoint(c.length)
+                due = set(rec.due_points(c.length, self.n_new))
                 for cut, layers in sorted(self._staged_points.items()):
                     if len(layers) == rec.n_layers:  # every recurrent layer handed its state in
                         order = sorted(layers)
-                        rec.add_point(c.length + cut, [layers[i][0][b] for i in order],
-                                      [layers[i][1][b] for i in order])
+                        state = [layers[i][0][b] for i in order], [layers[i][1][b] for i in order]
+                        if self.keeps_every_state:
+                            rec.verify_states[c.length + cut] = state
+                        if cut in due:
+                            rec.add_point(c.length + cut, *state)
                 for layer, (conv, ssm) in self._staged.items():
                     rec.conv[layer], rec.ssm[layer] = conv[b], ssm[b]
                 if rec.points.ends_at(c.length + self.n_new, self.n_new, self.end_point):

@@ -163,6 +163,13 @@ class MlxModelRunner:
                 and getattr(self.model, "trims_prefix", True))
 
     @property
+    def rolls_back_drafts(self) -> bool:
+        """Whether a sequence can stop at any position inside a verify forward (speculative decoding in
+        the server): a hybrid model's verify keeps the recurrent state after each token; a model with
+        sliding-window layers does not drop drafts there yet."""
+        return not self.window_layers
+
+    @property
     def pipelines_decode(self) -> bool:
         """True when ``decode_async`` overlaps work (the MLX graph path); the CPU host decode step is
         synchronous, so pipelining it would only add the device sampler's cost."""
@@ -182,6 +189,28 @@ class MlxModelRunner:
     def _shifted(self, seqs) -> bool:
         """Whether any of ``seqs`` has text positions behind its length (an image in its cache)."""
         return self.images is not None and any(shift_at(s) for s in seqs)
+
+    def enable_mtp(self) -> None:
+        """Draft with the model's multi-token-prediction head (``--speculative mtp``, qwen35): call before
+        the first sequence. ``InputError`` for a file without one, ``UsageError`` with an 8-bit KV cache."""
+        from hf2q.errors import UsageError
+
+        if not hasattr(self.model, "enable_mtp"):
+            raise InputError(f"{self.gguf.path.name} ({self.arch}) has no multi-token-prediction head")
+        if self.kv_codec is not None:
+            raise UsageError("--speculative mtp needs --kv-cache-type f16")
+        n_attention = self.model.kv_shape[0]
+        self.model.enable_mtp()
+        self.kv_bytes_per_token = self.kv_bytes_per_token * (n_attention + 1) // max(n_attention, 1)
+
+    @property
+    def drafts(self) -> bool:
+        """Whether the model drafts for itself (:meth:`draft`)."""
+        return getattr(self.model, "mtp", None) is not None
+
+    def draft(self, seq: SequenceCache, pending: int, k: int) -> list[int]:
+        """Up to ``k`` tokens the model's MTP head drafts after ``pending`` (sampled, not yet in ``seq``)."""
+        return self.model.mtp.draft(seq, pending, k)[0] if k > 0 else []
 
     # ---- sequences -----------------------------------------------------------------
 
@@ -431,6 +460,8 @@ def warm_up(runner) -> None:
         runner.decode([seq], [first])
         runner.prefill(other, toks[:5])
         runner.decode([seq, other], [first, first])  # a batched step (per-sequence masks)
+        if getattr(runner, "drafts", False):
+            runner.verify(seq, [first] + runner.draft(seq, first, 2))  # the MTP head's draft steps
         if getattr(runner, "pipelines_decode", False):
             for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9, seed=0)):
                 pending = runner.decode_async([seq], [first], [DeviceSampler(params)])

@@ -1,4 +1,4 @@
-"""Prompt-lookup (n-gram) drafting and the acceptance rule of speculative decoding.
+"""Draft tokens (prompt lookup, or the model's own MTP head) and the acceptance rule of speculative decoding.
 
 Agentic work repeats its context: a model asked to rewrite a file emits long runs of that file.
 The last few tokens generated then usually occur earlier in the context, and the tokens that
@@ -14,7 +14,11 @@ token stands, draw one more from the last row. At temperature 0, ``p`` is one-ho
 token, so this is "accept while the draft equals the greedy token, then take the greedy token":
 the output is the one plain greedy decoding gives.
 
-Pure logic on token lists and numpy rows; nothing here touches the model.
+:class:`MtpDrafter` proposes with the model's multi-token-prediction head instead (qwen35 files with
+a ``nextn`` block, ``--speculative mtp``; ``engine/models/qwen35_mtp.py``): the same interface,
+drafting through ``runner.draft`` in the engine thread.
+
+The rest is pure logic on token lists and numpy rows.
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ MAX_NGRAM = 4
 MIN_NGRAM = 1
 #: draft tokens proposed per verify forward unless told otherwise
 DEFAULT_DRAFT_TOKENS = 6
+#: the same for MTP drafts: one head chained on its own output loses accuracy at every step
+DEFAULT_MTP_DRAFT_TOKENS = 3
+#: ``--speculative`` choices
+MODES = ("ngram", "mtp", "off")
 
 
 class NgramDrafter:
@@ -68,6 +76,51 @@ class NgramDrafter:
         return []
 
 
+class MtpDrafter:
+    """Drafts for one sequence with the runner's MTP head (``runner.draft``), in the engine thread: the
+    :class:`NgramDrafter` interface, where ``append`` only notes the pending token (the server's step
+    loop, outside that thread, hands :meth:`draft` the runner instead)."""
+
+    def __init__(self, runner, seq):
+        self.runner, self.seq, self.pending = runner, seq, None
+
+    def append(self, token: int) -> None:
+        self.pending = int(token)
+
+    def propose(self, k: int) -> list[int]:
+        return self.draft(self.runner, k)
+
+    def draft(self, runner, k: int) -> list[int]:
+        return runner.draft(self.seq, self.pending, k) if self.pending is not None and k > 0 else []
+
+
+def nextn_block(g) -> int | None:
+    """The block index of a GGUF's multi-token-prediction head (the first after the main blocks), None
+    without one (read from the header alone)."""
+    hp = g.hparams
+    i = hp.n_main_layers
+    if hp.nextn_predict_layers < 1 or f"blk.{i}.nextn.eh_proj.weight" not in g.tensors:
+        return None
+    return i
+
+
+def check_speculative(g, args) -> None:
+    """``--speculative mtp``'s start-up checks on the model's header: a qwen35 / qwen35moe file with a
+    ``nextn`` block (``InputError``) and a float KV cache on one rank (``UsageError``)."""
+    from hf2q.errors import InputError, UsageError
+
+    if getattr(args, "speculative", "off") != "mtp":
+        return
+    name = getattr(g.path, "name", g.path)
+    if g.arch not in ("qwen35", "qwen35moe") or nextn_block(g) is None:
+        raise InputError(f"{name}: --speculative mtp needs a Qwen 3.5 / 3.6 GGUF with its multi-token-prediction "
+                         "(nextn) block — convert without --no-mtp, or use --speculative ngram")
+    if getattr(args, "kv_cache_type", "f16") != "f16":
+        raise UsageError("--speculative mtp needs --kv-cache-type f16")
+    if getattr(args, "tensor_parallel", 1) > 1 or getattr(args, "hostfile", None) or getattr(args, "hosts", None):
+        raise UsageError("--speculative mtp runs on one rank; drop --tensor-parallel")
+
+
 def accept_draft(sampler, draft: Sequence[int], rows: np.ndarray, history: Sequence[int]) -> list[int]:
     """The tokens a verify forward yields: the accepted prefix of ``draft`` and one token of the
     target's own (at the first rejection, or after the whole draft).
@@ -98,8 +151,9 @@ def accept_draft(sampler, draft: Sequence[int], rows: np.ndarray, history: Seque
 
 
 def keep_accepted(runner, seq, start: int, fed: list[int]) -> None:
-    """Cut ``seq`` back to ``start + len(fed)`` after a verify forward from ``start``. A hybrid-
-    recurrent sequence cannot stop inside that forward, so it goes back to ``start`` (the state
+    """Cut ``seq`` back to ``start + len(fed)`` after a verify forward from ``start``. A hybrid-recurrent
+    sequence stops there through the state its verify kept after each token (``RecurrentState``'s
+    verify states); a sequence that cannot stop inside the forward goes back to ``start`` (the state
     the forward began from) and the accepted tokens are fed again."""
     keep = start + len(fed)
     if keep == seq.length:
@@ -131,6 +185,8 @@ def draft_tokens_arg(args) -> int:
     k = getattr(args, "draft_tokens", None)
     if mode == "off":
         if k is not None:
-            raise UsageError("--draft-tokens needs --speculative ngram")
+            raise UsageError("--draft-tokens needs --speculative ngram or mtp")
         return 0
-    return DEFAULT_DRAFT_TOKENS if k is None else k
+    if k is None:
+        return DEFAULT_MTP_DRAFT_TOKENS if mode == "mtp" else DEFAULT_DRAFT_TOKENS
+    return k

@@ -35,10 +35,15 @@ def run_step(runner, decode: list, tokens: list[int], prefill,
     step runs both as rows of one pass over the weights).
     ``first`` is the request whose first token ``prefill``'s logits give (its last chunk).
     ``draft`` (only with one decode run): tokens to verify after its fed token in one
-    ``runner.verify`` forward (speculative decoding); its result is then ``Drafted``.
+    ``runner.verify`` forward (speculative decoding), or ``draft(runner)`` that drafts them here (the
+    model's MTP head); its result is then ``Drafted`` (a plain step when no draft came).
     Errors raised by the runner propagate (they poison the engine).
     """
     results: dict[int, Any] = {}
+    if callable(draft):
+        if pipeline is not None:
+            pipeline.settle()  # the draft reads the sequence's caches
+        draft = draft(runner)
     if draft:
         if pipeline is not None:
             pipeline.settle()

@@ -22,7 +22,9 @@ the key/query heads are therefore tiled (not repeated in place) to meet the valu
 The recurrence runs in ``mx.fast.gated_delta_update`` (any chunk length, one call per layer), or
 on a CUDA device in :mod:`hf2q.kernels.cuda_gated_delta` (MLX's CUDA version works token by
 token); :func:`gated_delta_reference` is the same rule step by step in plain MLX, and
-:mod:`hf2q.kernels.gated_delta_ref` the numpy reference all of them are tested against. Only the main blocks run; MTP (``nextn``) blocks are ignored.
+:mod:`hf2q.kernels.gated_delta_ref` the numpy reference all of them are tested against. The MTP
+(``nextn``) block after the main ones runs only as a draft head, once :meth:`Qwen35Model.enable_mtp`
+is called (``--speculative mtp``; :mod:`hf2q.engine.models.qwen35_mtp`).
 """
 
 from __future__ import annotations
@@ -206,6 +208,9 @@ class Qwen35Model:
     def __init__(self, g: GGUFFile, dtype, make_ffn=None):
         """``make_ffn(i)``: block ``i``'s feed-forward (default the dense SwiGLU)."""
         make_ffn = make_ffn or (lambda i: gated_mlp(g, i, dtype))
+        self._gguf, self._make_ffn = g, make_ffn
+        #: the multi-token-prediction draft head, once enabled (``enable_mtp``)
+        self.mtp = None
         hp = g.hparams
         cfg = common_config(g, traditional=False)
         cfg.qk_norm = True
@@ -235,7 +240,24 @@ class Qwen35Model:
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:
-        return self.n_attention, self.cfg.n_kv_heads, self.cfg.head_dim
+        """Attention layers with a K/V cache: the main ones, and the MTP head's once it is on."""
+        return self.n_attention + (self.mtp is not None), self.cfg.n_kv_heads, self.cfg.head_dim
+
+    def enable_mtp(self) -> None:
+        """Load the ``nextn`` block as a draft head; from now on every forward also writes its K/V rows
+        (call before the first sequence: they hold one more attention layer). ``InputError`` when the
+        file has no such block."""
+        from hf2q.engine.models.qwen35_mtp import MtpHead
+        from hf2q.engine.speculative import nextn_block
+
+        if self.mtp is not None:
+            return
+        g, i = self._gguf, nextn_block(self._gguf)
+        block = None
+        if i is not None:
+            block = Qwen35Block(GatedAttention(self.cfg, g, i, self.n_attention, self.dtype), self._make_ffn(i), g, i,
+                                self.cfg.norm_eps, self.dtype)
+        self.mtp = MtpHead(g, self.cfg, block, self.n_attention, self.embed, self.lm_head, self.norm, self.dtype)
 
     def new_recurrent_state(self) -> RecurrentState:
         d = self.delta
@@ -243,13 +265,21 @@ class Qwen35Model:
                               (d.v_heads, d.v_dim, d.k_dim), self.dtype)
 
     def weights_nbytes(self) -> int:
-        return distinct_nbytes([self.embed, self.lm_head] + [lin for block in self.layers for lin in block.linears()])
+        head = list(self.mtp.linears()) if self.mtp is not None else []
+        return distinct_nbytes([self.embed, self.lm_head] + [lin for block in self.layers for lin in block.linears()]
+                               + head)
 
     def __call__(self, tokens: mx.array, fb: ForwardBatch, last_only: bool = True) -> mx.array:
         """``tokens [B, T]`` → float32 logits ``[B, vocab]`` of the last position (or all)."""
         x = self.embed.rows(tokens)
         for block in self.layers:
             x = block(x, fb)
+        if self.mtp is not None:  # the draft head's K/V rows of these tokens, from every hidden row
+            x = rms_norm(x, self.norm, self.cfg.norm_eps)
+            self.mtp.store(tokens, x, fb)
+            x = x[:, -1:, :] if last_only else x
+            logits = self.lm_head(x).astype(mx.float32)
+            return logits[:, -1, :] if last_only else logits
         if last_only:
             x = x[:, -1:, :]
         logits = self.lm_head(rms_norm(x, self.norm, self.cfg.norm_eps)).astype(mx.float32)
