@@ -92,3 +92,24 @@ async def test_a_corrupt_gguf_backs_off_then_is_tried_again_and_the_other_model_
         assert later.status_code == 503 and len(tries) == 2
         assert loads == ["good"]
 
+
+async def test_a_stream_closed_unread_releases_its_model_which_becomes_evictable():
+    slow = FakeModelRunner(vocab_size=256, step_latency_s=0.02)  # 1000 tokens would take 20 s
+    loads = []
+    a, b = fake_entry("a", slow, loads), fake_entry("b", FakeModelRunner(vocab_size=256), loads)
+    async with several_model_server([a, b], budget=15, load_backoff_s=30.0) as (client, registry):
+        t0 = time.monotonic()
+        async with client.stream("POST", "/v1/chat/completions",
+                                 json={"model": "a", "max_tokens": 1000, "stream": True, "temperature": 0,
+                                       "messages": [{"role": "user", "content": "hi"}]}) as stream:
+            assert stream.status_code == 200
+            assert (await cards(client))["a"]["active_requests"] == 1  # generating; nothing read
+        with trio.fail_after(5):  # closed: the server sees the disconnect and lets the model go
+            while (await cards(client))["a"]["active_requests"]:
+                await trio.sleep(0.05)
+        assert time.monotonic() - t0 < 10  # long before the 1000 tokens could have been generated
+        other = await ask(client, "b")  # no room for both: the idle model is evicted for it
+        assert other.status_code == 200, other.text
+        states = await cards(client)
+        assert (states["a"]["state"], states["b"]["state"], a.evictions) == ("unloaded", "ready", 1)
+        assert loads == ["a", "b"]
