@@ -113,3 +113,38 @@ async def test_a_stream_closed_unread_releases_its_model_which_becomes_evictable
         states = await cards(client)
         assert (states["a"]["state"], states["b"]["state"], a.evictions) == ("unloaded", "ready", 1)
         assert loads == ["a", "b"]
+
+
+async def test_the_dashboard_has_one_row_per_model():
+    """While ``a`` streams and ``b`` is not loaded: a row each, with what the registry and ``a``'s
+    runtime say (state, active requests, busy slots, loads), and none of the prompt's text."""
+    import io
+
+    from rich.console import Console
+
+    from hf2q.api.operator import render_models_dashboard, run_models_dashboard
+
+    loads = []
+    a = fake_entry("model-a", FakeModelRunner(vocab_size=256, step_latency_s=0.02), loads)
+    b = fake_entry("model-b", FakeModelRunner(vocab_size=256), loads)
+    async with several_model_server([a, b], budget=15, load_backoff_s=30.0) as (client, registry):
+        async with client.stream("POST", "/v1/chat/completions",
+                                 json={"model": "model-a", "max_tokens": 200, "stream": True,
+                                       "messages": [{"role": "user", "content": "SECRET-PROMPT"}]}) as stream:
+            async for line in stream.aiter_lines():
+                if line.startswith("data: {"):
+                    break  # decoding now
+            console = Console(record=True, width=160, file=io.StringIO())
+            console.print(render_models_dashboard(registry.entries.values(), url="http://x", budget_bytes=15,
+                                                  started=0.0))
+            frame = console.export_text()
+            screen = io.StringIO()
+            with trio.move_on_after(0.3):  # the live loop draws the same rows
+                await run_models_dashboard(registry, url="http://x", refresh_s=0.05,
+                                           console=Console(file=screen, width=160))
+    rows = {line.split()[0]: line.split() for line in frame.splitlines() if line.startswith("model-")}
+    assert rows["model-a"][:6] == ["model-a", "chat", "ready", "1", "1/1", "0"]
+    assert rows["model-a"][-2:] == ["1", "0"]  # loaded once, never evicted
+    assert rows["model-b"][:6] == ["model-b", "chat", "unloaded", "0", "-", "-"]
+    assert "2 models" in frame and "memory 10 B / 15 B" in frame and "SECRET-PROMPT" not in frame
+    assert "model-a" in screen.getvalue() and "model-b" in screen.getvalue()
