@@ -131,7 +131,8 @@ def _logs_above(stream) -> Iterator[None]:
     """
     moved = []
     for h in logging.getLogger("hf2q").handlers:
-        if isinstance(h, logging.StreamHandler) and getattr(h.stream, "isatty", lambda: False)():
+        if isinstance(h, logging.StreamHandler) and not getattr(h.stream, "closed", False) \
+                and getattr(h.stream, "isatty", lambda: False)():  # a closed stream is no terminal
             moved.append((h, h.setStream(stream)))
     try:
         yield
