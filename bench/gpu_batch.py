@@ -43,24 +43,35 @@ def qmm_rates() -> dict:
     return out
 
 
-def aggregate_decode(r, cases=((1, True), (2, True), (4, True), (8, True), (4, False), (8, False)),
-                     steps: int = 48) -> dict:
-    """Aggregate decode tok/s per (sequences, stacked) case on a loaded, warmed runner."""
-    out = {}
-    for batch, stack in cases:
-        r.stack_decode = stack  # kv_cache.StackedDecode for batches of 2+ (off: per-sequence buffers)
-        seqs = [r.new_sequence() for _ in range(batch)]
-        toks = [int(np.argmax(r.prefill(s, [int(t) for t in np.random.default_rng(i).integers(100, 30000, 64)])))
-                for i, s in enumerate(seqs)]
-        samplers = [DeviceSampler(SamplingParams(temperature=0.0)) for _ in seqs]
+def decode_step_s(r, batch: int, steps: int, *, pipelined: bool, reps: int = 1,
+                  prompt_len: int = 64) -> tuple[float, float]:
+    """Median seconds per decode step over ``batch`` sequences (``reps`` runs of ``steps``) and, when
+    ``pipelined``, the median seconds to build and launch one step (the host's share), else 0.
+
+    Blocking steps read each step's logits back; pipelined ones go through ``decode_async`` (greedy
+    on the device, step n+1 queued before step n is read), the way the serving runtime's decode
+    pipeline runs a steady batch. Three untimed steps first build the batch (stacked or not)."""
+    seqs = [r.new_sequence() for _ in range(batch)]
+    toks = [int(np.argmax(r.prefill(s, [int(t) % r.vocab_size
+                                        for t in np.random.default_rng(i).integers(100, 30000, prompt_len)])))
+            for i, s in enumerate(seqs)]
+    times, builds = [], []
+    if not pipelined:
         for _ in range(3):
             toks = [int(t) for t in np.argmax(r.decode(seqs, toks), -1)]
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            toks = [int(t) for t in np.argmax(r.decode(seqs, toks), -1)]
-        blocking = steps * batch / (time.perf_counter() - t0)
-        pending = r.decode_async(seqs, toks, samplers)
-        builds = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                toks = [int(t) for t in np.argmax(r.decode(seqs, toks), -1)]
+            times.append((time.perf_counter() - t0) / steps)
+        return float(np.median(times)), 0.0
+    samplers = [DeviceSampler(SamplingParams(temperature=0.0)) for _ in seqs]
+    pending = r.decode_async(seqs, toks, samplers)
+    for _ in range(3):
+        ahead = r.decode_async(seqs, pending, samplers)
+        pending.result()
+        pending = ahead
+    for _ in range(reps):
         t0 = time.perf_counter()
         for _ in range(steps):
             tb = time.perf_counter()
@@ -68,13 +79,23 @@ def aggregate_decode(r, cases=((1, True), (2, True), (4, True), (8, True), (4, F
             builds.append(time.perf_counter() - tb)
             pending.result()
             pending = ahead
-        pending.result()
-        piped = steps * batch / (time.perf_counter() - t0)
+        times.append((time.perf_counter() - t0) / steps)
+    pending.result()
+    return float(np.median(times)), float(np.median(builds))
+
+
+def aggregate_decode(r, cases=((1, True), (2, True), (4, True), (8, True), (4, False), (8, False)),
+                     steps: int = 48) -> dict:
+    """Aggregate decode tok/s per (sequences, stacked) case on a loaded, warmed runner."""
+    out = {}
+    for batch, stack in cases:
+        r.stack_decode = stack  # kv_cache.StackedDecode for batches of 2+ (off: per-sequence buffers)
+        blocking, _ = decode_step_s(r, batch, steps, pipelined=False)
+        piped, build = decode_step_s(r, batch, steps, pipelined=True)
         key = f"B{batch}" + ("" if stack or batch == 1 else "_unstacked")
-        out[key] = {"blocking_tok_s": round(blocking, 1), "pipelined_tok_s": round(piped, 1),
-                    "build_ms": round(1000 * float(np.median(builds)), 2)}
+        out[key] = {"blocking_tok_s": round(batch / blocking, 1), "pipelined_tok_s": round(batch / piped, 1),
+                    "build_ms": round(1000 * build, 2)}
         print(json.dumps({key: out[key]}), flush=True)
-        del seqs
     r.stack_decode = True
     return out
 

@@ -33,54 +33,18 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 
-def batched_step_ms(runner, slots: int, steps: int, reps: int) -> float:
-    """Median milliseconds of one decode step over ``slots`` sequences (16-token prompts each)."""
-    seqs = [runner.new_sequence() for _ in range(slots)]
-    toks = [int(np.argmax(runner.prefill(s, [(7 * i + j) % runner.vocab_size + 1 for j in range(16)])))
-            for i, s in enumerate(seqs)]
-    runner.decode(seqs, toks)  # builds the stacked batch: not timed
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            toks = [int(t) for t in np.argmax(runner.decode(seqs, toks), axis=-1)]
-        times.append((time.perf_counter() - t0) / steps)
-    return 1000 * statistics.median(times)
-
-
-def batched_pipelined_step_ms(runner, slots: int, steps: int, reps: int) -> float:
-    """As :func:`batched_step_ms` through ``decode_async`` (greedy on the device, step n+1 queued
-    before step n is read), the way the serving runtime's decode pipeline runs a steady batch."""
-    from hf2q.engine.sampling.device import DeviceSampler
-    from hf2q.sched.contracts import SamplingParams
-
-    seqs = [runner.new_sequence() for _ in range(slots)]
-    toks = [int(np.argmax(runner.prefill(s, [(7 * i + j) % runner.vocab_size + 1 for j in range(16)])))
-            for i, s in enumerate(seqs)]
-    samplers = [DeviceSampler(SamplingParams(temperature=0.0)) for _ in seqs]
-    pending = runner.decode_async(seqs, toks, samplers)
-    pending.result()  # builds the stacked batch: not timed
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            nxt = runner.decode_async(seqs, pending, samplers)
-            pending.result()
-            pending = nxt
-        times.append((time.perf_counter() - t0) / steps)
-    pending.result()
-    return 1000 * statistics.median(times)
-
-
 def step_anatomy(runner, n: int, a) -> dict:
+    from bench.gpu_batch import decode_step_s
+
     hp = runner.gguf.hparams
     tg = 1000 / a.last_tg  # ms per single-sequence step, from bench_runner's tg
-    batch = batched_step_ms(runner, a.slots, a.tg // 2 or 1, a.reps)
+    steps = a.tg // 2 or 1
+    batch = 1000 * decode_step_s(runner, a.slots, steps, pipelined=False, reps=a.reps, prompt_len=16)[0]
     out = {"step_ms": round(tg, 2), f"step_ms_{a.slots}_slots": round(batch, 2),
            f"tg_{a.slots}_slots_aggregate": round(1000 * a.slots / batch, 1)}
     if getattr(runner, "pipelines_decode", False):  # the pipelined rows: device sampling, next step queued
         out["step_ms_pipelined"] = round(1000 / a.last_tg_pipelined, 2)
-        piped = batched_pipelined_step_ms(runner, a.slots, a.tg // 2 or 1, a.reps)
+        piped = 1000 * decode_step_s(runner, a.slots, steps, pipelined=True, reps=a.reps, prompt_len=16)[0]
         out[f"step_ms_{a.slots}_slots_pipelined"] = round(piped, 2)
         out[f"tg_{a.slots}_slots_aggregate_pipelined"] = round(1000 * a.slots / piped, 1)
     if n > 1:

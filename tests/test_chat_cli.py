@@ -350,3 +350,23 @@ def test_help_lists_the_commands():
     r = subprocess.run([sys.executable, "-m", "hf2q", "chat", "--help"], capture_output=True, text=True,
                        timeout=60, cwd=ROOT)
     assert r.returncode == 0 and "--url" in r.stdout and "--api-key" in r.stdout
+
+
+def test_ctrl_c_works_when_the_parent_left_sigint_ignored():
+    """A chat started with SIGINT ignored (what a background job or some runners pass on) still takes Ctrl-C:
+    at the prompt it asks for a second, then leaves with 130. No server is needed before the first message."""
+    import signal
+
+    child = pexpect.spawn(sys.executable, ["-m", "hf2q", "chat", "--url", "http://127.0.0.1:9/v1"], cwd=str(ROOT),
+                          encoding="utf-8", timeout=60, dimensions=(40, 250),
+                          env={"PATH": "/usr/bin:/bin", "TERM": "xterm", "HOME": str(Path.home())},
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        child.expect_exact("you> ")
+        child.sendintr()
+        child.expect_exact("Ctrl-C again", timeout=10)
+        child.sendintr()
+        child.expect(pexpect.EOF, timeout=10)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 130

@@ -267,3 +267,46 @@ def test_fp8_without_a_family_that_scales_it_is_refused(tiny_checkpoint, cli, tm
     with_config(src, out)
     r = cli("convert", out, "--quant", "q8_0", "--dry-run")
     assert r.code == 3 and "has dtype F8_E4M3; weights must be floating point" in r.err
+
+
+def test_fp8_to_q8_0_on_the_pool_is_gguf_pys_q8_0(checkpoint, monkeypatch):
+    """The pipeline encodes a block-scaled FP8 matrix on its worker pool (row chunks, four threads):
+    the bytes are gguf-py's Q8_0 (what llama.cpp's converter writes) of torch's decoding of the weight."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import gguf
+    import torch
+    from safetensors import safe_open
+
+    from hf2q.arch.deepseek4 import BlockScaledQ8
+    from hf2q.convert import pipeline
+    from hf2q.convert.quant_names import parse_gguf_quant
+
+    plan = pipeline.build_plan(checkpoint, parse_gguf_quant("f16"))
+    i = next(k for k, t in enumerate(plan.tensors) if t.name == "blk.0.attn_q_b.weight")
+    assert isinstance(plan.tensors[i].source, BlockScaledQ8) and plan.tensors[i].shape == (2048, 64)
+    written = []
+
+    class Sink:
+        def write(self, q):
+            written.append(np.array(q))
+
+    class Bar:
+        def advance(self, n):
+            pass
+
+    calls, encode = [], pipeline.encode
+    monkeypatch.setattr(pipeline, "encode", lambda x, *a, **k: calls.append(x.shape[0]) or encode(x, *a, **k))
+    timings = dict.fromkeys(("read_s", "quantize_s", "write_s", "error_s"), 0.0)
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            row = pipeline.write_tensor(plan, i, Sink(), 4, timings, Bar(), pool)
+    finally:
+        plan.checkpoint.close()
+    assert len(calls) > 1  # in row chunks on the pool
+    with safe_open(str(next(checkpoint.glob("*.safetensors"))), "pt") as f:
+        w, s = f.get_tensor("layers.0.attn.wq_b.weight").float(), f.get_tensor("layers.0.attn.wq_b.scale").float()
+    want = w * s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:w.shape[0], :w.shape[1]]
+    ref = gguf.quants.quantize(want.numpy(), gguf.GGMLQuantizationType.Q8_0)
+    assert np.array_equal(np.concatenate(written).reshape(ref.shape), ref)
+    assert row["type"] == "Q8_0" and 0 < row["rmse"] < 0.01

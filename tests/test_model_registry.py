@@ -86,29 +86,43 @@ async def test_a_busy_model_is_never_evicted_the_other_request_waits_then_429s()
         nursery.cancel_scope.cancel()
 
 
-async def test_two_models_that_fit_stay_resident_and_a_failed_load_is_retried():
+async def test_two_models_that_fit_stay_resident_and_a_failed_load_is_retried_after_the_back_off():
     fa, fb = FakeModelRunner(), FakeModelRunner()
     calls = []
 
-    def flaky():
+    def flaky(fails: int):
         def build():
             calls.append(1)
-            if len(calls) == 1:
+            if len(calls) <= fails:
                 raise RuntimeError("disk on fire")
             return fb.factory()()
-        return build
+        return lambda: build
 
     a = entry("a", fa)
-    b = Entry("b", None, "chat", 10, None, CONFIG, flaky)
-    registry = ModelRegistry([a, b], budget_bytes=20, wait_s=1.0)
+    b = Entry("b", None, "chat", 10, None, CONFIG, flaky(2))
+    backoff = 1.5
+    registry = ModelRegistry([a, b], budget_bytes=20, wait_s=1.0, load_backoff_s=backoff)
     async with trio.open_nursery() as nursery:
         await nursery.start(registry.run)
         await generate(registry, a, [3, 4])
         with pytest.raises(AdmissionRejected) as failed:
             await registry.acquire(b)
         assert (failed.value.status, failed.value.code) == (503, "model_load_failed")
+        assert 1 <= failed.value.retry_after <= 2  # the back-off's seconds left, rounded up
         assert "disk on fire" in failed.value.message and b.state == "failed" and b.active == 0
-        assert await generate(registry, b, [3, 4]) == greedy(fb, [3, 4], 5)  # tried again: loads
+        while trio.current_time() < b.failed_at + backoff - 0.5:  # within the back-off: refused at once, no load
+            with pytest.raises(AdmissionRejected) as again:
+                await registry.acquire(b)
+            assert again.value.code == "model_load_failed" and "disk on fire" in again.value.message
+            assert len(calls) == 1 and b.active == 0
+            await trio.sleep(0.1)
+        await trio.sleep_until(b.failed_at + backoff + 0.05)
+        with pytest.raises(AdmissionRejected):  # past it: tried again (and fails again)
+            await registry.acquire(b)
+        assert len(calls) == 2
+        await registry.load(b)  # the operator's load does not wait out the back-off: loads now
+        assert len(calls) == 3 and b.state == "ready"
+        assert await generate(registry, b, [3, 4]) == greedy(fb, [3, 4], 5)
         assert (a.state, b.state, a.evictions) == ("ready", "ready", 0)  # both fit: nothing evicted
         nursery.cancel_scope.cancel()
 

@@ -17,7 +17,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf2q.engine.models.qwen3vl import multimodal_positions
 from hf2q.engine.runner import MlxModelRunner
 from hf2q.engine.vision.prompt_images import ImageStore, PreparedImage, chunk_positions, content_key, image_token
 from hf2q.engine.vision.qwen3vl import Qwen3VLVisionEncoder, patchify
@@ -147,15 +146,26 @@ def test_text_only_runner_refuses_vision(smollm2_gguf):
         runner.prefill(seq, [1, image_token(0, 0)])
 
 
+@pytest.fixture(scope="module")
+def rope_index():
+    """transformers' ``get_rope_index`` of the tiny checkpoint's config (random weights: only its rule is used)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(checkpoint("qwen3vl"))
+    return transformers.Qwen3VLModel(config).get_rope_index
+
+
 @settings(max_examples=25, deadline=None)
-@given(st.data())
-def test_chunked_positions_are_the_whole_prompts(data):
+@given(data=st.data())
+def test_chunked_positions_are_the_whole_prompts(rope_index, data):
     """However a prompt of text and images is cut into chunks, the chunks' M-RoPE ids (each from the
-    shift the previous ones left) are ``multimodal_positions`` of the whole prompt (transformers' rule)."""
+    shift the previous ones left) are transformers' ``get_rope_index`` of the whole prompt."""
+    import torch
+
     merge = 2
     store, tokens, marked, grids = ImageStore(), [], [], []
     for k in range(data.draw(st.integers(1, 3), label="images")):
-        n_text = data.draw(st.integers(0, 4))
+        n_text = data.draw(st.integers(0 if k == 0 else 1, 4))  # text (a vision_start at least) between images
         tokens += random_tokens(n_text, seed=k) if n_text else []
         marked += [0] * n_text
         grid = (1, 2 * data.draw(st.integers(1, 4)), 2 * data.draw(st.integers(1, 4)))
@@ -167,7 +177,9 @@ def test_chunked_positions_are_the_whole_prompts(data):
     tail = data.draw(st.integers(0, 4))
     tokens += random_tokens(tail, seed=9) if tail else []
     marked += [0] * tail
-    want, _ = multimodal_positions(marked, IMAGE_TOKEN, grids, merge)
+    is_image = torch.tensor([marked]) == IMAGE_TOKEN
+    want, _ = rope_index(torch.tensor([marked]), is_image.int(), image_grid_thw=torch.tensor(grids))
+    want = want[:, 0].numpy()
     cuts = sorted(set(data.draw(st.lists(st.integers(1, len(tokens) - 1), max_size=4)) if len(tokens) > 1 else []))
     got, shift = [], 0
     for a, b in zip([0, *cuts], [*cuts, len(tokens)]):

@@ -100,8 +100,9 @@ def test_prompt_with_an_image_matches_transformers(encoders):
     import transformers
 
     from hf2q.engine.kv_cache import ForwardBatch
-    from hf2q.engine.models.qwen3vl import multimodal_positions, text_positions
+    from hf2q.engine.models.qwen3vl import text_positions
     from hf2q.engine.runner import MlxModelRunner
+    from hf2q.engine.vision.prompt_images import ImageStore, PreparedImage, chunk_positions, image_token
     ours_vision, model, _ = encoders
     src = checkpoint("qwen3vl")
     runner = MlxModelRunner.load(f32_gguf("qwen3vl"))
@@ -128,7 +129,12 @@ def test_prompt_with_an_image_matches_transformers(encoders):
     mask = np.asarray(tokens) == IMAGE_PAD
     embeds = np.array(runner.model.embed.rows(mx.array(tokens)))
     embeds[mask] = np.array(feats.merged)
-    positions, next_pos = multimodal_positions(tokens, IMAGE_PAD, [grid], 2)
+    store = ImageStore()  # the server's M-RoPE ids: the image's tokens name it, as the runtime's prompts do
+    store.add(1, PreparedImage(rows, grid, 2))
+    ids = iter(range(n_image))
+    positions, ends, _ = chunk_positions([image_token(1, next(ids)) if t == IMAGE_PAD else t for t in tokens],
+                                         0, 0, store)
+    next_pos = len(tokens) + ends[-1][1]
     seq = runner.new_sequence()
     fb = ForwardBatch([seq], len(tokens), end_point=True)
     got = runner.model(mx.array([tokens]), fb, last_only=False, positions=mx.array(positions[:, None, :]),

@@ -54,17 +54,10 @@ class EngineThread:
     def ident(self) -> int | None:
         return self._thread.ident
 
-    def _reply(self, reply: Reply, result: outcome.Outcome) -> bool:
-        try:
-            self._token.run_sync_soon(_deliver, reply, result)
-            return True
-        except trio.RunFinishedError:
-            return False  # the trio run is over; nobody waits for this answer
-
     def _main(self) -> None:
         loaded = outcome.capture(self._factory)
         runner = loaded.value if isinstance(loaded, outcome.Value) else None
-        if not self._reply(self._on_loaded, loaded) or runner is None:
+        if not send_reply(self._token, self._on_loaded, loaded) or runner is None:
             self.exited.set()
             return
         try:
@@ -73,13 +66,29 @@ class EngineThread:
                 if item is None:
                     return
                 job, reply = item
-                t0 = time.perf_counter()
-                result = outcome.capture(job, runner)
-                self.busy_s += time.perf_counter() - t0
-                if not self._reply(reply, result):
+                result, seconds = run_timed(job, runner)
+                self.busy_s += seconds
+                if not send_reply(self._token, reply, result):
                     return
         finally:
             self.exited.set()
+
+
+def run_timed(job: Job, runner: Any) -> tuple[outcome.Outcome, float]:
+    """Run one job, capturing its result or exception, and how long it took (``busy_s``)."""
+    t0 = time.perf_counter()
+    result = outcome.capture(job, runner)
+    return result, time.perf_counter() - t0
+
+
+def send_reply(token: trio.lowlevel.TrioToken, reply: Reply, result: outcome.Outcome) -> bool:
+    """Hand ``result`` to ``reply`` in trio without waiting for it; False once the trio run is
+    over (nobody waits for the answer, so the engine thread should exit)."""
+    try:
+        token.run_sync_soon(_deliver, reply, result)
+        return True
+    except trio.RunFinishedError:
+        return False
 
 
 def _deliver(reply: Reply, result: outcome.Outcome) -> None:

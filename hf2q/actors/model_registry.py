@@ -16,7 +16,11 @@ Rules (docs/API.md, "Several models"):
   429 ``models_memory_full``;
 - every model's engine runs in one ``SharedEngineThread`` (actors/shared_engine.py);
 - a resident model whose engine faulted is drained and loaded afresh by its next request
-  (not after a hang: the one thread is still stuck in it).
+  (not after a hang: the one thread is still stuck in it);
+- a model that failed to load is not tried again for ``load_backoff_s``: a request for it in
+  that time gets 503 ``model_load_failed`` at once (a broken file must not cost a load per
+  request, nor evict the models that work); the next request after it loads again, and so
+  does ``POST /v1/models/{id}/load`` at any time (the operator fixed the file).
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ log = logging.getLogger("hf2q.serve")
 DRAIN_TIMEOUT_S = 30.0
 #: seconds the engine thread may take to free a drained model's memory (a hung thread never does)
 RELEASE_TIMEOUT_S = 10.0
+#: seconds after a failed load before a request may try that model again
+LOAD_BACKOFF_S = 30.0
 
 
 @attrs.define(eq=False)
@@ -57,6 +63,7 @@ class Entry:
     runtime: Any = None
     active: int = 0
     last_used: float = -math.inf
+    failed_at: float = -math.inf  # trio time of its last failed load
     loads: int = 0
     evictions: int = 0
     detail: str = "not loaded"
@@ -76,12 +83,13 @@ class Entry:
 
 class ModelRegistry:
     def __init__(self, entries: list[Entry], budget_bytes: int, wait_s: float, *,
-                 open_runtime: Callable[..., Any] | None = None):
+                 open_runtime: Callable[..., Any] | None = None, load_backoff_s: float = LOAD_BACKOFF_S):
         if not entries:
             raise ValueError("a model registry needs at least one model")
         self.entries = {e.model_id: e for e in entries}
         self.budget_bytes = budget_bytes
         self.wait_s = wait_s
+        self.load_backoff_s = load_backoff_s
         self.engine = SharedEngineThread()
         if open_runtime is None:
             from hf2q.actors.runtime import open_runtime
@@ -115,14 +123,15 @@ class ModelRegistry:
             self._nursery = None
             self.engine.close()
 
-    async def acquire(self, entry: Entry) -> Entry:
+    async def acquire(self, entry: Entry, *, retry_failed: bool = False) -> Entry:
         """Pin ``entry`` and return it once its runtime is ready; pair with ``release``.
 
         Raises ``AdmissionRejected``: 429 ``models_memory_full`` when no room could be made
-        within ``wait_s``, 503 ``model_load_failed`` when its engine did not load."""
+        within ``wait_s``, 503 ``model_load_failed`` when its engine did not load (now, or
+        less than ``load_backoff_s`` ago unless ``retry_failed``)."""
         entry.active += 1
         try:
-            await self._make_ready(entry, trio.current_time() + self.wait_s)
+            await self._make_ready(entry, trio.current_time() + self.wait_s, retry_failed)
         except BaseException:
             self.release(entry)
             raise
@@ -136,8 +145,9 @@ class ModelRegistry:
             self._touch()  # a waiting request may now evict it
 
     async def load(self, entry: Entry) -> None:
-        """``POST /v1/models/{id}/load``: make it resident (same rules as a request)."""
-        await self.acquire(entry)
+        """``POST /v1/models/{id}/load``: make it resident (a request's rules, but a model that
+        failed to load is tried again at once)."""
+        await self.acquire(entry, retry_failed=True)
         self.release(entry)
 
     async def unload(self, entry: Entry) -> None:
@@ -169,7 +179,7 @@ class ModelRegistry:
 
     # ---- the rules ---------------------------------------------------------------------------
 
-    async def _make_ready(self, entry: Entry, deadline: float) -> None:
+    async def _make_ready(self, entry: Entry, deadline: float, retry_failed: bool) -> None:
         while True:
             if self.stopping:
                 raise AdmissionRejected(503, "not_ready", "server shutting down", 1)
@@ -183,9 +193,10 @@ class ModelRegistry:
             if state == "loading":
                 await entry._settled.wait()
                 if entry.state == "failed":
-                    raise AdmissionRejected(503, "model_load_failed", f"model {entry.model_id!r} failed to "
-                                                                      f"load: {entry.detail}", 1)
+                    raise self._load_failed(entry)
                 continue
+            if state == "failed" and not retry_failed and self._backing_off(entry):
+                raise self._load_failed(entry)
             if state == "draining":
                 await entry._gone.wait()
                 continue
@@ -207,6 +218,15 @@ class ModelRegistry:
             raise AdmissionRejected(429, "models_memory_full",
                                     f"model {entry.model_id!r} needs {entry.need_bytes} bytes and the "
                                     f"{self.budget_bytes}-byte model memory holds busy models: {busy}", 1)
+
+    def _backing_off(self, entry: Entry) -> bool:
+        return trio.current_time() < entry.failed_at + self.load_backoff_s
+
+    def _load_failed(self, entry: Entry) -> AdmissionRejected:
+        """503 ``model_load_failed``; ``Retry-After`` says when the next load may be tried."""
+        wait = max(1, math.ceil(entry.failed_at + self.load_backoff_s - trio.current_time()))
+        return AdmissionRejected(503, "model_load_failed", f"model {entry.model_id!r} failed to load: "
+                                                           f"{entry.detail} (tried again in {wait} s)", wait)
 
     def _faulted(self, entry: Entry) -> bool:
         """A resident model whose engine faulted, with the shared thread free to load it again.
@@ -250,6 +270,7 @@ class ModelRegistry:
                 if not await runtime.wait_ready():
                     entry.detail = runtime.readiness()[1]
                     entry.fsm.fire("load_failed")
+                    entry.failed_at = trio.current_time()
                     log.error("model %s failed to load: %s", entry.model_id, entry.detail)
                     return
                 entry.loads += 1
@@ -274,6 +295,7 @@ class ModelRegistry:
                 if entry.detail == "loading":
                     entry.detail = "server stopped"
                 entry.fsm.fire("load_failed")
+                entry.failed_at = trio.current_time()
             elif entry.state in ("ready", "draining"):
                 if entry.state == "ready":
                     entry.fsm.fire("unload_requested")

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import outcome
 import trio
 
-from hf2q.actors.engine_thread import Job, Reply, _deliver
+from hf2q.actors.engine_thread import Job, Reply, run_timed, send_reply
 
 
 class EngineLane:
@@ -106,13 +106,6 @@ class SharedEngineThread:
         """Ask the thread to exit after the job it is running (if any)."""
         self._jobs.put(None)
 
-    def _reply(self, reply: Reply, result: outcome.Outcome) -> bool:
-        try:
-            self._token.run_sync_soon(_deliver, reply, result)
-            return True
-        except trio.RunFinishedError:
-            return False
-
     def _main(self) -> None:
         while True:
             item = self._jobs.get()
@@ -126,23 +119,22 @@ class SharedEngineThread:
                     lane.runner = loaded.value
                 else:
                     lane.exited.set()
-                ok = self._reply(item[2], loaded)
+                ok = send_reply(self._token, item[2], loaded)
             elif kind == "job":
                 job, reply = item[2], item[3]
                 lane._started += 1
-                t0 = time.perf_counter()
                 if lane.runner is None:
                     result = outcome.Error(RuntimeError("this model's engine is stopped"))
                 else:
-                    result = outcome.capture(job, lane.runner)
-                lane.busy_s += time.perf_counter() - t0
-                ok = self._reply(reply, result)
+                    result, seconds = run_timed(job, lane.runner)
+                    lane.busy_s += seconds
+                ok = send_reply(self._token, reply, result)
             elif kind == "stop":
                 lane.runner = None
                 lane.exited.set()
                 ok = True
             else:  # "call": item = ("call", fn, reply)
-                ok = self._reply(item[2], outcome.capture(lane))
+                ok = send_reply(self._token, item[2], outcome.capture(lane))
             self.current = (None, 0.0)
             if not ok:
                 return  # the trio run is over

@@ -88,6 +88,38 @@ def render_dashboard(snap, *, model_id: str, url: str, started: float):
     return Group(head, t, foot)
 
 
+def render_models_dashboard(entries, *, url: str, budget_bytes: int, started: float):
+    """A several-model server's frame: one row per model — where it is, what it is doing (from
+    its runtime's snapshot while resident) and what it has cost the model memory so far."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    entries = list(entries)
+    resident = sum(e.need_bytes for e in entries if e.state in ("loading", "ready", "draining"))
+    head = Text.from_markup(f"[bold]hf2q serve[/] {url}  {len(entries)} models  memory {_fmt_bytes(resident)} / "
+                            f"{_fmt_bytes(budget_bytes)}  up {int(time.monotonic() - started)}s")
+    t = Table(expand=False, box=None, pad_edge=False)
+    for col in ("model", "kind", "state", "active", "busy", "queue", "KV", "tok/s", "memory", "loads", "evicted"):
+        t.add_column(col, justify="left" if col in ("model", "kind", "state") else "right", no_wrap=True,
+                     overflow="fold" if col == "model" else "ellipsis")
+    colour = {"ready": "green", "loading": "yellow", "draining": "yellow", "failed": "red"}
+    for e in entries:
+        snap = _snap(e.runtime) if e.state == "ready" and e.runtime is not None else None
+        state = f"[{colour[e.state]}]{e.state}[/]" if e.state in colour else e.state
+        if snap is not None and not snap.ready:
+            state = f"[red]{snap.state}[/]"
+        busy = [s for s in snap.slots if s.phase != "idle"] if snap is not None else []
+        t.add_row(e.model_id, e.kind, Text.from_markup(state), str(e.active),
+                  f"{len(busy)}/{len(snap.slots)}" if snap is not None else "-",
+                  str(snap.queue_depth) if snap is not None else "-",
+                  _fmt_bytes(snap.kv_bytes_resident) if snap is not None else "-",
+                  f"{sum(s.decode_tokens_per_sec for s in busy):.1f}" if busy else "-",
+                  _fmt_bytes(e.need_bytes), str(e.loads), str(e.evictions))
+    failed = [f"{e.model_id}: {e.detail}" for e in entries if e.state == "failed"]
+    return Group(head, t, *(Text(line, style="red") for line in failed))
+
+
 @contextmanager
 def _logs_above(stream) -> Iterator[None]:
     """Point the hf2q log handlers that write to the terminal at ``stream`` for a while.
@@ -99,7 +131,8 @@ def _logs_above(stream) -> Iterator[None]:
     """
     moved = []
     for h in logging.getLogger("hf2q").handlers:
-        if isinstance(h, logging.StreamHandler) and getattr(h.stream, "isatty", lambda: False)():
+        if isinstance(h, logging.StreamHandler) and not getattr(h.stream, "closed", False) \
+                and getattr(h.stream, "isatty", lambda: False)():  # a closed stream is no terminal
             moved.append((h, h.setStream(stream)))
     try:
         yield
@@ -110,17 +143,30 @@ def _logs_above(stream) -> Iterator[None]:
 
 async def run_dashboard(runtime, *, model_id: str, url: str, refresh_s: float = 0.5, console=None) -> None:
     """Redraw the dashboard until cancelled (rich ``Live`` on stderr)."""
+    started = time.monotonic()
+    await _redraw(lambda: render_dashboard(_snap(runtime), model_id=model_id, url=url, started=started),
+                  refresh_s, console)
+
+
+async def run_models_dashboard(registry, *, url: str, refresh_s: float = 0.5, console=None) -> None:
+    """A several-model server's dashboard (``render_models_dashboard`` of the registry), until cancelled."""
+    started = time.monotonic()
+    await _redraw(lambda: render_models_dashboard(registry.entries.values(), url=url,
+                                                  budget_bytes=registry.budget_bytes, started=started),
+                  refresh_s, console)
+
+
+async def _redraw(frame, refresh_s: float, console) -> None:
     from rich.console import Console
     from rich.live import Live
 
-    started = time.monotonic()
     console = console or Console(stderr=True)
-    with Live(render_dashboard(_snap(runtime), model_id=model_id, url=url, started=started), console=console,
-              refresh_per_second=max(1, int(1 / refresh_s)), transient=False, redirect_stderr=True) as live, \
+    with Live(frame(), console=console, refresh_per_second=max(1, int(1 / refresh_s)), transient=False,
+              redirect_stderr=True) as live, \
             _logs_above(sys.stderr):  # Live has swapped sys.stderr for its proxy by now
         while True:
             await trio.sleep(refresh_s)
-            live.update(render_dashboard(_snap(runtime), model_id=model_id, url=url, started=started))
+            live.update(frame())
 
 
 async def run_status_lines(runtime, *, interval_s: float = 30.0) -> None:

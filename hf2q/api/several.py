@@ -155,15 +155,17 @@ def run(args) -> int:
 async def _serve(args, entries, budget: int) -> None:
     from hf2q.actors.model_registry import ModelRegistry
     from hf2q.api.app import ServerContext
-    from hf2q.api.operator import EventLogger
+    from hf2q.api.operator import EventLogger, choose_mode, run_models_dashboard
     from hf2q.api.server import serve
 
     for name in ("hf2q.serve", "hf2q.api", "hf2q.operator"):
         lg = logging.getLogger(name)
         if lg.getEffectiveLevel() > logging.INFO:
             lg.setLevel(logging.INFO)
-    for entry in entries:
-        entry.on_loaded = lambda runtime: runtime.add_event_hook(EventLogger())
+    mode = choose_mode(getattr(args, "operator_ui", "plain"), log_format())
+    if mode != "dashboard":  # the dashboard's rows replace the per-request lines
+        for entry in entries:
+            entry.on_loaded = lambda runtime: runtime.add_event_hook(EventLogger())
     registry = ModelRegistry(entries, budget, args.models_wait)
     chat = next((e for e in entries if e.kind == "chat"), None)
     async with trio.open_nursery() as nursery:
@@ -180,5 +182,7 @@ async def _serve(args, entries, budget: int) -> None:
             print(f"hf2q serve: {handle.url} models {ids} (loaded on demand within {budget} bytes) "
                   f"slots {args.slots}{' auth on' if args.api_key else ''}", file=sys.stderr, flush=True)
         nursery.start_soon(_watch_signals, handle, nursery.cancel_scope)
+        if mode == "dashboard":
+            nursery.start_soon(partial(run_models_dashboard, registry, url=handle.url))
         await handle.closed.wait()
         nursery.cancel_scope.cancel()

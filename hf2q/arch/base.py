@@ -125,6 +125,9 @@ class Packed(RowSource):
 
     stored_type: gguf.GGMLQuantizationType
     reads_integers: ClassVar[bool] = True
+    #: the stored bytes are ``stored_type``'s quantization of ``rows`` as they are (no F16 step, no
+    #: importance weights): the convert pipeline then encodes them on its worker pool like other tensors
+    quantizes_rows: ClassVar[bool] = False
 
     def packed(self, ck: SafetensorsCheckpoint, lo: int, hi: int) -> np.ndarray:
         raise NotImplementedError

@@ -26,7 +26,7 @@ import logging
 import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import gguf
@@ -77,11 +77,13 @@ _VISION = ("aligner.", "image_")
 class BlockScaledQ8(Packed):
     """FP8 (or plain float) matrices, block-dequantized, joined along columns, written as Q8_0.
 
-    llama.cpp quantizes the float32 product directly (no F16 step), which this does too."""
+    llama.cpp quantizes the float32 product directly (no F16 step), which this does too; the convert
+    pipeline does it on its worker pool (``quantizes_rows``), ``packed`` is the one-thread path."""
 
     parts: tuple[tuple[str, str | None], ...]  # (weight, its block scale or None)
     shape: tuple[int, ...]
     stored_type: T = T.Q8_0
+    quantizes_rows: ClassVar[bool] = True
 
     @property
     def source_names(self) -> tuple[str, ...]:

@@ -230,12 +230,14 @@ def _encode_rows(x: np.ndarray, qtype, pool: ThreadPoolExecutor | None, threads:
 
 
 def _encode_chunked(x: np.ndarray, qtype, pool: ThreadPoolExecutor | None, threads: int,
-                    weights: np.ndarray | None) -> np.ndarray:
+                    weights: np.ndarray | None, export_round: bool = True) -> np.ndarray:
+    """``export_round``: round to F16 first as llama.cpp's export does (off for a packed source's rows)."""
     n = x.shape[0]
+    prepare = (lambda v: round_like_export(v, qtype)) if export_round else (lambda v: v)
     if pool is None or threads <= 1 or n < 2 * threads or x.size < (1 << 16):
-        return encode(round_like_export(x, qtype), qtype, 1, weights)
+        return encode(prepare(x), qtype, 1, weights)
     bounds = np.linspace(0, n, min(n, 4 * threads) + 1).astype(int)
-    parts = list(pool.map(lambda ab: encode(round_like_export(x[ab[0]:ab[1]], qtype), qtype, 1, weights),
+    parts = list(pool.map(lambda ab: encode(prepare(x[ab[0]:ab[1]]), qtype, 1, weights),
                           itertools.pairwise(bounds)))
     return np.concatenate(parts, axis=0)
 
@@ -254,12 +256,17 @@ def write_tensor(plan: ConversionPlan, i: int, out: GGUFStream, threads: int, ti
     for lo in range(0, n_rows, slab):
         hi = min(n_rows, lo + slab)
         t0 = time.perf_counter()
-        x = None if isinstance(src, Packed) else src.rows(plan.checkpoint, lo, hi)
+        packed = isinstance(src, Packed)
+        x = None if packed and not src.quantizes_rows else src.rows(plan.checkpoint, lo, hi)
         if x is not None and x.shape != (hi - lo, ncols):
             raise ConversionError(f"{t.name}: produced rows of shape {x.shape}, expected {(hi - lo, ncols)}")
         t1 = time.perf_counter()
-        q = src.packed(plan.checkpoint, lo, hi) if x is None else \
-            _encode_rows(x, qtype, pool, threads, lo, weights, rows_per_expert)
+        if x is None:
+            q = src.packed(plan.checkpoint, lo, hi)
+        elif packed:  # its own type, from its float rows as they are
+            q = _encode_chunked(x, src.stored_type, pool, threads, None, export_round=False)
+        else:
+            q = _encode_rows(x, qtype, pool, threads, lo, weights, rows_per_expert)
         t2 = time.perf_counter()
         try:
             out.write(q)

@@ -65,38 +65,6 @@ def rotate_mrope(x: mx.array, positions: mx.array, inv_freq: mx.array, axes: mx.
     return mx.concatenate(turned, axis=-1).astype(x.dtype)
 
 
-def multimodal_positions(tokens: Sequence[int], image_token: int, grids: Sequence[tuple[int, int, int]],
-                         merge: int, start: int = 0) -> tuple[np.ndarray, int]:
-    """M-RoPE ids ``[3, len(tokens)]`` of a prompt whose runs of ``image_token`` are the images of
-    ``grids`` (patch grids ``(t, h, w)``, in order), and the id the next token takes.
-
-    Text advances all three axes by one per token; an image's merged tokens sit at ``start`` plus
-    (frame, row, column) of the merged grid, and the text after it resumes ``max(rows, columns)``
-    later (transformers' ``get_rope_index``)."""
-    tokens = np.asarray(tokens)
-    out = np.zeros((3, tokens.size), dtype=np.int64)
-    pending = list(grids)
-    pos, i = start, 0
-    while i < tokens.size:
-        if tokens[i] != image_token:
-            out[:, i] = pos
-            pos, i = pos + 1, i + 1
-            continue
-        if not pending:
-            raise InputError("more image tokens in the prompt than images")
-        t, h, w = pending.pop(0)
-        gh, gw = h // merge, w // merge
-        n = t * gh * gw
-        if i + n > tokens.size or not (tokens[i:i + n] == image_token).all():
-            raise InputError(f"an image of {n} tokens needs {n} consecutive image tokens in the prompt")
-        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(gh), np.arange(gw), indexing="ij")
-        out[:, i:i + n] = np.stack([tt.ravel(), hh.ravel(), ww.ravel()]) + pos
-        pos, i = pos + max(gh, gw), i + n
-    if pending:
-        raise InputError(f"{len(pending)} image(s) without image tokens in the prompt")
-    return out, pos
-
-
 class MRopeAttention(Attention):
     """Qwen3 attention whose rotation can follow explicit M-RoPE positions."""
 
