@@ -8,6 +8,7 @@ Three vocabulary kinds, each laid out the way llama.cpp's tokenizer reads it:
   identify it by hashing the token ids of a fixed probe text (``PROBE_TEXT``); unknown
   hashes fall back to the family's usual pre-tokenizer.
 * **SPM** (``llama``): pieces, scores and types from ``tokenizer.model`` (sentencepiece).
+* **XLM-R Unigram** (``t5``): ``sentencepiece.bpe.model`` with its charsmap (``xlmr_vocab.py``).
 * **WordPiece** (``bert``): BERT vocab rewritten into llama.cpp's "phantom space" form
   (``▁word`` for word starts, ``##piece`` → ``piece``).
 * **Gemma 4** (``gemma4``): the BPE over ▁-pieces of ``tokenizer.json`` with merges and byte
@@ -33,6 +34,7 @@ import gguf
 
 from hf2q.errors import InputError
 from hf2q.formats.gguf_keys import ExtraKeys, Keys
+from hf2q.sources.xlmr_vocab import add_xlmr_vocab
 
 log = logging.getLogger("hf2q.tokenizer")
 TT = gguf.TokenType
@@ -373,6 +375,9 @@ def add_tokenizer(md, src: Path, cfg: dict[str, Any], kind: str, pre_fallback: s
         md.array(Keys.Tokenizer.SCORES, scores, V.FLOAT32)
         md.array(Keys.Tokenizer.TOKEN_TYPE, types, V.INT32)
         merges = True
+    elif kind == "xlmr":
+        nomic = md.get(Keys.General.ARCHITECTURE) == gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.NOMIC_BERT_MOE]
+        n_vocab, merges = add_xlmr_vocab(md, src, cfg, nomic_mask=nomic), False
     elif kind == "wordpiece":
         tokens, types = vocab_from_tokenizer_json(src, cfg)
         md.u32(Keys.Tokenizer.TOKEN_TYPE_COUNT, cfg.get("type_vocab_size", 1))
