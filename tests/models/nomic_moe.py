@@ -63,17 +63,17 @@ def _weights() -> dict[str, np.ndarray]:
     moe = set(moe_layers(SHAPE["n_layer"], SHAPE["moe_every_n_layers"]))
     for i in range(SHAPE["n_layer"]):
         p = f"encoder.layers.{i}."
-        w[p + "attn.Wqkv.weight"], w[p + "attn.Wqkv.bias"] = mat(3 * d, d, scale=2.0), vec(3 * d)
+        w[p + "attn.Wqkv.weight"], w[p + "attn.Wqkv.bias"] = mat(3 * d, d), vec(3 * d)
         w[p + "attn.out_proj.weight"], w[p + "attn.out_proj.bias"] = mat(d, d), vec(d)
         for norm in ("norm1", "norm2"):
             w[p + norm + ".weight"], w[p + norm + ".bias"] = vec(d, 1.0), vec(d)
         if i in moe:
             w[p + "mlp.router.layer.weight"] = mat(e, d, scale=3.0)
-            w[p + "mlp.experts.mlp.w1"] = mat(e * ff, d, scale=2.0)
+            w[p + "mlp.experts.mlp.w1"] = mat(e * ff, d)
             w[p + "mlp.experts.mlp.w2"] = (rng.standard_normal((e * ff, d)) / np.sqrt(ff)).astype(np.float32)
             w[p + "mlp.experts.bias"] = vec(d)
         else:
-            w[p + "mlp.fc1.weight"], w[p + "mlp.fc1.bias"] = mat(ff, d, scale=2.0), vec(ff)
+            w[p + "mlp.fc1.weight"], w[p + "mlp.fc1.bias"] = mat(ff, d), vec(ff)
             w[p + "mlp.fc2.weight"], w[p + "mlp.fc2.bias"] = mat(d, ff), vec(d)
     return w
 
