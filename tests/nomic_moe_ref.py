@@ -1,6 +1,6 @@
 """A numpy nomic-bert-moe encoder written from llama.cpp's graph (src/models/bert.cpp, build_moe_ffn).
 
-Independent of the engine: weights are read with gguf-py's reader and dequantizer, every step in
+Independent of the engine: the raw tensor bytes decoded by gguf-py's dequantizer, every step in
 float64. Token-type row 0 added to the token embeddings, LayerNorm; per block fused QKV (+ bias),
 NeoX rotary Q/K, softmax attention, output projection (+ bias), residual and LayerNorm, then the
 MLP — blocks ``i % moe_every == 1``: softmax router probabilities, the top ``expert_used_count``
@@ -18,13 +18,12 @@ import numpy as np
 
 
 def _weights(path: Path) -> tuple[dict[str, np.ndarray], dict]:
-    r = gguf.GGUFReader(path)
-    w = {}
-    for t in r.tensors:
-        shape = tuple(int(n) for n in reversed(t.shape))
-        w[t.name] = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float64)
-    meta = {f.name: f.contents() for f in r.fields.values() if not f.name.startswith("tokenizer.")}
-    return w, meta
+    from hf2q.formats.gguf_file import open_gguf  # the file parser only (gguf-py's reader is slow on 250k pieces)
+
+    g = open_gguf(path)
+    w = {name: gguf.quants.dequantize(np.asarray(t.data), t.qtype).reshape(t.shape).astype(np.float64)
+         for name, t in g.tensors.items()}
+    return w, g.metadata
 
 
 def _norm(x, w, b, eps):
