@@ -86,7 +86,7 @@ class NomicBert(Bert):
         super().__init__(cfg, src, mtp=mtp)
         for key, want in self._FIXED:
             if key not in cfg or cfg[key] != want:
-                raise InputError(f"config.json: nomic-bert needs {key} = {want!r}, found {cfg.get(key, '(none)')!r}")
+                raise InputError(f"config.json: {self.arch_name} needs {key} = {want!r}, found {cfg.get(key, '(none)')!r}")
 
     @property
     def hidden_size(self) -> int:
