@@ -8,6 +8,7 @@ converted Unigram vocabulary; a real HTTP client for ``/v1/embeddings``.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import subprocess
@@ -46,13 +47,23 @@ def moe_gguf(moe_hf, tmp_path_factory):
     return get
 
 
-def _engine(path, texts, parse_special=True):
-    from hf2q.engine.runner import MlxModelRunner
+@functools.cache
+def _tokenizer(path):
     from hf2q.text.tokenizer import GGUFTokenizer
 
-    tok = GGUFTokenizer.from_gguf(path)
-    ids = [tok.encode(t, parse_special=parse_special) for t in texts]
-    return ids, np.asarray(MlxModelRunner.load(path).embed(ids))
+    return GGUFTokenizer.from_gguf(path)
+
+
+@functools.cache
+def _runner(path):
+    from hf2q.engine.runner import MlxModelRunner
+
+    return MlxModelRunner.load(path)
+
+
+def _engine(path, texts, parse_special=True):
+    ids = [_tokenizer(path).encode(t, parse_special=parse_special) for t in texts]
+    return ids, np.asarray(_runner(path).embed(ids))
 
 
 def _cosines(a, b):
@@ -89,9 +100,7 @@ def test_converted_vocabulary_tokenizes_as_llama_cpp(moe_gguf, llama_cpp_bin):
     from tests.test_nomic_ugm import EXTRA_TEXTS, llama_tokenize_each
 
     path = moe_gguf("f16")
-    from hf2q.text.tokenizer import GGUFTokenizer
-
-    tok = GGUFTokenizer.from_gguf(path)
+    tok = _tokenizer(path)
     texts = TEXTS[:3] + EXTRA_TEXTS[:8]
     for text, theirs in zip(texts, llama_tokenize_each(path, texts)):
         assert tok.encode(text, add_special=False) == theirs, repr(text)
