@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from tests.models.nomic_moe import nomic_moe
+from tests.test_nomic_bert import assert_close_to_llama_embedding, converted_per_quant, cosines
 
 TEXTS = ["search_query: What is TSNE?",
          "search_document: t-distributed stochastic neighbor embedding (t-SNE) is a statistical method for "
@@ -32,19 +33,7 @@ def moe_hf():
 
 @pytest.fixture(scope="module")
 def moe_gguf(moe_hf, tmp_path_factory):
-    """``hf2q convert -q TYPE`` of the tiny checkpoint, once per type."""
-    from hf2q.cli import main
-
-    made = {}
-
-    def get(quant: str):
-        if quant not in made:
-            out = tmp_path_factory.mktemp("nomic-moe") / f"nomic-moe-{quant}.gguf"
-            assert main(["convert", str(moe_hf), "-q", quant, "-o", str(out), "--no-integrity"]) == 0
-            made[quant] = out
-        return made[quant]
-
-    return get
+    return converted_per_quant(moe_hf, tmp_path_factory, "nomic-moe")
 
 
 @functools.cache
@@ -64,10 +53,6 @@ def _runner(path):
 def _engine(path, texts, parse_special=True):
     ids = [_tokenizer(path).encode(t, parse_special=parse_special) for t in texts]
     return ids, np.asarray(_runner(path).embed(ids))
-
-
-def _cosines(a, b):
-    return np.sum(a * b, axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
 def _llamacpp_reference(src, quant, out_dir):
@@ -114,7 +99,7 @@ def test_embeddings_match_the_graph_reference(quant, moe_gguf):
     ids, got = _engine(moe_gguf(quant), TEXTS)  # one padded batch of four lengths
     ref = NomicMoeReference(moe_gguf(quant))
     refs = np.array([ref.embed(t) for t in ids])
-    assert np.all(_cosines(got, refs) >= 1 - COS_TOL) and np.abs(got - refs).max() < 1e-4
+    assert np.all(cosines(got, refs) >= 1 - COS_TOL) and np.abs(got - refs).max() < 1e-4
     assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
     assert float(got[0] @ got[1]) < 0.99  # different inputs give different vectors: the comparison has teeth
     # the same text alone and inside a padded batch: padding is masked out of attention, routing and the mean
@@ -124,25 +109,13 @@ def test_embeddings_match_the_graph_reference(quant, moe_gguf):
 @pytest.mark.llamacpp
 @pytest.mark.parametrize("quant", ["f16", "q8_0"])
 def test_embeddings_match_llama_embedding(quant, moe_gguf, llama_cpp_bin):
-    from tests.tools import llama_cpp
-
-    path = moe_gguf(quant)
-    _, got = _engine(path, TEXTS)
-    r = subprocess.run([str(llama_cpp.tool("llama-embedding")), "-m", str(path), "-p", "\n".join(TEXTS), "-t", "1",
-                        "--embd-normalize", "2", "--embd-output-format", "json"],
-                       env={**llama_cpp.env(), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
-                       check=False, stdin=subprocess.DEVNULL)
-    assert r.returncode == 0, r.stderr[-2000:]
-    theirs = np.array([d["embedding"] for d in sorted(json.loads(r.stdout)["data"], key=lambda d: d["index"])])
-    assert theirs.shape == got.shape
-    assert np.all(_cosines(got, theirs) >= 1 - COS_TOL), _cosines(got, theirs)
+    assert_close_to_llama_embedding(moe_gguf(quant), TEXTS, _engine(moe_gguf(quant), TEXTS)[1])
 
 
 def test_info_reports_an_embedding_model(moe_gguf, cli):
     r = cli("info", moe_gguf("q8_0"), "--json")
-    assert r.code == 0, r.err
-    info = json.loads(r.out)
-    assert info["serve_support"] == "ready" and info["architecture"] == "nomic-bert-moe"
+    assert r.code == 0 and json.loads(r.out)["architecture"] == "nomic-bert-moe", r.err
+    assert json.loads(r.out)["serve_support"] == "ready"
 
 
 @pytest.mark.parametrize("key,value,words", [

@@ -34,7 +34,7 @@ import gguf
 
 from hf2q.errors import InputError
 from hf2q.formats.gguf_keys import ExtraKeys, Keys
-from hf2q.sources.xlmr_vocab import add_xlmr_vocab
+from hf2q.sources.xlmr_vocab import add_xlmr_vocab, padded_pieces
 
 log = logging.getLogger("hf2q.tokenizer")
 TT = gguf.TokenType
@@ -218,21 +218,8 @@ def spm_vocab(src: Path, cfg: dict[str, Any]) -> tuple[list[bytes], list[float],
         sp.LoadFromFile(str(src / "tokenizer.model"))
     except (OSError, RuntimeError) as e:
         raise InputError(f"{src / 'tokenizer.model'}: invalid sentencepiece model ({e})") from None
-    size = int(cfg.get("vocab_size") or sp.vocab_size())
-    tokens = [f"[PAD{i}]".encode() for i in range(size)]
-    scores = [-10000.0] * size
-    types = [int(TT.UNUSED)] * size
-    for i in range(min(size, sp.vocab_size())):
-        kind = TT.NORMAL
-        if sp.IsUnknown(i):
-            kind = TT.UNKNOWN
-        elif sp.IsControl(i):
-            kind = TT.CONTROL
-        elif sp.IsUnused(i):
-            kind = TT.UNUSED
-        elif sp.IsByte(i):
-            kind = TT.BYTE
-        tokens[i], scores[i], types[i] = sp.IdToPiece(i).encode("utf-8"), sp.GetScore(i), int(kind)
+    tokens, scores, types = padded_pieces(sp, int(cfg.get("vocab_size") or sp.vocab_size()))
+    size = len(tokens)
     if (src / "added_tokens.json").is_file():
         added = _load_json(src / "added_tokens.json")
         if not isinstance(added, dict) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0

@@ -45,17 +45,13 @@ def _model(path: Path):
     return proto, sp
 
 
-def add_xlmr_vocab(md, src: Path, cfg: dict[str, Any], *, nomic_mask: bool) -> int:
-    """Fill ``md`` with the vocabulary keys; the number of tokens."""
-    path = src / SP_MODEL
-    if not path.is_file():
-        raise InputError(f"{src}: an XLM-R Unigram tokenizer needs {SP_MODEL} (tokenizer.json alone is not read)")
-    proto, sp = _model(path)
-    size = max(int(cfg.get("vocab_size") or 0), sp.vocab_size())
+def padded_pieces(sp, size: int) -> tuple[list[bytes], list[float], list[int]]:
+    """A SentencePiece model's first ``size`` pieces, scores and GGUF token types, padded to ``size`` with
+    unused ``[PADn]`` pieces (llama.cpp's converter layout for both SentencePiece kinds)."""
     tokens = [f"[PAD{i}]".encode() for i in range(size)]
     scores = [-10000.0] * size
     types = [int(TT.UNUSED)] * size
-    for i in range(sp.vocab_size()):
+    for i in range(min(size, sp.vocab_size())):
         kind = TT.NORMAL
         if sp.IsUnknown(i):
             kind = TT.UNKNOWN
@@ -66,6 +62,17 @@ def add_xlmr_vocab(md, src: Path, cfg: dict[str, Any], *, nomic_mask: bool) -> i
         elif sp.IsByte(i):
             kind = TT.BYTE
         tokens[i], scores[i], types[i] = sp.IdToPiece(i).encode("utf-8"), sp.GetScore(i), int(kind)
+    return tokens, scores, types
+
+
+def add_xlmr_vocab(md, src: Path, cfg: dict[str, Any], *, nomic_mask: bool) -> int:
+    """Fill ``md`` with the vocabulary keys; the number of tokens."""
+    path = src / SP_MODEL
+    if not path.is_file():
+        raise InputError(f"{src}: an XLM-R Unigram tokenizer needs {SP_MODEL} (tokenizer.json alone is not read)")
+    proto, sp = _model(path)
+    tokens, scores, types = padded_pieces(sp, max(int(cfg.get("vocab_size") or 0), sp.vocab_size()))
+    size = len(tokens)
     tokens = [b"<s>", b"<pad>", b"</s>", b"<unk>"] + tokens[3:-1]
     scores = [0.0] * 4 + scores[3:-1]
     types = [int(TT.CONTROL)] * 3 + [int(TT.UNKNOWN)] + types[3:-1]

@@ -13,9 +13,9 @@ from __future__ import annotations
 import attrs
 import mlx.core as mx
 
-from hf2q.engine.layers import Linear, float_array, gelu_tanh, layer_norm
+from hf2q.engine.layers import Linear, float_array, gelu_tanh
 from hf2q.engine.models.bert import EncoderModel, check_pooling, norm_pair
-from hf2q.engine.models.nomic_bert import NomicBertConfig
+from hf2q.engine.models.nomic_bert import NomicBertConfig, NomicBertLayer
 from hf2q.formats.gguf_file import GGUFFile
 from hf2q.formats.gguf_keys import Keys
 
@@ -59,7 +59,9 @@ class DenseMLP:
         return self.down(gelu_tanh(self.up(x)))
 
 
-class NomicMoeLayer:
+class NomicMoeLayer(NomicBertLayer):
+    """The nomic-bert block (its forward) over biased projections and this block's kind of MLP."""
+
     def __init__(self, g: GGUFFile, i: int, dtype, cfg: NomicMoeConfig):
         p = f"blk.{i}."
 
@@ -70,15 +72,6 @@ class NomicMoeLayer:
         self.qkv, self.o = lin("attn_qkv"), lin("attn_output")
         self.mlp = ExpertMLP(g, p, dtype, cfg.top_k) if moe_block(i, cfg.moe_every) else DenseMLP(lin)
         self.ln1, self.ln2 = norm_pair(g, p + "attn_output_norm", dtype), norm_pair(g, p + "layer_output_norm", dtype)
-
-    def __call__(self, x: mx.array, mask: mx.array, cfg: NomicMoeConfig) -> mx.array:
-        B, L, D = x.shape
-        hd = D // cfg.n_heads
-        qkv = self.qkv(x).reshape(B, L, 3, cfg.n_heads, hd).transpose(2, 0, 3, 1, 4)
-        q, k = (mx.fast.rope(t, hd, traditional=False, base=cfg.rope_base, scale=1.0, offset=0) for t in qkv[:2])
-        a = mx.fast.scaled_dot_product_attention(q, k, qkv[2], scale=hd ** -0.5, mask=mask)
-        x = layer_norm(x + self.o(a.transpose(0, 2, 1, 3).reshape(B, L, D)), *self.ln1, cfg.eps)
-        return layer_norm(x + self.mlp(x), *self.ln2, cfg.eps)
 
 
 def build(g: GGUFFile, dtype) -> EncoderModel:
