@@ -72,7 +72,7 @@ def _llamacpp_reference(src, quant, out_dir):
 
 
 @pytest.mark.llamacpp
-@pytest.mark.parametrize("quant", ["f16", "q8_0"])
+@pytest.mark.parametrize("quant", ["f16", "q8_0", "q4_k_m"])
 def test_conversion_matches_llamacpp(quant, moe_hf, moe_gguf, llama_cpp_bin, tmp_path):
     from tests.test_llamacpp_parity import compare_gguf
 
