@@ -128,6 +128,11 @@ def test_decode_gives_the_pieces_back():
     assert tok.decode(tok.encode("a b"), skip_special=True) == "a b"
 
 
+def test_a_lone_surrogate_is_input_error():
+    with pytest.raises(InputError, match="surrogate"):
+        _tokenizer(nomic_vocab()).encode("a\ud800b")
+
+
 def test_a_broken_charsmap_is_input_error():
     from hf2q.text.ugm import Charsmap
 

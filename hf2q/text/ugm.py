@@ -174,7 +174,10 @@ class UgmEncoder:
 
     def normalize(self, text: str) -> bytes:
         """llama.cpp's UGM normaliser output (escaped spaces) for one raw fragment."""
-        data = text.encode("utf-8")
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InputError("tokenizer input is not valid Unicode (a lone UTF-16 surrogate)") from None
         out = bytearray()
         prepended = in_word = False
         pos = 0
