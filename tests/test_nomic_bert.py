@@ -29,21 +29,25 @@ def nomic_hf():
     return nomic_bert()
 
 
-@pytest.fixture(scope="module")
-def nomic_gguf(nomic_hf, tmp_path_factory):
-    """``hf2q convert -q TYPE`` of the tiny checkpoint, once per type."""
+def converted_per_quant(src, tmp_path_factory, stem: str):
+    """``get(TYPE)``: the path of ``hf2q convert -q TYPE`` of ``src``, converted once per type."""
     from hf2q.cli import main
 
     made = {}
 
     def get(quant: str):
         if quant not in made:
-            out = tmp_path_factory.mktemp("nomic") / f"nomic-{quant}.gguf"
-            assert main(["convert", str(nomic_hf), "-q", quant, "-o", str(out), "--no-integrity"]) == 0
+            out = tmp_path_factory.mktemp(stem) / f"{stem}-{quant}.gguf"
+            assert main(["convert", str(src), "-q", quant, "-o", str(out), "--no-integrity"]) == 0
             made[quant] = out
         return made[quant]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def nomic_gguf(nomic_hf, tmp_path_factory):
+    return converted_per_quant(nomic_hf, tmp_path_factory, "nomic")
 
 
 def _engine(path, texts):
@@ -55,7 +59,7 @@ def _engine(path, texts):
     return ids, np.asarray(MlxModelRunner.load(path).embed(ids))
 
 
-def _cosines(a, b):
+def cosines(a, b):
     return np.sum(a * b, axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
@@ -83,7 +87,7 @@ def test_embeddings_match_transformers(nomic_hf, nomic_gguf):
             h = model(**enc).last_hidden_state[0].mean(0)
         refs.append((h / h.norm()).numpy())
     refs = np.array(refs)
-    assert np.all(_cosines(got, refs) >= 1 - COS_TOL)
+    assert np.all(cosines(got, refs) >= 1 - COS_TOL)
     assert np.abs(got - refs).max() < 1e-4
     assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
     assert float(got[0] @ got[2]) < 0.99  # the inputs give different vectors: the comparison has teeth
@@ -104,21 +108,29 @@ def test_a_large_batch_comes_back_in_input_order(nomic_gguf):
         assert np.abs(vec - distinct[text]).max() < 1e-5
 
 
-@pytest.mark.llamacpp
-@pytest.mark.parametrize("quant", ["f32", "q8_0"])
-def test_embeddings_match_llama_embedding(quant, nomic_gguf, llama_cpp_bin):
+def llama_embedding(path, texts) -> np.ndarray:
+    """Stock ``llama-embedding``'s L2-normalised vectors of ``texts`` (one per line), one thread."""
     from tests.tools import llama_cpp
 
-    path = nomic_gguf(quant)
-    _, got = _engine(path, TEXTS)
-    r = subprocess.run([str(llama_cpp.tool("llama-embedding")), "-m", str(path), "-p", "\n".join(TEXTS), "-t", "1",
+    r = subprocess.run([str(llama_cpp.tool("llama-embedding")), "-m", str(path), "-p", "\n".join(texts), "-t", "1",
                         "--embd-normalize", "2", "--embd-output-format", "json"],
                        env={**llama_cpp.env(), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
                        check=False, stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stderr[-2000:]
-    theirs = np.array([d["embedding"] for d in sorted(json.loads(r.stdout)["data"], key=lambda d: d["index"])])
+    return np.array([d["embedding"] for d in sorted(json.loads(r.stdout)["data"], key=lambda d: d["index"])])
+
+
+def assert_close_to_llama_embedding(path, texts, got: np.ndarray) -> None:
+    theirs = llama_embedding(path, texts)
     assert theirs.shape == got.shape
-    assert np.all(_cosines(got, theirs) >= 1 - COS_TOL), _cosines(got, theirs)
+    assert np.all(cosines(got, theirs) >= 1 - COS_TOL), cosines(got, theirs)
+
+
+@pytest.mark.llamacpp
+@pytest.mark.parametrize("quant", ["f32", "q8_0"])
+def test_embeddings_match_llama_embedding(quant, nomic_gguf, llama_cpp_bin):
+    path = nomic_gguf(quant)
+    assert_close_to_llama_embedding(path, TEXTS, _engine(path, TEXTS)[1])
 
 
 def test_info_reports_an_embedding_model(nomic_gguf, cli):

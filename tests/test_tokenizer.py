@@ -243,8 +243,10 @@ def test_vocabs_without_vectors_round_trip(name):
 
 
 def test_unsupported_tokenizer_model_is_input_error():
-    with pytest.raises(InputError, match="unsupported tokenizer model 't5'"):
-        _vocab_tokenizer("nomic-bert-moe")
+    from hf2q.formats.gguf_keys import Keys
+
+    with pytest.raises(InputError, match="unsupported tokenizer model 'rwkv'"):
+        GGUFTokenizer({Keys.Tokenizer.MODEL: "rwkv", Keys.Tokenizer.LIST: ["a", "b"]})
 
 
 def test_from_gguf_reader_equals_from_path():

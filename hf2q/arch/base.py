@@ -206,7 +206,7 @@ class Family:
     gguf_arch: ClassVar[gguf.MODEL_ARCH]
     #: the GGUF architecture name where the PyPI ``gguf`` package has no ``MODEL_ARCH`` for it
     gguf_arch_name: ClassVar[str | None] = None
-    tokenizer_kind: ClassVar[str] = "bpe"  # "bpe" | "spm" | "wordpiece" | "auto"
+    tokenizer_kind: ClassVar[str] = "bpe"  # "bpe" | "spm" | "wordpiece" | "xlmr" | "auto"
 
     #: whether the family has a multi-token-prediction head that ``--no-mtp`` / ``--mtp`` select
     has_mtp: ClassVar[bool] = False

@@ -3,14 +3,17 @@
 The pooler and MLM heads are dropped (embeddings only), ``gamma``/``beta`` are renamed to
 ``weight``/``bias``, position and token-type embeddings stay F32, and the sentence-transformers
 pooling mode (mean for MiniLM) becomes ``bert.pooling_type``. Tokenizer: WordPiece.
-Nomic-BERT (``nomic-bert``) is the same encoder with rotary positions, fused QKV and a gated MLP.
+Nomic-BERT (``nomic-bert``) is the same encoder with rotary positions, fused QKV and a gated MLP;
+its v2 (``nomic-bert-moe``) has biases, a GELU MLP, an expert mixture every other layer and an XLM-R
+Unigram tokenizer.
 """
 
 from __future__ import annotations
 
 import gguf
+import numpy as np
 
-from hf2q.arch.base import MT, Family, Metadata
+from hf2q.arch.base import MT, Direct, Family, Metadata, RowSource
 from hf2q.arch.pooling import add_pooling_type
 from hf2q.errors import InputError
 from hf2q.formats.gguf_keys import Keys
@@ -61,7 +64,7 @@ class NomicBert(Bert):
     GPT-2 style keys (n_embd, n_head, n_inner, n_layer); they are read first. v1/v1.5 declare 8192
     positions but were trained on 2048, which is the context llama.cpp's converter writes. Every setting
     its graph does not model (pre-norm, partial or interleaved rotary, biases, a causal mask) is refused.
-    The MoE v2 (``moe_every_n_layers``, Unigram tokenizer) is refused: its tokenizer is not built here.
+    A config with ``moe_every_n_layers`` is the v2 (:class:`NomicBertMoe`), which the constructor returns.
     """
 
     hf_architectures = ("NomicBertModel",)
@@ -74,14 +77,16 @@ class NomicBert(Bert):
               ("mlp_fc1_bias", False), ("mlp_fc2_bias", False), ("prenorm", False), ("rotary_emb_fraction", 1.0),
               ("rotary_emb_interleaved", False), ("rotary_emb_scale_base", None))
 
+    def __new__(cls, cfg, src, mtp: str = "keep"):
+        if cls is NomicBert and cfg.get("moe_every_n_layers"):
+            cls = NomicBertMoe  # one HF architecture name for both versions
+        return super().__new__(cls)
+
     def __init__(self, cfg, src, mtp: str = "keep"):
         super().__init__(cfg, src, mtp=mtp)
-        if cfg.get("moe_every_n_layers"):
-            raise InputError("config.json: nomic-bert-moe (nomic-embed-text-v2-moe) is not supported: its Unigram "
-                             "tokenizer with a precompiled charsmap is not built by hf2q")
         for key, want in self._FIXED:
             if key not in cfg or cfg[key] != want:
-                raise InputError(f"config.json: nomic-bert needs {key} = {want!r}, found {cfg.get(key, '(none)')!r}")
+                raise InputError(f"config.json: {self.arch_name} needs {key} = {want!r}, found {cfg.get(key, '(none)')!r}")
 
     @property
     def hidden_size(self) -> int:
@@ -124,3 +129,93 @@ class NomicBert(Bert):
         dims = super().expected_dims()
         dims.update({MT.ATTN_QKV: (3 * d, d), MT.FFN_UP: (ff, d), MT.FFN_GATE: (ff, d), MT.FFN_DOWN: (d, ff)})
         return dims
+
+
+class NomicBertMoe(NomicBert):
+    """nomic-embed-text-v2-moe (``NomicBertModel`` with ``moe_every_n_layers``) → GGUF arch ``nomic-bert-moe``.
+
+    As llama.cpp's converter: biased fused QKV and output, GELU MLP ``fc1``/``fc2`` with biases, and in the
+    blocks ``i % moe_every_n_layers == 1`` a softmax router (``mlp.router.layer``) over experts whose fused
+    ``w1`` (``[experts·ff, d]``) becomes ``ffn_up_exps`` and ``w2`` (same shape) is transposed per expert into
+    ``ffn_down_exps``; the experts' shared output bias is dropped (llama.cpp's graph has none). Trained on
+    512 positions (the config's 2048 are the base model's). Tokenizer: XLM-R SentencePiece Unigram (``t5``).
+    """
+
+    hf_architectures = ()  # reached through NomicBert for a config with moe_every_n_layers
+    gguf_arch = gguf.MODEL_ARCH.NOMIC_BERT_MOE
+    tokenizer_kind = "xlmr"
+    block_tensors = ()  # dense and expert blocks alternate
+
+    _FIXED = (("activation_function", "gelu"), ("causal", False), ("qkv_proj_bias", True),
+              ("mlp_fc1_bias", True), ("mlp_fc2_bias", True), ("prenorm", False), ("rotary_emb_fraction", 1.0),
+              ("rotary_emb_interleaved", False), ("rotary_emb_scale_base", None))
+
+    def __init__(self, cfg, src, mtp: str = "keep"):
+        super().__init__(cfg, src, mtp=mtp)
+        self.every = int(require(cfg, "moe_every_n_layers", kind=int))
+        self.top_k = int(require(cfg, "moe_top_k", kind=int))
+        if self.every < 1 or not 1 <= self.top_k <= self.n_expert:
+            raise InputError(f"config.json: nomic-bert-moe needs moe_every_n_layers >= 1 and 1 <= moe_top_k <= "
+                             f"num_experts, found {self.every}, {self.top_k} and {self.n_expert}")
+
+    @property
+    def n_ff(self) -> int:
+        return int(require(self.cfg, "n_inner", "intermediate_size", kind=int))
+
+    def context_length(self) -> int:
+        npos, trained = self.cfg.get("n_positions"), self.cfg.get("max_trained_positions", 2048)
+        if (npos, trained) != (2048, 2048):
+            raise InputError(f"config.json: nomic-bert-moe with n_positions {npos} and max_trained_positions "
+                             f"{trained} is not a known model (v2: 2048 and 2048)")
+        return 512
+
+    def skip(self, hf_name: str) -> bool:
+        return super().skip(hf_name) or ".mlp.experts.bias" in hf_name
+
+    def map_name(self, hf_name: str) -> str:
+        if hf_name.endswith((".mlp.experts.mlp.w1", ".mlp.experts.mlp.w2")):
+            hf_name += ".weight"
+        return super().map_name(hf_name)
+
+    def source_tensor(self, ck, hf_name: str, gguf_name: str) -> RowSource:
+        shape = tuple(ck.entry(hf_name).shape)
+        if hf_name.endswith(".mlp.experts.mlp.w1"):
+            return Direct(hf_name, (self.n_expert, self.n_ff, self.hidden_size))
+        if hf_name.endswith(".mlp.experts.mlp.w2"):
+            e, ff, d = self.n_expert, self.n_ff, self.hidden_size
+            # [e·ff, d] viewed [e, ff, d], transposed to [e, d, ff]: row (x, j) is w2[x·ff : (x+1)·ff, j]
+            return _ExpertColumns(hf_name, (e, d, ff))
+        return Direct(hf_name, shape)
+
+    def hparams(self, md: Metadata) -> None:
+        super().hparams(md)
+        a = self.arch_name
+        md.u32(Keys.LLM.EXPERT_COUNT.format(arch=a), self.n_expert)
+        md.u32(Keys.LLM.MOE_EVERY_N_LAYERS.format(arch=a), self.every)
+        md.u32(Keys.LLM.EXPERT_USED_COUNT.format(arch=a), self.top_k)
+
+    def expected_dims(self):
+        d, ff, e = self.hidden_size, self.n_ff, self.n_expert
+        dims = super().expected_dims()
+        dims.update({MT.ATTN_QKV: (3 * d, d), MT.FFN_UP: (ff, d), MT.FFN_DOWN: (d, ff), MT.FFN_GATE_INP: (e, d),
+                     MT.FFN_UP_EXP: (e, ff, d), MT.FFN_DOWN_EXP: (e, d, ff)})
+        return dims
+
+
+class _ExpertColumns(RowSource):
+    """``ffn_down_exps`` rows from the fused ``[experts·ff, d]`` ``w2``: expert x's block, transposed."""
+
+    def __init__(self, name: str, shape: tuple[int, int, int]):
+        self.name, self.shape = name, shape
+
+    @property
+    def source_names(self) -> tuple[str, ...]:
+        return (self.name,)
+
+    def rows(self, ck, lo, hi):
+        from hf2q.sources.safetensors_reader import to_f32
+
+        e, d, ff = self.shape
+        raw = ck.raw(self.name).reshape(e, ff, d)
+        out = [to_f32(np.asarray(raw[r // d, :, r % d]), ck.entry(self.name).dtype) for r in range(lo, hi)]
+        return np.ascontiguousarray(np.stack(out), dtype=np.float32)

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from hf2q.arch.base import Family
-from hf2q.arch.bert import Bert, NomicBert
+from hf2q.arch.bert import Bert, NomicBert, NomicBertMoe
 from hf2q.arch.deepseek4 import DeepSeek4
 from hf2q.arch.gemma3 import Gemma3
 from hf2q.arch.gemma4 import Gemma4
@@ -20,7 +20,7 @@ from hf2q.sources.hf_config import architecture_name
 
 FAMILIES: tuple[type[Family], ...] = (Llama, Qwen3, Qwen3Moe, Qwen35, Qwen35Moe, Qwen3VL, Qwen3VLMoe, Gemma3, Gemma4,
                                       DeepSeek4, Bert,
-                                      NomicBert)
+                                      NomicBert, NomicBertMoe)
 
 
 def supported_architectures() -> list[str]:

@@ -38,7 +38,7 @@ SUPPORTED_TYPES = frozenset({T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_
 #: types of the 1-D tensors (norms, biases): llama.cpp's quantizer never quantizes a vector
 VECTOR_TYPES = frozenset({T.F32, T.F16, T.BF16})
 #: tokenizer models the text layer builds
-TOKENIZER_MODELS = ("gpt2", "llama", "bert", "gemma4")
+TOKENIZER_MODELS = ("gpt2", "llama", "bert", "gemma4", "t5")
 
 # sane upper bounds: far above any released model, far below what overflows a C int index
 MAX_DIM = 1 << 20
@@ -168,8 +168,12 @@ class _Checker:
             if d["head_k"] * d["n_head"] != d["hidden"]:
                 raise self.fail(f"BERT needs heads × head size = {self.hp.key(_L.EMBEDDING_LENGTH)} "
                                 f"({d['n_head']} × {d['head_k']} ≠ {d['hidden']})")
-            if self.arch == "nomic-bert":
+            if self.arch in ("nomic-bert", "nomic-bert-moe"):
                 self.rope(d)
+            if self.arch == "nomic-bert-moe":
+                d["n_expert"] = self.int_key(_L.EXPERT_COUNT, lo=1, hi=MAX_EXPERTS, required=True)
+                d["n_used"] = self.int_key(_L.EXPERT_USED_COUNT, lo=1, hi=d["n_expert"], required=True)
+                d["moe_every"] = self.int_key(_L.MOE_EVERY_N_LAYERS, lo=0, hi=d["n_layer"], default=0)
         else:
             self.float_key(_A.LAYERNORM_RMS_EPS)
             self.rope(d)
@@ -301,7 +305,7 @@ class _Checker:
             v = meta.get(key)
             if v is not None and (not isinstance(v, list) or len(v) != n):
                 raise self.fail(f"{key} must have one entry per token ({n}), found {_count(v)}")
-        if model == "llama" and meta.get(_TK.SCORES) is None:
+        if model in ("llama", "t5") and meta.get(_TK.SCORES) is None:
             raise self.fail(f"a SentencePiece vocabulary needs {_TK.SCORES}")
         if model in ("gpt2", "gemma4"):
             merges = meta.get(_TK.MERGES)
@@ -535,6 +539,23 @@ def _nomic_bert(d: dict[str, Any]) -> Table:
                                ("ffn_gate", (h, ff), None), ("ffn_up", (h, ff), None), ("ffn_down", (ff, h), None)))
 
 
+def _nomic_bert_moe(d: dict[str, Any]) -> Table:
+    """nomic-embed-text v2: biased fused QKV and output; blocks ``i % moe_every == 1`` route to experts
+    (up and down, GELU), the others a biased GELU MLP."""
+    h, ff, e = d["hidden"], d["n_ff"], d["n_expert"]
+    t = _encoder(d, False, (("attn_qkv", (h, 3 * h), 3 * h), ("attn_output", (h, h), h)))
+    t["token_types.weight"] = ((h, None), False)
+    for i in range(d["n_layer"]):
+        p = f"blk.{i}."
+        if d["moe_every"] and i % d["moe_every"] == 1:
+            t.update({p + "ffn_gate_inp.weight": ((h, e), True), p + "ffn_up_exps.weight": ((h, ff, e), True),
+                      p + "ffn_down_exps.weight": ((ff, h, e), True)})
+        else:
+            t.update({p + "ffn_up.weight": ((h, ff), True), p + "ffn_up.bias": ((ff,), False),
+                      p + "ffn_down.weight": ((ff, h), True), p + "ffn_down.bias": ((h,), False)})
+    return t
+
+
 _FAMILY_TABLES: dict[str, Callable[[dict[str, Any]], Table]] = {
     "llama": _llama,
     "qwen3": lambda d: _decoder(d, qk_norm=True),
@@ -545,13 +566,16 @@ _FAMILY_TABLES: dict[str, Callable[[dict[str, Any]], Table]] = {
     "gemma4": _gemma4,
     "bert": _bert,
     "nomic-bert": _nomic_bert,
+    "nomic-bert-moe": _nomic_bert_moe,
     "qwen35": _qwen35,
     "qwen35moe": lambda d: _qwen35(d, moe=True),
 }
 
 
 def _matches(found: tuple[int, ...], dims: tuple[int | None, ...]) -> bool:
-    """``None`` in ``dims`` is a dimension the engine reads off the tensor (BERT's learned positions)."""
+    """``None`` in ``dims`` is a dimension the engine reads off the tensor (BERT's learned positions);
+    trailing size-1 dimensions may be missing (``llama-quantize`` drops them: a one-row type embedding)."""
+    found = tuple(found) + (1,) * (len(dims) - len(found))
     return len(found) == len(dims) and all(e is None or f == e for f, e in zip(found, dims))
 
 

@@ -24,7 +24,7 @@ from hf2q.formats.gguf_keys import ExtraKeys, Keys, arch_key
 _A, _L, _R, _S = Keys.Attention, Keys.LLM, Keys.Rope, Keys.SSM
 
 #: encoder-only architectures: no causal KV cache
-ENCODER_ARCHS = frozenset({"bert", "nomic-bert"})
+ENCODER_ARCHS = frozenset({"bert", "nomic-bert", "nomic-bert-moe"})
 
 #: keys without which no transformer can be built (llama.cpp requires them too)
 REQUIRED = frozenset({_L.BLOCK_COUNT, _L.EMBEDDING_LENGTH, _A.HEAD_COUNT})

@@ -8,6 +8,7 @@ Three vocabulary kinds, each laid out the way llama.cpp's tokenizer reads it:
   identify it by hashing the token ids of a fixed probe text (``PROBE_TEXT``); unknown
   hashes fall back to the family's usual pre-tokenizer.
 * **SPM** (``llama``): pieces, scores and types from ``tokenizer.model`` (sentencepiece).
+* **XLM-R Unigram** (``t5``): ``sentencepiece.bpe.model`` with its charsmap (``xlmr_vocab.py``).
 * **WordPiece** (``bert``): BERT vocab rewritten into llama.cpp's "phantom space" form
   (``▁word`` for word starts, ``##piece`` → ``piece``).
 * **Gemma 4** (``gemma4``): the BPE over ▁-pieces of ``tokenizer.json`` with merges and byte
@@ -33,6 +34,7 @@ import gguf
 
 from hf2q.errors import InputError
 from hf2q.formats.gguf_keys import ExtraKeys, Keys
+from hf2q.sources.xlmr_vocab import add_xlmr_vocab, padded_pieces
 
 log = logging.getLogger("hf2q.tokenizer")
 TT = gguf.TokenType
@@ -216,21 +218,8 @@ def spm_vocab(src: Path, cfg: dict[str, Any]) -> tuple[list[bytes], list[float],
         sp.LoadFromFile(str(src / "tokenizer.model"))
     except (OSError, RuntimeError) as e:
         raise InputError(f"{src / 'tokenizer.model'}: invalid sentencepiece model ({e})") from None
-    size = int(cfg.get("vocab_size") or sp.vocab_size())
-    tokens = [f"[PAD{i}]".encode() for i in range(size)]
-    scores = [-10000.0] * size
-    types = [int(TT.UNUSED)] * size
-    for i in range(min(size, sp.vocab_size())):
-        kind = TT.NORMAL
-        if sp.IsUnknown(i):
-            kind = TT.UNKNOWN
-        elif sp.IsControl(i):
-            kind = TT.CONTROL
-        elif sp.IsUnused(i):
-            kind = TT.UNUSED
-        elif sp.IsByte(i):
-            kind = TT.BYTE
-        tokens[i], scores[i], types[i] = sp.IdToPiece(i).encode("utf-8"), sp.GetScore(i), int(kind)
+    tokens, scores, types = padded_pieces(sp, int(cfg.get("vocab_size") or sp.vocab_size()))
+    size = len(tokens)
     if (src / "added_tokens.json").is_file():
         added = _load_json(src / "added_tokens.json")
         if not isinstance(added, dict) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
@@ -373,6 +362,9 @@ def add_tokenizer(md, src: Path, cfg: dict[str, Any], kind: str, pre_fallback: s
         md.array(Keys.Tokenizer.SCORES, scores, V.FLOAT32)
         md.array(Keys.Tokenizer.TOKEN_TYPE, types, V.INT32)
         merges = True
+    elif kind == "xlmr":
+        nomic = md.get(Keys.General.ARCHITECTURE) == gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.NOMIC_BERT_MOE]
+        n_vocab, merges = add_xlmr_vocab(md, src, cfg, nomic_mask=nomic), False
     elif kind == "wordpiece":
         tokens, types = vocab_from_tokenizer_json(src, cfg)
         md.u32(Keys.Tokenizer.TOKEN_TYPE_COUNT, cfg.get("type_vocab_size", 1))

@@ -10,7 +10,9 @@ into the equivalent HF pipeline so the hot path never loops in Python:
   the best score wins, so we derive a merge list ranked by score (byte fallback to
   ``<0xXX>`` pieces);
 * ``bert`` — WordPiece; the GGUF marks word starts with U+2581 instead of marking
-  continuations with ``##``, so we map the vocabulary back.
+  continuations with ``##``, so we map the vocabulary back;
+* ``t5`` — SentencePiece Unigram with the precompiled charsmap normaliser, encoded by
+  :mod:`hf2q.text.ugm` (llama.cpp's own steps, which ``tokenizers`` does not reproduce).
 
 Special tokens follow llama.cpp: control/unknown tokens are matched in the text only
 when ``parse_special`` is set, user-defined tokens always are.
@@ -48,6 +50,7 @@ from hf2q.errors import InputError
 from hf2q.formats.gguf_keys import ExtraKeys, Keys
 from hf2q.formats.gguf_parse import metadata_from
 from hf2q.text.pretokenizers import PreTokenizerRule, rule_for
+from hf2q.text.ugm import UgmEncoder, ugm_encoder
 
 # GGUF token types (llama.cpp's llama_token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -174,7 +177,11 @@ class GGUFTokenizer:
         self.add_bos = bool(meta.get(Keys.Tokenizer.ADD_BOS, default_bos))
         if self.model_kind == "gemma4":
             self.add_bos = True
-        self.add_eos = bool(meta.get(Keys.Tokenizer.ADD_EOS, self.model_kind == "bert"))
+        self.add_eos = bool(meta.get(Keys.Tokenizer.ADD_EOS, self.model_kind in ("bert", "t5")))
+        self._ugm: UgmEncoder | None = None
+        if self.model_kind == "t5":
+            self._ugm = ugm_encoder(meta, texts, self._types, source)
+            self.unk_id, self.add_space_prefix = self._ugm.unk_id, self._ugm.add_space_prefix
         if self.model_kind == "bert":
             self.bos_id = _meta_int(meta, ExtraKeys.CLS_ID) if self.bos_id is None else self.bos_id
             self.eos_for_add = self.sep_id
@@ -202,8 +209,10 @@ class GGUFTokenizer:
             vocab.setdefault(t, i)  # first id wins for duplicated texts, as in llama.cpp
         return vocab
 
-    def _build(self, meta: dict[str, Any], texts: list[str], source: str) -> Tokenizer:
+    def _build(self, meta: dict[str, Any], texts: list[str], source: str) -> Tokenizer | None:
         kind = self.model_kind
+        if kind == "t5":
+            return None  # encoded by hf2q.text.ugm
         if kind in ("gpt2", "gemma4"):
             raw_merges = meta.get(Keys.Tokenizer.MERGES)
             if raw_merges is None:
@@ -256,7 +265,7 @@ class GGUFTokenizer:
             tok.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=True, lowercase=True)
             tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
         else:
-            raise InputError(f"{source}: unsupported tokenizer model {kind!r} (supported: gpt2, llama, bert, gemma4)")
+            raise InputError(f"{source}: unsupported tokenizer model {kind!r} (supported: gpt2, llama, bert, gemma4, t5)")
         tok.decoder = decoders.ByteLevel()  # unused: decoding is ours, see decode()
 
         added = []
@@ -283,6 +292,8 @@ class GGUFTokenizer:
                     continue
             if ty in (CONTROL, UNKNOWN, USER_DEFINED):
                 pieces.append(t.encode("utf-8"))
+            elif ty == UNUSED and kind == "t5":
+                pieces.append(b"")  # llama.cpp prints nothing for an unused Unigram piece
             elif byte_level:
                 pieces.append(_gpt2_piece_bytes(t))
             elif kind == "bert":
@@ -298,7 +309,9 @@ class GGUFTokenizer:
         if not isinstance(text, str):
             raise InputError("tokenizer input must be a string")
         ids: list[int] = []
-        if text:
+        if text and self._ugm is not None:
+            ids = self._ugm.encode(text, parse_special)
+        elif text:
             pieces = _word_aligned_pieces(text) if self._piecewise and len(text) > PIECE_CHARS else (text,)
             with self._lock:
                 self._hf.encode_special_tokens = not parse_special
@@ -349,7 +362,8 @@ class GGUFTokenizer:
         return list(self._piece_bytes)
 
     @property
-    def hf_tokenizer(self) -> Tokenizer:
+    def hf_tokenizer(self) -> Tokenizer | None:
+        """The ``tokenizers`` pipeline (None for ``t5``, which :mod:`hf2q.text.ugm` encodes)."""
         return self._hf
 
 

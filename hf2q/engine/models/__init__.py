@@ -22,6 +22,7 @@ FAMILIES = {
     "deepseek4": "hf2q.engine.models.deepseek4",
     "bert": "hf2q.engine.models.bert",
     "nomic-bert": "hf2q.engine.models.nomic_bert",
+    "nomic-bert-moe": "hf2q.engine.models.nomic_bert_moe",
 }
 
 

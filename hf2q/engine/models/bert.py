@@ -67,7 +67,8 @@ class EncoderModel:
         self.cfg = cfg
         self.dtype = dtype
         self.tok = float_array(g.tensor("token_embd.weight"), dtype)
-        self.types = float_array(g.tensor("token_types.weight"), dtype) if "token_types.weight" in g.tensors else None
+        self.types = (float_array(g.tensor("token_types.weight"), dtype).reshape(-1, cfg.hidden)  # one row: 1-D
+                      if "token_types.weight" in g.tensors else None)
         self.ln = norm_pair(g, "token_embd_norm", dtype)
         self.layers = layers
 

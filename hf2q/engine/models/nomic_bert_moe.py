@@ -1,0 +1,85 @@
+"""Nomic-BERT MoE encoders (nomic-embed-text v2) for ``/v1/embeddings``.
+
+llama.cpp's graph for ``nomic-bert-moe``: the nomic-bert post-norm encoder (NeoX rotary Q/K, one fused
+QKV) with biased projections, and two kinds of MLP. Blocks ``i % moe_every_n_layers == 1`` route each
+token to ``expert_used_count`` experts by a softmax over the router logits, weighted by those
+probabilities as they are (not renormalised), each expert ``down(gelu(up·x))`` without biases; the
+other blocks run a biased ``down(gelu(up·x + b)) + b``. GELU is the tanh form llama.cpp's
+``ggml_gelu`` computes.
+"""
+
+from __future__ import annotations
+
+import attrs
+import mlx.core as mx
+
+from hf2q.engine.layers import Linear, float_array, gelu_tanh
+from hf2q.engine.models.bert import EncoderModel, check_pooling, norm_pair
+from hf2q.engine.models.nomic_bert import NomicBertConfig, NomicBertLayer
+from hf2q.formats.gguf_file import GGUFFile
+from hf2q.formats.gguf_keys import Keys
+
+
+@attrs.define
+class NomicMoeConfig(NomicBertConfig):
+    top_k: int
+    moe_every: int
+
+
+def moe_block(i: int, every: int) -> bool:
+    """Whether block ``i`` is an expert block (llama.cpp: ``il % moe_every_n_layers == 1``)."""
+    return every > 0 and i % every == 1
+
+
+class ExpertMLP:
+    """Softmax router → top-k experts, each ``down(gelu(up·x))``, summed by their router probabilities."""
+
+    def __init__(self, g: GGUFFile, p: str, dtype, top_k: int):
+        self.router = Linear(g.tensor(p + "ffn_gate_inp.weight"), dtype)
+        self.up = Linear(g.tensor(p + "ffn_up_exps.weight"), dtype)
+        self.down = Linear(g.tensor(p + "ffn_down_exps.weight"), dtype)
+        self.top_k = top_k
+
+    def __call__(self, x: mx.array) -> mx.array:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        probs = mx.softmax(self.router(flat).astype(mx.float32), axis=-1, precise=True)
+        idx = mx.argpartition(-probs, kth=self.top_k - 1, axis=-1)[:, :self.top_k]
+        weights = mx.take_along_axis(probs, idx, axis=-1)
+        h = gelu_tanh(self.up.gather(flat[:, None, None, :], idx))  # [N, k, 1, ff]
+        out = self.down.gather(h, idx)[:, :, 0, :]  # [N, k, hidden]
+        return (out * weights[..., None].astype(out.dtype)).sum(axis=1).reshape(shape)
+
+
+class DenseMLP:
+    def __init__(self, lin):
+        self.up, self.down = lin("ffn_up"), lin("ffn_down")
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down(gelu_tanh(self.up(x)))
+
+
+class NomicMoeLayer(NomicBertLayer):
+    """The nomic-bert block (its forward) over biased projections and this block's kind of MLP."""
+
+    def __init__(self, g: GGUFFile, i: int, dtype, cfg: NomicMoeConfig):
+        p = f"blk.{i}."
+
+        def lin(name):
+            bias = g.tensors.get(p + name + ".bias")
+            return Linear(g.tensor(p + name + ".weight"), dtype, None if bias is None else float_array(bias, dtype))
+
+        self.qkv, self.o = lin("attn_qkv"), lin("attn_output")
+        self.mlp = ExpertMLP(g, p, dtype, cfg.top_k) if moe_block(i, cfg.moe_every) else DenseMLP(lin)
+        self.ln1, self.ln2 = norm_pair(g, p + "attn_output_norm", dtype), norm_pair(g, p + "layer_output_norm", dtype)
+
+
+def build(g: GGUFFile, dtype) -> EncoderModel:
+    hp = g.hparams
+    n_heads, _ = hp.uniform_heads()
+    every = int(hp.stored(Keys.LLM.MOE_EVERY_N_LAYERS) or 0)
+    cfg = NomicMoeConfig(n_layers=hp.n_layers, hidden=hp.hidden, n_heads=n_heads,
+                         vocab=int(g.tensor("token_embd.weight").shape[0]), n_ctx_train=hp.n_ctx_train,
+                         eps=hp.norm_eps, rope_base=hp.rope_base, pooling=check_pooling(g),
+                         top_k=hp.expert_used_count, moe_every=every)
+    return EncoderModel(cfg, g, dtype, [NomicMoeLayer(g, i, dtype, cfg) for i in range(cfg.n_layers)])
