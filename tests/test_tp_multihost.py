@@ -23,13 +23,19 @@ import httpx
 import numpy as np
 import pytest
 
-from hf2q.engine.tp_hosts import TPHosts, group_size, hosts_from_list, read_hostfile
+from hf2q.engine.tp_hosts import SECRET_ENV, TPHosts, group_size, hosts_from_list, read_hostfile
 from hf2q.engine.tp_launch import free_ports
 from hf2q.errors import InputError, UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
 CTX = 512
 PY = [sys.executable, "-m", "hf2q"]
+
+
+@pytest.fixture(autouse=True)
+def group_secret(monkeypatch):
+    """Every rank of a group across hosts needs the shared secret (the subprocesses inherit it)."""
+    monkeypatch.setenv(SECRET_ENV, "tp-test-secret")
 
 
 @pytest.fixture(scope="module")
