@@ -112,6 +112,90 @@ def slice_tensor(t: GGUFTensor, axis: int, start: int, stop: int) -> GGUFTensor:
     return GGUFTensor(t.name, t.qtype, tuple(shape), data, int(data.nbytes))
 
 
+def gather_ranges(t: GGUFTensor, axis: int, ranges: list[tuple[int, int]]) -> GGUFTensor:
+    """``t`` restricted to the concatenation of ``ranges`` along ``axis`` (each cut as by :func:`slice_tensor`)."""
+    parts = [slice_tensor(t, axis, a, b) for a, b in ranges]
+    if len(parts) == 1:
+        return parts[0]
+    nd = len(t.shape)
+    data_axis = -1 if axis % nd == nd - 1 else axis % nd
+    data = np.concatenate([np.asarray(q.data) for q in parts], axis=data_axis)
+    shape = list(t.shape)
+    shape[axis] = sum(b - a for a, b in ranges)
+    return GGUFTensor(t.name, t.qtype, tuple(shape), data, int(data.nbytes))
+
+
+def _runs(heads: list[int], width: int) -> list[tuple[int, int]]:
+    """Element ranges ``[h·width, (h+1)·width)`` of ``heads``, consecutive heads merged into one range."""
+    out: list[tuple[int, int]] = []
+    for h in heads:
+        if out and out[-1][1] == h * width:
+            out[-1] = (out[-1][0], (h + 1) * width)
+        else:
+            out.append((h * width, (h + 1) * width))
+    return out
+
+
+@attrs.frozen
+class DeltaNetPlan:
+    """The linear-attention (Gated DeltaNet) heads rank ``rank`` owns, in the order its shard holds them.
+
+    Value head ``j`` reads key head ``j mod k_heads`` (the converter tiles the value heads), and a shard
+    keeps that rule locally: with key heads split ``k_heads / size`` per rank, rank ``r`` takes key heads
+    ``K_r`` and the value heads ``t·k_heads + g`` (``g`` in ``K_r``, every ``t``) in ``(t, g)`` order; when
+    the key heads do not split, every rank keeps all of them and a contiguous share of value heads. The
+    conv and delta-rule state of a head lives with it, so each rank's recurrent state is its share."""
+
+    key_heads: tuple[int, ...]
+    value_heads: tuple[int, ...]
+
+
+def deltanet_plan(k_heads: int, v_heads: int, size: int, rank: int, what: str = "model") -> DeltaNetPlan:
+    if v_heads % size:
+        raise InputError(f"{what}: {v_heads} linear-attention value heads do not split over {size} ranks")
+    per_key = v_heads // k_heads
+    if k_heads % size == 0:
+        kl = k_heads // size
+        keys = tuple(range(rank * kl, (rank + 1) * kl))
+        return DeltaNetPlan(keys, tuple(t * k_heads + g for t in range(per_key) for g in keys))
+    share = v_heads // size
+    if share % k_heads:
+        raise InputError(f"{what}: {k_heads} linear-attention key heads with {v_heads} value heads do not split "
+                         f"over {size} ranks")
+    return DeltaNetPlan(tuple(range(k_heads)), tuple(range(rank * share, (rank + 1) * share)))
+
+
+def _shard_deltanet(g: GGUFFile, rank: int, size: int, meta: dict, tensors: dict) -> None:
+    """Cut every linear-attention layer's tensors to this rank's heads (:class:`DeltaNetPlan`):
+    ``attn_qkv`` / ``ssm_conv1d`` by channel (q and k rows of its key heads, v rows of its value heads),
+    ``attn_gate``, ``ssm_beta/alpha``, ``ssm_a``, ``ssm_dt`` by value head, ``ssm_out`` by input
+    column (row-parallel, its ``all_sum`` added by :func:`parallelize`)."""
+    hp = g.hparams
+    k_heads, v_heads, k_dim = hp.ssm_group_count, hp.ssm_time_step_rank, hp.ssm_state_size
+    v_dim = hp.ssm_inner_size // v_heads
+    plan = deltanet_plan(k_heads, v_heads, size, rank, g.path.name)
+    kd = k_heads * k_dim
+    key_rows = _runs(list(plan.key_heads), k_dim)
+    channels = key_rows + [(kd + a, kd + b) for a, b in key_rows] + \
+        [(2 * kd + a, 2 * kd + b) for a, b in _runs(list(plan.value_heads), v_dim)]
+    per_value = _runs(list(plan.value_heads), v_dim)
+    heads = _runs(list(plan.value_heads), 1)
+    rules = {"attn_qkv.weight": (-2, channels), "ssm_conv1d.weight": (-2, channels),
+             "attn_gate.weight": (-2, per_value), "ssm_out.weight": (-1, per_value),
+             "ssm_beta.weight": (-2, heads), "ssm_alpha.weight": (-2, heads),
+             "ssm_a": (0, heads), "ssm_dt.bias": (0, heads)}
+    for i, recurrent in enumerate(hp.recurrent_layers):
+        if not recurrent:
+            continue
+        for suffix, (axis, ranges) in rules.items():
+            name = f"blk.{i}.{suffix}"
+            if name in tensors:
+                tensors[name] = gather_ranges(g.tensors[name], axis, ranges)
+    meta[hp.key(Keys.SSM.GROUP_COUNT)] = len(plan.key_heads)
+    meta[hp.key(Keys.SSM.TIME_STEP_RANK)] = len(plan.value_heads)
+    meta[hp.key(Keys.SSM.INNER_SIZE)] = len(plan.value_heads) * v_dim
+
+
 def _even_range(n: int, size: int, rank: int, what: str) -> tuple[int, int]:
     if n % size:
         raise InputError(f"{what} of {n} does not split over {size} ranks")
@@ -139,7 +223,8 @@ def shard_gguf(g: GGUFFile, rank: int, size: int) -> GGUFFile:
     meta[hp.key(Keys.Attention.VALUE_LENGTH)] = v_dim
     meta[ExtraKeys.TENSOR_PARALLEL] = [rank, size]
 
-    q_rows = (plan.q_start * head_dim, (plan.q_start + plan.q_count) * head_dim)
+    q_per_head = _query_rows_per_head(g, n_heads, head_dim)  # 2·head_dim: query and output gate (qwen35)
+    q_rows = (plan.q_start * q_per_head, (plan.q_start + plan.q_count) * q_per_head)
     k_rows = (plan.kv_start * head_dim, (plan.kv_start + plan.kv_count) * head_dim)
     v_rows = (plan.kv_start * v_dim, (plan.kv_start + plan.kv_count) * v_dim)
     o_cols = (plan.q_start * v_dim, (plan.q_start + plan.q_count) * v_dim)
@@ -166,7 +251,21 @@ def shard_gguf(g: GGUFFile, rank: int, size: int) -> GGUFFile:
             tensors[tname] = slice_tensor(t, 0, *_even_range(t.shape[0], size, rank, f"{tname} experts"))
     if isinstance(ff, int):
         meta[hp.key(Keys.LLM.FEED_FORWARD_LENGTH)] = ff // size
+    if any(hp.recurrent_layers):
+        _shard_deltanet(g, rank, size, meta, tensors)
     return GGUFFile(g.path, meta, tensors, g.file_bytes)
+
+
+def _query_rows_per_head(g: GGUFFile, n_heads: int, head_dim: int) -> int:
+    """Rows of ``attn_q`` per query head: ``head_dim``, or twice that where each head's output gate
+    follows its query rows (Qwen 3.5's gated attention)."""
+    for name, t in g.tensors.items():
+        if name.endswith(".attn_q.weight"):
+            rows = t.shape[-2]
+            if rows == 2 * n_heads * head_dim:
+                return 2 * head_dim
+            return head_dim
+    return head_dim
 
 
 class RowParallel:
@@ -254,9 +353,13 @@ def parallelize(model, group) -> Any:
     if getattr(model, "is_embedding_model", False):
         raise InputError("tensor parallelism serves decoder (chat) models only")
     for layer in model.layers:
-        if not hasattr(layer, "attn"):
+        mixer = getattr(layer, "attn", None) or getattr(layer, "mixer", None)  # mixer: a hybrid model's block
+        if hasattr(mixer, "o"):
+            mixer.o = RowParallel(mixer.o, group)  # attention (gated or not)
+        elif hasattr(mixer, "out") and hasattr(mixer, "qkv"):
+            mixer.out = RowParallel(mixer.out, group)  # Gated DeltaNet: its value heads are split
+        else:
             raise InputError(f"tensor parallelism does not support the layer {type(layer).__name__} yet")
-        layer.attn.o = RowParallel(layer.attn.o, group)
         ffn = layer.ffn
         if hasattr(ffn, "down") and hasattr(ffn, "gate"):
             ffn.down = RowParallel(ffn.down, group)

@@ -27,7 +27,6 @@ itself, and here rank 0 must be the serving process; its hostfile is what places
 from __future__ import annotations
 
 import argparse
-import atexit
 import hmac
 import json
 import logging
@@ -136,9 +135,6 @@ def plan_split(model, size: int):
     g = model if isinstance(model, GGUFFile) else open_gguf(model)
     if g.hparams.is_encoder:
         raise InputError(f"{g.path.name}: tensor parallelism serves decoder (chat) models only")
-    if any(g.hparams.recurrent_layers):
-        raise InputError(f"{g.path.name}: tensor parallelism does not split {g.arch}'s recurrent (linear-attention) "
-                         f"layers yet; serve it on one rank")
     n_heads, n_kv = g.hparams.uniform_heads(" with tensor parallelism")
     plans = []
     for r in range(size):
@@ -366,7 +362,8 @@ def launch(path: str | Path, size: int, ctx: int | None = None, *, backend: str 
                                    check_alive=followers.check_alive, on_fault=followers.terminate,
                                    on_close=followers.reap, pipelined=pipelines_over(backend))
         runner.followers = followers
-        atexit.register(_close_at_exit, weakref.ref(runner))  # a server that drains ends its group cleanly
+        # a server that exits cleanly (or a runner dropped without close()) ends its group cleanly
+        weakref.finalize(runner, _stop_group, list(runner.links), followers.reap)
         return runner
     except BaseException:
         listener.close()
@@ -374,10 +371,15 @@ def launch(path: str | Path, size: int, ctx: int | None = None, *, backend: str 
         raise
 
 
-def _close_at_exit(ref: "weakref.ref[DistributedRunner]") -> None:
-    runner = ref()
-    if runner is not None:
-        runner.close()
+def _stop_group(links: list[socket.socket], reap: Callable[[], None]) -> None:
+    """Tell every follower to stop (a closed link, after close() or a failure, is skipped), then reap."""
+    for sock in links:
+        try:
+            send_message(sock, {"op": "stop"})
+            sock.close()
+        except OSError:
+            pass
+    reap()
 
 
 def _init(mx, backend: str):
