@@ -83,11 +83,12 @@ def scenario(runner, calls: dict | None = None) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.slow
-def test_qwen35_at_two_ranks_matches_one_rank_with_two_all_reduces_per_block(models, tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen35", "qwen35_moe"])  # qwen35_moe: routed experts + a shared expert
+def test_qwen35_at_two_ranks_matches_one_rank_with_two_all_reduces_per_block(models, family, tmp_path, monkeypatch):
     from hf2q.engine.runner import MlxModelRunner
     from hf2q.formats.gguf_file import open_gguf
 
-    model = models("qwen35", "f32")
+    model = models(family, "f32")
     script = tmp_path / "driver.py"
     script.write_text(DRIVER.format(root=str(ROOT), ctx=CTX))
     run = subprocess.run([sys.executable, str(script), str(model), str(tmp_path / "tp.npz")], cwd=ROOT,
@@ -103,7 +104,8 @@ def test_qwen35_at_two_ranks_matches_one_rank_with_two_all_reduces_per_block(mod
         np.testing.assert_allclose(tp[key], ref[key], rtol=0, atol=1e-4 * scale, err_msg=key)
         np.testing.assert_array_equal(tp[key].argmax(-1), ref[key].argmax(-1), err_msg=key)
     n_layers = open_gguf(model).hparams.n_main_layers
-    # Megatron's minimum: one all-reduce after each mixer (DeltaNet or attention) and one after each MLP
+    # Megatron's minimum: one all-reduce after each mixer (DeltaNet or attention) and one after each
+    # feed-forward (the MoE's experts and its shared expert reduced together)
     assert tp["reduces"].tolist() == [2 * n_layers] * 4, tp["reduces"]
 
 

@@ -243,9 +243,9 @@ def shard_gguf(g: GGUFFile, rank: int, size: int) -> GGUFFile:
         if suffix in rules:
             axis, (a, b) = rules[suffix]
             tensors[tname] = slice_tensor(t, axis, a, b)
-        elif suffix in ("ffn_gate.weight", "ffn_up.weight"):
+        elif suffix in ("ffn_gate.weight", "ffn_up.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight"):
             tensors[tname] = slice_tensor(t, -2, *_even_range(t.shape[-2], size, rank, f"{tname} rows"))
-        elif suffix == "ffn_down.weight":
+        elif suffix in ("ffn_down.weight", "ffn_down_shexp.weight"):
             tensors[tname] = slice_tensor(t, -1, *_even_range(t.shape[-1], size, rank, f"{tname} columns"))
         elif suffix in ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"):
             tensors[tname] = slice_tensor(t, 0, *_even_range(t.shape[0], size, rank, f"{tname} experts"))
@@ -319,6 +319,10 @@ class ExpertParallelMoE:
         return sum(lin.nbytes for lin in (self.ffn.router, self.ffn.gate_exps, self.ffn.up_exps, self.ffn.down_exps))
 
     def __call__(self, x):
+        return self._mx.distributed.all_sum(self.local(x), group=self.group)
+
+    def local(self, x):
+        """This rank's share of the output (its experts' weighted sum), before the ``all_sum``."""
         from hf2q.engine.layers import silu
 
         mx, f = self._mx, self.ffn
@@ -338,7 +342,34 @@ class ExpertParallelMoE:
         h = silu(f.gate_exps.gather(xe, local)) * f.up_exps.gather(xe, local)  # [N, k, 1, ff]
         out = f.down_exps.gather(h, local)[:, :, 0, :]  # [N, k, hidden]
         y = (out * weights[..., None].astype(out.dtype)).sum(axis=1)
-        return mx.distributed.all_sum(y.reshape(shape), group=self.group)
+        return y.reshape(shape)
+
+
+class SharedExpertParallelMoE:
+    """Routed experts split by expert index plus a shared expert split Megatron style, one ``all_sum``.
+
+    Built around Qwen 3.5's ``SharedExpertMoE`` (``routed`` MoE, ``shared`` gated MLP whose
+    ``gate``/``up`` rows and ``down`` columns this rank holds, replicated ``shared_gate``). The shared
+    expert's per-token gate σ(shared_gate·x) scales a sum, so it scales each rank's partial alike: the
+    ranks' routed shares and gated shared partials are added locally and reduced once.
+    """
+
+    def __init__(self, ffn, rank: int, size: int, group):
+        import mlx.core as mx
+
+        self.ffn = ffn
+        self.routed = ExpertParallelMoE(ffn.routed, rank, size, group)
+        self.shared, self.shared_gate = ffn.shared, ffn.shared_gate
+        self.group = group
+        self._mx = mx
+
+    def linears(self):
+        return self.ffn.linears()
+
+    def __call__(self, x):
+        mx = self._mx
+        y = self.routed.local(x) + self.shared(x) * mx.sigmoid(self.shared_gate(x))
+        return mx.distributed.all_sum(y, group=self.group)
 
 
 def parallelize(model, group) -> Any:
@@ -365,6 +396,8 @@ def parallelize(model, group) -> Any:
             ffn.down = RowParallel(ffn.down, group)
         elif all(hasattr(ffn, a) for a in ("router", "gate_exps", "up_exps", "down_exps", "top_k")):
             layer.ffn = ExpertParallelMoE(ffn, group.rank(), group.size(), group)
+        elif all(hasattr(ffn, a) for a in ("routed", "shared", "shared_gate")):
+            layer.ffn = SharedExpertParallelMoE(ffn, group.rank(), group.size(), group)
         else:
             raise InputError(f"tensor parallelism does not support the feed-forward layer "
                              f"{type(ffn).__name__} yet")
