@@ -64,7 +64,8 @@ runner.close()
 def scenario(runner, calls: dict | None = None) -> dict[str, np.ndarray]:
     """Two sequences prefilled, then decoding together (a batched step), one trimmed back to a reuse point."""
     a, b = runner.new_sequence(), runner.new_sequence()
-    out = {"prefill_a": runner.prefill(a, [1, 504, 3094, 1210, 282, 253, 3467]), "prefill_b": runner.prefill(b, [1, 77])}
+    out = {"prefill_a": runner.prefill(a, [1, 504, 3094, 1210, 282, 253, 3467]),
+           "prefill_b": runner.prefill(b, [1, 77])}
     toks = [int(out["prefill_a"].argmax()), int(out["prefill_b"].argmax())]
     steps, reduces = [], []
     for _ in range(4):
