@@ -13,6 +13,9 @@ each rank reads (from the memory-mapped GGUF) and holds only its share:
 * MoE (``*_exps`` tensors ``[experts, out, in]``): experts split by expert index; the
   router stays replicated, so every rank computes the same top-k and only the experts it
   owns contribute before the ``all_sum`` (:class:`ExpertParallelMoE`).
+* hybrid models (Qwen 3.5's Gated DeltaNet layers): split by value head, each with the key head it
+  reads (:class:`DeltaNetPlan`), so a rank's conv and delta-rule state hold its heads only;
+  ``ssm_out`` is row-parallel like ``attn_output``.
 * embeddings, norms and the LM head stay replicated: after each all-reduce every rank
   holds the same hidden state, so every rank can produce the logits.
 
