@@ -1,7 +1,8 @@
-"""Qwen 3.5's hybrid blocks (Gated DeltaNet linear attention + gated attention) at TP = 2, on CPU.
+"""Qwen 3.5's hybrid blocks (Gated DeltaNet linear attention + gated attention) and Gemma 4's two layer
+shapes at TP = 2, on CPU.
 
 The linear-attention layers are split by value head (each rank holds its heads' conv and delta-rule
-state); the reference is the same GGUF on one rank: served through a real HTTP client (T = 0 answers),
+state); Gemma 4's layers each by their own head counts and sizes. The reference is the same GGUF on one rank: served through a real HTTP client (T = 0 answers),
 and on the engine (logits, and the all-reduces a decode step costs).
 """
 
@@ -84,8 +85,10 @@ def scenario(runner, calls: dict | None = None) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen35", "qwen35_moe"])  # qwen35_moe: routed experts + a shared expert
-def test_qwen35_at_two_ranks_matches_one_rank_with_two_all_reduces_per_block(models, family, tmp_path, monkeypatch):
+# qwen35_moe: routed experts + a shared expert; gemma4: sliding layers of 2 KV heads × 32 and a global layer of
+# one KV head × 64 whose K is its V (replicated on both ranks); gemma4_e2b: per-layer embeddings, KV-shared layers
+@pytest.mark.parametrize("family", ["qwen35", "qwen35_moe", "gemma4", "gemma4_e2b"])
+def test_two_ranks_match_one_rank_with_two_all_reduces_per_block(models, family, tmp_path, monkeypatch):
     from hf2q.engine.runner import MlxModelRunner
     from hf2q.formats.gguf_file import open_gguf
 

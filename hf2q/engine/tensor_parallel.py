@@ -216,33 +216,37 @@ def shard_gguf(g: GGUFFile, rank: int, size: int) -> GGUFFile:
     if size == 1:
         return g
     name, hp = g.path.name, g.hparams
-    n_heads, n_kv = hp.uniform_heads(" with tensor parallelism")
-    head_dim, v_dim = hp.key_length, hp.value_length
-    plan = head_plan(n_heads, n_kv, size, rank, name)
+    n_heads, layers = attention_geometry(g)
+    plans = [head_plan(n_heads, n_kv, size, rank, name) for n_kv, _, _ in layers]
     meta = dict(g.metadata)
-    meta[hp.key(Keys.Attention.HEAD_COUNT)] = plan.q_count
-    meta[hp.key(Keys.Attention.HEAD_COUNT_KV)] = plan.kv_count
-    meta[hp.key(Keys.Attention.KEY_LENGTH)] = head_dim  # the shard's hidden / heads no longer gives them
-    meta[hp.key(Keys.Attention.VALUE_LENGTH)] = v_dim
+    meta[hp.key(Keys.Attention.HEAD_COUNT)] = plans[0].q_count
+    kv_counts = [p.kv_count for p in plans]
+    meta[hp.key(Keys.Attention.HEAD_COUNT_KV)] = kv_counts if isinstance(hp.n_kv_heads, list) else kv_counts[0]
+    if g.arch != "gemma4":  # one head size: the shard's hidden / heads no longer gives it (gemma4 stores both)
+        meta[hp.key(Keys.Attention.KEY_LENGTH)] = layers[0][1]
+        meta[hp.key(Keys.Attention.VALUE_LENGTH)] = layers[0][2]
     meta[ExtraKeys.TENSOR_PARALLEL] = [rank, size]
+    q_per_head = _query_heads_factor(g, n_heads, layers)  # 2: query + output gate (qwen35)
 
-    q_per_head = _query_rows_per_head(g, n_heads, head_dim)  # 2·head_dim: query and output gate (qwen35)
-    q_rows = (plan.q_start * q_per_head, (plan.q_start + plan.q_count) * q_per_head)
-    k_rows = (plan.kv_start * head_dim, (plan.kv_start + plan.kv_count) * head_dim)
-    v_rows = (plan.kv_start * v_dim, (plan.kv_start + plan.kv_count) * v_dim)
-    o_cols = (plan.q_start * v_dim, (plan.q_start + plan.q_count) * v_dim)
-    rules: dict[str, tuple[int, tuple[int, int]]] = {  # tensor suffix → (axis, range)
-        "attn_q.weight": (-2, q_rows), "attn_q.bias": (0, q_rows),
-        "attn_k.weight": (-2, k_rows), "attn_k.bias": (0, k_rows),
-        "attn_v.weight": (-2, v_rows), "attn_v.bias": (0, v_rows),
-        "attn_output.weight": (-1, o_cols),
-    }
+    def rules_of(i: int) -> dict[str, tuple[int, tuple[int, int]]]:
+        """Layer ``i``'s attention cuts: tensor suffix → (axis, range)."""
+        plan, (_, head_dim, v_dim) = plans[min(i, len(plans) - 1)], layers[min(i, len(layers) - 1)]
+        q_rows = (plan.q_start * q_per_head * head_dim, (plan.q_start + plan.q_count) * q_per_head * head_dim)
+        k_rows = (plan.kv_start * head_dim, (plan.kv_start + plan.kv_count) * head_dim)
+        v_rows = (plan.kv_start * v_dim, (plan.kv_start + plan.kv_count) * v_dim)
+        o_cols = (plan.q_start * v_dim, (plan.q_start + plan.q_count) * v_dim)
+        return {"attn_q.weight": (-2, q_rows), "attn_q.bias": (0, q_rows),
+                "attn_k.weight": (-2, k_rows), "attn_k.bias": (0, k_rows),
+                "attn_v.weight": (-2, v_rows), "attn_v.bias": (0, v_rows),
+                "attn_output.weight": (-1, o_cols)}
+    layer_rules = [rules_of(i) for i in range(len(layers))]
     ff = hp.feed_forward_length
     tensors = dict(g.tensors)
     for tname, t in g.tensors.items():
         if not tname.startswith("blk."):
             continue
-        suffix = tname.split(".", 2)[2]
+        _, index, suffix = tname.split(".", 2)
+        rules = layer_rules[min(int(index), len(layer_rules) - 1)]
         if suffix in rules:
             axis, (a, b) = rules[suffix]
             tensors[tname] = slice_tensor(t, axis, a, b)
@@ -259,16 +263,36 @@ def shard_gguf(g: GGUFFile, rank: int, size: int) -> GGUFFile:
     return GGUFFile(g.path, meta, tensors, g.file_bytes)
 
 
-def _query_rows_per_head(g: GGUFFile, n_heads: int, head_dim: int) -> int:
-    """Rows of ``attn_q`` per query head: ``head_dim``, or twice that where each head's output gate
-    follows its query rows (Qwen 3.5's gated attention)."""
-    for name, t in g.tensors.items():
-        if name.endswith(".attn_q.weight"):
-            rows = t.shape[-2]
-            if rows == 2 * n_heads * head_dim:
-                return 2 * head_dim
-            return head_dim
-    return head_dim
+def attention_geometry(g: GGUFFile) -> tuple[int, list[tuple[int, int, int]]]:
+    """``(query heads, [(KV heads, key head size, value head size) per layer])``: one shape for most
+    families, Gemma 4's own per layer (sliding and global layers differ in KV heads and head size)."""
+    hp = g.hparams
+    if g.arch == "gemma4":
+        from hf2q.engine.models.gemma4 import layer_shapes
+
+        n_heads = hp.n_heads
+        if isinstance(n_heads, list):
+            raise InputError(f"{g.path.name}: per-layer query head counts are not supported with tensor parallelism")
+        return int(n_heads), [(s.n_kv, s.head_dim, s.head_dim) for s in layer_shapes(g)]
+    n_heads, n_kv = hp.uniform_heads(" with tensor parallelism")
+    return n_heads, [(n_kv, hp.key_length, hp.value_length)] * max(1, hp.n_layers)
+
+
+def rank_plan(g: GGUFFile, size: int, rank: int) -> HeadPlan:
+    """Rank ``rank``'s heads of the first layer (the KV export/import split; every layer splits alike
+    where the heads are uniform)."""
+    n_heads, layers = attention_geometry(g)
+    return head_plan(n_heads, layers[0][0], size, rank, g.path.name)
+
+
+def _query_heads_factor(g: GGUFFile, n_heads: int, layers: list[tuple[int, int, int]]) -> int:
+    """``attn_q`` rows per query head, in head sizes: 1, or 2 where each head's output gate follows its
+    query rows (Qwen 3.5's gated attention)."""
+    for i, (_, head_dim, _) in enumerate(layers):
+        t = g.tensors.get(f"blk.{i}.attn_q.weight")
+        if t is not None:
+            return 2 if t.shape[-2] == 2 * n_heads * head_dim else 1
+    return 1
 
 
 class RowParallel:
@@ -386,7 +410,9 @@ def parallelize(model, group) -> Any:
         return model
     if getattr(model, "is_embedding_model", False):
         raise InputError("tensor parallelism serves decoder (chat) models only")
-    for layer in model.layers:
+    for layer in getattr(model, "layers", None) or model.blocks:  # blocks: gemma4
+        if getattr(layer, "experts", None) is not None:  # gemma4's experts beside the MLP, each with its post-norm
+            raise InputError(f"tensor parallelism does not support {type(layer).__name__}'s experts yet")
         mixer = getattr(layer, "attn", None) or getattr(layer, "mixer", None)  # mixer: a hybrid model's block
         if hasattr(mixer, "o"):
             mixer.o = RowParallel(mixer.o, group)  # attention (gated or not)

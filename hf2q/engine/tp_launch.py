@@ -129,16 +129,18 @@ def peer_closed(sock: socket.socket) -> bool:
 
 def plan_split(model, size: int):
     """Every rank's ``HeadPlan`` for ``model`` (path or opened GGUF); ``InputError`` when it cannot split ``size`` ways."""
-    from hf2q.engine.tensor_parallel import head_plan, shard_gguf
+    from hf2q.engine.tensor_parallel import rank_plan, shard_gguf
     from hf2q.formats.gguf_file import GGUFFile, open_gguf
 
     g = model if isinstance(model, GGUFFile) else open_gguf(model)
     if g.hparams.is_encoder:
         raise InputError(f"{g.path.name}: tensor parallelism serves decoder (chat) models only")
-    n_heads, n_kv = g.hparams.uniform_heads(" with tensor parallelism")
+    if g.arch == "gemma4" and any(n.endswith("_exps.weight") for n in g.tensors):
+        raise InputError(f"{g.path.name}: tensor parallelism does not split gemma4's experts yet (each has its own "
+                         f"post-norm); serve it on one rank")
     plans = []
     for r in range(size):
-        plans.append(head_plan(n_heads, n_kv, size, r, g.path.name))
+        plans.append(rank_plan(g, size, r))
         shard_gguf(g, r, size)  # views only: proves every column cut is block-aligned
     return plans
 
@@ -492,11 +494,11 @@ def run_follower(model: str | Path, rank: int, size: int, control: tuple[str, in
         prepare_mlx()
         import mlx.core as mx
 
-        from hf2q.engine.tensor_parallel import head_plan
+        from hf2q.engine.tensor_parallel import rank_plan
 
         group = mx.distributed.init(strict=True, backend=backend)
         runner = load_shard(g, rank, size, group, ctx)
-        plan = head_plan(*g.hparams.uniform_heads(), size, rank)
+        plan = rank_plan(g, size, rank)
     except Exception as e:  # noqa: BLE001 — reported to rank 0, which fails the load
         send_message(sock, {"op": "failed", "error": f"{type(e).__name__}: {e}"})
         print(f"hf2q tp rank {rank}: failed to start: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
