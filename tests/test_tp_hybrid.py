@@ -114,9 +114,10 @@ def test_two_ranks_match_one_rank_with_two_all_reduces_per_block(models, family,
 
 
 @pytest.mark.slow
-def test_qwen35_served_at_two_ranks_answers_what_one_rank_answers(models, tmp_path):
+@pytest.mark.parametrize("family", ["qwen35", "gemma4"])
+def test_served_at_two_ranks_answers_what_one_rank_answers(models, family, tmp_path):
     """Three concurrent T=0 chat requests through a real HTTP client: the same answers at TP = 2 as at 1."""
-    model = models("qwen35", "f32")
+    model = models(family, "f32")
     args = ["--model", str(model), "--model-name", "m", "--slots", "3", "--ctx", str(CTX), "--operator-ui", "plain"]
     ports = free_ports(2)
     logs = [tmp_path / f"serve-{n}.log" for n in (1, 2)]
