@@ -23,13 +23,19 @@ import httpx
 import numpy as np
 import pytest
 
-from hf2q.engine.tp_hosts import TPHosts, group_size, hosts_from_list, read_hostfile
+from hf2q.engine.tp_hosts import SECRET_ENV, TPHosts, group_size, hosts_from_list, read_hostfile
 from hf2q.engine.tp_launch import free_ports
 from hf2q.errors import InputError, UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
 CTX = 512
 PY = [sys.executable, "-m", "hf2q"]
+
+
+@pytest.fixture(autouse=True)
+def group_secret(monkeypatch):
+    """Every rank of a group across hosts needs the shared secret (the subprocesses inherit it)."""
+    monkeypatch.setenv(SECRET_ENV, "tp-test-secret")
 
 
 @pytest.fixture(scope="module")
@@ -133,12 +139,13 @@ def test_serve_refuses_a_bad_hostfile_before_loading(models, tmp_path):
 
 # ---------------------------------------------------------------------------- start-up failures
 
-def test_a_hybrid_recurrent_model_is_refused_before_any_rank_starts(models):
-    """qwen35's linear-attention layers have no split yet: an InputError (serve: exit 3) in the preflight."""
+def test_gemma4_experts_are_refused_before_any_rank_starts(models):
+    """Gemma 4's routed experts (each with its own post-norm, beside the dense MLP) have no split yet:
+    an InputError (serve: exit 3) in the preflight. Dense gemma4 and qwen35 split: test_tp_hybrid.py."""
     from hf2q.engine.tp_launch import plan_split
 
-    with pytest.raises(InputError, match="does not split qwen35's recurrent .linear-attention. layers yet"):
-        plan_split(models("qwen35", "f32"), 2)
+    with pytest.raises(InputError, match="tensor parallelism does not split gemma4's experts yet"):
+        plan_split(models("gemma4_moe", "f32"), 2)
 
 
 def test_a_rank_that_never_joins_or_holds_another_model_fails_in_one_line(models, tmp_path):

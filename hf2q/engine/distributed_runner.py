@@ -201,12 +201,13 @@ class DistributedRunner:
 
     ``local`` is rank 0's ``MlxModelRunner`` over its shard; ``links`` the control sockets
     of ranks 1..N-1 in rank order; ``plans`` every rank's :class:`HeadPlan`; ``check_alive``
-    raises when a follower process has exited; ``on_fault`` tears the group down.
+    raises when a follower process has exited; ``on_fault`` tears the group down after a failure,
+    ``on_close`` after :meth:`close`.
     """
 
     def __init__(self, local, links: Sequence[socket.socket], plans, group, *,
                  check_alive: Callable[[], None] = lambda: None, on_fault: Callable[[], None] = lambda: None,
-                 pipelined: bool = True):
+                 on_close: Callable[[], None] = lambda: None, pipelined: bool = True):
         self.local = local
         self.links = list(links)
         self.plans = list(plans)
@@ -214,6 +215,8 @@ class DistributedRunner:
         self.size = len(self.links) + 1
         self._check_alive = check_alive
         self._on_fault = on_fault
+        self._on_close = on_close
+        self._closed = False
         self._next_id = 0
         self._released: list[int] = []
         self._broken: str | None = None
@@ -359,15 +362,31 @@ class DistributedRunner:
                          lambda: all_sum_times(self.group, shape, reps))
 
     def close(self) -> None:
-        """Tell the followers to exit (best effort); the runner is unusable afterwards."""
-        with self._lock:
+        """End the group cleanly: every follower is told to stop (and exits 0), then ``on_close`` runs
+        (rank 0's launcher waits for its child ranks there). Idempotent; the runner is unusable afterwards.
+
+        A step that never returns (a hung collective) holds the lock: after a few seconds the group is
+        ended without the stop (the followers then exit as from a broken group)."""
+        locked = self._lock.acquire(timeout=5)
+        try:
+            if self._closed:
+                return
+            self._closed = True
             for sock in self.links:
                 try:
-                    send_message(sock, {"op": "stop"})
+                    if locked and self._broken is None:
+                        send_message(sock, {"op": "stop"})
                     sock.close()
                 except OSError:
                     pass
             self._broken = self._broken or "tensor-parallel runner closed"
+        finally:
+            if locked:
+                self._lock.release()
+        try:
+            self._on_close()
+        except Exception:
+            log.exception("stopping the tensor-parallel followers failed")
 
 
 def head_slice(arrays: dict[str, np.ndarray], plan) -> dict[str, np.ndarray]:
@@ -415,8 +434,16 @@ def all_sum_times(group, shape: Sequence[int], reps: int) -> list[float]:
 
 # ---- followers ------------------------------------------------------------------------------
 
-def follow(runner, sock: socket.socket, group, plan) -> int:
-    """Replay rank 0's calls on this rank's shard until rank 0 says stop or goes away; exit status."""
+#: a follower's exit statuses (docs/TENSOR_PARALLEL.md): rank 0 ended the group / the group broke
+FOLLOWER_STOPPED, FOLLOWER_BROKEN = 0, 1
+
+
+def follow(runner, sock: socket.socket, group, plan, stopped: threading.Event | None = None) -> int:
+    """Replay rank 0's calls on this rank's shard until rank 0 says stop or goes away; exit status.
+
+    Only a ``stop`` command is a clean end (``stopped`` is set first, so the watcher threads that
+    exit the process when rank 0 vanishes know it did not); a control connection that closes without
+    one means rank 0 died or failed closed, and the follower reports the group broken."""
     from hf2q.engine.runner import PendingTokens
     from hf2q.engine.sampling.device import DeviceSampler
     from hf2q.sched.contracts import SamplingParams
@@ -427,14 +454,18 @@ def follow(runner, sock: socket.socket, group, plan) -> int:
     while True:
         msg = recv_message(sock)
         if msg is None:
-            log.info("rank %d: rank 0 closed the control connection; exiting", plan.rank)
-            return 0
+            log.warning("rank %d: rank 0 closed the control connection without stopping the group; exiting",
+                        plan.rank)
+            return FOLLOWER_BROKEN
         header, arrays = msg
+        if header["op"] == "stop":
+            if stopped is not None:
+                stopped.set()
+            log.info("rank %d: rank 0 stopped the group; exiting", plan.rank)
+            return FOLLOWER_STOPPED
         for seq_id in header.get("release", ()):
             seqs.pop(seq_id, None)
         op = header["op"]
-        if op == "stop":
-            return 0
         try:
             if op == "new":
                 seqs[header["seq"]] = runner.new_sequence()

@@ -13,6 +13,9 @@ each rank reads (from the memory-mapped GGUF) and holds only its share:
 * MoE (``*_exps`` tensors ``[experts, out, in]``): experts split by expert index; the
   router stays replicated, so every rank computes the same top-k and only the experts it
   owns contribute before the ``all_sum`` (:class:`ExpertParallelMoE`).
+* hybrid models (Qwen 3.5's Gated DeltaNet layers): split by value head, each with the key head it
+  reads (:class:`DeltaNetPlan`), so a rank's conv and delta-rule state hold its heads only;
+  ``ssm_out`` is row-parallel like ``attn_output``.
 * embeddings, norms and the LM head stay replicated: after each all-reduce every rank
   holds the same hidden state, so every rank can produce the logits.
 
@@ -112,6 +115,90 @@ def slice_tensor(t: GGUFTensor, axis: int, start: int, stop: int) -> GGUFTensor:
     return GGUFTensor(t.name, t.qtype, tuple(shape), data, int(data.nbytes))
 
 
+def gather_ranges(t: GGUFTensor, axis: int, ranges: list[tuple[int, int]]) -> GGUFTensor:
+    """``t`` restricted to the concatenation of ``ranges`` along ``axis`` (each cut as by :func:`slice_tensor`)."""
+    parts = [slice_tensor(t, axis, a, b) for a, b in ranges]
+    if len(parts) == 1:
+        return parts[0]
+    nd = len(t.shape)
+    data_axis = -1 if axis % nd == nd - 1 else axis % nd
+    data = np.concatenate([np.asarray(q.data) for q in parts], axis=data_axis)
+    shape = list(t.shape)
+    shape[axis] = sum(b - a for a, b in ranges)
+    return GGUFTensor(t.name, t.qtype, tuple(shape), data, int(data.nbytes))
+
+
+def _runs(heads: list[int], width: int) -> list[tuple[int, int]]:
+    """Element ranges ``[h·width, (h+1)·width)`` of ``heads``, consecutive heads merged into one range."""
+    out: list[tuple[int, int]] = []
+    for h in heads:
+        if out and out[-1][1] == h * width:
+            out[-1] = (out[-1][0], (h + 1) * width)
+        else:
+            out.append((h * width, (h + 1) * width))
+    return out
+
+
+@attrs.frozen
+class DeltaNetPlan:
+    """The linear-attention (Gated DeltaNet) heads rank ``rank`` owns, in the order its shard holds them.
+
+    Value head ``j`` reads key head ``j mod k_heads`` (the converter tiles the value heads), and a shard
+    keeps that rule locally: with key heads split ``k_heads / size`` per rank, rank ``r`` takes key heads
+    ``K_r`` and the value heads ``t·k_heads + g`` (``g`` in ``K_r``, every ``t``) in ``(t, g)`` order; when
+    the key heads do not split, every rank keeps all of them and a contiguous share of value heads. The
+    conv and delta-rule state of a head lives with it, so each rank's recurrent state is its share."""
+
+    key_heads: tuple[int, ...]
+    value_heads: tuple[int, ...]
+
+
+def deltanet_plan(k_heads: int, v_heads: int, size: int, rank: int, what: str = "model") -> DeltaNetPlan:
+    if v_heads % size:
+        raise InputError(f"{what}: {v_heads} linear-attention value heads do not split over {size} ranks")
+    per_key = v_heads // k_heads
+    if k_heads % size == 0:
+        kl = k_heads // size
+        keys = tuple(range(rank * kl, (rank + 1) * kl))
+        return DeltaNetPlan(keys, tuple(t * k_heads + g for t in range(per_key) for g in keys))
+    share = v_heads // size
+    if share % k_heads:
+        raise InputError(f"{what}: {k_heads} linear-attention key heads with {v_heads} value heads do not split "
+                         f"over {size} ranks")
+    return DeltaNetPlan(tuple(range(k_heads)), tuple(range(rank * share, (rank + 1) * share)))
+
+
+def _shard_deltanet(g: GGUFFile, rank: int, size: int, meta: dict, tensors: dict) -> None:
+    """Cut every linear-attention layer's tensors to this rank's heads (:class:`DeltaNetPlan`):
+    ``attn_qkv`` / ``ssm_conv1d`` by channel (q and k rows of its key heads, v rows of its value heads),
+    ``attn_gate``, ``ssm_beta/alpha``, ``ssm_a``, ``ssm_dt`` by value head, ``ssm_out`` by input
+    column (row-parallel, its ``all_sum`` added by :func:`parallelize`)."""
+    hp = g.hparams
+    k_heads, v_heads, k_dim = hp.ssm_group_count, hp.ssm_time_step_rank, hp.ssm_state_size
+    v_dim = hp.ssm_inner_size // v_heads
+    plan = deltanet_plan(k_heads, v_heads, size, rank, g.path.name)
+    kd = k_heads * k_dim
+    key_rows = _runs(list(plan.key_heads), k_dim)
+    channels = key_rows + [(kd + a, kd + b) for a, b in key_rows] + \
+        [(2 * kd + a, 2 * kd + b) for a, b in _runs(list(plan.value_heads), v_dim)]
+    per_value = _runs(list(plan.value_heads), v_dim)
+    heads = _runs(list(plan.value_heads), 1)
+    rules = {"attn_qkv.weight": (-2, channels), "ssm_conv1d.weight": (-2, channels),
+             "attn_gate.weight": (-2, per_value), "ssm_out.weight": (-1, per_value),
+             "ssm_beta.weight": (-2, heads), "ssm_alpha.weight": (-2, heads),
+             "ssm_a": (0, heads), "ssm_dt.bias": (0, heads)}
+    for i, recurrent in enumerate(hp.recurrent_layers):
+        if not recurrent:
+            continue
+        for suffix, (axis, ranges) in rules.items():
+            name = f"blk.{i}.{suffix}"
+            if name in tensors:
+                tensors[name] = gather_ranges(g.tensors[name], axis, ranges)
+    meta[hp.key(Keys.SSM.GROUP_COUNT)] = len(plan.key_heads)
+    meta[hp.key(Keys.SSM.TIME_STEP_RANK)] = len(plan.value_heads)
+    meta[hp.key(Keys.SSM.INNER_SIZE)] = len(plan.value_heads) * v_dim
+
+
 def _even_range(n: int, size: int, rank: int, what: str) -> tuple[int, int]:
     if n % size:
         raise InputError(f"{what} of {n} does not split over {size} ranks")
@@ -129,44 +216,83 @@ def shard_gguf(g: GGUFFile, rank: int, size: int) -> GGUFFile:
     if size == 1:
         return g
     name, hp = g.path.name, g.hparams
-    n_heads, n_kv = hp.uniform_heads(" with tensor parallelism")
-    head_dim, v_dim = hp.key_length, hp.value_length
-    plan = head_plan(n_heads, n_kv, size, rank, name)
+    n_heads, layers = attention_geometry(g)
+    plans = [head_plan(n_heads, n_kv, size, rank, name) for n_kv, _, _ in layers]
     meta = dict(g.metadata)
-    meta[hp.key(Keys.Attention.HEAD_COUNT)] = plan.q_count
-    meta[hp.key(Keys.Attention.HEAD_COUNT_KV)] = plan.kv_count
-    meta[hp.key(Keys.Attention.KEY_LENGTH)] = head_dim  # the shard's hidden / heads no longer gives them
-    meta[hp.key(Keys.Attention.VALUE_LENGTH)] = v_dim
+    meta[hp.key(Keys.Attention.HEAD_COUNT)] = plans[0].q_count
+    kv_counts = [p.kv_count for p in plans]
+    meta[hp.key(Keys.Attention.HEAD_COUNT_KV)] = kv_counts if isinstance(hp.n_kv_heads, list) else kv_counts[0]
+    if g.arch != "gemma4":  # one head size: the shard's hidden / heads no longer gives it (gemma4 stores both)
+        meta[hp.key(Keys.Attention.KEY_LENGTH)] = layers[0][1]
+        meta[hp.key(Keys.Attention.VALUE_LENGTH)] = layers[0][2]
     meta[ExtraKeys.TENSOR_PARALLEL] = [rank, size]
+    q_per_head = _query_heads_factor(g, n_heads, layers)  # 2: query + output gate (qwen35)
 
-    q_rows = (plan.q_start * head_dim, (plan.q_start + plan.q_count) * head_dim)
-    k_rows = (plan.kv_start * head_dim, (plan.kv_start + plan.kv_count) * head_dim)
-    v_rows = (plan.kv_start * v_dim, (plan.kv_start + plan.kv_count) * v_dim)
-    o_cols = (plan.q_start * v_dim, (plan.q_start + plan.q_count) * v_dim)
-    rules: dict[str, tuple[int, tuple[int, int]]] = {  # tensor suffix → (axis, range)
-        "attn_q.weight": (-2, q_rows), "attn_q.bias": (0, q_rows),
-        "attn_k.weight": (-2, k_rows), "attn_k.bias": (0, k_rows),
-        "attn_v.weight": (-2, v_rows), "attn_v.bias": (0, v_rows),
-        "attn_output.weight": (-1, o_cols),
-    }
+    def rules_of(i: int) -> dict[str, tuple[int, tuple[int, int]]]:
+        """Layer ``i``'s attention cuts: tensor suffix → (axis, range)."""
+        plan, (_, head_dim, v_dim) = plans[min(i, len(plans) - 1)], layers[min(i, len(layers) - 1)]
+        q_rows = (plan.q_start * q_per_head * head_dim, (plan.q_start + plan.q_count) * q_per_head * head_dim)
+        k_rows = (plan.kv_start * head_dim, (plan.kv_start + plan.kv_count) * head_dim)
+        v_rows = (plan.kv_start * v_dim, (plan.kv_start + plan.kv_count) * v_dim)
+        o_cols = (plan.q_start * v_dim, (plan.q_start + plan.q_count) * v_dim)
+        return {"attn_q.weight": (-2, q_rows), "attn_q.bias": (0, q_rows),
+                "attn_k.weight": (-2, k_rows), "attn_k.bias": (0, k_rows),
+                "attn_v.weight": (-2, v_rows), "attn_v.bias": (0, v_rows),
+                "attn_output.weight": (-1, o_cols)}
+    layer_rules = [rules_of(i) for i in range(len(layers))]
     ff = hp.feed_forward_length
     tensors = dict(g.tensors)
     for tname, t in g.tensors.items():
         if not tname.startswith("blk."):
             continue
-        suffix = tname.split(".", 2)[2]
+        _, index, suffix = tname.split(".", 2)
+        rules = layer_rules[min(int(index), len(layer_rules) - 1)]
         if suffix in rules:
             axis, (a, b) = rules[suffix]
             tensors[tname] = slice_tensor(t, axis, a, b)
-        elif suffix in ("ffn_gate.weight", "ffn_up.weight"):
+        elif suffix in ("ffn_gate.weight", "ffn_up.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight"):
             tensors[tname] = slice_tensor(t, -2, *_even_range(t.shape[-2], size, rank, f"{tname} rows"))
-        elif suffix == "ffn_down.weight":
+        elif suffix in ("ffn_down.weight", "ffn_down_shexp.weight"):
             tensors[tname] = slice_tensor(t, -1, *_even_range(t.shape[-1], size, rank, f"{tname} columns"))
         elif suffix in ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"):
             tensors[tname] = slice_tensor(t, 0, *_even_range(t.shape[0], size, rank, f"{tname} experts"))
     if isinstance(ff, int):
         meta[hp.key(Keys.LLM.FEED_FORWARD_LENGTH)] = ff // size
+    if any(hp.recurrent_layers):
+        _shard_deltanet(g, rank, size, meta, tensors)
     return GGUFFile(g.path, meta, tensors, g.file_bytes)
+
+
+def attention_geometry(g: GGUFFile) -> tuple[int, list[tuple[int, int, int]]]:
+    """``(query heads, [(KV heads, key head size, value head size) per layer])``: one shape for most
+    families, Gemma 4's own per layer (sliding and global layers differ in KV heads and head size)."""
+    hp = g.hparams
+    if g.arch == "gemma4":
+        from hf2q.engine.models.gemma4 import layer_shapes
+
+        n_heads = hp.n_heads
+        if isinstance(n_heads, list):
+            raise InputError(f"{g.path.name}: per-layer query head counts are not supported with tensor parallelism")
+        return int(n_heads), [(s.n_kv, s.head_dim, s.head_dim) for s in layer_shapes(g)]
+    n_heads, n_kv = hp.uniform_heads(" with tensor parallelism")
+    return n_heads, [(n_kv, hp.key_length, hp.value_length)] * max(1, hp.n_layers)
+
+
+def rank_plan(g: GGUFFile, size: int, rank: int) -> HeadPlan:
+    """Rank ``rank``'s heads of the first layer (the KV export/import split; every layer splits alike
+    where the heads are uniform)."""
+    n_heads, layers = attention_geometry(g)
+    return head_plan(n_heads, layers[0][0], size, rank, g.path.name)
+
+
+def _query_heads_factor(g: GGUFFile, n_heads: int, layers: list[tuple[int, int, int]]) -> int:
+    """``attn_q`` rows per query head, in head sizes: 1, or 2 where each head's output gate follows its
+    query rows (Qwen 3.5's gated attention)."""
+    for i, (_, head_dim, _) in enumerate(layers):
+        t = g.tensors.get(f"blk.{i}.attn_q.weight")
+        if t is not None:
+            return 2 if t.shape[-2] == 2 * n_heads * head_dim else 1
+    return 1
 
 
 class RowParallel:
@@ -220,6 +346,10 @@ class ExpertParallelMoE:
         return sum(lin.nbytes for lin in (self.ffn.router, self.ffn.gate_exps, self.ffn.up_exps, self.ffn.down_exps))
 
     def __call__(self, x):
+        return self._mx.distributed.all_sum(self.local(x), group=self.group)
+
+    def local(self, x):
+        """This rank's share of the output (its experts' weighted sum), before the ``all_sum``."""
         from hf2q.engine.layers import silu
 
         mx, f = self._mx, self.ffn
@@ -239,7 +369,34 @@ class ExpertParallelMoE:
         h = silu(f.gate_exps.gather(xe, local)) * f.up_exps.gather(xe, local)  # [N, k, 1, ff]
         out = f.down_exps.gather(h, local)[:, :, 0, :]  # [N, k, hidden]
         y = (out * weights[..., None].astype(out.dtype)).sum(axis=1)
-        return mx.distributed.all_sum(y.reshape(shape), group=self.group)
+        return y.reshape(shape)
+
+
+class SharedExpertParallelMoE:
+    """Routed experts split by expert index plus a shared expert split Megatron style, one ``all_sum``.
+
+    Built around Qwen 3.5's ``SharedExpertMoE`` (``routed`` MoE, ``shared`` gated MLP whose
+    ``gate``/``up`` rows and ``down`` columns this rank holds, replicated ``shared_gate``). The shared
+    expert's per-token gate σ(shared_gate·x) scales a sum, so it scales each rank's partial alike: the
+    ranks' routed shares and gated shared partials are added locally and reduced once.
+    """
+
+    def __init__(self, ffn, rank: int, size: int, group):
+        import mlx.core as mx
+
+        self.ffn = ffn
+        self.routed = ExpertParallelMoE(ffn.routed, rank, size, group)
+        self.shared, self.shared_gate = ffn.shared, ffn.shared_gate
+        self.group = group
+        self._mx = mx
+
+    def linears(self):
+        return self.ffn.linears()
+
+    def __call__(self, x):
+        mx = self._mx
+        y = self.routed.local(x) + self.shared(x) * mx.sigmoid(self.shared_gate(x))
+        return mx.distributed.all_sum(y, group=self.group)
 
 
 def parallelize(model, group) -> Any:
@@ -253,15 +410,23 @@ def parallelize(model, group) -> Any:
         return model
     if getattr(model, "is_embedding_model", False):
         raise InputError("tensor parallelism serves decoder (chat) models only")
-    for layer in model.layers:
-        if not hasattr(layer, "attn"):
+    for layer in getattr(model, "layers", None) or model.blocks:  # blocks: gemma4
+        if getattr(layer, "experts", None) is not None:  # gemma4's experts beside the MLP, each with its post-norm
+            raise InputError(f"tensor parallelism does not support {type(layer).__name__}'s experts yet")
+        mixer = getattr(layer, "attn", None) or getattr(layer, "mixer", None)  # mixer: a hybrid model's block
+        if hasattr(mixer, "o"):
+            mixer.o = RowParallel(mixer.o, group)  # attention (gated or not)
+        elif hasattr(mixer, "out") and hasattr(mixer, "qkv"):
+            mixer.out = RowParallel(mixer.out, group)  # Gated DeltaNet: its value heads are split
+        else:
             raise InputError(f"tensor parallelism does not support the layer {type(layer).__name__} yet")
-        layer.attn.o = RowParallel(layer.attn.o, group)
         ffn = layer.ffn
         if hasattr(ffn, "down") and hasattr(ffn, "gate"):
             ffn.down = RowParallel(ffn.down, group)
         elif all(hasattr(ffn, a) for a in ("router", "gate_exps", "up_exps", "down_exps", "top_k")):
             layer.ffn = ExpertParallelMoE(ffn, group.rank(), group.size(), group)
+        elif all(hasattr(ffn, a) for a in ("routed", "shared", "shared_gate")):
+            layer.ffn = SharedExpertParallelMoE(ffn, group.rank(), group.size(), group)
         else:
             raise InputError(f"tensor parallelism does not support the feed-forward layer "
                              f"{type(ffn).__name__} yet")

@@ -107,12 +107,28 @@ def _check_ports(base_port: int, n_hosts: int) -> None:
 
 
 def hosts_from_args(args) -> TPHosts | None:
-    """The group's hosts from ``--hostfile`` or ``--hosts`` (None when neither is given: one machine)."""
+    """The group's hosts from ``--hostfile`` or ``--hosts`` (None when neither is given: one machine).
+
+    A group across machines listens on a network address, so it needs the shared secret
+    (:func:`group_token`) before anything starts."""
     if getattr(args, "hostfile", None):
-        return read_hostfile(args.hostfile, args.tp_port)
-    if getattr(args, "hosts", None):
-        return hosts_from_list(args.hosts, args.tp_port)
-    return None
+        hosts = read_hostfile(args.hostfile, args.tp_port)
+    elif getattr(args, "hosts", None):
+        hosts = hosts_from_list(args.hosts, args.tp_port)
+    else:
+        return None
+    group_token()
+    return hosts
+
+
+def group_token() -> str:
+    """``HF2Q_TP_TOKEN``: the secret every rank of a group across machines presents; without it any host
+    that reaches rank 0's control port could join the group and be sent the prompts, so it is required."""
+    token = os.environ.get(SECRET_ENV, "")
+    if not token:
+        raise UsageError(f"{SECRET_ENV} is not set: a tensor-parallel group across hosts needs the same secret "
+                         f"on every host (e.g. export {SECRET_ENV}=$(openssl rand -hex 16) on each)")
+    return token
 
 
 def group_size(tensor_parallel: int, hosts: TPHosts) -> int:

@@ -27,21 +27,25 @@ itself, and here rank 0 must be the serving process; its hostfile is what places
 from __future__ import annotations
 
 import argparse
+import hmac
 import json
 import logging
 import os
 import secrets
 import select
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
 from hf2q.engine.distributed_runner import (
+    FOLLOWER_BROKEN,
     DistributedRunner,
     GroupBroken,
     follow,
@@ -50,8 +54,8 @@ from hf2q.engine.distributed_runner import (
     send_message,
 )
 from hf2q.engine.tp_hosts import SECRET_ENV as TOKEN_ENV
-from hf2q.engine.tp_hosts import TPHosts, apply_envs, hosts_from_args, model_identity
-from hf2q.errors import ConversionError, Hf2qError, InputError, UsageError
+from hf2q.engine.tp_hosts import TPHosts, apply_envs, group_token, hosts_from_args, model_identity
+from hf2q.errors import EXIT_INTERRUPTED, ConversionError, Hf2qError, InputError, UsageError
 
 log = logging.getLogger("hf2q.tp")
 
@@ -125,19 +129,18 @@ def peer_closed(sock: socket.socket) -> bool:
 
 def plan_split(model, size: int):
     """Every rank's ``HeadPlan`` for ``model`` (path or opened GGUF); ``InputError`` when it cannot split ``size`` ways."""
-    from hf2q.engine.tensor_parallel import head_plan, shard_gguf
+    from hf2q.engine.tensor_parallel import rank_plan, shard_gguf
     from hf2q.formats.gguf_file import GGUFFile, open_gguf
 
     g = model if isinstance(model, GGUFFile) else open_gguf(model)
     if g.hparams.is_encoder:
         raise InputError(f"{g.path.name}: tensor parallelism serves decoder (chat) models only")
-    if any(g.hparams.recurrent_layers):
-        raise InputError(f"{g.path.name}: tensor parallelism does not split {g.arch}'s recurrent (linear-attention) "
-                         f"layers yet; serve it on one rank")
-    n_heads, n_kv = g.hparams.uniform_heads(" with tensor parallelism")
+    if g.arch == "gemma4" and any(n.endswith("_exps.weight") for n in g.tensors):
+        raise InputError(f"{g.path.name}: tensor parallelism does not split gemma4's experts yet (each has its own "
+                         f"post-norm); serve it on one rank")
     plans = []
     for r in range(size):
-        plans.append(head_plan(n_heads, n_kv, size, r, g.path.name))
+        plans.append(rank_plan(g, size, r))
         shard_gguf(g, r, size)  # views only: proves every column cut is block-aligned
     return plans
 
@@ -154,6 +157,16 @@ class Followers:
             rc = p.poll()
             if rc is not None:
                 raise GroupBroken(f"tensor-parallel rank {r} exited with status {rc}")
+
+    def reap(self, grace_s: float = 10.0) -> None:
+        """After a clean stop: let the followers exit by themselves (status 0), then clean up."""
+        deadline = time.monotonic() + grace_s
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        self.terminate()
 
     def terminate(self) -> None:
         for p in self.procs:
@@ -186,6 +199,9 @@ class RemoteFollowers:
             if peer_closed(conn):
                 raise GroupBroken(f"tensor-parallel rank {r} ({self.hosts.addresses[r]}) closed its control "
                                   f"connection")
+
+    def reap(self) -> None:
+        self.terminate()
 
     def terminate(self) -> None:
         for conn in self.links.values():  # a follower exits when its control connection closes
@@ -256,7 +272,7 @@ def launch(path: str | Path, size: int, ctx: int | None = None, *, backend: str 
             workdir.cleanup()
             raise GroupBroken(f"tensor-parallel rank 0 cannot listen on {hosts.control[0]}:{hosts.control[1]} "
                               f"for its followers: {e.strerror or e}") from None
-        token = os.environ.get(TOKEN_ENV, "")
+        token = group_token()
         followers = RemoteFollowers(hosts, workdir)
     listener.settimeout(0.2)
     try:
@@ -273,7 +289,8 @@ def launch(path: str | Path, size: int, ctx: int | None = None, *, backend: str 
             except (OSError, ValueError):
                 msg = None
             hello = msg[0] if msg else {}
-            if not isinstance(hello, dict) or hello.get("token") != token:
+            offered = str(hello.get("token", "")) if isinstance(hello, dict) else ""
+            if not hmac.compare_digest(offered.encode(), token.encode()):
                 if hosts is not None:
                     log.warning("tensor-parallel: refused a connection from %s (no or another %s)", addr[0], TOKEN_ENV)
                 conn.close()  # not one of ours
@@ -347,13 +364,26 @@ def launch(path: str | Path, size: int, ctx: int | None = None, *, backend: str 
                  "" if hosts is None else ", " + ", ".join(hosts.addresses))
         runner = DistributedRunner(local, [links[r] for r in range(1, size)], plans, group,
                                    check_alive=followers.check_alive, on_fault=followers.terminate,
-                                   pipelined=pipelines_over(backend))
+                                   on_close=followers.reap, pipelined=pipelines_over(backend))
         runner.followers = followers
+        # a server that exits cleanly (or a runner dropped without close()) ends its group cleanly
+        weakref.finalize(runner, _stop_group, list(runner.links), followers.reap)
         return runner
     except BaseException:
         listener.close()
         followers.terminate()
         raise
+
+
+def _stop_group(links: list[socket.socket], reap: Callable[[], None]) -> None:
+    """Tell every follower to stop (a closed link, after close() or a failure, is skipped), then reap."""
+    for sock in links:
+        try:
+            send_message(sock, {"op": "stop"})
+            sock.close()
+        except OSError:
+            pass
+    reap()
 
 
 def _init(mx, backend: str):
@@ -377,22 +407,38 @@ def runner_factory(path: str | Path, size: int, ctx: int | None = None, hosts: T
 
 # ---- follower process -------------------------------------------------------------------------
 
-def _watch_parent(parent: int) -> None:
+def _leave(stopped: threading.Event, rank: int, why: str) -> None:
+    """Exit the process because rank 0 is gone — unless it stopped the group just before (its last
+    command may still be on its way to the main thread, which then exits 0 by itself)."""
+    if stopped.wait(1.0):
+        return
+    print(f"hf2q tp rank {rank}: {why}; the group is broken, exiting", file=sys.stderr, flush=True)
+    os._exit(FOLLOWER_BROKEN)
+
+
+def _watch_parent(parent: int, rank: int, stopped: threading.Event) -> None:
     """Exit as soon as rank 0's process is gone (even while blocked inside a collective)."""
-    while True:
-        if os.getppid() != parent:
-            os._exit(1)
+    while os.getppid() == parent:
         time.sleep(0.5)
+    _leave(stopped, rank, "rank 0's process is gone")
 
 
-def _watch_control(sock: socket.socket, rank: int) -> None:
+def _watch_control(sock: socket.socket, rank: int, stopped: threading.Event) -> None:
     """Exit as soon as rank 0's control connection closes, even while blocked inside a collective
     (an NCCL collective whose peer is gone never returns); the only signal across hosts."""
-    while True:
-        if peer_closed(sock):
-            print(f"hf2q tp rank {rank}: rank 0 closed the control connection; exiting", file=sys.stderr, flush=True)
-            os._exit(0)
+    while not peer_closed(sock):
         time.sleep(0.5)
+    _leave(stopped, rank, "rank 0 closed the control connection")
+
+
+def _exit_on_signal(rank: int) -> None:
+    """SIGTERM / SIGINT end a follower at once (also while it waits inside a collective): one line, and
+    the interrupted status; rank 0 sees the rank leave and fails the group closed."""
+    def handler(signum, _frame):
+        print(f"hf2q tp rank {rank}: stopped by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
+        os._exit(EXIT_INTERRUPTED)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
 
 
 def _connect(control: tuple[str, int], rank: int, deadline: float, timeout_s: float) -> socket.socket:
@@ -419,8 +465,11 @@ def run_follower(model: str | Path, rank: int, size: int, control: tuple[str, in
     from hf2q.formats.gguf_file import open_gguf
 
     g = open_gguf(model)
+    stopped = threading.Event()  # set when rank 0 ends the group cleanly
+    if threading.current_thread() is threading.main_thread():
+        _exit_on_signal(rank)
     if parent is not None:
-        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+        threading.Thread(target=_watch_parent, args=(parent, rank, stopped), daemon=True).start()
     deadline = time.monotonic() + timeout_s
     sock = _connect(control, rank, deadline, timeout_s)
     send_message(sock, {"token": token, "rank": rank, "size": size, "model": model_identity(g)})
@@ -436,7 +485,7 @@ def run_follower(model: str | Path, rank: int, size: int, control: tuple[str, in
         raise ConversionError(f"tensor-parallel rank {rank}: rank 0 refused it: {reply[0].get('error')}")
     sock.settimeout(None)
     tune(sock)
-    threading.Thread(target=_watch_control, args=(sock, rank), daemon=True).start()
+    threading.Thread(target=_watch_control, args=(sock, rank, stopped), daemon=True).start()
     backend, ctx, kv_type = reply[0]["backend"], reply[0].get("ctx"), reply[0].get("kv_cache_type", "f16")
     try:
         if hosts is not None:
@@ -447,11 +496,11 @@ def run_follower(model: str | Path, rank: int, size: int, control: tuple[str, in
         prepare_mlx()
         import mlx.core as mx
 
-        from hf2q.engine.tensor_parallel import head_plan
+        from hf2q.engine.tensor_parallel import rank_plan
 
         group = mx.distributed.init(strict=True, backend=backend)
         runner = load_shard(g, rank, size, group, ctx, kv_type)
-        plan = head_plan(*g.hparams.uniform_heads(), size, rank)
+        plan = rank_plan(g, size, rank)
     except Exception as e:  # noqa: BLE001 — reported to rank 0, which fails the load
         send_message(sock, {"op": "failed", "error": f"{type(e).__name__}: {e}"})
         print(f"hf2q tp rank {rank}: failed to start: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
@@ -459,10 +508,10 @@ def run_follower(model: str | Path, rank: int, size: int, control: tuple[str, in
     send_message(sock, {"op": "ready"})
     log.info("rank %d of %d ready (%s)", rank, size, backend)
     try:
-        return follow(runner, sock, group, plan)
+        return follow(runner, sock, group, plan, stopped)
     except Exception as e:  # noqa: BLE001 — one line; rank 0 sees the rank die and fails closed
         print(f"hf2q tp rank {rank}: fatal: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return 1
+        return FOLLOWER_BROKEN
 
 
 def follower_command(args) -> int:
@@ -476,7 +525,7 @@ def follower_command(args) -> int:
         raise InputError(f"{str(model)!r} does not exist (each host needs its own copy of the GGUF)")
     apply_envs(hosts)
     logging.getLogger("hf2q.tp").setLevel(logging.INFO)
-    return run_follower(model, args.rank, hosts.size, hosts.control, token=os.environ.get(TOKEN_ENV, ""),
+    return run_follower(model, args.rank, hosts.size, hosts.control, token=group_token(),
                         hosts=hosts, timeout_s=args.tp_timeout)
 
 

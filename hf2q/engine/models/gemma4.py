@@ -48,7 +48,7 @@ from hf2q.engine.models.decoder import _norm, distinct_nbytes
 from hf2q.engine.models.llama import gated_mlp
 from hf2q.errors import InputError
 from hf2q.formats.gguf_file import GGUFFile
-from hf2q.formats.gguf_keys import ExtraKeys, Keys
+from hf2q.formats.gguf_keys import Keys
 from hf2q.kernels import cpu_ops
 
 _A, _L, _R = Keys.Attention, Keys.LLM, Keys.Rope
@@ -367,6 +367,4 @@ class Gemma4Model:
 
 
 def build(g: GGUFFile, dtype) -> Gemma4Model:
-    if ExtraKeys.TENSOR_PARALLEL in g.metadata:  # a rank's share: heads of two layer kinds are not split yet
-        raise InputError(f"{g.path.name}: tensor parallelism does not support gemma4 yet")
     return Gemma4Model(g, dtype)
