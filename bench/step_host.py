@@ -10,7 +10,8 @@ The default files are ``bench/synth_gguf.py --shape qwen3-tiny --layers 36`` (Qw
 36 layers, small widths: host cost follows the number of ops, not their sizes).
 
 For each file and batch size: that many sequences after a 64-token prompt, a few warm steps, then ``--steps``
-steps each timed from the call to the step's lazy outputs (the runner's graph step plus greedy device sampling,
+steps each timed (wall clock, and this thread's CPU time: steadier on a shared machine) from the call to the
+step's lazy outputs (the runner's graph step plus greedy device sampling,
 what ``decode_async`` builds before ``mx.async_eval``); each step is then evaluated, untimed. ``ops`` is the
 number of primitive nodes in one step's graph (``mx.export_to_dot``), ``top_ops`` the commonest of them.
 ``--profile N`` adds the N functions with the most own time (cProfile) over the timed builds.
@@ -96,15 +97,16 @@ def time_batch(runner, batch: int, steps: int, profiler: cProfile.Profile | None
         mx.eval(toks, lps)
         ids = toks[:, None]
     ops = None
-    times = []
+    times, cpu = [], []
     for i in range(steps):
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         if profiler is not None:
             profiler.enable()
         toks, lps = build_step(runner, seqs, ids, samplers)
         if profiler is not None:
             profiler.disable()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - c0)
         if ops is None:
             ops = graph_ops(toks, lps)
         mx.eval(toks, lps)
@@ -112,6 +114,7 @@ def time_batch(runner, batch: int, steps: int, profiler: cProfile.Profile | None
     for s in seqs:  # give the stacked batch back before the next case
         s.unstack()
     return {"build_ms": round(1e3 * statistics.median(times), 3), "build_ms_min": round(1e3 * min(times), 3),
+            "build_cpu_ms": round(1e3 * statistics.median(cpu), 3),
             "ops": sum(ops.values()), "top_ops": dict(ops.most_common(8))}
 
 
