@@ -65,6 +65,7 @@ class Attention:
         self.base = cfg.rope_base_local if (self.local and cfg.rope_base_local) else cfg.rope_base
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5
         self.layer = i
+        self._cpu = mx.default_device() == mx.cpu
         #: [q | k | v] as products: adjacent projections of one quantized layout share one (``fused_products``)
         self.qkv = fused_products([self.q, self.k, self.v])
         # RoPE's arguments, fixed per layer: scaling applies to the layers on rope_base only (llama.cpp: SWA
@@ -114,7 +115,7 @@ class Attention:
         elif fb.codec is not None:  # a CPU prefill chunk: the host's tiled kernel over this layer's rows as floats
             qd, kd, vd = fb.codec.dense(q, keys, values)
             out = fb.codec.unrotate(cpu_ops.attention(qd, kd, vd, self.scale, fb.mask_np(self.window)))
-        elif cpu_ops.attention_on_host(q, n_keys):
+        elif self._cpu and cpu_ops.attention_on_host(q, n_keys):
             out = cpu_ops.attention(q, keys, values, self.scale, fb.mask_np(self.window))
         else:
             out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=fb.mask(self.window))
