@@ -13,7 +13,8 @@ For each file and batch size: that many sequences after a 64-token prompt, a few
 steps each timed (wall clock, and this thread's CPU time: steadier on a shared machine) from the call to the
 step's lazy outputs (the runner's graph step plus greedy device sampling,
 what ``decode_async`` builds before ``mx.async_eval``); each step is then evaluated, untimed. ``ops`` is the
-number of primitive nodes in one step's graph (``mx.export_to_dot``), ``top_ops`` the commonest of them.
+number of primitive nodes in one step's graph (``mx.export_to_dot``), ``compute_ops`` those that are not views of
+their input (reshapes, slices, transposes, broadcasts: kernels a GPU launches, roughly), ``top_ops`` the commonest.
 ``--profile N`` adds the N functions with the most own time (cProfile) over the timed builds.
 Prints one JSON report (``--out`` also writes it).
 """
@@ -68,6 +69,11 @@ def synth_files(work: Path, mixes: list[str], layers: int, vocab: str | None) ->
     return out
 
 
+#: primitives that make a view of their input (no kernel of their own unless a later op needs a contiguous copy)
+VIEWS = frozenset({"Reshape", "Slice", "ExpandDims", "Transpose", "Broadcast", "Squeeze", "Flatten", "Unflatten",
+                   "AsStrided", "StopGradient"})
+
+
 def graph_ops(*outputs: mx.array) -> collections.Counter:
     """Primitive nodes of the unevaluated graph behind ``outputs``, by name."""
     buf = io.StringIO()
@@ -115,7 +121,8 @@ def time_batch(runner, batch: int, steps: int, profiler: cProfile.Profile | None
         s.unstack()
     return {"build_ms": round(1e3 * statistics.median(times), 3), "build_ms_min": round(1e3 * min(times), 3),
             "build_cpu_ms": round(1e3 * statistics.median(cpu), 3), "build_cpu_ms_min": round(1e3 * min(cpu), 3),
-            "ops": sum(ops.values()), "top_ops": dict(ops.most_common(8))}
+            "ops": sum(ops.values()), "compute_ops": sum(n for k, n in ops.items() if k not in VIEWS),
+            "quantized_products": ops["QuantizedMatmul"], "top_ops": dict(ops.most_common(8))}
 
 
 def profile_lines(profiler: cProfile.Profile, n: int) -> list[str]:

@@ -78,10 +78,15 @@ class Attention:
     def __call__(self, x: mx.array, fb: ForwardBatch) -> mx.array:
         c = self.cfg
         B, L, _ = x.shape
-        q, k, v = run_products(self.qkv, x)
-        q = q.reshape(B, L, c.n_heads, c.head_dim)
-        k = k.reshape(B, L, c.n_kv_heads, c.head_dim)
-        v = v.reshape(B, L, c.n_kv_heads, c.head_dim)
+        if len(self.qkv) == 1:  # one product: its heads split as views (no copy at any batch size)
+            y = self.qkv[0][0](x).reshape(B, L, -1, c.head_dim)
+            h, hk = c.n_heads, c.n_heads + c.n_kv_heads
+            q, k, v = y[:, :, :h], y[:, :, h:hk], y[:, :, hk:]
+        else:
+            q, k, v = run_products(self.qkv, x)
+            q = q.reshape(B, L, c.n_heads, c.head_dim)
+            k = k.reshape(B, L, c.n_kv_heads, c.head_dim)
+            v = v.reshape(B, L, c.n_kv_heads, c.head_dim)
         return self.o(self.attend_projected(q, k, v, fb))
 
     def attend(self, q: mx.array, x: mx.array, fb: ForwardBatch) -> mx.array:
