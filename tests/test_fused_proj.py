@@ -39,10 +39,11 @@ CASES = [("qwen3", "q8_0"), ("llama", "mixed_qk"), ("qwen3", "mixed_kv")]
 def requantize(src, out, mix: dict) -> None:
     """``src`` (an F32 GGUF) with each projection of ``mix``'s roles quantized to its type; the rest as is."""
     r = gguf.GGUFReader(src)
-    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+    arch_key = gguf.Keys.General.ARCHITECTURE
+    arch = bytes(r.fields[arch_key].parts[-1]).decode()
     w = gguf.GGUFWriter(out, arch)
     for field in r.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+        if field.name.startswith("GGUF.") or field.name == arch_key:
             continue
         vt = field.types[0]
         if vt == gguf.GGUFValueType.ARRAY:
