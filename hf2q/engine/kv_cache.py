@@ -628,11 +628,16 @@ class StackedDecode:
                     (a.shape[0], a.shape[1], new_cap - a.shape[2], a.shape[3]), dtype=a.dtype)], axis=2), store[i])
         return new_cap
 
-    def write(self, layer: int, k, v, offsets: mx.array, total: int):
+    def write(self, layer: int, k, v, offsets: mx.array, total: int, indices: dict | None = None):
         """Store one new position per row (``k, v [B, kv_heads, 1, d]`` at ``offsets [B]``, or their
-        codec planes) with one scatter per array; return keys/values ``[B, kv_heads, total, ·]``."""
+        codec planes) with one scatter per array; return keys/values ``[B, kv_heads, total, ·]``.
+        ``indices`` keeps the scatter indices by shape across the layers of one step."""
+        indices = {} if indices is None else indices
+
         def put(buf: mx.array, new: mx.array) -> mx.array:
-            idx = mx.broadcast_to(offsets[:, None, None, None], new.shape)
+            idx = indices.get(new.shape)
+            if idx is None:
+                idx = indices[new.shape] = mx.broadcast_to(offsets[:, None, None, None], new.shape)
             return mx.put_along_axis(buf, idx, new, axis=2)
         self.keys[layer] = _each(put, self.keys[layer], k)
         self.values[layer] = _each(put, self.values[layer], v)
@@ -705,6 +710,9 @@ class ForwardBatch:
             if stack is not None:
                 stack.reserve(self.total, self.window_total)
                 self._window_offsets_mx = mx.array([o - b for o, b in zip(self.offsets, self._bases)], dtype=mx.int32)
+        self._offset: mx.array | None = None
+        self._indices: dict = {}  # the stacked batch's scatter indices by shape, one set per step
+        self._window_indices: dict = {}
         self._masks: dict[object, mx.array | str | None] = {}
         self._np_masks: dict[int | None, np.ndarray | None] = {}
         self._staged: dict[int, tuple[mx.array, mx.array]] = {}
@@ -741,8 +749,13 @@ class ForwardBatch:
 
     @property
     def offset(self) -> int | mx.array:
-        """Position of the first new token: an int for one sequence, an array for a batch."""
-        return self.offsets[0] if len(self.caches) == 1 else mx.array(self.offsets)
+        """Position of the first new token: an int for one sequence, an array for a batch (made once a step,
+        not once a layer)."""
+        if len(self.caches) == 1:
+            return self.offsets[0]
+        if self._offset is None:
+            self._offset = mx.array(self.offsets)
+        return self._offset
 
     def mask_np(self, window: int | None) -> np.ndarray | None:
         """Boolean ``[B, 1, n_new, total]`` (True = attend), or None when nothing is masked."""
@@ -801,8 +814,8 @@ class ForwardBatch:
         windowed = self.window is not None and layer in self.window.layers
         if self.stack is not None:
             if windowed:
-                return self.stack.write(layer, k, v, self._window_offsets_mx, self.window_total)
-            return self.stack.write(layer, k, v, self._offsets_mx, self.total)
+                return self.stack.write(layer, k, v, self._window_offsets_mx, self.window_total, self._window_indices)
+            return self.stack.write(layer, k, v, self._offsets_mx, self.total, self._indices)
         bases = self._bases if windowed else [0] * len(self.caches)
         total = self.window_total if windowed else self.total
         if len(self.caches) == 1:

@@ -128,23 +128,82 @@ class Linear:
             self.quantized = True
         else:
             raise InputError(f"tensor {t.name}: unsupported GGUF type {t.qtype.name}")
+        self.observed = (t.name,)
+        #: the linears a fused one stands for (``fused``), None for one tensor's
+        self.parts: list[Linear] | None = None
+        self._ready()
+
+    _DERIVE = object()
+
+    def _ready(self, host=_DERIVE) -> None:
+        """Evaluate the weights and fix, once, what each call would otherwise look up: where products run,
+        and the C decode kernel's arrays (``host``, derived from the weights unless given)."""
         mx.eval(self.params())
         self._dense_kept: np.ndarray | None = None
-        self._host = None
-        if self.quantized and len(t.shape) == 2 and on_cpu():
-            from hf2q.kernels import cpu_qmatvec
+        self._host = self._host_arrays() if host is Linear._DERIVE else host
+        self._cpu = on_cpu()
+        #: a quantized 2-D weight off the CPU: every call is one quantized product (or the few-row CUDA kernel)
+        self._device_qmm = self.quantized and len(self.shape) == 2 and not self._cpu
+        self._few_rows = self._device_qmm and cuda_qmv.available() and any(
+            cuda_qmv.takes(r, self.shape[0], self.shape[1], self.bits, self.group_size)
+            for r in range(2, cuda_qmv.MAX_ROWS + 1))
 
-            if cpu_qmatvec.kernel() is not None:
-                # zero-copy numpy views of the MLX buffers for the C decode kernel; odd widths
-                # (3/5/6-bit) unpack slowly, so they keep one byte per weight for it instead
-                sc, bi = np.asarray(memoryview(self.scales)), np.asarray(memoryview(self.biases))
-                if self.bits in (4, 8):
-                    self._host = (np.asarray(memoryview(self.weight)).view(np.uint8).reshape(t.shape[0], -1),
-                                  sc, bi, self.bits)
-                else:
-                    from hf2q.engine.quant_repack import unpack_bits
+    def _host_arrays(self):
+        """The C decode kernel's view of the weight (``(packed uint8 [out, ·], scales, biases, bits)``), or None:
+        zero-copy numpy views of the MLX buffers; odd widths (3/5/6-bit) unpack slowly, so they keep one byte
+        per weight for it instead."""
+        if not (self.quantized and len(self.shape) == 2 and on_cpu()):
+            return None
+        from hf2q.kernels import cpu_qmatvec
 
-                    self._host = (unpack_bits(a.packed, self.bits, t.shape[-1]), sc, bi, 8)
+        if cpu_qmatvec.kernel() is None:
+            return None
+        sc, bi = np.asarray(memoryview(self.scales)), np.asarray(memoryview(self.biases))
+        packed = np.asarray(memoryview(self.weight))
+        if self.bits in (4, 8):
+            return packed.view(np.uint8).reshape(self.shape[0], -1), sc, bi, self.bits
+        from hf2q.engine.quant_repack import unpack_bits
+
+        return unpack_bits(packed, self.bits, self.shape[-1]), sc, bi, 8
+
+    def layout(self) -> tuple | None:
+        """What a product over this weight's rows depends on besides the rows themselves, or None when it
+        cannot share one with other weights (float or expert-stacked): linears of one layout and input
+        can be fused into one product whose outputs are theirs side by side, bit for bit."""
+        if not self.quantized or len(self.shape) != 2:
+            return None
+        return (self.qtype, self.bits, self.group_size, self.shape[1], self.weight.dtype, self.scales.dtype,
+                self.biases.dtype, self.dtype, self.bias is None)
+
+    @classmethod
+    def fused(cls, parts: "list[Linear]") -> "Linear":
+        """One linear over the rows of ``parts`` (one :meth:`layout`) stacked in order; each part then reads
+        its rows of the fused buffers (views: no second copy), so code that uses a part alone still works."""
+        lay = parts[0].layout()
+        if lay is None or any(p.layout() != lay for p in parts):
+            raise ValueError("only quantized linears of one layout fuse")
+        f = cls.__new__(cls)
+        f.name = "+".join(p.name for p in parts)
+        f.observed = tuple(n for p in parts for n in p.observed)
+        f.parts = list(parts)
+        f.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+        f.qtype, f.dtype, f.quantized = parts[0].qtype, parts[0].dtype, True
+        f.bits, f.group_size, f.exact = parts[0].bits, parts[0].group_size, all(p.exact for p in parts)
+        f.weight, f.scales, f.biases = (mx.concatenate([getattr(p, k) for p in parts])
+                                        for k in ("weight", "scales", "biases"))
+        f.bias = None if parts[0].bias is None else mx.concatenate([p.bias for p in parts])
+        f._ready()
+        row = 0
+        for p in parts:
+            n = p.shape[0]
+            rows = slice(row, row + n)
+            p.weight, p.scales, p.biases = f.weight[rows], f.scales[rows], f.biases[rows]
+            if p.bias is not None:
+                p.bias = f.bias[rows]
+            p._ready(host=None if f._host is None else (f._host[0][rows], f._host[1][rows], f._host[2][rows],
+                                                        f._host[3]))
+            row += n
+        return f
 
     def params(self) -> list[mx.array]:
         ps = [self.weight] + ([self.scales, self.biases] if self.quantized else [])
@@ -190,32 +249,56 @@ class Linear:
         return len(self.shape) == 2 and self.dtype == mx.float32 and host_prefill(rows)
 
     def __call__(self, x: mx.array) -> mx.array:
-        rows = math.prod(x.shape[:-1])
-        if _observer is not None:
-            _observe_dense(self.name, x)
-        if self.on_host(rows) and x.dtype == mx.float32:
-            return mx.array(self.host_matmul(host_rows(x))).reshape(*x.shape[:-1], self.shape[0])
+        if self._device_qmm:  # the GPU's path, first: every decode step makes ~7 of these calls a layer
+            if _observer is not None:
+                self._observe(x)
+            y = self._quantized_product(x)
+        else:
+            rows = math.prod(x.shape[:-1])
+            if self.parts is not None and self._cpu and rows > DENSE_ROWS:
+                # BLAS rounds a product by the matrix's width: a CPU prefill chunk keeps one product per part
+                return mx.concatenate([p(x) for p in self.parts], axis=-1)
+            if _observer is not None:
+                self._observe(x)
+            if self._cpu and rows > DENSE_ROWS and x.dtype == mx.float32 and self.on_host(rows):  # bias included
+                return mx.array(self.host_matmul(host_rows(x))).reshape(*x.shape[:-1], self.shape[0])
+            y = self._product(x, rows)
+        if y.dtype != self.dtype:
+            y = y.astype(self.dtype)
+        return y + self.bias if self.bias is not None else y
+
+    def _observe(self, x: mx.array) -> None:
+        for name in self.observed:
+            _observe_dense(name, x)
+
+    def _quantized_product(self, x: mx.array) -> mx.array:
+        """``x`` through MLX's quantized product (or the few-row CUDA kernel), shaped as ``x``."""
+        shape = x.shape
+        rows = x.size // shape[-1]
+        if self._few_rows and cuda_qmv.takes(rows, self.shape[0], self.shape[1], self.bits, self.group_size):
+            # 2-7 rows on a CUDA GPU: one read of the weights for all rows
+            return cuda_qmv.qmv(x, self.weight, self.scales, self.biases, self.bits, self.group_size)
+        if len(shape) == 2 or rows == shape[-2]:  # one matrix already (a decode row, a prefill chunk)
+            return mx.quantized_matmul(x, self.weight, self.scales, self.biases, transpose=True,
+                                       group_size=self.group_size, bits=self.bits)
+        # as one [rows, in] matrix: MLX treats [B, 1, in] as B matvecs and reads the weight B times
+        return mx.quantized_matmul(x.reshape(rows, shape[-1]), self.weight, self.scales, self.biases, transpose=True,
+                                   group_size=self.group_size, bits=self.bits).reshape(*shape[:-1], self.shape[0])
+
+    def _product(self, x: mx.array, rows: int) -> mx.array:
+        """The CPU's MLX-side products (the C kernel for few rows) and float weights anywhere."""
         if not self.quantized:
-            y = x @ self.weight.T
-        elif on_cpu() and rows > DENSE_ROWS:
-            y = x @ self.dense().T
-        elif self._host is not None:
+            return x @ self.weight.T
+        if self._cpu and rows > DENSE_ROWS:
+            return x @ self.dense().T
+        if self._host is not None:
             from hf2q.kernels.cpu_qmatvec import qmatvec
 
             xs = x.reshape(rows, x.shape[-1]).astype(mx.float32)
             mx.eval(xs)
             packed, sc, bi, bits = self._host
-            y = mx.array(qmatvec(packed, sc, bi, np.array(xs), bits)).reshape(*x.shape[:-1], self.shape[0])
-        elif (len(self.shape) == 2 and cuda_qmv.takes(rows, self.shape[0], self.shape[1], self.bits, self.group_size)
-              and cuda_qmv.available()):  # 2-7 rows on a CUDA GPU: one read of the weights for all rows
-            y = cuda_qmv.qmv(x, self.weight, self.scales, self.biases, self.bits, self.group_size)
-        else:  # as one [rows, in] matrix: MLX treats [B, 1, in] as B matvecs and reads the weight B times
-            y = mx.quantized_matmul(x.reshape(rows, x.shape[-1]), self.weight, self.scales, self.biases,
-                                    transpose=True, group_size=self.group_size,
-                                    bits=self.bits).reshape(*x.shape[:-1], self.shape[0])
-        if y.dtype != self.dtype:
-            y = y.astype(self.dtype)
-        return y + self.bias if self.bias is not None else y
+            return mx.array(qmatvec(packed, sc, bi, np.array(xs), bits)).reshape(*x.shape[:-1], self.shape[0])
+        return self._quantized_product(x)
 
     def gather(self, x: mx.array, indices: mx.array) -> mx.array:
         """Expert-stacked weight ``[E, out, in]``: ``x [N, 1, 1, in]`` through experts ``indices [N, k]``
@@ -234,6 +317,45 @@ class Linear:
             return self.weight[ids]
         return mx.dequantize(self.weight[ids], self.scales[ids], self.biases[ids], group_size=self.group_size,
                              bits=self.bits).astype(self.dtype)
+
+
+def fusing() -> bool:
+    """Whether models fuse projections that share an input at load (``HF2Q_NO_FUSED_PROJ=1``: never)."""
+    return not os.environ.get("HF2Q_NO_FUSED_PROJ")
+
+
+def fused_products(parts: list[Linear]) -> tuple[tuple[Linear, tuple[int, ...]], ...]:
+    """``parts`` (one input, outputs side by side) as the products a forward runs: each run of adjacent parts of
+    one quantized :meth:`Linear.layout` becomes one fused linear, with the widths to split its output by.
+
+    One product instead of three (q, k, v) or two (gate, up) is fewer graph nodes for the host to build and fewer
+    kernels for the device to launch; each output row is the same dot product as before, so results are equal.
+    Where types differ (Q4_K_M's Q6_K attn_v beside Q4_K q/k) only the matching neighbours fuse.
+    """
+    groups: list[list[Linear]] = []
+    for p in parts:
+        lay = p.layout() if fusing() and isinstance(p, Linear) else None
+        if groups and lay is not None and groups[-1][0].layout() == lay:
+            groups[-1].append(p)
+        else:
+            groups.append([p])
+    return tuple((g[0], (g[0].shape[0],)) if len(g) == 1 else (Linear.fused(g), tuple(p.shape[0] for p in g))
+                 for g in groups)
+
+
+def run_products(products, x: mx.array) -> list[mx.array]:
+    """The outputs of :func:`fused_products`' ``products`` on ``x``, one per original part, in order."""
+    out = []
+    for lin, widths in products:
+        y = lin(x)
+        if len(widths) == 1:
+            out.append(y)
+            continue
+        at = 0
+        for w in widths:
+            out.append(y[..., at:at + w])
+            at += w
+    return out
 
 
 def rms_norm(x: mx.array, w: mx.array, eps: float) -> mx.array:
@@ -256,17 +378,34 @@ def silu(x: mx.array) -> mx.array:
     return x * mx.sigmoid(x)
 
 
+def _swiglu(g: mx.array, u: mx.array) -> mx.array:
+    return g * mx.sigmoid(g) * u
+
+
+def _geglu_tanh(g: mx.array, u: mx.array) -> mx.array:
+    return 0.5 * g * (1.0 + mx.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g ** 3))) * u
+
+
+#: the gated activations traced once into one fused elementwise node (one kernel on a GPU instead of 3 / 9; the
+#: replay also skips building those ops in Python); the same arithmetic, op for op, as the plain expressions
+GLU_COMPILED = {silu: mx.compile(_swiglu, shapeless=True), gelu_tanh: mx.compile(_geglu_tanh, shapeless=True)}
+
+
 class GatedMLP:
     """``down(act(gate(x)) * up(x))`` — SwiGLU (llama, qwen) or GeGLU-tanh (gemma)."""
 
     def __init__(self, gate: Linear, up: Linear, down: Linear, act=silu):
         self.gate, self.up, self.down, self.act = gate, up, down, act
+        #: gate and up as one product when their layouts match (``fused_products``)
+        self.gate_up = fused_products([gate, up])
+        self._host_capable = act in (silu, gelu_tanh) and on_cpu()
+        self._glu = GLU_COMPILED.get(act)
 
     def __call__(self, x: mx.array) -> mx.array:
         from hf2q.kernels import cpu_ops
 
         rows = math.prod(x.shape[:-1])
-        if (self.act in (silu, gelu_tanh) and x.dtype == mx.float32
+        if (self._host_capable and x.dtype == mx.float32
                 and all(isinstance(lin, Linear) and lin.on_host(rows) for lin in (self.gate, self.up, self.down))):
             # (a tensor-parallel RowParallel down projection keeps the MLX path: it ends in an all_sum)
             # CPU prefill: gate, up, the activation (in place) and down all on the host
@@ -277,10 +416,11 @@ class GatedMLP:
                 for lin, inp in ((self.gate, xh), (self.up, xh), (self.down, g)):
                     _observe_dense(lin.name, inp)
             return mx.array(self.down.host_matmul(g)).reshape(*x.shape[:-1], self.down.shape[0])
-        if self.act is silu:
-            h = cpu_ops.silu_mul(self.gate(x), self.up(x))
-        elif self.act is gelu_tanh:
-            h = cpu_ops.gelu_tanh_mul(self.gate(x), self.up(x))
+        g, u = run_products(self.gate_up, x)
+        if self._glu is None:
+            h = self.act(g) * u
+        elif self._host_capable and g.dtype == mx.float32 and g.size >= cpu_ops.HOST_MIN_ELEMENTS:
+            h = (cpu_ops.silu_mul if self.act is silu else cpu_ops.gelu_tanh_mul)(g, u)  # big CPU rows: numpy
         else:
-            h = self.act(self.gate(x)) * self.up(x)
+            h = self._glu(g, u)
         return self.down(h)

@@ -15,7 +15,7 @@ import attrs
 import mlx.core as mx
 
 from hf2q.engine.kv_cache import ForwardBatch
-from hf2q.engine.layers import Linear, rms_norm, silu
+from hf2q.engine.layers import Linear, fused_products, rms_norm, run_products, silu
 from hf2q.formats.gguf_file import GGUFFile
 from hf2q.kernels import cpu_ops
 
@@ -65,12 +65,29 @@ class Attention:
         self.base = cfg.rope_base_local if (self.local and cfg.rope_base_local) else cfg.rope_base
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5
         self.layer = i
+        self._cpu = mx.default_device() == mx.cpu
+        #: [q | k | v] as products: adjacent projections of one quantized layout share one (``fused_products``)
+        self.qkv = fused_products([self.q, self.k, self.v])
+        # RoPE's arguments, fixed per layer: scaling applies to the layers on rope_base only (llama.cpp: SWA
+        # layers keep plain rope)
+        scaled = self.base == cfg.rope_base
+        freqs = cfg.rope_freqs if scaled else None
+        self._rope = dict(traditional=cfg.rope_traditional, base=None if freqs is not None else self.base,
+                          scale=cfg.rope_scale if scaled else 1.0, freqs=freqs)
 
     def __call__(self, x: mx.array, fb: ForwardBatch) -> mx.array:
         c = self.cfg
         B, L, _ = x.shape
-        q = self.q(x).reshape(B, L, c.n_heads, c.head_dim)
-        return self.o(self.attend(q, x, fb))
+        if len(self.qkv) == 1:  # one product: its heads split as views (no copy at any batch size)
+            y = self.qkv[0][0](x).reshape(B, L, -1, c.head_dim)
+            h, hk = c.n_heads, c.n_heads + c.n_kv_heads
+            q, k, v = y[:, :, :h], y[:, :, h:hk], y[:, :, hk:]
+        else:
+            q, k, v = run_products(self.qkv, x)
+            q = q.reshape(B, L, c.n_heads, c.head_dim)
+            k = k.reshape(B, L, c.n_kv_heads, c.head_dim)
+            v = v.reshape(B, L, c.n_kv_heads, c.head_dim)
+        return self.o(self.attend_projected(q, k, v, fb))
 
     def attend(self, q: mx.array, x: mx.array, fb: ForwardBatch) -> mx.array:
         """Queries ``q [B, L, heads, head_dim]`` (before norm and RoPE) over the cache plus this
@@ -79,30 +96,27 @@ class Attention:
         B, L, _ = x.shape
         k = self.k(x).reshape(B, L, c.n_kv_heads, c.head_dim)
         v = self.v(x).reshape(B, L, c.n_kv_heads, c.head_dim)
+        return self.attend_projected(q, k, v, fb)
+
+    def attend_projected(self, q: mx.array, k: mx.array, v: mx.array, fb: ForwardBatch) -> mx.array:
+        """:meth:`attend` from the projections ``[B, L, heads, head_dim]``: norms, RoPE, the cache."""
+        c = self.cfg
         if c.qk_norm:
             q = rms_norm(q, self.q_norm, c.norm_eps)
             k = rms_norm(k, self.k_norm, c.norm_eps)
-        q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
         off = fb.offset
-        # rope scaling applies to the layers on rope_base only (llama.cpp: SWA layers keep plain rope)
-        scaled = self.base == c.rope_base
-        freqs = c.rope_freqs if scaled else None
-        base, scale = (None if freqs is not None else self.base), (c.rope_scale if scaled else 1.0)
-        q = mx.fast.rope(q, c.rope_dims, traditional=c.rope_traditional, base=base, scale=scale, offset=off,
-                         freqs=freqs)
-        k = mx.fast.rope(k, c.rope_dims, traditional=c.rope_traditional, base=base, scale=scale, offset=off,
-                         freqs=freqs)
-        return self.attend_rotated(q, k, v, fb)
+        q = mx.fast.rope(q.transpose(0, 2, 1, 3), c.rope_dims, offset=off, **self._rope)
+        k = mx.fast.rope(k.transpose(0, 2, 1, 3), c.rope_dims, offset=off, **self._rope)
+        return self.attend_rotated(q, k, v.transpose(0, 2, 1, 3), fb)
 
     def attend_rotated(self, q: mx.array, k: mx.array, v: mx.array, fb: ForwardBatch) -> mx.array:
         """Rotated ``q``/``k`` and ``v`` (``[B, heads, L, d]``) appended to the cache and attended (f16 or 8-bit
         cache, host or MLX kernel); the heads' outputs ``[B, L, heads·head_dim]``."""
         B, L = q.shape[0], q.shape[2]
         keys, values = fb.update(self.layer, k, v)
-        n_keys = (keys[0] if fb.codec is not None else keys).shape[2]
         if fb.codec is not None:
             out = fb.codec.attention(q, keys, values, self.scale, fb, self.window)  # 8-bit, read as stored
-        elif cpu_ops.attention_on_host(q, n_keys):
+        elif self._cpu and cpu_ops.attention_on_host(q, keys.shape[2]):
             out = cpu_ops.attention(q, keys, values, self.scale, fb.mask_np(self.window))
         else:
             out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=fb.mask(self.window))
