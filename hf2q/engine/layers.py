@@ -320,8 +320,13 @@ class Linear:
 
 
 def fusing() -> bool:
-    """Whether models fuse projections that share an input at load (``HF2Q_NO_FUSED_PROJ=1``: never)."""
-    return not os.environ.get("HF2Q_NO_FUSED_PROJ")
+    """Whether models fuse projections that share an input at load (``HF2Q_NO_FUSED_PROJ=1``: never).
+
+    Off by default on a GPU until it is measured there (docs/ENGINE.md, "Fused projections"); ``HF2Q_FUSED_PROJ=1``
+    turns it on anyway."""
+    if os.environ.get("HF2Q_NO_FUSED_PROJ"):
+        return False
+    return bool(os.environ.get("HF2Q_FUSED_PROJ")) or mx.default_device().type != mx.DeviceType.gpu
 
 
 def fused_products(parts: list[Linear]) -> tuple[tuple[Linear, tuple[int, ...]], ...]:
