@@ -12,7 +12,7 @@ dequantised Q4_1), ``off-grid`` (its weights plus noise), ``moe`` (its noised we
 qwen3_moe; pairs with the APEX tiers).
 
     python bench/tiers.py [--models smollm2,off-grid,moe] [--eval FILE|NAME] [--n-ctx 256] [--chunks 11]
-                          [--imatrix-chunks 8] [--threads 1] [--work DIR] [-o results.json]
+                          [--imatrix-chunks 8] [--tiers apex-balanced] [--threads 1] [--work DIR] [-o results.json]
 """
 
 from __future__ import annotations
@@ -102,7 +102,8 @@ def bench_model(name: str, args, work: Path, eval_file: Path) -> dict:
     base = d / "f16.kld"
     ref = llama_perplexity.base(f16, eval_file, args.n_ctx, args.chunks, base, args.threads)
     rows, done = [], {}
-    for mix, tier in MOE_PAIRS if name == "moe" else DENSE_PAIRS:
+    pairs = MOE_PAIRS if name == "moe" else DENSE_PAIRS
+    for mix, tier in [(m, t) for m, t in pairs if not args.tiers or t in args.tiers.split(",")]:
         for weighted in (False, True):
             im = imatrix if weighted else None
             ours_name = tier.replace("apex-", "apex-i-") if weighted and tier.startswith("apex-") else tier
@@ -140,6 +141,7 @@ def main() -> int:
     ap.add_argument("--chunks", type=int, default=11)
     ap.add_argument("--imatrix-n-ctx", type=int, default=512)
     ap.add_argument("--imatrix-chunks", type=int, default=8)
+    ap.add_argument("--tiers", default=None, help="only the pairs of these tiers (comma-separated)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--work", default=None, help="keep sources, references and imatrices here (reused)")
     ap.add_argument("-o", "--output", default=None)
