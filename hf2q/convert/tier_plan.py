@@ -120,6 +120,10 @@ def plan_tier(quant: QuantName, facts: ModelFacts, tensors: Sequence[PlannedTens
                 chosen.append(i)
             bar.advance(t.n_elements)
     picks = tiers.allocate(choices, budget)
+    if quant.tier == "apex":  # the table itself fits the budget: the search must not end up worse than it
+        table_picks = [table_types[i] for i in chosen]
+        if sum(map(tiers.Choice.distortion, choices, table_picks)) < sum(map(tiers.Choice.distortion, choices, picks)):
+            picks = table_picks
     for i, q in zip(chosen, picks):
         types[i] = q
     by_index = dict(zip(chosen, choices))
