@@ -12,7 +12,8 @@ dequantised Q4_1), ``off-grid`` (its weights plus noise), ``moe`` (its noised we
 qwen3_moe; pairs with the APEX tiers).
 
     python bench/tiers.py [--models smollm2,off-grid,moe] [--eval FILE|NAME] [--n-ctx 256] [--chunks 11]
-                          [--imatrix-chunks 8] [--tiers apex-balanced] [--threads 1] [--work DIR] [-o results.json]
+                          [--imatrix-chunks 8] [--tiers apex-balanced] [--no-imatrix]
+                          [--threads 1] [--work DIR] [-o results.json]
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def bench_model(name: str, args, work: Path, eval_file: Path) -> dict:
         hf2q("convert", src, "-q", "f16", "-o", f16, "--threads", args.threads, "--no-integrity")
     imatrix = d / "calibration.imatrix.gguf"
     t0 = time.perf_counter()
-    if not imatrix.exists():
+    if not imatrix.exists() and not args.no_imatrix:
         hf2q("imatrix", f16, "--corpus", "calibration", "-o", imatrix, "--n-ctx", args.imatrix_n_ctx,
              "--chunks", args.imatrix_chunks)
     imatrix_s = time.perf_counter() - t0
@@ -104,7 +105,7 @@ def bench_model(name: str, args, work: Path, eval_file: Path) -> dict:
     rows, done = [], {}
     pairs = MOE_PAIRS if name == "moe" else DENSE_PAIRS
     for mix, tier in [(m, t) for m, t in pairs if not args.tiers or t in args.tiers.split(",")]:
-        for weighted in (False, True):
+        for weighted in (False,) if args.no_imatrix else (False, True):
             im = imatrix if weighted else None
             ours_name = tier.replace("apex-", "apex-i-") if weighted and tier.startswith("apex-") else tier
             row = {"llama_cpp_mix": mix, "tier": ours_name, "imatrix": weighted}
@@ -141,6 +142,7 @@ def main() -> int:
     ap.add_argument("--chunks", type=int, default=11)
     ap.add_argument("--imatrix-n-ctx", type=int, default=512)
     ap.add_argument("--imatrix-chunks", type=int, default=8)
+    ap.add_argument("--no-imatrix", action="store_true", help="only the pairs without an importance matrix")
     ap.add_argument("--tiers", default=None, help="only the pairs of these tiers (comma-separated)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--work", default=None, help="keep sources, references and imatrices here (reused)")
