@@ -108,7 +108,8 @@ def upcycled_moe(src: Path, out: Path, calibration_text: str, n_expert: int = 4,
         # router logits of standard deviation ~ROUTER_LOGIT_STD: which experts a token takes varies by token
         g = w[f"{p}post_attention_layernorm.weight"]
         scale = ROUTER_LOGIT_STD / (np.sqrt(hidden) * float(np.sqrt((g ** 2).mean())))
-        t[f"{p}mlp.gate.weight"] = (rng.standard_normal((n_expert, hidden), dtype=np.float32) * scale).astype(np.float32)
+        router = rng.standard_normal((n_expert, hidden), dtype=np.float32) * scale
+        t[f"{p}mlp.gate.weight"] = router.astype(np.float32)
         q_rms, k_rms = qk[i]
         t[f"{p}self_attn.q_norm.weight"] = np.full(cfg["head_dim"], q_rms, np.float32)
         t[f"{p}self_attn.k_norm.weight"] = np.full(cfg["head_dim"], k_rms, np.float32)

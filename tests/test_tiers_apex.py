@@ -74,3 +74,10 @@ def test_measured_error_is_the_written_tensors_error(apex_compact):
     y = dequantize(t.data, T(t.tensor_type)).reshape(x.shape).astype(np.float64)
     actual = float(((x - y) ** 2).sum() / (x ** 2).sum())
     assert actual == pytest.approx(e["errors"][e["type"]], rel=0.05)  # the sample is the whole (small) tensor
+
+
+def test_a_tied_embedding_is_planned_as_the_logits_matrix():
+    # SmolLM2-style tied models: the embedding is also the output, so the table's output column applies
+    for table in tiers.APEX_TABLES.values():
+        assert tiers.apex_type(table, "token_embd.weight", 30, tied_output=True) == table.output
+        assert tiers.apex_type(table, "token_embd.weight", 30) == table.token_embd

@@ -86,7 +86,8 @@ def plan_tier(quant: QuantName, facts: ModelFacts, tensors: Sequence[PlannedTens
     if quant.tier == "apex":
         tiers.check_apex_model(quant.name, facts.arch, facts.n_expert)
         table = tiers.APEX_TABLES[tiers.apex_level(quant.name)]
-        table_types = {i: fallback_type(int(tensors[i].ne[0]), tiers.apex_type(table, tensors[i].name, facts.n_layer))
+        table_types = {i: fallback_type(int(tensors[i].ne[0]),
+                                        tiers.apex_type(table, tensors[i].name, facts.n_layer, tied))
                        for i in planned}
         budget = sum(tiers.tensor_bytes(table_types[i], tensors[i].n_elements) for i in planned)
         ref_name = None

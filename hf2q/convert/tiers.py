@@ -248,10 +248,13 @@ def apex_level(tier_name: str) -> str:
     return tier_name.removeprefix("apex-").removeprefix("i-")
 
 
-def apex_type(table: ApexTable, name: str, n_layer: int) -> T:
+def apex_type(table: ApexTable, name: str, n_layer: int, tied_output: bool = False) -> T:
     """The table's type for ``name`` before the row-length fallback; dense FFNs beside the experts
-    (Gemma 4's MLP) and anything unclassified take the shared experts' type."""
+    (Gemma 4's MLP) and anything unclassified take the shared experts' type, and a tied embedding,
+    being the logits matrix too, takes the output's."""
     r = role(name)
+    if r == "token_embd" and tied_output and name == "token_embd.weight":
+        return table.output
     if r == "expert":
         return table.expert[position_band(layer_of(name), n_layer)]
     if r in _ATTENTION_ROLES:
