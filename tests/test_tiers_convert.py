@@ -78,7 +78,7 @@ def test_moe_tiers_load_and_generate(family, quant, cli, tiny_checkpoint, llama_
         for name, (q, ne, _) in tensors.items():
             if name not in planned:
                 continue
-            want = fallback_type(ne[0], tiers.apex_type(table, name, n_layer))
+            want = fallback_type(ne[0], tiers.apex_type(table, name, n_layer, "output.weight" not in tensors))
             n = int(np.prod(ne))
             table_bytes += tiers.tensor_bytes(want, n)
             ours += tiers.tensor_bytes(q, n)
