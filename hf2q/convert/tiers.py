@@ -266,8 +266,9 @@ def apex_type(table: ApexTable, name: str, n_layer: int, tied_output: bool = Fal
     return table.shared
 
 
-# an APEX tensor may move this far (bits/weight) from its table type, so the roles keep their tiers
-APEX_WINDOW_BPW = 2.0
+# an APEX tensor may move this far (bits/weight) from its table type, so the roles keep their tiers;
+# 3 reaches Q8_0 from the 5-bit types, the step llama.cpp's own mixes take for attn_v and the logits
+APEX_WINDOW_BPW = 3.0
 
 
 def apex_candidates(table_type: T, name: str, ncols: int, tied_output: bool) -> tuple[T, ...]:
