@@ -98,9 +98,6 @@ def test_apex_i_takes_the_imatrix(cli, tiny_checkpoint, llama_cpp_bin, tmp_path)
     assert rep["tier"]["imatrix_weighted"] and not plain["tier"]["imatrix_weighted"]
     # the imatrix weights the measured errors the plan is chosen from
     assert [e.get("errors") for e in rep["tier"]["tensors"]] != [e.get("errors") for e in plain["tier"]["tensors"]]
-    _, a = read_gguf(tmp_path / "i.gguf")
-    _, b = read_gguf(tmp_path / "p.gguf")
-    assert a["blk.0.ffn_up_exps.weight"][2] != b["blk.0.ffn_up_exps.weight"][2]  # weighted codecs ran
     assert len(_generate(llama_cpp_bin, tmp_path / "i.gguf", "Hello", n=8)) > len("Hello")
 
 
