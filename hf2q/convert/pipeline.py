@@ -413,7 +413,7 @@ def dry_run(src: Path, quant: QuantName, has_imatrix: bool = False, mtp: str = "
                      f"{8 * total / max(1, n_elem):.2f} bits/weight) — {plan.family.arch_name} {quant.name}")
         if plan.tier is not None and plan.tier.budget_bytes is not None:
             lines.append(f"tier {quant.name}: {plan.tier.planned_bytes()} of {plan.tier.budget_bytes} budget bytes "
-                         f"({plan.tier.reference}'s quantized tensors), "
+                         f"({plan.tier.reference or 'the APEX table'}'s quantized tensors), "
                          f"{'imatrix-weighted' if plan.tier.imatrix_weighted else 'unweighted'} errors")
         if summary := plan.family.layer_summary():
             lines.append(f"{plan.family.arch_name}: " + ", ".join(f"{k.replace('_', ' ')} {v}"

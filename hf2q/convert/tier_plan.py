@@ -86,26 +86,34 @@ def plan_tier(quant: QuantName, facts: ModelFacts, tensors: Sequence[PlannedTens
     if quant.tier == "apex":
         tiers.check_apex_model(quant.name, facts.arch, facts.n_expert)
         table = tiers.APEX_TABLES[tiers.apex_level(quant.name)]
-        entries = []
-        for i in planned:
-            t = tensors[i]
-            types[i] = fallback_type(int(t.ne[0]), tiers.apex_type(table, t.name, facts.n_layer))
-            entries.append(TierEntry(t.name, types[i], tiers.role(t.name),
-                                     tiers.position_band(tiers.layer_of(t.name), facts.n_layer), t.n_elements))
-        return types, TierPlan(quant.name, "apex", None, None, imatrix is not None, tuple(entries))
+        table_types = {i: fallback_type(int(tensors[i].ne[0]),
+                                        tiers.apex_type(table, tensors[i].name, facts.n_layer, tied))
+                       for i in planned}
+        budget = sum(tiers.tensor_bytes(table_types[i], tensors[i].n_elements) for i in planned)
+        ref_name = None
 
-    ref = reference_mix(quant)
-    ref_types = plan_types(ref, facts, tfacts, has_imatrix=imatrix is not None)
-    budget = sum(tiers.tensor_bytes(ref_types[i], tensors[i].n_elements) for i in planned)
+        def cands_of(i: int, t: PlannedTensor) -> tuple[T, ...]:
+            if table_types[i] not in tiers.candidates(t.name, int(t.ne[0]), tied):  # F16, or a type the window omits
+                return (table_types[i],)
+            return tiers.apex_candidates(table_types[i], t.name, int(t.ne[0]), tied)
+    else:
+        ref = reference_mix(quant)
+        ref_name = ref.name
+        ref_types = plan_types(ref, facts, tfacts, has_imatrix=imatrix is not None)
+        budget = sum(tiers.tensor_bytes(ref_types[i], tensors[i].n_elements) for i in planned)
+
+        def cands_of(i: int, t: PlannedTensor) -> tuple[T, ...]:
+            return tiers.candidates(t.name, int(t.ne[0]), tied)
+
     choices, chosen = [], []
     n_elem = sum(tensors[i].n_elements for i in planned)
     with progress_bar(f"measure → {quant.name}", n_elem) as bar:
         for i in planned:
             t = tensors[i]
-            cands = tiers.candidates(t.name, int(t.ne[0]), tied)
-            if cands == (T.F16,):  # no block fits the row: F16, outside the search
-                types[i] = T.F16
-                budget -= tiers.tensor_bytes(T.F16, t.n_elements)
+            cands = cands_of(i, t)
+            if len(cands) == 1:  # no block fits the row (F16), or nothing to choose: outside the search
+                types[i] = cands[0]
+                budget -= tiers.tensor_bytes(cands[0], t.n_elements)
             else:
                 errors = measure(t, checkpoint, cands, imatrix)
                 choices.append(tiers.Choice(t.name, t.n_elements, tiers.importance(t.name, facts.n_layer, tied),
@@ -113,6 +121,10 @@ def plan_tier(quant: QuantName, facts: ModelFacts, tensors: Sequence[PlannedTens
                 chosen.append(i)
             bar.advance(t.n_elements)
     picks = tiers.allocate(choices, budget)
+    if quant.tier == "apex":  # the table itself fits the budget: the search must not end up worse than it
+        table_picks = [table_types[i] for i in chosen]
+        if sum(map(tiers.Choice.distortion, choices, table_picks)) < sum(map(tiers.Choice.distortion, choices, picks)):
+            picks = table_picks
     for i, q in zip(chosen, picks):
         types[i] = q
     by_index = dict(zip(chosen, choices))
@@ -121,11 +133,12 @@ def plan_tier(quant: QuantName, facts: ModelFacts, tensors: Sequence[PlannedTens
                               tensors[i].n_elements, by_index[i].importance if i in by_index else None,
                               dict(by_index[i].errors) if i in by_index else None) for i in planned)
     spent = sum(tiers.tensor_bytes(types[i], tensors[i].n_elements) for i in chosen)
-    log.info("%s: %d tensors planned in %d bytes (budget %d, %s's)", quant.name, len(chosen), spent, budget, ref.name)
+    against = ref_name or "its table"
+    log.info("%s: %d tensors planned in %d bytes (budget %d, %s's)", quant.name, len(chosen), spent, budget, against)
     if spent > budget:  # even the smallest candidates do not fit
         log.warning("%s: the smallest types this model's rows allow take %d bytes, over the %d of %s",
-                    quant.name, spent, budget, ref.name)
-    return types, TierPlan(quant.name, "dynamic", ref.name, budget, imatrix is not None, entries)
+                    quant.name, spent, budget, against)
+    return types, TierPlan(quant.name, quant.tier, ref_name, budget, imatrix is not None, entries)
 
 
 def measure(t: PlannedTensor, checkpoint, cands: Sequence[T], imatrix: ImatrixFile | None) -> dict[T, float]:

@@ -8,10 +8,12 @@ Two kinds (docs/QUALITY.md, "Mixed-bit tiers"):
   of that tensor at that type (``sensitivity.py``) times how much the tensor matters
   (``importance``). ``allocate`` spends the budget where a bit buys the most distortion
   reduction (a Lagrangian sweep, then a greedy fill of what is left).
-* **apex** (``apex-quality|balanced|compact``, ``apex-i-*``; MoE only): fixed tables by tensor
-  *role* (routed experts, shared experts, attention, embeddings; the router stays F32 as in
-  llama.cpp) and *layer band* (edge layers above the middle ones), after the published
-  APEX idea that routed experts tolerate fewer bits than everything they feed.
+* **apex** (``apex-quality|balanced|compact``, ``apex-i-*``; MoE only): tables by tensor *role*
+  (routed experts, shared experts, attention, embeddings; the router stays F32 as in llama.cpp)
+  and *layer band* (edge layers above the middle ones), after the published APEX idea that routed
+  experts tolerate fewer bits than everything they feed. The table fixes the budget (its bytes)
+  and a window of types around each entry (``apex_candidates``); within those the measured
+  distortion decides, as for the dynamic tiers.
 
 Everything here is pure and deterministic: the same facts and measurements give the same
 plan. llama.cpp's hard rules still hold — only tensors it would quantize are planned, a type
@@ -246,10 +248,13 @@ def apex_level(tier_name: str) -> str:
     return tier_name.removeprefix("apex-").removeprefix("i-")
 
 
-def apex_type(table: ApexTable, name: str, n_layer: int) -> T:
+def apex_type(table: ApexTable, name: str, n_layer: int, tied_output: bool = False) -> T:
     """The table's type for ``name`` before the row-length fallback; dense FFNs beside the experts
-    (Gemma 4's MLP) and anything unclassified take the shared experts' type."""
+    (Gemma 4's MLP) and anything unclassified take the shared experts' type, and a tied embedding,
+    being the logits matrix too, takes the output's."""
     r = role(name)
+    if r == "token_embd" and tied_output and name == "token_embd.weight":
+        return table.output
     if r == "expert":
         return table.expert[position_band(layer_of(name), n_layer)]
     if r in _ATTENTION_ROLES:
@@ -259,6 +264,21 @@ def apex_type(table: ApexTable, name: str, n_layer: int) -> T:
     if r == "output":
         return table.output
     return table.shared
+
+
+# an APEX tensor may move this far (bits/weight) from its table type, so the roles keep their tiers;
+# 3 reaches Q8_0 from the 5-bit types, the step llama.cpp's own mixes take for attn_v and the logits
+APEX_WINDOW_BPW = 3.0
+
+
+def apex_candidates(table_type: T, name: str, ncols: int, tied_output: bool) -> tuple[T, ...]:
+    """The types an APEX tier may give this tensor: the dynamic candidates within
+    ``APEX_WINDOW_BPW`` of the table's type, which is always among them when its block fits."""
+    cands = candidates(name, ncols, tied_output)
+    if cands == (T.F16,):
+        return cands
+    near = tuple(q for q in cands if abs(bits_per_weight(q) - bits_per_weight(table_type)) <= APEX_WINDOW_BPW)
+    return near or cands
 
 
 def check_apex_model(tier_name: str, arch: str, n_expert: int) -> None:
