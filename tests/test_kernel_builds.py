@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from hf2q import doctor
-from hf2q.kernels import cpu_attention, cpu_build, cpu_decode_ops, cpu_pool, cpu_qmatvec, cuda_qmv
+from hf2q.kernels import (cpu_attention, cpu_build, cpu_decode_ops, cpu_pool, cpu_qmatvec, cuda_gated_delta,
+                          cuda_q8_attention, cuda_qmv)
 
 BROKEN_MESSAGE = "fakecc: error: this toolchain is broken on purpose"
 
@@ -150,9 +151,10 @@ def test_every_kernel_source_is_a_file_shipped_with_the_package():
     data = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
     patterns = data["tool"]["setuptools"]["package-data"]["hf2q.kernels"]
     shipped = {p for pattern in patterns for p in cpu_build.CSRC.parent.glob(pattern)}
-    sources = [lib.source for lib in cpu_build.LIBRARIES.values()] + [cuda_qmv.SOURCE_PATH]
+    sources = [lib.source for lib in cpu_build.LIBRARIES.values()] + [
+        k.KERNEL.path for k in (cuda_qmv, cuda_gated_delta, cuda_q8_attention)]
     assert {Path(s).name for s in sources} >= {"cpu_pool.c", "cpu_qmatvec.c", "cpu_decode_ops.c", "cpu_attention.c",
-                                                "cuda_qmv.cu"}
+                                                "cuda_qmv.cu", "cuda_gated_delta.cu", "cuda_q8_attention.cu"}
     for s in sources:
         assert s.is_file() and s in shipped, s
     for header in cpu_build.CSRC.glob("*.h"):

@@ -14,38 +14,25 @@ CUDA device; Metal and the CPU keep ``mx.fast.gated_delta_update``.
 
 from __future__ import annotations
 
-import threading
-from pathlib import Path
 
 import mlx.core as mx
 
 from hf2q.kernels.cuda_qmv import available
+from hf2q.kernels.cuda_source import CudaKernel
 
 __all__ = ["available", "gated_delta", "takes"]
 
-#: the kernel body ``mx.fast.cuda_kernel`` compiles (shipped as package data)
-SOURCE_PATH = Path(__file__).resolve().with_name("csrc") / "cuda_gated_delta.cu"
 #: state rows (warps) per block
 WARPS_PER_BLOCK = 4
 
-_KERNEL = None
-_KERNEL_LOCK = threading.Lock()
+#: the kernel, its body compiled by ``mx.fast.cuda_kernel`` on first use (shipped as package data)
+KERNEL = CudaKernel("hf2q_gated_delta", "cuda_gated_delta.cu",
+                    ["q", "k", "v", "gamma", "beta", "state_in"], ["y", "state_out"])
 
 
 def takes(k_dim: int, k_heads: int, v_heads: int) -> bool:
     """Whether this kernel serves a layer with these head shapes (callers also check :func:`available`)."""
     return k_dim % 32 == 0 and 32 <= k_dim <= 256 and k_heads > 0 and v_heads % k_heads == 0
-
-
-def _kernel():
-    global _KERNEL
-    if _KERNEL is None:
-        with _KERNEL_LOCK:
-            if _KERNEL is None:
-                _KERNEL = mx.fast.cuda_kernel(
-                    name="hf2q_gated_delta", input_names=["q", "k", "v", "gamma", "beta", "state_in"],
-                    output_names=["y", "state_out"], source=SOURCE_PATH.read_text(encoding="utf-8"))
-    return _KERNEL
 
 
 def gated_delta(q: mx.array, k: mx.array, v: mx.array, gamma: mx.array, beta: mx.array,
@@ -60,7 +47,7 @@ def gated_delta(q: mx.array, k: mx.array, v: mx.array, gamma: mx.array, beta: mx
                          f"beta{beta.shape} state{state.shape} do not fit one layer")
     f32 = mx.float32
     rows = B * H * Dv
-    y, out = _kernel()(
+    y, out = KERNEL(
         inputs=[q.astype(f32), k.astype(f32), v.astype(f32), gamma.astype(f32), beta.astype(f32), state.astype(f32)],
         template=[("DK_", Dk), ("HK_", Hk)],
         grid=(((rows + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK) * 32 * WARPS_PER_BLOCK, 1, 1),

@@ -17,10 +17,9 @@ numpy twin the tests hold it to). Used by ``KvCodec.attend`` on a CUDA device fo
 
 from __future__ import annotations
 
-import threading
-from pathlib import Path
-
 import mlx.core as mx
+
+from hf2q.kernels.cuda_source import CudaKernel
 
 #: most query rows per KV head one call takes (grouped-query heads × tokens in the step)
 MAX_ROWS = 16
@@ -30,10 +29,9 @@ MAX_QUERY_FLOATS = 8192
 CHUNK = 32
 WARPS = 4
 
-SOURCE_PATH = Path(__file__).resolve().with_name("csrc") / "cuda_q8_attention.cu"
-
-_KERNEL = None
-_KERNEL_LOCK = threading.Lock()
+#: the kernel, its body compiled by ``mx.fast.cuda_kernel`` on first use (shipped as package data)
+KERNEL = CudaKernel("hf2q_q8_attention", "cuda_q8_attention.cu", ["q", "kc", "ks", "vc", "vs", "mask"],
+                    ["acc", "mmax", "lsum"], ensure_row_contiguous=False)
 
 
 def takes(rows: int, key_width: int, value_width: int) -> bool:
@@ -47,18 +45,6 @@ def units(positions: int, heads: int) -> int:
     """Warps (partials) per (sequence, KV head): the same rule the kernel applies."""
     nc = max(1, (positions * heads + 32767) // 32768)
     return -(-positions // (CHUNK * nc))
-
-
-def _kernel():
-    global _KERNEL
-    if _KERNEL is None:
-        with _KERNEL_LOCK:
-            if _KERNEL is None:
-                _KERNEL = mx.fast.cuda_kernel(
-                    name="hf2q_q8_attention", input_names=["q", "kc", "ks", "vc", "vs", "mask"],
-                    output_names=["acc", "mmax", "lsum"], source=SOURCE_PATH.read_text(encoding="utf-8"),
-                    ensure_row_contiguous=False)
-    return _KERNEL
 
 
 def attend(q: mx.array, keys: tuple[mx.array, mx.array], values: tuple[mx.array, mx.array],
@@ -84,7 +70,7 @@ def attend(q: mx.array, keys: tuple[mx.array, mx.array], values: tuple[mx.array,
     max_rows = 1 << max(R - 1, 0).bit_length()
     u = units(T, B * kvh)
     groups = -(-u // WARPS)
-    acc, mmax, lsum = _kernel()(
+    acc, mmax, lsum = KERNEL(
         inputs=[mx.contiguous(q.reshape(B * kvh, R, d).astype(mx.float32)), *planes, m_in],
         template=[("S_", ks.dtype), ("D_", d), ("DV_", dv), ("GK_", group_k), ("GV_", group_v),
                   ("MAX_R_", max_rows), ("HAS_MASK_", has_mask)],

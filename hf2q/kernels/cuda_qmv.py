@@ -17,11 +17,11 @@ on a CUDA device when a call has 2–``MAX_ROWS`` rows; Metal and the CPU keep t
 from __future__ import annotations
 
 import math
-import threading
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+
+from hf2q.kernels.cuda_source import CudaKernel
 
 #: the most input rows one call takes (from 8 rows MLX's tiled kernel reads the weights once too)
 MAX_ROWS = 7
@@ -29,12 +29,9 @@ MAX_ROWS = 7
 #: (H200, 1024×4096: 14 µs MLX vs 27 µs here at 4 rows; 12288×4096: 97 vs 53)
 MIN_ELEMENTS = 4096 * 4096
 
-#: the kernel body ``mx.fast.cuda_kernel`` compiles (shipped as package data)
-SOURCE_PATH = Path(__file__).resolve().with_name("csrc") / "cuda_qmv.cu"
 
-
-_KERNEL = None
-_KERNEL_LOCK = threading.Lock()
+#: the kernel, its body compiled by ``mx.fast.cuda_kernel`` on first use (shipped as package data)
+KERNEL = CudaKernel("hf2q_qmv_rows", "cuda_qmv.cu", ["x", "w", "scales", "biases"], ["y"])
 _CUDA: bool | None = None
 
 
@@ -58,16 +55,6 @@ def takes(rows: int, out_features: int, in_features: int, bits: int, group_size:
     return out_features * in_features >= MIN_ELEMENTS and in_features % group_size == 0
 
 
-def _kernel():
-    global _KERNEL
-    if _KERNEL is None:
-        with _KERNEL_LOCK:
-            if _KERNEL is None:
-                _KERNEL = mx.fast.cuda_kernel(name="hf2q_qmv_rows", input_names=["x", "w", "scales", "biases"],
-                                              output_names=["y"], source=SOURCE_PATH.read_text(encoding="utf-8"))
-    return _KERNEL
-
-
 def qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int) -> mx.array:
     """``x [..., K]`` (2–``MAX_ROWS`` rows) through MLX-packed ``w [N, K·bits/32]`` → ``[..., N]`` in x's dtype."""
     K = x.shape[-1]
@@ -81,7 +68,7 @@ def qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, bits: int,
         raise ValueError(f"cuda qmv: x {tuple(x.shape)}, w {tuple(w.shape)} {w.dtype}, scales {tuple(scales.shape)}, "
                          f"biases {tuple(biases.shape)} do not fit bits {bits} group size {group_size}")
     warps_per_block = 4
-    (y,) = _kernel()(
+    (y,) = KERNEL(
         inputs=[x.reshape(rows, K), w, scales, biases],
         template=[("T_", x.dtype), ("S_", scales.dtype), ("MAX_M_", MAX_ROWS), ("BITS_", bits), ("GS_", group_size)],
         grid=(((N + warps_per_block - 1) // warps_per_block) * 32 * warps_per_block, 1, 1),
