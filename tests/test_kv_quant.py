@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 from hf2q.engine import kv_quant_ref as ref
 from hf2q.engine.kv_quant import make_codec
-from hf2q.engine.kv_quant_ref import hadamard
+from hf2q.engine.kv_layout import hadamard
 from hf2q.errors import InputError
 from tests.engine_support import random_tokens, tiny_runner
 

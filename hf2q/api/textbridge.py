@@ -378,6 +378,7 @@ class GGUFChatModel:
 
         def closing() -> str:  # only a constrained reply asks: it renders the prompt once more
             return _reasoning_closing(self.template, text, lambda: self._without_thinking(fenced, fence))
+        json_fence = _json_fence(self.tool_syntax, req)
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
@@ -389,7 +390,7 @@ class GGUFChatModel:
             logit_bias=req.logit_bias, logprobs=req.logprobs, top_logprobs=req.top_logprobs,
             stop_token_ids=frozenset(tok.eos_ids),
             constraint=_constraint(tok, req, self.tool_syntax if req.tools_active else None, max_tokens,
-                                   opening=closing, fence=_json_fence(self.tool_syntax, req)))
+                                   opening=closing, fence=json_fence))
         thinking = _thinking(req)
         tools = list(req.tools) if req.tools_active else None
         syntax = self.tool_syntax if tools else None
@@ -399,7 +400,7 @@ class GGUFChatModel:
                 tok, req.stop,
                 tool_parser=_tool_parser(syntax, tools) if tools else None,
                 reasoning=_reasoning_splitter(self.template, text, syntax) if thinking else None,
-                parallel_calls=req.parallel_tool_calls, fence=_json_fence(self.tool_syntax, req))
+                parallel_calls=req.parallel_tool_calls, fence=json_fence)
         boundary = self._stable_prefix(fenced, fence, text, ids) if stable_prefix else 0
         return PreparedChat(ids, params, new_decoder, boundary)
 

@@ -178,14 +178,13 @@ class NomicBertMoe(NomicBert):
         return super().map_name(hf_name)
 
     def source_tensor(self, ck, hf_name: str, gguf_name: str) -> RowSource:
-        shape = tuple(ck.entry(hf_name).shape)
         if hf_name.endswith(".mlp.experts.mlp.w1"):
             return Direct(hf_name, (self.n_expert, self.n_ff, self.hidden_size))
         if hf_name.endswith(".mlp.experts.mlp.w2"):
             e, ff, d = self.n_expert, self.n_ff, self.hidden_size
             # [e·ff, d] viewed [e, ff, d], transposed to [e, d, ff]: row (x, j) is w2[x·ff : (x+1)·ff, j]
             return _ExpertColumns(hf_name, (e, d, ff))
-        return Direct(hf_name, shape)
+        return Direct(hf_name, tuple(ck.entry(hf_name).shape))
 
     def hparams(self, md: Metadata) -> None:
         super().hparams(md)

@@ -27,7 +27,7 @@ import os
 import mlx.core as mx
 import numpy as np
 
-from hf2q.engine.kv_quant_ref import hadamard
+from hf2q.engine.kv_layout import hadamard
 from hf2q.engine.layers import GatedMLP, Linear, gelu_tanh, silu
 
 

@@ -628,11 +628,10 @@ class StackedDecode:
                     (a.shape[0], a.shape[1], new_cap - a.shape[2], a.shape[3]), dtype=a.dtype)], axis=2), store[i])
         return new_cap
 
-    def write(self, layer: int, k, v, offsets: mx.array, total: int, indices: dict | None = None):
+    def write(self, layer: int, k, v, offsets: mx.array, total: int, indices: dict):
         """Store one new position per row (``k, v [B, kv_heads, 1, d]`` at ``offsets [B]``, or their
         codec planes) with one scatter per array; return keys/values ``[B, kv_heads, total, ·]``.
         ``indices`` keeps the scatter indices by shape across the layers of one step."""
-        indices = {} if indices is None else indices
 
         def put(buf: mx.array, new: mx.array) -> mx.array:
             idx = indices.get(new.shape)

@@ -3,6 +3,8 @@ CLI read it in processes that never load a model; ``kv_quant`` stores the rows).
 
 from __future__ import annotations
 
+import numpy as np
+
 from hf2q.errors import InputError
 
 #: what ``--kv-cache-type`` accepts; ``f16`` is the compute dtype's own cache (float32 on the CPU)
@@ -43,3 +45,14 @@ def check_kv_type(kv_type: str, widths, family: str) -> None:
         if kv_type == "q8-rotated" and d & (d - 1):
             raise InputError(f"--kv-cache-type q8-rotated needs a power-of-two head size; {family} has {d} "
                              "(use q8)")
+
+
+def hadamard(n: int) -> np.ndarray:
+    """The orthonormal Sylvester–Hadamard matrix of order ``n`` (a power of two), float64; symmetric,
+    so it is its own inverse."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"no Hadamard matrix of order {n}")
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.sqrt(n)

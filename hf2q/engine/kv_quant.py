@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from hf2q.engine.kv_layout import SCALES_SUFFIX, check_kv_type, group_size, row_nbytes
-from hf2q.kernels import cuda_q8_attention, cuda_qmv
+from hf2q.kernels import cpu_ops, cuda_q8_attention, cuda_qmv
 
 BITS = 8
 #: codes are stored as ``round(x / scale) + OFFSET`` in ``[1, 255]``
@@ -106,10 +106,11 @@ class KvCodec:
         # the heads sharing a KV head become rows of one product: K/V batch dims match q's exactly
         q = q.reshape(B, kv_heads, rep, L, d)
         T, dv = keys[0].shape[-2], values[0].shape[-1] * 4
+        k_group, v_group = d // keys[1].shape[-1], dv // values[1].shape[-1]  # per plane: Gemma 4's pieces
         if cuda_qmv.available():  # MLX's CUDA backend multiplies neither product below
             if cuda_q8_attention.takes(rep * L, d, dv):
                 out = cuda_q8_attention.attend(q.reshape(B, kv_heads, rep * L, d), keys, values, mask,
-                                               d // keys[1].shape[-1], dv // values[1].shape[-1])
+                                               k_group, v_group)
             else:  # a long prefill chunk: one dequantized copy of the rows for the fused kernel
                 k, v = self.decode(*keys), self.decode(*values)
                 out = mx.fast.scaled_dot_product_attention(q.reshape(B, n_heads, L, d), k, v, scale=1.0,
@@ -121,7 +122,6 @@ class KvCodec:
         kc, ks = keys[0], keys[1].astype(mx.float32)
         vc, vs = values[0], values[1].astype(mx.float32)
         kb, vb = ks * -OFFSET, vs * -OFFSET
-        k_group, v_group = d // ks.shape[-1], dv // vs.shape[-1]
         parts = []
         for a in range(0, L, QUERY_BLOCK):
             rows = slice(a, min(a + QUERY_BLOCK, L))
@@ -173,8 +173,6 @@ class KvCodec:
         """A layer's attention over the stored planes of forward ``fb`` (masked by ``window``): read as
         stored (:meth:`attend`), except a CPU prefill chunk big enough for the host's tiled float kernel
         (:meth:`dense`, docs/ENGINE.md)."""
-        from hf2q.kernels import cpu_ops
-
         if q.shape[2] > 1 and cpu_ops.attention_on_host(q, keys[0].shape[2]):
             qd, kd, vd = self.dense(q, keys, values)
             return self.unrotate(cpu_ops.attention(qd, kd, vd, scale, fb.mask_np(window)))

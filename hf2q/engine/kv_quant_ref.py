@@ -5,18 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from hf2q.engine.kv_layout import hadamard
 from hf2q.engine.kv_quant import LEVELS, OFFSET, group_size
-
-
-def hadamard(n: int) -> np.ndarray:
-    """The orthonormal Sylvester–Hadamard matrix of order ``n`` (a power of two), float64; symmetric,
-    so it is its own inverse."""
-    if n < 1 or n & (n - 1):
-        raise ValueError(f"no Hadamard matrix of order {n}")
-    h = np.ones((1, 1))
-    while h.shape[0] < n:
-        h = np.block([[h, h], [h, -h]])
-    return h / np.sqrt(n)
 
 
 def encode(x: np.ndarray, scale_dtype=np.float32, rotated: bool = False) -> tuple[np.ndarray, np.ndarray]:

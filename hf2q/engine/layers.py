@@ -144,9 +144,8 @@ class Linear:
         self._cpu = on_cpu()
         #: a quantized 2-D weight off the CPU: every call is one quantized product (or the few-row CUDA kernel)
         self._device_qmm = self.quantized and len(self.shape) == 2 and not self._cpu
-        self._few_rows = self._device_qmm and cuda_qmv.available() and any(
-            cuda_qmv.takes(r, self.shape[0], self.shape[1], self.bits, self.group_size)
-            for r in range(2, cuda_qmv.MAX_ROWS + 1))
+        self._few_rows = self._device_qmm and cuda_qmv.available() and cuda_qmv.takes(
+            2, self.shape[0], self.shape[1], self.bits, self.group_size)  # the row count is checked per call
 
     def _host_arrays(self):
         """The C decode kernel's view of the weight (``(packed uint8 [out, ·], scales, biases, bits)``), or None:

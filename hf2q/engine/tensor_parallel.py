@@ -230,7 +230,7 @@ def shard_gguf(g: GGUFFile, rank: int, size: int) -> GGUFFile:
 
     def rules_of(i: int) -> dict[str, tuple[int, tuple[int, int]]]:
         """Layer ``i``'s attention cuts: tensor suffix → (axis, range)."""
-        plan, (_, head_dim, v_dim) = plans[min(i, len(plans) - 1)], layers[min(i, len(layers) - 1)]
+        plan, (_, head_dim, v_dim) = plans[i], layers[i]
         q_rows = (plan.q_start * q_per_head * head_dim, (plan.q_start + plan.q_count) * q_per_head * head_dim)
         k_rows = (plan.kv_start * head_dim, (plan.kv_start + plan.kv_count) * head_dim)
         v_rows = (plan.kv_start * v_dim, (plan.kv_start + plan.kv_count) * v_dim)

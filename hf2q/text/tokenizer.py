@@ -50,10 +50,8 @@ from hf2q.errors import InputError
 from hf2q.formats.gguf_keys import ExtraKeys, Keys
 from hf2q.formats.gguf_parse import metadata_from
 from hf2q.text.pretokenizers import PreTokenizerRule, rule_for
-from hf2q.text.ugm import UgmEncoder, ugm_encoder
+from hf2q.text.ugm import BYTE, CONTROL, NORMAL, UNKNOWN, UNUSED, USER_DEFINED, UgmEncoder, ugm_encoder
 
-# GGUF token types (llama.cpp's llama_token_type)
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 SPIECE_SPACE = "\u2581"
 

@@ -253,11 +253,12 @@ class Qwen35Model:
         if self.mtp is not None:
             return
         g, i = self._gguf, nextn_block(self._gguf)
-        block = None
-        if i is not None:
-            block = Qwen35Block(GatedAttention(self.cfg, g, i, self.n_attention, self.dtype), self._make_ffn(i), g, i,
-                                self.cfg.norm_eps, self.dtype)
-        self.mtp = MtpHead(g, self.cfg, block, self.n_attention, self.embed, self.lm_head, self.norm, self.dtype)
+        if i is None:
+            raise InputError(f"{g.path.name} has no multi-token-prediction (nextn) block; convert it without "
+                             "--no-mtp, or use --speculative ngram")
+        block = Qwen35Block(GatedAttention(self.cfg, g, i, self.n_attention, self.dtype), self._make_ffn(i), g, i,
+                            self.cfg.norm_eps, self.dtype)
+        self.mtp = MtpHead(g, self.cfg, i, block, self.n_attention, self.embed, self.lm_head, self.norm, self.dtype)
 
     def new_recurrent_state(self) -> RecurrentState:
         d = self.delta

@@ -33,22 +33,16 @@ import numpy as np
 from hf2q.engine.kv_cache import ForwardBatch, SequenceCache
 from hf2q.engine.layers import Linear, rms_norm
 from hf2q.engine.models.decoder import DecoderConfig, _norm
-from hf2q.engine.speculative import nextn_block
-from hf2q.errors import InputError
 from hf2q.formats.gguf_file import GGUFFile
 
 
 class MtpHead:
     """The ``nextn`` block of a qwen35 / qwen35moe file over the main model's embedding and LM head."""
 
-    def __init__(self, g: GGUFFile, cfg: DecoderConfig, block, kv_index: int, embed: Linear, lm_head: Linear,
+    def __init__(self, g: GGUFFile, cfg: DecoderConfig, i: int, block, kv_index: int, embed: Linear, lm_head: Linear,
                  output_norm: mx.array, dtype):
-        """``block``: the head's decoder block (a ``Qwen35Block`` over a ``GatedAttention`` whose cache
+        """``block``: the head's decoder block ``i`` (a ``Qwen35Block`` over a ``GatedAttention`` whose cache
         layer is ``kv_index``), built by the model like its own blocks."""
-        i = nextn_block(g)
-        if i is None:
-            raise InputError(f"{g.path.name} has no multi-token-prediction (nextn) block; convert it without "
-                             "--no-mtp, or use --speculative ngram")
         p = f"blk.{i}.nextn."
         self.cfg, self.dtype, self.block, self.kv_index = cfg, dtype, block, kv_index
         self.eh_proj = Linear(g.tensor(p + "eh_proj.weight"), dtype)
@@ -81,7 +75,7 @@ class MtpHead:
         k = rms_norm(attn.k(x).reshape(B, T, c.n_kv_heads, c.head_dim), attn.k_norm, c.norm_eps)
         v = attn.v(x).reshape(B, T, c.n_kv_heads, c.head_dim)
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-        return _rope(c, k, offset), v
+        return mx.fast.rope(k, c.rope_dims, offset=offset, **attn._rope), v  # the main model's own RoPE
 
     def store(self, tokens: mx.array, hidden: mx.array, fb: ForwardBatch) -> None:
         """Write the head's K/V rows of a main forward's ``tokens [B, T]`` whose final-normed hidden rows
@@ -120,7 +114,8 @@ class MtpHead:
             values.append(vn)
             qg = attn.q(x).reshape(1, 1, c.n_heads, 2 * c.head_dim)
             q, gate = qg[..., :c.head_dim], qg[..., c.head_dim:]
-            q = _rope(c, rms_norm(q, attn.q_norm, c.norm_eps).transpose(0, 2, 1, 3), start + i)
+            q = mx.fast.rope(rms_norm(q, attn.q_norm, c.norm_eps).transpose(0, 2, 1, 3), c.rope_dims, offset=start + i,
+                             **attn._rope)
             o = mx.fast.scaled_dot_product_attention(q, mx.concatenate(keys, axis=2), mx.concatenate(values, axis=2),
                                                      scale=attn.scale)
             o = o.transpose(0, 2, 1, 3).reshape(1, 1, -1)
@@ -146,8 +141,3 @@ def previous_hidden(seq: SequenceCache, position: int, width: int, dtype) -> mx.
         return kept[1][at - kept[0]]
     return mx.zeros((width,), dtype=dtype)
 
-
-def _rope(c: DecoderConfig, t: mx.array, offset) -> mx.array:
-    """The main model's RoPE (qwen35: NeoX halves on the first ``rope_dims``) at ``offset``."""
-    return mx.fast.rope(t, c.rope_dims, traditional=c.rope_traditional, base=c.rope_base, scale=c.rope_scale,
-                        offset=offset)
