@@ -74,7 +74,8 @@ def launched(args: list[str], **kw):
     try:
         yield proc
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
+        code = proc.wait(60)
+        assert code == 0, f"exit {code}; stderr tail: {proc.stderr.read()[-3000:]}"
     finally:
         if proc.poll() is None:
             proc.kill()
