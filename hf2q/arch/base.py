@@ -92,6 +92,36 @@ class Direct(RowSource):
 
 
 @attrs.define
+class ExpertColumns(RowSource):
+    """Experts fused as ``[E, cols_in, width]`` (or its rows flattened, ``[E·cols_in, width]``) read as
+    ``[E, width_part, cols_in]``: columns ``[first, first + n)`` of each expert's matrix, transposed."""
+
+    name: str
+    first: int
+    shape: tuple[int, ...]  # (E, n, cols_in)
+
+    @property
+    def source_names(self) -> tuple[str, ...]:
+        return (self.name,)
+
+    def rows(self, ck, lo, hi):
+        per = self.shape[1]
+        raw = ck.raw(self.name)
+        if raw.ndim == 2:
+            raw = raw.reshape(self.shape[0], self.shape[2], -1)
+        dtype = ck.entry(self.name).dtype
+        out = []
+        r = lo
+        while r < hi:
+            e, local = divmod(r, per)
+            take = min(hi - r, per - local)
+            cols = np.asarray(raw[e][:, self.first + local:self.first + local + take])
+            out.append(to_f32(cols, dtype).T)
+            r += take
+        return np.ascontiguousarray(np.concatenate(out, axis=0), dtype=np.float32)
+
+
+@attrs.define
 class Stacked(RowSource):
     """Per-expert 2-D HF tensors (or row slices of one fused 3-D tensor) stacked into [E, R, C]."""
 

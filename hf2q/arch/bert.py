@@ -11,9 +11,8 @@ Unigram tokenizer.
 from __future__ import annotations
 
 import gguf
-import numpy as np
 
-from hf2q.arch.base import MT, Direct, Family, Metadata, RowSource
+from hf2q.arch.base import MT, Direct, ExpertColumns, Family, Metadata, RowSource
 from hf2q.arch.pooling import add_pooling_type
 from hf2q.errors import InputError
 from hf2q.formats.gguf_keys import Keys
@@ -124,8 +123,12 @@ class NomicBert(Bert):
         md.boolean(Keys.Attention.CAUSAL.format(arch=a), False)
         add_pooling_type(self.src, self.cfg, md, a)
 
+    @property
+    def n_ff(self) -> int:
+        return int(require(self.cfg, "n_inner", "intermediate_size", kind=int))
+
     def expected_dims(self):
-        d, ff = self.hidden_size, int(require(self.cfg, "n_inner", "intermediate_size", kind=int))
+        d, ff = self.hidden_size, self.n_ff
         dims = super().expected_dims()
         dims.update({MT.ATTN_QKV: (3 * d, d), MT.FFN_UP: (ff, d), MT.FFN_GATE: (ff, d), MT.FFN_DOWN: (d, ff)})
         return dims
@@ -158,10 +161,6 @@ class NomicBertMoe(NomicBert):
             raise InputError(f"config.json: nomic-bert-moe needs moe_every_n_layers >= 1 and 1 <= moe_top_k <= "
                              f"num_experts, found {self.every}, {self.top_k} and {self.n_expert}")
 
-    @property
-    def n_ff(self) -> int:
-        return int(require(self.cfg, "n_inner", "intermediate_size", kind=int))
-
     def context_length(self) -> int:
         npos, trained = self.cfg.get("n_positions"), self.cfg.get("max_trained_positions", 2048)
         if (npos, trained) != (2048, 2048):
@@ -183,7 +182,7 @@ class NomicBertMoe(NomicBert):
         if hf_name.endswith(".mlp.experts.mlp.w2"):
             e, ff, d = self.n_expert, self.n_ff, self.hidden_size
             # [e·ff, d] viewed [e, ff, d], transposed to [e, d, ff]: row (x, j) is w2[x·ff : (x+1)·ff, j]
-            return _ExpertColumns(hf_name, (e, d, ff))
+            return ExpertColumns(hf_name, 0, (e, d, ff))
         return Direct(hf_name, tuple(ck.entry(hf_name).shape))
 
     def hparams(self, md: Metadata) -> None:
@@ -195,26 +194,6 @@ class NomicBertMoe(NomicBert):
 
     def expected_dims(self):
         d, ff, e = self.hidden_size, self.n_ff, self.n_expert
-        dims = super().expected_dims()
-        dims.update({MT.ATTN_QKV: (3 * d, d), MT.FFN_UP: (ff, d), MT.FFN_DOWN: (d, ff), MT.FFN_GATE_INP: (e, d),
-                     MT.FFN_UP_EXP: (e, ff, d), MT.FFN_DOWN_EXP: (e, d, ff)})
+        dims = super().expected_dims()  # the fused QKV and dense up/down as nomic-bert's
+        dims.update({MT.FFN_GATE_INP: (e, d), MT.FFN_UP_EXP: (e, ff, d), MT.FFN_DOWN_EXP: (e, d, ff)})
         return dims
-
-
-class _ExpertColumns(RowSource):
-    """``ffn_down_exps`` rows from the fused ``[experts·ff, d]`` ``w2``: expert x's block, transposed."""
-
-    def __init__(self, name: str, shape: tuple[int, int, int]):
-        self.name, self.shape = name, shape
-
-    @property
-    def source_names(self) -> tuple[str, ...]:
-        return (self.name,)
-
-    def rows(self, ck, lo, hi):
-        from hf2q.sources.safetensors_reader import to_f32
-
-        e, d, ff = self.shape
-        raw = ck.raw(self.name).reshape(e, ff, d)
-        out = [to_f32(np.asarray(raw[r // d, :, r % d]), ck.entry(self.name).dtype) for r in range(lo, hi)]
-        return np.ascontiguousarray(np.stack(out), dtype=np.float32)

@@ -15,16 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import attrs
 import gguf
-import numpy as np
 
-from hf2q.arch.base import Family, Metadata, RowSource
+from hf2q.arch.base import ExpertColumns, Family, Metadata, RowSource
 from hf2q.arch.qwen3 import Qwen3
 from hf2q.arch.qwen3_moe import Qwen3Moe, collect_with_experts
 from hf2q.errors import InputError
 from hf2q.formats.gguf_keys import Keys
-from hf2q.sources.safetensors_reader import to_f32
 
 #: llama.cpp reads four section sizes (time, height, width, and an unused fourth)
 N_SECTIONS = 4
@@ -70,34 +67,6 @@ class _VisionLanguageText:
 class Qwen3VL(_VisionLanguageText, Qwen3):
     hf_architectures = ("Qwen3VLForConditionalGeneration",)
     gguf_arch = gguf.MODEL_ARCH.QWEN3VL
-
-
-@attrs.define
-class ExpertColumns(RowSource):
-    """Experts fused as ``[E, cols_in, width]`` read as ``[E, width_part, cols_in]``: columns
-    ``[first, first + n)`` of each expert's matrix, transposed."""
-
-    name: str
-    first: int
-    shape: tuple[int, ...]  # (E, n, cols_in)
-
-    @property
-    def source_names(self) -> tuple[str, ...]:
-        return (self.name,)
-
-    def rows(self, ck, lo, hi):
-        per = self.shape[1]
-        raw = ck.raw(self.name)
-        dtype = ck.entry(self.name).dtype
-        out = []
-        r = lo
-        while r < hi:
-            e, local = divmod(r, per)
-            take = min(hi - r, per - local)
-            cols = np.asarray(raw[e][:, self.first + local:self.first + local + take])
-            out.append(to_f32(cols, dtype).T)
-            r += take
-        return np.ascontiguousarray(np.concatenate(out, axis=0), dtype=np.float32)
 
 
 _FUSED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.experts.gate_up_proj.weight",

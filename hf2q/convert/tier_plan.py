@@ -93,8 +93,6 @@ def plan_tier(quant: QuantName, facts: ModelFacts, tensors: Sequence[PlannedTens
         ref_name = None
 
         def cands_of(i: int, t: PlannedTensor) -> tuple[T, ...]:
-            if table_types[i] not in tiers.candidates(t.name, int(t.ne[0]), tied):  # F16, or a type the window omits
-                return (table_types[i],)
             return tiers.apex_candidates(table_types[i], t.name, int(t.ne[0]), tied)
     else:
         ref = reference_mix(quant)

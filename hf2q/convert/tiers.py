@@ -272,13 +272,13 @@ APEX_WINDOW_BPW = 3.0
 
 
 def apex_candidates(table_type: T, name: str, ncols: int, tied_output: bool) -> tuple[T, ...]:
-    """The types an APEX tier may give this tensor: the dynamic candidates within
-    ``APEX_WINDOW_BPW`` of the table's type, which is always among them when its block fits."""
+    """The types an APEX tier may give this tensor: the dynamic candidates within ``APEX_WINDOW_BPW`` of
+    the table's type (the table's type among them), or the table's type alone where the dynamic tiers
+    would not take it (F16, or a type the row's width omits)."""
     cands = candidates(name, ncols, tied_output)
-    if cands == (T.F16,):
-        return cands
-    near = tuple(q for q in cands if abs(bits_per_weight(q) - bits_per_weight(table_type)) <= APEX_WINDOW_BPW)
-    return near or cands
+    if table_type not in cands:
+        return (table_type,)
+    return tuple(q for q in cands if abs(bits_per_weight(q) - bits_per_weight(table_type)) <= APEX_WINDOW_BPW)
 
 
 def check_apex_model(tier_name: str, arch: str, n_expert: int) -> None:

@@ -27,7 +27,7 @@ from gguf import GGMLQuantizationType as T
 
 from hf2q.errors import InputError
 from hf2q.formats.gguf_file import GGUFFile, open_gguf
-from hf2q.formats.gguf_hparams import DEFAULTS, ENCODER_ARCHS, RECURRENT_ARCHS
+from hf2q.formats.gguf_hparams import DEFAULTS, ENCODER_ARCHS, RECURRENT_ARCHS, moe_block
 from hf2q.formats.gguf_keys import ExtraKeys, Keys
 
 _A, _L, _R, _S, _TK = Keys.Attention, Keys.LLM, Keys.Rope, Keys.SSM, Keys.Tokenizer
@@ -547,7 +547,7 @@ def _nomic_bert_moe(d: dict[str, Any]) -> Table:
     t["token_types.weight"] = ((h, None), False)
     for i in range(d["n_layer"]):
         p = f"blk.{i}."
-        if d["moe_every"] and i % d["moe_every"] == 1:
+        if moe_block(i, d["moe_every"]):
             t.update({p + "ffn_gate_inp.weight": ((h, e), True), p + "ffn_up_exps.weight": ((h, ff, e), True),
                       p + "ffn_down_exps.weight": ((ff, h, e), True)})
         else:

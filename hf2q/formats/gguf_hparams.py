@@ -26,6 +26,12 @@ _A, _L, _R, _S = Keys.Attention, Keys.LLM, Keys.Rope, Keys.SSM
 #: encoder-only architectures: no causal KV cache
 ENCODER_ARCHS = frozenset({"bert", "nomic-bert", "nomic-bert-moe"})
 
+
+def moe_block(i: int, every: int) -> bool:
+    """Whether nomic-bert-moe block ``i`` is an expert block (llama.cpp: ``il % moe_every_n_layers == 1``)."""
+    return every > 0 and i % every == 1
+
+
 #: keys without which no transformer can be built (llama.cpp requires them too)
 REQUIRED = frozenset({_L.BLOCK_COUNT, _L.EMBEDDING_LENGTH, _A.HEAD_COUNT})
 

@@ -17,6 +17,7 @@ from hf2q.engine.layers import Linear, float_array, gelu_tanh
 from hf2q.engine.models.bert import EncoderModel, check_pooling, norm_pair
 from hf2q.engine.models.nomic_bert import NomicBertConfig, NomicBertLayer
 from hf2q.formats.gguf_file import GGUFFile
+from hf2q.formats.gguf_hparams import moe_block
 from hf2q.formats.gguf_keys import Keys
 
 
@@ -24,11 +25,6 @@ from hf2q.formats.gguf_keys import Keys
 class NomicMoeConfig(NomicBertConfig):
     top_k: int
     moe_every: int
-
-
-def moe_block(i: int, every: int) -> bool:
-    """Whether block ``i`` is an expert block (llama.cpp: ``il % moe_every_n_layers == 1``)."""
-    return every > 0 and i % every == 1
 
 
 class ExpertMLP:
