@@ -77,7 +77,7 @@ async def test_a_corrupt_gguf_backs_off_then_is_tried_again_and_the_other_model_
         assert first.status_code == 503, first.text
         error = first.json()["error"]
         assert error["code"] == "model_load_failed" and "corrupt or truncated GGUF" in error["message"]
-        assert len(tries) == 1 and int(first.headers["retry-after"]) == 2
+        assert len(tries) == 1 and 1 <= int(first.headers["retry-after"]) <= 2  # a slow load eats into the 2 s
         t0 = time.monotonic()
         again = await ask(client, "broken")
         assert again.status_code == 503 and again.json()["error"]["code"] == "model_load_failed"
