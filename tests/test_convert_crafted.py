@@ -126,7 +126,7 @@ def test_billion_layers_fails_fast_with_bounded_memory(cases, tmp_path):
     assert r.returncode == 3, r.stderr
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("hf2q: error: ") and "num_hidden_layers" in r.stderr
     seconds, grown_kib = r.stdout.split()
-    assert float(seconds) < 0.5, seconds
+    assert float(seconds) < 5, seconds  # the bug took 47 s; a loaded CI box can take a second
     assert int(grown_kib) < 64 << 10, grown_kib  # under 64 MiB of peak RSS growth
     assert _leftovers(out_dir) == []
 
