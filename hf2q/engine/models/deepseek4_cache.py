@@ -323,15 +323,14 @@ class Deepseek4Cache(SequenceCache):
         self.block_tokens = block_tokens
 
     def _capture_block_ends(self, start: int, n: int, transaction: bool) -> None:
-        """The rows at the block ends a prompt forward of ``n`` tokens from ``start`` reached: the copies
-        its reuse points just made (every block end is a point: ``BLOCK_TOKENS`` is a multiple of
-        ``CHECKPOINT_INTERVAL``)."""
+        """The rows at the block ends a prompt forward of ``n`` tokens from ``start`` reached: the copy its
+        reuse point there made, or (a point already aged out within this forward) a copy of the live
+        rows, which hold every length inside the last forward."""
         if not self.block_tokens or n <= 1 or not transaction:
             return
         first = (start // self.block_tokens + 1) * self.block_tokens
         for p in range(first, start + n + 1, self.block_tokens):
-            if p in self.points:
-                self.block_ends[p] = self.points[p][1]
+            self.block_ends[p] = self.points[p][1] if p in self.points else self._snapshot(p)
         while len(self.block_ends) > BLOCK_ENDS_KEPT:
             del self.block_ends[min(self.block_ends)]
 
