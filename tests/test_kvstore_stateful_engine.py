@@ -54,7 +54,7 @@ def test_every_block_end_of_the_prompt_is_saved_with_its_state(runner, served):
     assert runner.persists_kv and seq.persist_kind in ("recurrent", "deepseek4")
     assert all(any(name.startswith("state.") for name in b) for b in blocks)
     # the export let go of the captured copies; the kept reuse points alone no longer reach block 1
-    assert not (seq.recurrent.block_ends if seq.persist_kind == "recurrent" else seq.block_ends)
+    assert not seq.block_ends
     if seq.persist_kind == "deepseek4":
         assert B not in seq.reuse_points()
 
@@ -99,12 +99,63 @@ def test_capture_is_off_by_default_and_a_trim_drops_later_block_ends(runner):
     prompt = _text(3 * B + 10, seed=3)
     plain = runner.new_sequence()
     runner.prefill(plain, prompt)
-    kept = plain.recurrent.block_ends if plain.persist_kind == "recurrent" else plain.block_ends
-    assert not kept
+    assert not plain.block_ends
     seq = runner.new_sequence()
     seq.keep_block_ends(B)
     runner.prefill(seq, prompt)
-    kept = seq.recurrent.block_ends if seq.persist_kind == "recurrent" else seq.block_ends
-    assert sorted(kept) == [B, 2 * B, 3 * B]
+    assert sorted(seq.block_ends) == [B, 2 * B, 3 * B]
     seq.trim(B)
-    assert sorted(kept) == [B]  # the others belong to a history the sequence no longer has
+    assert sorted(seq.block_ends) == [B]  # the others belong to a history the sequence no longer has
+    seq.forget_block_ends(())  # what the KV prefix actor does once its block is on disk
+    assert not seq.block_ends
+
+
+async def test_the_prefix_actor_saves_what_is_missing_and_lets_go_of_the_rest(runner, tmp_path):
+    """Through the KV prefix actor and the writer: a prompt whose first block is already on disk (another
+    slot wrote it) has its other blocks saved with their end states, and the captured state of the one it
+    does not export is let go of at once; a restore into a fresh sequence (which turns its capture on)
+    then continues like the live one."""
+    import trio
+
+    from hf2q.actors.kv_prefix import KvPrefixActor
+    from hf2q.actors.kv_writer import open_kv_writer
+    from hf2q.actors.messages import Persist, Restore
+    from hf2q.kvstore import BlockStore, KVBlock
+
+    prompt = _text(3 * B + 20, seed=5)
+    other = runner.new_sequence()
+    other.keep_block_ends(B)
+    runner.prefill(other, prompt[:B + 3])
+
+    async def transact(fn, what):
+        return fn(runner)
+
+    with BlockStore.open(tmp_path / "kv", "fp-" + runner.arch) as store:
+        first = store.spans(prompt)[0]
+        store.write(KVBlock.from_span(first, prompt, runner.export_kv(other, 0, B), other.persist_kind))
+        actor = KvPrefixActor(transact, store)
+        async with open_kv_writer(store, capacity=8) as writer, trio.open_nursery() as nursery:
+            actor.writer = writer
+            nursery.start_soon(actor.run)
+            seq = runner.new_sequence()
+            seq.keep_block_ends(B)
+            runner.prefill(seq, prompt)
+            assert sorted(seq.block_ends) == [B, 2 * B, 3 * B]
+            persist = Persist(seq, tuple(prompt))
+            actor.inbox_send.send_nowait(persist)
+            await persist.reply.ready.wait()
+            await actor.wait_flushed()
+            assert not seq.block_ends  # two exported, the one already on disk let go of
+            assert store.stats().written == 3
+            assert [m.has_end_state for m in store.longest_prefix(prompt)] == [True, True, True]
+            fresh = runner.new_sequence()
+            restore = Restore(fresh, tuple(prompt), 0)
+            actor.inbox_send.send_nowait(restore)
+            await restore.reply.ready.wait()
+            assert restore.reply.result == 3 * B
+            nursery.cancel_scope.cancel()
+    tail = prompt[3 * B:] + _text(250, seed=6)
+    got = runner.prefill(fresh, tail)
+    assert sorted(fresh.block_ends) == [4 * B]  # the restore turned the capture on
+    live = runner.prefill(seq, tail[len(prompt) - 3 * B:])
+    assert float(np.abs(got - live).max()) <= SPLIT_TOL[runner.arch]

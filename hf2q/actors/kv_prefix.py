@@ -95,6 +95,7 @@ class KvPrefixActor:
             elif isinstance(msg, Persist):
                 self.fsm.fire("persist_requested")
                 self._record(msg)
+                await self._forget_stored_ends(msg.seq)
                 await self._export_batch()
                 self.fsm.fire("exported")
                 msg.reply.set()
@@ -185,6 +186,16 @@ class KvPrefixActor:
         if spans:
             self._deferred.append(DeferredBlocks(msg.seq, msg.prompt, collections.deque(spans)))
             self._note_deferred(len(spans))
+
+    async def _forget_stored_ends(self, seq) -> None:
+        """The block-end states ``seq`` captured for blocks that need no export (already on disk) are
+        let go of at once: each can be a recurrent state's worth of device memory."""
+        ends = getattr(seq, "block_ends", None)
+        if not ends:
+            return
+        wanted = {sp.end for rec in self._deferred if rec.seq is seq for sp in rec.spans}
+        if set(ends) - wanted:
+            await self._transact(lambda runner: seq.forget_block_ends(wanted), "kv forget")
 
     def _give_up(self, seq, keep: int) -> None:
         """``seq`` keeps only its first ``keep`` tokens: its recorded blocks beyond them are lost."""

@@ -528,6 +528,17 @@ class SequenceCache:
         if self.recurrent is not None:
             self.recurrent.block_tokens = block_tokens
 
+    @property
+    def block_ends(self) -> dict:
+        """The captured block ends (length → state) not exported yet; empty for plain K/V."""
+        return self.recurrent.block_ends if self.recurrent is not None else {}
+
+    def forget_block_ends(self, keep) -> None:
+        """Let go of the captured block ends whose length is not in ``keep`` (their blocks are on disk)."""
+        ends = self.block_ends
+        for n in [n for n in ends if n not in keep]:
+            del ends[n]
+
     def _refuse_transfer(self, what: str, start: int, end: int) -> None:
         if self.window is not None:
             raise PrefixNotReusable(f"KV {what} of a sliding-window sequence is not supported: its window layers "

@@ -152,7 +152,7 @@ class Deepseek4Cache(SequenceCache):
         #: the persistent store's block size (``keep_block_ends``), None when off
         self.block_tokens: int | None = None
         #: length → rows per layer at the prompt block ends reached and not exported yet
-        self.block_ends: dict[int, list[LayerState]] = {}
+        self._block_ends: dict[int, list[LayerState]] = {}
 
     def _empty_state(self, s: LayerRows) -> LayerState:
         return LayerState(_empty_rows(s.head_dim, self.dtype),
@@ -256,8 +256,8 @@ class Deepseek4Cache(SequenceCache):
         if n_tokens == self._length:
             return
         self._awaiting_state = False
-        for p in [p for p in self.block_ends if p > n_tokens]:
-            del self.block_ends[p]
+        for p in [p for p in self._block_ends if p > n_tokens]:
+            del self._block_ends[p]
         if n_tokens == 0:
             self.states = [self._empty_state(s) for s in self.specs]
             self.points.clear()
@@ -307,7 +307,7 @@ class Deepseek4Cache(SequenceCache):
     def nbytes(self) -> int:
         live = sum(a.nbytes for st in self.states for a in st.arrays())
         kept = [rows for _, rows in (self.points[p] for p in self.points)] + list(self.ends.values())
-        kept += [rows for p, rows in self.block_ends.items() if p not in self.points and p not in self.ends]
+        kept += [rows for p, rows in self._block_ends.items() if p not in self.points and p not in self.ends]
         copies = sum(a.nbytes for rows in kept for st in rows for a in st.arrays())
         return live + copies + sum(e.nbytes for e in (*self.entries, *self.index_entries) if e is not None)
 
@@ -316,6 +316,10 @@ class Deepseek4Cache(SequenceCache):
     @property
     def persist_kind(self) -> str:
         return "deepseek4"
+
+    @property
+    def block_ends(self) -> dict[int, list[LayerState]]:
+        return self._block_ends
 
     def keep_block_ends(self, block_tokens: int) -> None:
         """Capture the rows at every multiple of ``block_tokens`` a prompt's prefill reaches, until that
@@ -330,15 +334,15 @@ class Deepseek4Cache(SequenceCache):
             return
         first = (start // self.block_tokens + 1) * self.block_tokens
         for p in range(first, start + n + 1, self.block_tokens):
-            self.block_ends[p] = self.points[p][1] if p in self.points else self._snapshot(p)
-        while len(self.block_ends) > BLOCK_ENDS_KEPT:
-            del self.block_ends[min(self.block_ends)]
+            self._block_ends[p] = self.points[p][1] if p in self.points else self._snapshot(p)
+        while len(self._block_ends) > BLOCK_ENDS_KEPT:
+            del self._block_ends[min(self._block_ends)]
 
     def _rows_at(self, end: int) -> list[LayerState] | None:
         if end == self._length or self._held(end):
             return self._state_at(end)
-        if end in self.block_ends:
-            return self.block_ends[end]
+        if end in self._block_ends:
+            return self._block_ends[end]
         if end in self.points:
             return self.points[end][1]
         return self.ends.get(end)
@@ -363,7 +367,7 @@ class Deepseek4Cache(SequenceCache):
                 if spec.overlap:
                     out[f"state.index.{i}"] = host(rows[i].index.data)
         if rows is not None:
-            self.block_ends.pop(end, None)
+            self._block_ends.pop(end, None)
         elif not out:  # a model of window layers only: a block is its end rows or nothing
             raise PrefixNotReusable(f"cannot export a deepseek4 cache of {self._length} tokens up to {end}: its "
                                     f"rows there are no longer held (it can: {self.reuse_points()})")
