@@ -17,7 +17,7 @@ TOL = 1e-5
 #: what splitting a prompt into two prefill transactions alone moves the logits by (f32; deepseek4's
 #: bound is tests/test_engine_deepseek4.py's for any chunk split)
 SPLIT_TOL = {"qwen35": 1e-5, "deepseek4": 4e-5}
-N_BLOCKS = 6  # more block ends than a DeepSeek-V4 cache keeps reuse points (4)
+N_BLOCKS = 5  # more block ends than a DeepSeek-V4 cache keeps reuse points (4)
 
 
 @pytest.fixture(scope="module", params=["qwen35", "deepseek4"])
@@ -37,7 +37,7 @@ def _text(n: int, seed: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def served(runner):
-    """A slot's sequence after one request: a prompt of six blocks and more prefilled in one transaction
+    """A slot's sequence after one request: a prompt of five blocks and more prefilled in one transaction
     (its block ends all inside it), then decode steps; and every full block exported from it."""
     prompt = _text(N_BLOCKS * B + 30, seed=1)
     seq = runner.new_sequence()
@@ -59,9 +59,10 @@ def test_every_block_end_of_the_prompt_is_saved_with_its_state(runner, served):
         assert B not in seq.reuse_points()
 
 
-@pytest.mark.parametrize("depth", [2, N_BLOCKS])
-def test_restored_blocks_continue_like_a_cold_prefill(runner, served, depth):
+def test_restored_blocks_continue_like_a_cold_prefill(runner, served):
+    """Up to block 2, whose end's reuse point had aged out before the prompt's forward ended."""
     prompt, _, blocks = served
+    depth = 2
     text = prompt[:depth * B] + _text(40, seed=depth)  # another request sharing the first blocks
     restored = runner.new_sequence()
     restored.keep_block_ends(B)

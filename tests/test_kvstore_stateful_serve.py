@@ -1,8 +1,8 @@
 """A cached prefix of a hybrid (qwen35) and a DeepSeek-V4 model survives a server restart.
 
-A real ``hf2q serve --kv-persist`` answers a prompt of three full blocks and more cold, and is
+A real ``hf2q serve --kv-persist`` answers a prompt of two full blocks and more cold, and is
 stopped with SIGTERM (which drains the writer); a second server on the same directory answers the
-same request: it restores the three blocks — K/V or compressed entries, and the recurrent state or
+same request: it restores the two blocks — K/V or compressed entries, and the recurrent state or
 compressor rows at the last block's end — and computes only the tail. Its greedy tokens and their
 top log-probabilities are the cold server's (the logits after hydration are a cold prefill's).
 """
@@ -22,7 +22,7 @@ from hf2q.kvstore.blockfile import read_meta
 pytestmark = pytest.mark.slow
 
 TOL = 1e-5
-BLOCKS = 3
+BLOCKS = 2
 
 
 def _ask(model: Path, kv_dir: Path, body: dict) -> tuple[dict, list[dict]]:
@@ -61,13 +61,13 @@ def _gguf(family: str) -> Path:
 
 @pytest.mark.parametrize("family,cache_kind", [("qwen35", "recurrent"), ("deepseek4", "deepseek4")])
 def test_restarted_server_resumes_the_prefix_like_a_cold_prefill(family, cache_kind, tmp_path):
-    words = " ".join(f"w{(i * 7) % 89}" for i in range(300))
+    words = " ".join(f"w{(i * 7) % 89}" for i in range(210))
     body = {"temperature": 0, "max_tokens": 4, "logprobs": True, "top_logprobs": 5,
             "messages": [{"role": "user", "content": words}]}
     model = _gguf(family)
     cold, log1 = _ask(model, tmp_path / "kv", body)
     n_prompt = cold["usage"]["prompt_tokens"]
-    assert (n_prompt - 1) // BLOCK_TOKENS == BLOCKS, n_prompt  # three full blocks, the tail recomputed
+    assert (n_prompt - 1) // BLOCK_TOKENS == BLOCKS, n_prompt  # two full blocks, the tail recomputed
     assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     stopped = [r for r in log1 if r.get("msg") == "kv persist: stopped"]
     assert len(stopped) == 1 and stopped[0]["blocks_written"] == BLOCKS, log1[-5:]
