@@ -109,7 +109,7 @@ def test_a_codes_block_is_a_fraction_of_the_float_rows_block(q8, tmp_path):
     assert np.abs(got - want).max() <= 1 and (got != want).mean() < 1e-3
 
 
-@pytest.mark.parametrize("version,reason", [("1", "unknown-payload"), ("3", "wrong-version")])
+@pytest.mark.parametrize("version,reason", [("1", "unknown-payload"), ("9", "wrong-version")])
 def test_a_version_that_does_not_hold_its_payload_is_refused(q8, tmp_path, version, reason):
     """A ``kv-codes`` block claiming version 1 (codes a version-1 reader would take for K/V values), or a
     version this reader does not know: the header is refused with its reason, recovery quarantines the

@@ -15,6 +15,13 @@ there, because a slot's KV is only overwritten after a ``Restore`` or an ``Overw
 those give up exactly the recorded blocks beyond what the slot keeps (counted
 ``not_written``). ``wait_flushed`` is the drain: it returns once every record has been
 written or given up.
+
+A cache that is not plain per-position K/V (a hybrid model's recurrent state, DeepSeek-V4's compact
+cache) no longer holds, after a request, the state at most of its prompt's block ends; so on
+``Restore`` the actor turns on the sequence's ``keep_block_ends``, which captures that state at each
+block end while the prompt's prefill has it, and a block exported later carries it. A restore of such a
+cache starts at one of the slot's reuse points and stops at the deepest block whose end state is saved
+(``kvstore.hydrate``).
 """
 
 from __future__ import annotations
@@ -88,6 +95,7 @@ class KvPrefixActor:
             elif isinstance(msg, Persist):
                 self.fsm.fire("persist_requested")
                 self._record(msg)
+                await self._forget_stored_ends(msg.seq)
                 await self._export_batch()
                 self.fsm.fire("exported")
                 msg.reply.set()
@@ -125,9 +133,15 @@ class KvPrefixActor:
     async def _restore(self, msg: Restore) -> int:
         """Import the blocks the store holds beyond ``msg.cached`` tokens; returns the prompt tokens
         now cached. A block that vanished or fails verification ends the restore at the blocks before it."""
+        from hf2q.kvstore.fingerprint import BLOCK_TOKENS
         from hf2q.kvstore.hydrate import plan_restore
 
-        plan = plan_restore(self.store, msg.prompt, msg.cached)  # index lookups only
+        seq = msg.seq
+        keep_ends = getattr(seq, "keep_block_ends", None)
+        if keep_ends is not None:  # the slot's sequence runs no forward until this reply: safe from here
+            keep_ends(BLOCK_TOKENS)
+        plan = plan_restore(self.store, msg.prompt, msg.cached, getattr(seq, "published_points", None),
+                            getattr(seq, "persist_kind", ""))  # index lookups only
         if plan is None:
             return msg.cached
         blocks = []
@@ -137,16 +151,21 @@ class KvPrefixActor:
             except Exception as e:  # noqa: BLE001 — BlockUnavailable or an I/O error: stop here
                 log.warning("kv restore stopped early: %s", e)
                 break
+        while blocks and not plan.imports[len(blocks) - 1].meta.has_end_state:
+            blocks.pop()  # a restore stops only where the state its end needs is saved
         keep = plan.keep_tokens
         covered = keep + sum(n for _, n in blocks)
         if covered <= msg.cached:
             return msg.cached
-        seq = msg.seq
 
         def import_blocks(runner):
             seq.trim(keep)
-            for arrays, n in blocks:
-                runner.import_kv(seq, arrays, n)
+            try:
+                for arrays, n in blocks:
+                    runner.import_kv(seq, arrays, n)
+            except BaseException:
+                seq.trim(keep)  # never a half-restored slot (a block without its end state last)
+                raise
 
         await self._transact(import_blocks, "kv import")
         self._counts["kv_blocks_restored"] += len(blocks)
@@ -167,6 +186,16 @@ class KvPrefixActor:
         if spans:
             self._deferred.append(DeferredBlocks(msg.seq, msg.prompt, collections.deque(spans)))
             self._note_deferred(len(spans))
+
+    async def _forget_stored_ends(self, seq) -> None:
+        """The block-end states ``seq`` captured for blocks that need no export (already on disk) are
+        let go of at once: each can be a recurrent state's worth of device memory."""
+        ends = getattr(seq, "block_ends", None)
+        if not ends:
+            return
+        wanted = {sp.end for rec in self._deferred if rec.seq is seq for sp in rec.spans}
+        if set(ends) - wanted:
+            await self._transact(lambda runner: seq.forget_block_ends(wanted), "kv forget")
 
     def _give_up(self, seq, keep: int) -> None:
         """``seq`` keeps only its first ``keep`` tokens: its recorded blocks beyond them are lost."""
@@ -208,7 +237,8 @@ class KvPrefixActor:
             exported = await self._transact(export, "kv export")
             self._note_deferred(-len(take))
             for (rec, sp), arrays in zip(take, exported):
-                if arrays is not None and self.writer.submit_nowait(KVBlock.from_span(sp, rec.prompt, arrays)):
+                kind = getattr(rec.seq, "persist_kind", "")
+                if arrays is not None and self.writer.submit_nowait(KVBlock.from_span(sp, rec.prompt, arrays, kind)):
                     self._counts["kv_blocks_saved"] += 1
                     self._counts["kv_blocks_saved_late"] += int(late)
                 else:

@@ -71,10 +71,11 @@ class ActorSystem:
                         runner = await self.gpu.load()
                         facts = ModelFacts.of(runner, self.config)
                         self.admission.configure(facts)
-                        if not facts.trims_prefix and (self.kv_store is not None or self._kv_store_opener):
-                            # its K/V blocks alone cannot rebuild a recurrent state or a window (docs/ENGINE.md)
-                            log.warning("persistent KV store disabled: this model keeps a recurrent state or "
-                                        "sliding-window layers that saved K/V blocks cannot restore")
+                        if not getattr(runner, "persists_kv", facts.trims_prefix) \
+                                and (self.kv_store is not None or self._kv_store_opener):
+                            # its blocks cannot rebuild a window or an MTP head's layer (docs/KVSTORE.md)
+                            log.warning("persistent KV store disabled: this model keeps sliding-window layers "
+                                        "or a draft head that saved blocks cannot restore")
                             self.kv_prefix.store, self._kv_store_opener = None, None
                         if self._kv_store_opener is not None:
                             opened_store = await self._open_kv_store()

@@ -24,8 +24,10 @@ of the cache, beside the K/V of the full-attention layers. It keeps the state be
 last forward (the decode pipeline's one-position rollback) and reuse points: the state every
 ``CHECKPOINT_INTERVAL`` tokens and at the end of every prefill transaction, so a later prompt
 that diverges inside the history restarts from the last point before the divergence.
-``trim`` to any other earlier position raises :class:`PrefixNotReusable`, and K/V
-export/import is refused, rather than leaving K/V and recurrent state out of step.
+``trim`` to any other earlier position raises :class:`PrefixNotReusable` rather than leaving K/V
+and recurrent state out of step. For the persistent KV store (``keep_block_ends``) the state is also
+captured at every block end a prompt's prefill reaches, while the forward still has it, and a block's
+export carries it: its K/V plus, where its end was captured, ``state.conv.{j}`` / ``state.ssm.{j}``.
 
 Sliding-window models (gemma4, gemma3's local layers off the CPU host step) give each sequence a :class:`SlidingWindow`: its window layers keep
 only the positions a later query or a kept reuse point can see, so their K/V stays bounded. The
@@ -54,6 +56,10 @@ _VERSIONS = itertools.count(1)  # unique across all caches, so (cache, version) 
 
 class PrefixNotReusable(ValueError):
     """A prefix operation a recurrent state cannot honour (trim to an earlier position, KV export/import)."""
+
+
+#: block-end states a sequence keeps for the persistent store until they are exported (the newest)
+BLOCK_ENDS_KEPT = 16
 
 
 
@@ -92,6 +98,10 @@ class RecurrentState:
         #: length → (conv, ssm) per layer inside the last verify forward
         self.verify_states: dict[int, tuple[list, list]] = {}
         self.hidden: tuple[int, mx.array] | None = None
+        #: the persistent store's block size (``SequenceCache.keep_block_ends``), None when off
+        self.block_tokens: int | None = None
+        #: length → (conv, ssm) at the prompt block ends reached and not exported yet
+        self.block_ends: dict[int, tuple[list, list]] = {}
 
     @property
     def state_nbytes(self) -> int:
@@ -101,9 +111,10 @@ class RecurrentState:
 
     @property
     def nbytes(self) -> int:
-        """The live state plus the reuse points held (the rollback state shares arrays with them or
-        lives one forward only)."""
-        return (1 + len(self.points)) * self.state_nbytes
+        """The live state plus the reuse points and block ends held (the rollback state shares arrays
+        with them or lives one forward only)."""
+        extra = sum(1 for n in self.block_ends if n not in self.points)
+        return (1 + len(self.points) + extra) * self.state_nbytes
 
     def checkpoint(self, length: int) -> None:
         """Remember the state at ``length`` tokens (called before each forward)."""
@@ -117,7 +128,7 @@ class RecurrentState:
         length, self.conv, self.ssm = self._checkpoint
         self._checkpoint = None
         self.verify_states = {}
-        self.points.drop_after(length)
+        self._drop_after(length)
 
     def reset(self) -> None:
         self.conv, self.ssm = [None] * self.n_layers, [None] * self.n_layers
@@ -125,10 +136,30 @@ class RecurrentState:
         self.verify_states = {}
         self.hidden = None
         self.points.clear()
+        self.block_ends.clear()
 
-    def add_point(self, length: int, conv: list, ssm: list) -> None:
-        """Keep the state at ``length`` as a reuse point (the oldest beyond ``keep`` is dropped)."""
+    def _drop_after(self, length: int) -> None:
+        self.points.drop_after(length)
+        for n in [n for n in self.block_ends if n > length]:
+            del self.block_ends[n]
+
+    def add_point(self, length: int, conv: list, ssm: list, prompt: bool = False) -> None:
+        """Keep the state at ``length`` as a reuse point (the oldest beyond ``keep`` is dropped); a
+        ``prompt`` forward's point at a block end is also captured for the persistent store."""
         self.points.add(length, (list(conv), list(ssm)))
+        if prompt and self.block_tokens and length % self.block_tokens == 0:
+            self.block_ends[length] = (list(conv), list(ssm))
+            while len(self.block_ends) > BLOCK_ENDS_KEPT:
+                del self.block_ends[min(self.block_ends)]
+
+    def state_at(self, length: int, current: int) -> tuple[list, list] | None:
+        """(conv, ssm) at ``length`` if this still holds it (``current`` is the sequence's length)."""
+        if length == current:
+            return self.conv, self.ssm
+        for held in (self.block_ends, self.points):
+            if length in held:
+                return held[length]
+        return None
 
     def due_points(self, start: int, n_new: int) -> list[int]:
         return self.points.due(start, n_new)
@@ -138,14 +169,14 @@ class RecurrentState:
         self.conv, self.ssm = list(conv), list(ssm)
         self._checkpoint = None
         self.verify_states = {}
-        self.points.drop_after(length)
+        self._drop_after(length)
 
     def restore_verified(self, length: int) -> None:
         """Stop inside the last verify forward, after its token at ``length`` (the rollback state then
         stays the one before that forward: it is still an earlier state of this history)."""
         self.conv, self.ssm = (list(a) for a in self.verify_states[length])
         self.verify_states = {}
-        self.points.drop_after(length)
+        self._drop_after(length)
 
     def batched(self, caches: Sequence["SequenceCache"], layer: int) -> tuple[mx.array, mx.array]:
         """Layer ``layer``'s states of ``caches`` stacked: conv ``[B, K − 1, C]``, ssm ``[B, Hv, Dv, Dk]``."""
@@ -256,6 +287,8 @@ class SequenceCache:
         #: :meth:`reuse_points` as of the last forward or trim: an immutable copy the serving runtime's
         #: trio side may read while the engine thread runs the next step
         self.published_points: tuple[int, ...] | None = None if recurrent is None and window is None else (0,)
+        #: a hybrid sequence imported up to a block without the recurrent state at its end (``import_``)
+        self._awaiting_state = False
 
     @property
     def length(self) -> int:
@@ -318,9 +351,12 @@ class SequenceCache:
         rec = self.recurrent.nbytes if self.recurrent is not None and self._length else 0
         return self.capacity * self.bytes_per_token + self.window_nbytes + rec
 
-    def reserve(self, n_tokens: int) -> None:
+    def reserve(self, n_tokens: int, importing: bool = False) -> None:
         """Make room for at least ``n_tokens`` positions (keeps the contents); a window's buffer first
         lets go of the positions no query or kept point needs any more."""
+        if self._awaiting_state and not importing:
+            raise PrefixNotReusable("this hybrid-recurrent sequence was restored up to a block without its "
+                                    "recurrent state; import up to a block with one, or trim it first")
         self.unstack()
         if self.window is not None:
             self._reserve_window(n_tokens)
@@ -365,6 +401,7 @@ class SequenceCache:
             self.unstack()  # the window buffer itself changes (emptied, or a snapshot put back)
         if self.recurrent is not None:
             self._trim_recurrent(n_tokens)
+            self._awaiting_state = self._awaiting_state and n_tokens == self._length
         self._length = n_tokens
         if self.window is not None:
             self._trim_window(n_tokens)
@@ -477,16 +514,45 @@ class SequenceCache:
     def advance(self, n: int) -> None:
         self._length += n
 
-    def _refuse_transfer(self, what: str) -> None:
+    # ---- the persistent store's blocks ------------------------------------------------------
+
+    @property
+    def persist_kind(self) -> str:
+        """What this sequence's blocks hold (``kvstore.blockfile.CACHE_KINDS``): "" plain K/V,
+        ``recurrent`` the K/V plus, at captured block ends, the recurrent state there."""
+        return "recurrent" if self.recurrent is not None else ""
+
+    def keep_block_ends(self, block_tokens: int) -> None:
+        """Capture the state at every multiple of ``block_tokens`` a prompt's prefill reaches, until that
+        block is exported (the persistent store turns this on for every slot's sequence)."""
         if self.recurrent is not None:
-            raise PrefixNotReusable(f"KV {what} of a hybrid-recurrent sequence is not supported: its recurrent "
-                                    "state is not part of the K/V blocks")
+            self.recurrent.block_tokens = block_tokens
+
+    @property
+    def block_ends(self) -> dict:
+        """The captured block ends (length → state) not exported yet; empty for plain K/V."""
+        return self.recurrent.block_ends if self.recurrent is not None else {}
+
+    def forget_block_ends(self, keep) -> None:
+        """Let go of the captured block ends whose length is not in ``keep`` (their blocks are on disk)."""
+        ends = self.block_ends
+        for n in [n for n in ends if n not in keep]:
+            del ends[n]
+
+    def _refuse_transfer(self, what: str, start: int, end: int) -> None:
         if self.window is not None:
             raise PrefixNotReusable(f"KV {what} of a sliding-window sequence is not supported: its window layers "
                                     "keep only the last positions, so the K/V blocks of a prefix are incomplete")
+        rec = self.recurrent
+        if rec is not None and (not rec.block_tokens or start % rec.block_tokens or end % rec.block_tokens):
+            raise PrefixNotReusable(f"KV {what} of a hybrid-recurrent sequence moves whole persistent-store blocks "
+                                    f"only (block ends kept: {rec.block_tokens}); got [{start}, {end})")
 
     def export(self, start: int, end: int) -> dict[str, np.ndarray]:
-        self._refuse_transfer("export")
+        """Host copies of positions ``[start, end)`` of every layer's K and V; a hybrid sequence's block
+        also carries the recurrent state at ``end`` when it still holds it (``state.*``), which the
+        export then lets go of (the block has it)."""
+        self._refuse_transfer("export", start, end)
         out = {}
         for i in range(self.n_layers):
             for name, buf in ((f"k.{i}", self.keys[i]), (f"v.{i}", self.values[i])):
@@ -495,12 +561,25 @@ class SequenceCache:
                     out[name] = np.array(part.astype(mx.float32))
                 else:  # the codes and scales themselves: a block restores them bit for bit
                     out.update(self.codec.to_host(name, part))
+        rec = self.recurrent
+        state = None if rec is None else rec.state_at(end, self._length)
+        if state is not None and all(a is not None for a in (*state[0], *state[1])):
+            for j, (conv, ssm) in enumerate(zip(*state)):
+                out[f"state.conv.{j}"] = np.array(conv.astype(mx.float32))
+                out[f"state.ssm.{j}"] = np.array(ssm.astype(mx.float32))
+            rec.block_ends.pop(end, None)
         return out
 
     def import_(self, arrays: dict[str, np.ndarray], n_tokens: int) -> None:
-        self._refuse_transfer("import")
+        """Append ``n_tokens`` positions ``export`` gave. A hybrid sequence takes the recurrent state from
+        a block that carries it; after one that does not, it cannot run a forward until a later block
+        brings the state (a restore imports up to a block with one, in one transaction)."""
         start = self._length
-        self.reserve(start + n_tokens)
+        self._refuse_transfer("import", start, start + n_tokens)
+        rec = self.recurrent
+        if rec is not None:
+            state = self._imported_state(arrays, rec)
+        self.reserve(start + n_tokens, importing=True)
         for i in range(self.n_layers):
             k, v = arrays[f"k.{i}"], arrays[f"v.{i}"]
             if k.shape != (self.kv_heads, n_tokens, self.head_dim) or v.shape[1] != n_tokens:
@@ -514,6 +593,32 @@ class SequenceCache:
         mx.eval([a for buf in self.keys + self.values for a in _planes(buf)])
         self._length += n_tokens
         self.version = next(_VERSIONS)
+        if rec is not None:
+            rec._checkpoint, rec.verify_states, rec.hidden = None, {}, None
+            if state is None:
+                if start and not self._awaiting_state:  # where a failed restore can be trimmed back to
+                    rec.points.add(start, (list(rec.conv), list(rec.ssm)))
+                self._awaiting_state = True
+            else:
+                rec.conv, rec.ssm = state
+                mx.eval(rec.conv + rec.ssm)
+                rec.points.add(self._length, (list(rec.conv), list(rec.ssm)))
+                self._awaiting_state = False
+            self.published_points = self.reuse_points()
+
+    def _imported_state(self, arrays: dict[str, np.ndarray], rec: RecurrentState) -> tuple[list, list] | None:
+        """The recurrent state a block carries (checked against this model's shapes), None if it has none."""
+        if not any(name.startswith("state.") for name in arrays):
+            return None
+        conv, ssm = [], []
+        for j in range(rec.n_layers):
+            for name, shape, out, dtype in ((f"state.conv.{j}", rec.conv_shape, conv, rec.dtype),
+                                            (f"state.ssm.{j}", rec.ssm_shape, ssm, mx.float32)):
+                got = None if name not in arrays else tuple(np.shape(arrays[name]))
+                if got != shape:
+                    raise ValueError(f"recurrent layer {j}: KV block part {name!r} has shape {got}, expected {shape}")
+                out.append(mx.array(arrays[name]).astype(dtype))
+        return conv, ssm
 
 
 def _padded(buf, n: int):
@@ -844,11 +949,11 @@ class ForwardBatch:
                         if self.keeps_every_state:
                             rec.verify_states[c.length + cut] = state
                         if cut in due:
-                            rec.add_point(c.length + cut, *state)
+                            rec.add_point(c.length + cut, *state, prompt=self.n_new > 1 and self.end_point)
                 for layer, (conv, ssm) in self._staged.items():
                     rec.conv[layer], rec.ssm[layer] = conv[b], ssm[b]
                 if rec.points.ends_at(c.length + self.n_new, self.n_new, self.end_point):
-                    rec.add_point(c.length + self.n_new, rec.conv, rec.ssm)
+                    rec.add_point(c.length + self.n_new, rec.conv, rec.ssm, prompt=self.n_new > 1 and self.end_point)
             if c.window is not None:
                 c.add_window_points(c.length, self.n_new, self.end_point)
             c.advance(self.n_new)

@@ -163,6 +163,13 @@ class MlxModelRunner:
                 and getattr(self.model, "trims_prefix", True))
 
     @property
+    def persists_kv(self) -> bool:
+        """Whether the persistent KV store can keep this model's sequences: plain K/V, a hybrid model's
+        (its blocks carry the recurrent state at their ends) and DeepSeek-V4's compact cache; not a
+        sliding-window model's window layers, nor an MTP head's extra layer (docs/KVSTORE.md)."""
+        return not self.window_layers and not self.drafts
+
+    @property
     def rolls_back_drafts(self) -> bool:
         """Whether a sequence can stop at any position inside a verify forward (speculative decoding in
         the server): a hybrid model's verify keeps the recurrent state after each token; a model with

@@ -12,7 +12,9 @@ Runtime integration (stable API)::
     store.recovery                                       # RecoveryReport (log it, export it)
     async with open_kv_writer(store, capacity=8) as writer:   # hf2q.actors.kv_writer
         # hydrate: when the disk holds more of the prompt than the chosen slot
-        plan = plan_restore(store, tokens, slot_cached)  # cheap, index only; None = nothing to do
+        seq.keep_block_ends(BLOCK_TOKENS)                # a hybrid / DeepSeek-V4 cache: capture block-end state
+        plan = plan_restore(store, tokens, slot_cached,  # cheap, index only; None = nothing to do
+                            seq.published_points, seq.persist_kind)  # (None, "" for plain K/V)
         seq.trim(plan.keep_tokens)                       # on the GPU thread
         for imp in plan.imports:
             arrays = store.read(imp.meta)                # blocking, verified; BlockUnavailable → stop there
@@ -21,7 +23,7 @@ Runtime integration (stable API)::
         # persist: after prefill, for blocks not yet on disk
         for span in store.missing_spans(tokens):
             arrays = runner.export_kv(seq, span.start, span.end)   # on the GPU thread
-            writer.submit_nowait(KVBlock.from_span(span, tokens, arrays))  # False = skipped (counted)
+            writer.submit_nowait(KVBlock.from_span(span, tokens, arrays, seq.persist_kind))  # False = skipped
     store.stats()                                        # StoreStats for /metrics
     store.close()
 

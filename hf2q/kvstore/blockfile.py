@@ -11,7 +11,12 @@ the tensors' dtype/shape summary and the body's sha256.
 Versions: a block is written at ``FORMAT_VERSION`` (1), except one holding an 8-bit cache's own codes
 and scales (payload ``kv-codes``), written at ``CODES_FORMAT_VERSION`` (2) — a reader that predates
 those blocks refuses them as ``wrong-version`` rather than misreading the codes as K/V values, while
-every version-1 store stays readable. A version goes with its payload kinds only.
+every version-1 store stays readable. A version goes with its payload kinds only. A block of a cache
+that is not plain per-position K/V (``cache_kind``: ``recurrent`` for a hybrid model's DeltaNet state,
+``deepseek4`` for DeepSeek-V4's compact cache) is written at ``STATE_FORMAT_VERSION`` (3), with
+``cache_kind`` in its header and, when its end is a reuse point, the state that point needs as the
+tensors named ``state.*`` (``END_STATE_PREFIX``); a reader that predates them refuses them as
+``wrong-version`` instead of importing K/V without the state it belongs to (docs/KVSTORE.md).
 
 Everything here is pure byte work with no locking or directory policy, so recovery,
 the store, the CLI and tests share one parser. Any defect raises ``BlockFileError`` with a
@@ -36,6 +41,7 @@ from hf2q.kvstore.fingerprint import chain_hash
 FORMAT_NAME = "hf2q-kv-block"
 FORMAT_VERSION = 1
 CODES_FORMAT_VERSION = 2
+STATE_FORMAT_VERSION = 3
 BLOCK_SUFFIX = ".safetensors"
 PAYLOAD_KV = "kv"  # tensors at the engine's own KV dtype
 PAYLOAD_KV_Q8 = "kv-q8"  # int8 rows + float16 scales (hf2q/kvstore/q8.py)
@@ -44,7 +50,12 @@ PAYLOAD_KINDS = (PAYLOAD_KV, PAYLOAD_KV_Q8, PAYLOAD_KV_F16)  # what ``--kv-persi
 #: an 8-bit cache's codes and scales as the engine holds them (whatever the store's chosen kind)
 PAYLOAD_KV_CODES = "kv-codes"
 #: the payload kinds each readable format version holds
-VERSION_PAYLOADS = {FORMAT_VERSION: PAYLOAD_KINDS, CODES_FORMAT_VERSION: (PAYLOAD_KV_CODES,)}
+VERSION_PAYLOADS = {FORMAT_VERSION: PAYLOAD_KINDS, CODES_FORMAT_VERSION: (PAYLOAD_KV_CODES,),
+                    STATE_FORMAT_VERSION: (*PAYLOAD_KINDS, PAYLOAD_KV_CODES)}
+#: the caches whose blocks carry a cache kind (version 3): what their ``export`` produces
+CACHE_KINDS = ("recurrent", "deepseek4")
+#: tensors of a block holding the state its end needs (``BlockMeta.has_end_state``)
+END_STATE_PREFIX = "state."
 
 _MAX_HEADER = 1 << 20
 
@@ -89,10 +100,17 @@ class BlockMeta:
     file_bytes: int
     path: Path = attrs.field(eq=False)
     payload_dtypes: Mapping[str, str] = attrs.field(factory=dict, repr=False)  # kv-q8: original dtypes
+    cache_kind: str = ""  # "" for plain K/V (versions 1 and 2), else one of CACHE_KINDS (version 3)
 
     @property
     def token_count(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def has_end_state(self) -> bool:
+        """Whether a restore may stop at this block's end: plain K/V always, a stateful cache's block
+        only when it carries the state there."""
+        return not self.cache_kind or any(name.startswith(END_STATE_PREFIX) for name in self.tensors)
 
 
 def block_file_name(block_hash: str) -> str:
@@ -109,7 +127,7 @@ def _st_dtype(arr: np.ndarray) -> str:
 def encode_block(*, block_hash: str, parent_hash: str, fingerprint: str, token_ids: Sequence[int],
                  arrays: Mapping[str, np.ndarray], payload_kind: str = PAYLOAD_KV,
                  payload_dtypes: Mapping[str, str] | None = None,
-                 dtype_tags: Mapping[str, str] | None = None) -> tuple[bytes, list[memoryview]]:
+                 dtype_tags: Mapping[str, str] | None = None, cache_kind: str = "") -> tuple[bytes, list[memoryview]]:
     """Return ``(prefix, body_parts)``: the length+header bytes and the body as zero-copy views.
 
     Writing ``prefix`` then each part gives the complete file; the caller never needs the
@@ -118,6 +136,8 @@ def encode_block(*, block_hash: str, parent_hash: str, fingerprint: str, token_i
     names = sorted(arrays)
     if not names:
         raise ValueError("a KV block needs at least one tensor")
+    if cache_kind and cache_kind not in CACHE_KINDS:
+        raise ValueError(f"unknown cache kind {cache_kind!r}")
     parts: list[memoryview] = []
     entries: dict[str, dict] = {}
     summary: dict[str, list] = {}
@@ -143,7 +163,7 @@ def encode_block(*, block_hash: str, parent_hash: str, fingerprint: str, token_i
         offset += view.nbytes
     metadata = {
         "format": FORMAT_NAME,
-        "format_version": str(CODES_FORMAT_VERSION if payload_kind == PAYLOAD_KV_CODES else FORMAT_VERSION),
+        "format_version": str(_version(payload_kind, cache_kind)),
         "fingerprint": fingerprint,
         "block_hash": block_hash,
         "parent_hash": parent_hash,
@@ -154,11 +174,19 @@ def encode_block(*, block_hash: str, parent_hash: str, fingerprint: str, token_i
         "body_bytes": str(offset),
         "body_sha256": body_hash.hexdigest(),
     }
+    if cache_kind:
+        metadata["cache_kind"] = cache_kind
     if payload_dtypes:
         metadata["payload_dtypes"] = json.dumps(dict(payload_dtypes), separators=(",", ":"))
     header = json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":")).encode("utf-8")
     header += b" " * ((-(8 + len(header))) % 8)
     return struct.pack("<Q", len(header)) + header, parts
+
+
+def _version(payload_kind: str, cache_kind: str) -> int:
+    if cache_kind:
+        return STATE_FORMAT_VERSION
+    return CODES_FORMAT_VERSION if payload_kind == PAYLOAD_KV_CODES else FORMAT_VERSION
 
 
 def encode_block_bytes(**kw) -> bytes:
@@ -209,10 +237,15 @@ def parse_header(prefix: bytes, file_bytes: int, path: Path) -> BlockMeta:
             raise BlockFileError("unknown-payload", f"payload kind {md['payload_kind']!r} in a version "
                                                     f"{md['format_version']} block")
         payload_dtypes = {str(k): str(v) for k, v in json.loads(md.get("payload_dtypes", "{}")).items()}
+        cache_kind = str(md.get("cache_kind", ""))
+        if (cache_kind in CACHE_KINDS) != (md["format_version"] == str(STATE_FORMAT_VERSION)):
+            raise BlockFileError("unknown-payload", f"cache kind {cache_kind!r} in a version "
+                                                    f"{md['format_version']} block")
         meta = BlockMeta(block_hash=str(md["block_hash"]), parent_hash=str(md["parent_hash"]),
                          fingerprint=str(md["fingerprint"]), payload_kind=str(md["payload_kind"]),
                          token_ids=token_ids, body_sha256=str(md["body_sha256"]), tensors=tensors,
-                         body_offset=8 + hlen, file_bytes=file_bytes, path=path, payload_dtypes=payload_dtypes)
+                         body_offset=8 + hlen, file_bytes=file_bytes, path=path, payload_dtypes=payload_dtypes,
+                         cache_kind=cache_kind)
     except (KeyError, ValueError, TypeError, AttributeError) as e:
         raise BlockFileError("bad-header", f"field {e}") from None
     try:

@@ -7,6 +7,13 @@ prompt's last token is never restored — prefill must compute it to produce the
 first sampled token comes from — and only whole blocks are imported (the engine's
 ``import_kv`` takes arrays of exactly ``n_tokens`` positions), so a prompt ending exactly on
 a block boundary recomputes its last block.
+
+A cache that is not plain per-position K/V (``points`` given: a hybrid model's recurrent state,
+DeepSeek-V4's compact cache) can only be trimmed to its reuse points, and a restore can only stop
+at a block that carries the state its end needs (``BlockMeta.has_end_state``): the slot is trimmed
+to its deepest block-aligned point within what it holds, and the blocks after it are imported up
+to the deepest one with an end state (the blocks before that one give their K/V or compressed
+entries only).
 """
 
 from __future__ import annotations
@@ -40,25 +47,34 @@ class RestorePlan:
         return self.keep_tokens + self.restored_tokens
 
 
-def plan_restore(store, prompt: Sequence[int], slot_cached: int = 0) -> RestorePlan | None:
+def plan_restore(store, prompt: Sequence[int], slot_cached: int = 0, points: Sequence[int] | None = None,
+                 cache_kind: str = "") -> RestorePlan | None:
     """What to import from ``store`` for ``prompt``, or None when the disk adds nothing.
 
-    ``slot_cached`` is how many leading prompt tokens the slot's KV already holds.
+    ``slot_cached`` is how many leading prompt tokens the slot's KV already holds; ``points`` the
+    lengths its sequence can be trimmed to (``seq.published_points``; None: any length) and
+    ``cache_kind`` its ``persist_kind``, which the blocks must match.
     """
     limit = len(prompt) - 1  # keep at least one token for prefill
     if limit <= slot_cached:
         return None
     found = store.longest_prefix(prompt)
-    keep = (slot_cached // BLOCK_TOKENS) * BLOCK_TOKENS
+    if points is None:
+        keep = (slot_cached // BLOCK_TOKENS) * BLOCK_TOKENS
+    else:
+        keep = max(p for p in (0, *points) if p <= slot_cached and p % BLOCK_TOKENS == 0)
     imports = []
     for i, meta in enumerate(found):
         start = i * BLOCK_TOKENS
         if start < keep:
             continue
-        if start + BLOCK_TOKENS > limit:
+        if start + BLOCK_TOKENS > limit or meta.cache_kind != cache_kind:
             break
         imports.append(BlockImport(meta, BLOCK_TOKENS))
+    while imports and not imports[-1].meta.has_end_state:
+        imports.pop()  # a restore stops only where the state is saved
     plan = RestorePlan(keep, tuple(imports))
     if plan.cached_tokens <= slot_cached:
         return None
     return plan
+

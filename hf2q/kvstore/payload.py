@@ -12,7 +12,9 @@ block, not the store): an 8-bit cache's export — uint8 codes and their scales
 (``engine/kv_layout.SCALES_SUFFIX``) — kept as it is, the scales narrowed only losslessly, so a
 restore gives back the very codes, whatever ``--kv-persist-payload`` says. In every case
 ``payload_dtypes`` in the header records the dtype each narrowed tensor is restored to, so
-readers get back exactly the exported dtype.
+readers get back exactly the exported dtype. A block's end state (``state.*``: a recurrent state, or
+DeepSeek-V4's open compressor rows) is always stored losslessly: a rounded recurrent state would carry its
+error into every later token, where rounded K/V rows only touch attention over them.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from typing import Mapping
 import numpy as np
 
 from hf2q.engine.kv_layout import SCALES_SUFFIX
-from hf2q.kvstore.blockfile import PAYLOAD_KV, PAYLOAD_KV_CODES, PAYLOAD_KV_F16, PAYLOAD_KV_Q8, BlockMeta
+from hf2q.kvstore.blockfile import (END_STATE_PREFIX, PAYLOAD_KV, PAYLOAD_KV_CODES, PAYLOAD_KV_F16, PAYLOAD_KV_Q8,
+                                    BlockMeta)
 from hf2q.kvstore.q8 import SCALE_SUFFIX, dequantize_rows, quantize_rows
 
 
@@ -57,13 +60,14 @@ def encode_payload(arrays: Mapping[str, np.ndarray], kind: str
         arr = np.asarray(arr)
         if name.endswith(SCALE_SUFFIX):
             raise ValueError(f"tensor name {name!r} is reserved")
-        if kind == PAYLOAD_KV_Q8 and arr.dtype.kind == "f" and arr.ndim >= 1 and arr.shape[-1] > 0:
+        lossy = not name.startswith(END_STATE_PREFIX)
+        if lossy and kind == PAYLOAD_KV_Q8 and arr.dtype.kind == "f" and arr.ndim >= 1 and arr.shape[-1] > 0:
             stored[name], stored[name + SCALE_SUFFIX] = quantize_rows(arr)
             dtypes[name] = arr.dtype.name
             continue
         if arr.dtype == np.float32:
             narrow = _narrow_lossless(arr)
-            if narrow is None and kind == PAYLOAD_KV_F16 and np.all(np.abs(arr) <= _F16_MAX):
+            if narrow is None and lossy and kind == PAYLOAD_KV_F16 and np.all(np.abs(arr) <= _F16_MAX):
                 narrow = arr.astype(np.float16), None
             if narrow is not None:
                 stored[name], tag = narrow
@@ -86,7 +90,7 @@ def decode_payload(stored: Mapping[str, np.ndarray], meta: BlockMeta) -> dict[st
         want = meta.payload_dtypes.get(name)
         if want is None:
             out[name] = arr
-        elif meta.payload_kind == PAYLOAD_KV_Q8:
+        elif meta.payload_kind == PAYLOAD_KV_Q8 and name + SCALE_SUFFIX in stored:  # (an end state is not q8)
             out[name] = dequantize_rows(arr, stored[name + SCALE_SUFFIX], np.dtype(want))
         elif meta.tensors[name].dtype == "BF16":
             out[name] = (arr.astype(np.uint32) << 16).view(np.float32).astype(np.dtype(want), copy=False)

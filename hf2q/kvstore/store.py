@@ -62,7 +62,8 @@ class KVBlock:
     """One block to persist: its key, its tokens and the engine's exported KV arrays.
 
     ``payload_kind`` describes ``arrays`` as handed over (always the engine's ``kv``); how
-    they are stored is the store's choice (``BlockStore.open(payload_kind=…)``).
+    they are stored is the store's choice (``BlockStore.open(payload_kind=…)``). ``cache_kind``
+    is the exporting sequence's ``persist_kind`` ("" for plain K/V; ``blockfile.CACHE_KINDS``).
     """
 
     block_hash: str
@@ -70,10 +71,12 @@ class KVBlock:
     token_ids: tuple[int, ...] = attrs.field(converter=lambda t: tuple(int(x) for x in t))
     arrays: Mapping[str, np.ndarray] = attrs.field(repr=False)
     payload_kind: str = PAYLOAD_KV
+    cache_kind: str = ""
 
     @classmethod
-    def from_span(cls, span: BlockSpan, tokens: Sequence[int], arrays: Mapping[str, np.ndarray]) -> "KVBlock":
-        return cls(span.block_hash, span.parent_hash, tokens[span.start:span.end], arrays)
+    def from_span(cls, span: BlockSpan, tokens: Sequence[int], arrays: Mapping[str, np.ndarray],
+                  cache_kind: str = "") -> "KVBlock":
+        return cls(span.block_hash, span.parent_hash, tokens[span.start:span.end], arrays, cache_kind=cache_kind)
 
     @property
     def nbytes(self) -> int:
@@ -264,7 +267,8 @@ class BlockStore:
         arrays, tags, dtypes = payload.encode_payload(block.arrays, kind)
         prefix, parts = encode_block(block_hash=block.block_hash, parent_hash=block.parent_hash,
                                      fingerprint=self.fingerprint, token_ids=block.token_ids, arrays=arrays,
-                                     payload_kind=kind, payload_dtypes=dtypes, dtype_tags=tags)
+                                     payload_kind=kind, payload_dtypes=dtypes, dtype_tags=tags,
+                                     cache_kind=block.cache_kind)
         final = self.blocks_dir / block_file_name(block.block_hash)
         tmp = self.blocks_dir / f".{block.block_hash}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)

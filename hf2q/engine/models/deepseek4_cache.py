@@ -22,10 +22,13 @@ point is never past the length, and the entries of a shorter length are a prefix
 ``trim`` honours 0, the length, any point, and any length whose rows are still held; anything else
 raises ``PrefixNotReusable``.
 
-**Export/import** move the state at the block's end: the entries closed inside the block and the
-rows the end needs. A block can be exported while the cache still holds its end's rows (its end is
-the length, a point, or inside the last forward); imported after a trim (or onto an empty cache),
-its entries are appended and its rows become the live ones.
+**Export/import** move a block: the entries closed inside it (``entries.{i}``, ``index_entries.{i}``)
+and, when the cache still holds them, the rows its end needs (``state.raw.{i}``, ``state.comp.{i}``,
+``state.index.{i}``: its end is the length, a point, inside the last forward, or a block end a prompt's
+prefill reached with ``keep_block_ends`` on — captured there for the persistent store, because by the
+time a request has ended the rows of its earlier block ends are gone). Imported after a trim (or onto
+an empty cache), the entries are appended and the rows, where the block has them, become the live
+ones; after a block without them the cache runs no forward until a block with them is imported.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from hf2q.engine.kv_cache import PrefixNotReusable, SequenceCache
+from hf2q.engine.kv_cache import BLOCK_ENDS_KEPT, PrefixNotReusable, SequenceCache
 from hf2q.engine.models.deepseek4_layout import LayerRows
 from hf2q.engine.recurrent_policy import (CHECKPOINT_INTERVAL, WINDOW_POINTS_KEPT, WINDOW_SNAPSHOTS_KEPT,
                                           ReusePoints, room_for)
@@ -146,6 +149,10 @@ class Deepseek4Cache(SequenceCache):
         self._pending: dict[int, tuple[LayerState, int, int]] = {}
         self._transaction = True
         self.published_points = (0,)
+        #: the persistent store's block size (``keep_block_ends``), None when off
+        self.block_tokens: int | None = None
+        #: length → rows per layer at the prompt block ends reached and not exported yet
+        self._block_ends: dict[int, list[LayerState]] = {}
 
     def _empty_state(self, s: LayerRows) -> LayerState:
         return LayerState(_empty_rows(s.head_dim, self.dtype),
@@ -183,6 +190,8 @@ class Deepseek4Cache(SequenceCache):
 
     def reserve(self, n_tokens: int) -> None:
         """Before a forward: let go of the rows neither the next query nor the one-position undo needs."""
+        if self._awaiting_state:
+            raise PrefixNotReusable("this deepseek4 cache was restored up to a block without its rows")
         self._pending = {}
         if self._length and self._held(self._length - 1):  # (not after a return to a point: already minimal)
             self.states = self._state_at(self._length - 1, self._length)
@@ -221,6 +230,7 @@ class Deepseek4Cache(SequenceCache):
                 self.ends[p] = rows
         while len(self.ends) > self.ends_kept:
             del self.ends[min(self.ends)]
+        self._capture_block_ends(start, n, transaction)
 
     def _snapshot(self, n: int) -> list[LayerState]:
         rows = [LayerState(*(None if r is None else Rows(r.start, _copy(r.data))
@@ -245,6 +255,9 @@ class Deepseek4Cache(SequenceCache):
         self._pending = {}
         if n_tokens == self._length:
             return
+        self._awaiting_state = False
+        for p in [p for p in self._block_ends if p > n_tokens]:
+            del self._block_ends[p]
         if n_tokens == 0:
             self.states = [self._empty_state(s) for s in self.specs]
             self.points.clear()
@@ -294,59 +307,114 @@ class Deepseek4Cache(SequenceCache):
     def nbytes(self) -> int:
         live = sum(a.nbytes for st in self.states for a in st.arrays())
         kept = [rows for _, rows in (self.points[p] for p in self.points)] + list(self.ends.values())
+        kept += [rows for p, rows in self._block_ends.items() if p not in self.points and p not in self.ends]
         copies = sum(a.nbytes for rows in kept for st in rows for a in st.arrays())
         return live + copies + sum(e.nbytes for e in (*self.entries, *self.index_entries) if e is not None)
 
     # ---- export / import ---------------------------------------------------------------------------
 
-    def export(self, start: int, end: int) -> dict[str, np.ndarray]:
+    @property
+    def persist_kind(self) -> str:
+        return "deepseek4"
+
+    @property
+    def block_ends(self) -> dict[int, list[LayerState]]:
+        return self._block_ends
+
+    def keep_block_ends(self, block_tokens: int) -> None:
+        """Capture the rows at every multiple of ``block_tokens`` a prompt's prefill reaches, until that
+        block is exported (the persistent store turns this on for every slot's sequence)."""
+        self.block_tokens = block_tokens
+
+    def _capture_block_ends(self, start: int, n: int, transaction: bool) -> None:
+        """The rows at the block ends a prompt forward of ``n`` tokens from ``start`` reached: the copy its
+        reuse point there made, or (a point already aged out within this forward) a copy of the live
+        rows, which hold every length inside the last forward."""
+        if not self.block_tokens or n <= 1 or not transaction:
+            return
+        first = (start // self.block_tokens + 1) * self.block_tokens
+        for p in range(first, start + n + 1, self.block_tokens):
+            self._block_ends[p] = self.points[p][1] if p in self.points else self._snapshot(p)
+        while len(self._block_ends) > BLOCK_ENDS_KEPT:
+            del self._block_ends[min(self._block_ends)]
+
+    def _rows_at(self, end: int) -> list[LayerState] | None:
         if end == self._length or self._held(end):
-            rows = self._state_at(end)
-        elif end in self.points:
-            rows = self.points[end][1]
-        elif end in self.ends:
-            rows = self.ends[end]
-        else:
+            return self._state_at(end)
+        if end in self._block_ends:
+            return self._block_ends[end]
+        if end in self.points:
+            return self.points[end][1]
+        return self.ends.get(end)
+
+    def export(self, start: int, end: int) -> dict[str, np.ndarray]:
+        """The entries closed in ``[start, end)`` and, where this still holds them, the rows ``end``
+        needs (which the export then lets go of, if captured for it)."""
+        if not 0 <= start <= end <= self._length:
+            raise ValueError(f"export range [{start}, {end}) outside 0..{self._length}")
+        rows = self._rows_at(end)
+        host = lambda a: np.array(a.astype(mx.float32))  # noqa: E731
+        out = {}
+        for i, spec in enumerate(self.specs):
+            if spec.ratio:
+                out[f"entries.{i}"] = host(self.entries[i].view(end // spec.ratio)[start // spec.ratio:])
+            if spec.overlap:
+                out[f"index_entries.{i}"] = host(self.index_entries[i].view(end // spec.ratio)[start // spec.ratio:])
+            if rows is not None:
+                out[f"state.raw.{i}"] = host(rows[i].raw.data)
+                if spec.ratio:
+                    out[f"state.comp.{i}"] = host(rows[i].comp.data)
+                if spec.overlap:
+                    out[f"state.index.{i}"] = host(rows[i].index.data)
+        if rows is not None:
+            self._block_ends.pop(end, None)
+        elif not out:  # a model of window layers only: a block is its end rows or nothing
             raise PrefixNotReusable(f"cannot export a deepseek4 cache of {self._length} tokens up to {end}: its "
                                     f"rows there are no longer held (it can: {self.reuse_points()})")
-        out = {}
-        for i, (spec, st) in enumerate(zip(self.specs, rows)):
-            out[f"raw.{i}"] = np.array(st.raw.data.astype(mx.float32))
-            if spec.ratio:
-                out[f"comp.{i}"] = np.array(st.comp.data.astype(mx.float32))
-                out[f"entries.{i}"] = np.array(self.entries[i].view(end // spec.ratio)[start // spec.ratio:]
-                                               .astype(mx.float32))
-            if spec.overlap:
-                out[f"index.{i}"] = np.array(st.index.data.astype(mx.float32))
-                out[f"index_entries.{i}"] = np.array(
-                    self.index_entries[i].view(end // spec.ratio)[start // spec.ratio:].astype(mx.float32))
         return out
 
     def import_(self, arrays: dict[str, np.ndarray], n_tokens: int) -> None:
+        """Append a block ``export`` gave: its entries, and its end rows as the live ones when it has them."""
         start, end = self._length, self._length + n_tokens
+        with_rows = any(name.startswith("state.") for name in arrays)
         rows = []
         for i, spec in enumerate(self.specs):
             raw_first, comp_first = self.raw_first(end), self.comp_first(spec, end) if spec.ratio else 0
             n_entries = end // spec.ratio - start // spec.ratio if spec.ratio else 0
-            want = {f"raw.{i}": (end - raw_first, spec.head_dim)}
+            want = {}
             if spec.ratio:
-                want |= {f"comp.{i}": (end - comp_first, spec.comp_width), f"entries.{i}": (n_entries, spec.head_dim)}
+                want[f"entries.{i}"] = (n_entries, spec.head_dim)
             if spec.overlap:
-                want |= {f"index.{i}": (end - comp_first, spec.index_width),
-                         f"index_entries.{i}": (n_entries, spec.index_dim)}
+                want[f"index_entries.{i}"] = (n_entries, spec.index_dim)
+            if with_rows:
+                want[f"state.raw.{i}"] = (end - raw_first, spec.head_dim)
+                if spec.ratio:
+                    want[f"state.comp.{i}"] = (end - comp_first, spec.comp_width)
+                if spec.overlap:
+                    want[f"state.index.{i}"] = (end - comp_first, spec.index_width)
             for name, shape in want.items():
                 got = None if name not in arrays else tuple(np.shape(arrays[name]))
                 if got != shape:
                     raise ValueError(f"layer {i}: KV block part {name!r} has shape {got}, expected {shape}")
-            put = lambda name: mx.array(arrays[name]).astype(self.dtype)  # noqa: E731
-            rows.append(LayerState(Rows(raw_first, put(f"raw.{i}")),
-                                   Rows(comp_first, put(f"comp.{i}")) if spec.ratio else None,
-                                   Rows(comp_first, put(f"index.{i}")) if spec.overlap else None))
+            if with_rows:
+                rows.append(LayerState(Rows(raw_first, self._put(arrays, f"state.raw.{i}")),
+                                       Rows(comp_first, self._put(arrays, f"state.comp.{i}")) if spec.ratio else None,
+                                       Rows(comp_first, self._put(arrays, f"state.index.{i}")) if spec.overlap else None))
+        for i, spec in enumerate(self.specs):  # every part checked: now append
             if spec.ratio:
-                self.entries[i].count = self.entries[i].write(put(f"entries.{i}"))
+                self.entries[i].count = self.entries[i].write(self._put(arrays, f"entries.{i}"))
             if spec.overlap:
-                self.index_entries[i].count = self.index_entries[i].write(put(f"index_entries.{i}"))
-        self.states = rows
+                self.index_entries[i].count = self.index_entries[i].write(self._put(arrays, f"index_entries.{i}"))
+        if with_rows:
+            self.states = rows
+        elif start and not self._awaiting_state:  # where a failed restore can be trimmed back to
+            self.points.add(start, (None, self._snapshot(start)))
+        self._awaiting_state = not with_rows
         mx.eval(self.keys)
         self._length, self._rollback = end, None
+        if with_rows:  # the restored prefix's end stays a length to return to (a prompt diverging after it)
+            self.points.add(end, (None, self._snapshot(end)))
         self.published_points = self.reuse_points()
+
+    def _put(self, arrays: dict[str, np.ndarray], name: str) -> mx.array:
+        return mx.array(arrays[name]).astype(self.dtype)
