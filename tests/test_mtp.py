@@ -130,7 +130,7 @@ def test_draft_logits_match_transformers(gguf, tiny_checkpoint, tmp_path, kind):
     for t in tokens[PROMPT:PROMPT + 3]:
         runner.decode([seq], [t])
     n = PROMPT + 3
-    drafts, rows = runner.model.mtp.draft(seq, tokens[n], 3)
+    drafts, rows = runner.model.mtp.draft_logits(seq, tokens[n], 3)
     head = _transformers_head(tiny_checkpoint(FAMILIES[kind]), tmp_path)
     ref = _reference(head, tokens[:n], tokens[n], 3)
     assert float(np.std(ref)) > 0.3  # not flat
@@ -139,7 +139,7 @@ def test_draft_logits_match_transformers(gguf, tiny_checkpoint, tmp_path, kind):
     assert seq.length == n  # drafting leaves the sequence alone
     runner.verify(seq, tokens[n:n + 5])  # five fed, two kept: the state after the second
     seq.trim(n + 2)
-    _, rows = runner.model.mtp.draft(seq, tokens[n + 2], 2)
+    _, rows = runner.model.mtp.draft_logits(seq, tokens[n + 2], 2)
     ref = _reference(head, tokens[:n + 2], tokens[n + 2], 2)
     np.testing.assert_allclose(rows, ref, atol=TOL, rtol=0)
 
