@@ -106,7 +106,8 @@ def nextn_block(g) -> int | None:
 
 def check_speculative(g, args) -> None:
     """``--speculative mtp``'s start-up checks on the model's header: a qwen35 / qwen35moe file with a
-    ``nextn`` block (``InputError``) and a float KV cache on one rank (``UsageError``)."""
+    ``nextn`` block (``InputError``) on one rank (``UsageError``). Any ``--kv-cache-type``: the head's
+    K/V layer is stored like the main ones."""
     from hf2q.errors import InputError, UsageError
 
     if getattr(args, "speculative", "off") != "mtp":
@@ -115,8 +116,6 @@ def check_speculative(g, args) -> None:
     if g.arch not in ("qwen35", "qwen35moe") or nextn_block(g) is None:
         raise InputError(f"{name}: --speculative mtp needs a Qwen 3.5 / 3.6 GGUF with its multi-token-prediction "
                          "(nextn) block — convert without --no-mtp, or use --speculative ngram")
-    if getattr(args, "kv_cache_type", "f16") != "f16":
-        raise UsageError("--speculative mtp needs --kv-cache-type f16")
     if getattr(args, "tensor_parallel", 1) > 1 or getattr(args, "hostfile", None) or getattr(args, "hosts", None):
         raise UsageError("--speculative mtp runs on one rank; drop --tensor-parallel")
 
