@@ -20,7 +20,9 @@ sequence cache — trimmed, grown and stacked with the others. Only the K/V proj
 Drafting chains the head (:meth:`MtpHead.draft`): from the pending token (sampled, not yet fed) and
 the main model's hidden row before it, the head gives draft 1 and its own output row ``g``, which
 stands in for the main model's hidden row at the next position; k drafts take k small forwards of
-the head alone, whose K/V rows live only in the draft (the verify forward writes the real ones).
+the head alone, one lazy graph whose tokens never leave the device until the last. Their K/V rows go
+into the head's cache layer past the sequence's length, in place and in the cache's storage (float or
+8-bit), where the verify forward writes the real ones over them.
 Drafts are the head's greedy tokens: the acceptance rule (``speculative.accept_draft``) keeps the
 target's distribution for any deterministic draft.
 """
