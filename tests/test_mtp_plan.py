@@ -18,6 +18,7 @@ from hf2q.engine.memory_plan import check_model, kv_need, mtp_position_bytes, ra
 from hf2q.formats.gguf_file import open_gguf
 from hf2q.sched.contracts import SamplingParams
 from tests.engine_support import random_tokens
+from tests.models.mtp_runners import runner_cache
 
 
 @pytest.fixture(scope="module")
@@ -27,21 +28,7 @@ def gguf(tiny_checkpoint, tmp_path_factory):
     return convert_f32(tiny_checkpoint("qwen35_parity_mtp"), tmp_path_factory.mktemp("mtp-plan") / "dense.gguf")
 
 
-_RUNNERS: dict = {}
-
-
-def _runner(path, kv_type: str, mtp: bool, fresh: bool = False):
-    from hf2q.engine.factory import load_runner
-
-    key = (str(path), kv_type, mtp)
-    if fresh or key not in _RUNNERS:
-        r = load_runner(path, kv_cache_type=kv_type)
-        if mtp:
-            r.enable_mtp()
-        if fresh:
-            return r
-        _RUNNERS[key] = r
-    return _RUNNERS[key]
+_runner = runner_cache()  # shared by the tests of this module
 
 
 def _held_kv(seq) -> int:
@@ -57,7 +44,7 @@ def _held_kv(seq) -> int:
 def test_planned_kv_bytes_equal_a_real_slots_with_the_head(gguf, kv_type):
     hp = open_gguf(gguf).hparams
     for mtp in (False, True):
-        runner = _runner(gguf, kv_type, mtp)
+        runner = _runner(gguf, mtp, kv_type)
         seq = runner.new_sequence()
         runner.prefill(seq, random_tokens(30, seed=1))
         if mtp:
@@ -72,7 +59,7 @@ def test_planned_kv_bytes_equal_a_real_slots_with_the_head(gguf, kv_type):
 
 def test_planned_head_weights_equal_what_the_engine_loads(gguf):
     g = open_gguf(gguf)
-    runner = _runner(gguf, "f16", mtp=False, fresh=True)
+    runner = _runner(gguf, False, "f16", fresh=True)
     before = runner.model.weights_nbytes()
     runner.enable_mtp()
     head = runner.model.mtp
@@ -126,7 +113,7 @@ def test_the_q8_head_drafts_from_its_8_bit_rows(gguf):
     prompt = random_tokens(40, seed=4)
     rows = {}
     for kv_type in ("f16", "q8"):
-        runner = _runner(gguf, kv_type, mtp=True)
+        runner = _runner(gguf, True, kv_type)
         seq = runner.new_sequence()
         runner.prefill(seq, prompt)
         layer = seq.keys[runner.model.mtp.kv_index]
@@ -143,8 +130,8 @@ def test_greedy_output_is_identical_plain_q8_and_mtp_q8(gguf):
 
     params = SamplingParams(max_tokens=16, temperature=0.0)
     prompt = random_tokens(12, seed=7) * 3
-    plain = generate_once(_runner(gguf, "q8", mtp=False), prompt, params, ignore_eos=True)
-    spec = generate_once(_runner(gguf, "q8", mtp=True), prompt, params, ignore_eos=True, draft_tokens=3)
+    plain = generate_once(_runner(gguf, False, "q8"), prompt, params, ignore_eos=True)
+    spec = generate_once(_runner(gguf, True, "q8"), prompt, params, ignore_eos=True, draft_tokens=3)
     assert spec["tokens"] == plain["tokens"] and spec["drafted_tokens"] > 0
 
 
@@ -155,13 +142,13 @@ async def test_the_runtime_decodes_with_mtp_drafts_over_a_q8_cache(gguf):
 
     prompt, n = random_tokens(40, seed=13), 16
     config = RuntimeConfig(slots=2, ctx=256, draft_tokens=3, prefill_chunk=16, gpu_deadline_s=300)
-    async with open_runtime(lambda: _runner(gguf, "q8", mtp=True, fresh=True), config) as rt:
+    async with open_runtime(lambda: _runner(gguf, True, "q8", fresh=True), config) as rt:
         assert await rt.wait_ready(), rt.readiness()
         ch = await rt.submit(GenerationRequest("r", tuple(prompt), SamplingParams(max_tokens=n)))
         async with ch:
             events = [e async for e in ch]
         counters = rt.snapshot().counters
-    ref = generate_once(_runner(gguf, "q8", mtp=False), prompt, SamplingParams(max_tokens=n, temperature=0.0))
+    ref = generate_once(_runner(gguf, False, "q8"), prompt, SamplingParams(max_tokens=n, temperature=0.0))
     expected = ref["tokens"][:-1] if ref["finish_reason"] == "stop" else ref["tokens"]
     assert [e.token_id for e in events if isinstance(e, Token)] == expected
     assert counters["drafted_tokens"] > 0
@@ -183,7 +170,7 @@ def test_mtp_over_tensor_parallel_is_a_one_line_usage_error(gguf, cli):
 
 
 def test_a_draft_row_is_never_written_inside_the_sequence(gguf):
-    runner = _runner(gguf, "f16", mtp=True)
+    runner = _runner(gguf, True, "f16")
     seq = runner.new_sequence()
     runner.prefill(seq, random_tokens(8, seed=2))
     k = mx.zeros((seq.kv_heads, 1, seq.head_dim))
