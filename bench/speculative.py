@@ -16,7 +16,8 @@ small change, so most of the answer is already in the context and drafts should 
   multi-token-prediction head (``--speculative mtp``), against plain decoding of a runner without the
   head; and ``rollback`` times the two ways a hybrid-recurrent sequence can stop inside a verify
   forward: the recurrent state kept after each verified token (what the engine does) against going
-  back to the state before the forward and feeding the accepted tokens again. With random weights
+  back to the state before the forward and feeding the accepted tokens again; and ``draft`` times
+  ``runner.draft`` alone after the prompt (the head's cost per call of k tokens). With random weights
   (``bench/synth_gguf.py``, the tiny test checkpoints) the head's acceptance means nothing: only the
   costs do.
 
