@@ -134,9 +134,8 @@ def mtp_head(g, elem: int, kv_type: str, ctx: int) -> dict[str, int]:
     the head cannot draft for (none, or another family's MTP block)."""
     from hf2q.engine.device_probe import probe
     from hf2q.engine.memory_plan import head_tensors, mtp_position_bytes, tensor_bytes
-    from hf2q.engine.speculative import has_mtp_head
 
-    names = head_tensors(g) if g is not None and has_mtp_head(g) else set()
+    names = head_tensors(g) if g is not None else set()
     if not names:
         return {"mtp_weight_bytes": 0, "mtp_kv_bytes_per_token": 0, "mtp_kv_bytes_per_slot": 0}
     scale = probe().scale_bytes()

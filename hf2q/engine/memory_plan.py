@@ -147,10 +147,12 @@ def mtp_position_bytes(hp, elem: int, kv_type: str = "f16") -> int:
 
 
 def head_tensors(g: GGUFFile) -> set[str]:
-    """The names of the multi-token-prediction blocks' tensors (those after the main blocks), which the
-    engine reads only with ``--speculative mtp``."""
+    """The names of a Qwen 3.5 / 3.6 file's multi-token-prediction block tensors (those after the main
+    blocks), which the engine reads only with ``--speculative mtp``; empty for other files."""
+    from hf2q.engine.speculative import has_mtp_head
+
     hp = g.hparams
-    heads = {f"blk.{i}." for i in range(hp.n_main_layers, hp.n_layers)} if hp.nextn_predict_layers else set()
+    heads = {f"blk.{i}." for i in range(hp.n_main_layers, hp.n_layers)} if has_mtp_head(g) else set()
     return {n for n in g.tensors if any(n.startswith(p) for p in heads)}
 
 
