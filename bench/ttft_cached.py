@@ -5,7 +5,8 @@ on), then tool calls and results appended turn after turn. A hybrid model's recu
 cut back token by token, so a server reuses such a prompt only from a recurrent checkpoint at or before
 where the new turn diverges (docs/ENGINE.md, "Hybrid recurrent state"). This measures, per turn, the
 client's TTFT (request sent → first streamed delta), the server's ``cached_tokens`` and the turn's TTFT
-over the cold first turn's.
+over the cold first turn's; then the last turn once more with its first tool result edited, which leaves
+the slot's history just past the system prompt (what a server keeps of the prefix there).
 
 The model is a GGUF given with ``--model``, or a random-weight one of a real shape written by
 ``bench/synth_gguf.py`` (``--shape``, default the small ``qwen35-tiny`` that a 2-core CPU runs in
@@ -66,13 +67,27 @@ def agent_turns(context_bytes: int, turns: int) -> list[list[dict]]:
     return out
 
 
+def diverged_turn(turns: list[list[dict]]) -> list[dict] | None:
+    """The last turn with its first tool result edited (an agent that re-ran a step): the prompt leaves the
+    slot's history a few dozen tokens past the system prompt, so only a prefix up to there can be reused."""
+    if len(turns) < 2:
+        return None
+    messages = [dict(m) for m in turns[-1]]
+    messages[3]["content"] = messages[3]["content"].replace("return x", "return -x")
+    return messages
+
+
 async def transcript(url: str, turns: list[list[dict]]) -> list[dict]:
+    """One row per turn, then (with two turns or more) one for :func:`diverged_turn` (``"diverged": True``)."""
     rows = []
+    extra = diverged_turn(turns)
     async with httpx.AsyncClient(timeout=1800) as client:
-        for messages in turns:
+        for messages in turns + ([extra] if extra else []):
             r = await stream_chat(client, url, messages, ANSWER_TOKENS)
             rows.append({"prompt_tokens": r["prompt_tokens"], "cached_tokens": r["cached_tokens"],
                          "ttft_ms": round(r["ttft_s"] * 1000, 1)})
+    if extra:
+        rows[-1]["diverged"] = True
     cold = rows[0]["ttft_ms"]
     for r in rows[1:]:
         r["over_cold"] = round(r["ttft_ms"] / cold, 4) if cold else None
@@ -82,12 +97,15 @@ async def transcript(url: str, turns: list[list[dict]]) -> list[dict]:
 def summary(rows: list[dict]) -> dict:
     """The cold turn's TTFT, the cached turns' median, their worst ratio to cold and least cached share."""
     out = {"cold_ttft_ms": rows[0]["ttft_ms"]}
-    cached = rows[1:]
+    cached = [r for r in rows[1:] if not r.get("diverged")]
     if cached:
         out.update(cached_ttft_ms_median=sorted(r["ttft_ms"] for r in cached)[len(cached) // 2],
                    worst_over_cold=max(r["over_cold"] or 0.0 for r in cached),
                    min_cached_fraction=round(min((r["cached_tokens"] or 0) / max(r["prompt_tokens"] or 1, 1)
                                                  for r in cached), 4))
+    diverged = [r for r in rows if r.get("diverged")]
+    if diverged:
+        out["diverged_ttft_ms"], out["diverged_cached_tokens"] = diverged[0]["ttft_ms"], diverged[0]["cached_tokens"]
     return out
 
 
