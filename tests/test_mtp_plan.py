@@ -16,7 +16,7 @@ import pytest
 
 from hf2q.engine.memory_plan import check_model, kv_need, mtp_position_bytes, rank_need
 from hf2q.formats.gguf_file import open_gguf
-from hf2q.sched.contracts import SamplingParams
+from hf2q.sched.contracts import ModelFacts, RuntimeConfig, SamplingParams
 from tests.engine_support import random_tokens
 from tests.models.mtp_runners import runner_cache
 
@@ -51,7 +51,9 @@ def test_planned_kv_bytes_equal_a_real_slots_with_the_head(gguf, kv_type):
             runner.draft(seq, 5, 3)  # a draft's rows live in room the sequence reserved, counted like the rest
         need = kv_need(hp, runner.dtype.size, kv_type=kv_type, mtp=mtp)
         assert _held_kv(seq) == need.per_token * seq.capacity
-        assert runner.kv_bytes_per_token == need.per_token  # what admission budgets with
+        assert runner.kv_bytes_per_token == need.per_token
+        facts = ModelFacts.of(runner, RuntimeConfig(slots=2, ctx=64))  # what admission budgets with
+        assert facts.budget_bytes(RuntimeConfig(slots=2, ctx=64)) == 2 * 64 * need.per_token
     head = mtp_position_bytes(hp, 4, kv_type)
     assert head > 0
     assert kv_need(hp, 4, kv_type=kv_type, mtp=True).per_token == kv_need(hp, 4, kv_type=kv_type).per_token + head
