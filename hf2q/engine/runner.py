@@ -128,6 +128,8 @@ class MlxModelRunner:
         #: K/V one more token of context costs, and what a slot holds whatever its length (its
         #: sliding-window layers at their bound), as ``memory_plan.kv_need`` accounts them
         self.kv_bytes_per_token = self.kv_bytes_per_slot = 0
+        #: the header the K/V plan is read from (a tensor-parallel rank's: its view, with its own heads)
+        self.kv_hparams = gguf.hparams
         if not self.is_embedding_model:
             need = kv_need(gguf.hparams, dtype.size, on_cpu=self.host_decoder is not None, kv_type=kv_cache_type)
             self.kv_bytes_per_token, self.kv_bytes_per_slot = need.per_token, need.window_bytes()
@@ -197,7 +199,7 @@ class MlxModelRunner:
         if not hasattr(self.model, "enable_mtp"):
             raise InputError(f"{self.gguf.path.name} ({self.arch}) has no multi-token-prediction head")
         self.model.enable_mtp()
-        self.kv_bytes_per_token = kv_need(self.gguf.hparams, self.dtype.size, on_cpu=self.host_decoder is not None,
+        self.kv_bytes_per_token = kv_need(self.kv_hparams, self.dtype.size, on_cpu=self.host_decoder is not None,
                                           kv_type=self.kv_cache_type, mtp=True).per_token
 
     @property

@@ -111,10 +111,10 @@ def has_mtp_head(g) -> bool:
 
 
 def check_speculative(g, args) -> None:
-    """``--speculative mtp``'s start-up checks on the model's header: a qwen35 / qwen35moe file with a
-    ``nextn`` block (``InputError``) on one rank (``UsageError``). Any ``--kv-cache-type``: the head's
-    K/V layer is stored like the main ones."""
-    from hf2q.errors import InputError, UsageError
+    """``--speculative mtp``'s start-up check on the model's header: a qwen35 / qwen35moe file with a
+    ``nextn`` block (``InputError``). Any ``--kv-cache-type`` (the head's K/V layer is stored like the main
+    ones) and any ``--tensor-parallel`` (the head is split like the main blocks)."""
+    from hf2q.errors import InputError
 
     if getattr(args, "speculative", "off") != "mtp":
         return
@@ -122,8 +122,6 @@ def check_speculative(g, args) -> None:
     if not has_mtp_head(g):
         raise InputError(f"{name}: --speculative mtp needs a Qwen 3.5 / 3.6 GGUF with its multi-token-prediction "
                          "(nextn) block — convert without --no-mtp, or use --speculative ngram")
-    if getattr(args, "tensor_parallel", 1) > 1 or getattr(args, "hostfile", None) or getattr(args, "hosts", None):
-        raise UsageError("--speculative mtp runs on one rank; drop --tensor-parallel")
 
 
 def accept_draft(sampler, draft: Sequence[int], rows: np.ndarray, history: Sequence[int]) -> list[int]:
