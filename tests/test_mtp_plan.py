@@ -59,18 +59,26 @@ def test_planned_kv_bytes_equal_a_real_slots_with_the_head(gguf, kv_type):
     assert kv_need(hp, 4, kv_type=kv_type, mtp=True).per_token == kv_need(hp, 4, kv_type=kv_type).per_token + head
 
 
-def test_planned_head_weights_equal_what_the_engine_loads(gguf):
+@pytest.mark.parametrize("size", [1, 2])
+def test_planned_head_weights_equal_what_the_engine_loads(gguf, size):
+    """On one rank, and on each of two (the head's block is cut like a main block)."""
+    from hf2q.engine.models import build_model
+    from hf2q.engine.tensor_parallel import shard_gguf
+
     g = open_gguf(gguf)
-    runner = _runner(gguf, False, "f16", fresh=True)
-    before = runner.model.weights_nbytes()
-    runner.enable_mtp()
-    head = runner.model.mtp
-    norms = [head.enorm, head.hnorm, head.head_norm, head.block.attn_norm, head.block.post_norm,
-             head.block.mixer.q_norm, head.block.mixer.k_norm]
-    loaded = runner.model.weights_nbytes() - before + sum(n.nbytes for n in norms)
-    plain = rank_need(g, 1, 0, float_bytes=4, scale_bytes=4)
-    with_head = rank_need(g, 1, 0, float_bytes=4, scale_bytes=4, mtp=True)
-    assert with_head.weights - plain.weights == loaded > 0
+    loaded = []
+    for rank in range(size):
+        model = build_model(shard_gguf(g, rank, size), mx.float32)
+        before = model.weights_nbytes()
+        model.enable_mtp()
+        head = model.mtp
+        norms = [head.enorm, head.hnorm, head.head_norm, head.block.attn_norm, head.block.post_norm,
+                 head.block.mixer.q_norm, head.block.mixer.k_norm]
+        loaded.append(model.weights_nbytes() - before + sum(n.nbytes for n in norms))
+    plain = rank_need(g, size, 0, float_bytes=4, scale_bytes=4)
+    with_head = rank_need(g, size, 0, float_bytes=4, scale_bytes=4, mtp=True)
+    assert len(set(loaded)) == 1  # even shares, so the most loaded rank's head is any rank's
+    assert with_head.weights - plain.weights == loaded[0] > 0
 
 
 def test_the_pre_load_check_counts_the_head(gguf):
