@@ -316,6 +316,7 @@ class DistributedRunner:
 
     @property
     def rolls_back_drafts(self) -> bool:
+        """Rank 0's answer (every rank holds the same model): whether a verify can be cut back anywhere."""
         return bool(getattr(self.local, "rolls_back_drafts", True))
 
     def enable_mtp(self) -> None:
@@ -325,6 +326,7 @@ class DistributedRunner:
 
     @property
     def drafts(self) -> bool:
+        """Whether the model drafts for itself (its MTP head is enabled)."""
         return bool(getattr(self.local, "drafts", False))
 
     def draft(self, seq: ShardedSequence, pending: int, k: int) -> list[int]:
