@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from hf2q.engine.memory_plan import check_model, kv_need, mtp_position_bytes, rank_need
+from hf2q.errors import InputError
 from hf2q.formats.gguf_file import open_gguf
 from hf2q.sched.contracts import ModelFacts, RuntimeConfig, SamplingParams
 from tests.engine_support import random_tokens
@@ -92,8 +93,6 @@ def test_the_pre_load_check_counts_the_head(gguf):
     elem = device.activation_bytes()
     assert spec.kv - plain.kv == 2 * 2048 * mtp_position_bytes(g.hparams, elem)
     assert spec.weights > plain.weights
-    from hf2q.errors import InputError
-
     with pytest.raises(InputError, match="--memory-limit"):  # fits without the head, not with it
         check_model(g, 1, limit=(plain.total + spec.total) // 2, mtp=True, **kw)
     check_model(g, 1, limit=(plain.total + spec.total) // 2, **kw)
