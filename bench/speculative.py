@@ -16,7 +16,8 @@ small change, so most of the answer is already in the context and drafts should 
   multi-token-prediction head (``--speculative mtp``), against plain decoding of a runner without the
   head; and ``rollback`` times the two ways a hybrid-recurrent sequence can stop inside a verify
   forward: the recurrent state kept after each verified token (what the engine does) against going
-  back to the state before the forward and feeding the accepted tokens again. With random weights
+  back to the state before the forward and feeding the accepted tokens again; and ``draft`` times
+  ``runner.draft`` alone after the prompt (the head's cost per call of k tokens). With random weights
   (``bench/synth_gguf.py``, the tiny test checkpoints) the head's acceptance means nothing: only the
   costs do.
 
@@ -101,6 +102,26 @@ def bench_hf2q(model: Path, text: str, draft_list: list[int], max_tokens: int, r
         out[mode].append(r)
     if mode == "mtp":
         out["rollback"] = bench_rollback(runner, prompt, max(draft_list), reps)
+        out["draft"] = bench_draft(drafting, prompt, draft_list, reps)
+    return out
+
+
+def bench_draft(runner, prompt: list[int], draft_list: list[int], reps: int, calls: int = 16) -> dict:
+    """Milliseconds per ``runner.draft`` call of ``k`` tokens after the whole prompt (the head attends over
+    its K/V rows of every prompt position), each ``k`` of ``draft_list``: the drafting cost alone."""
+    seq = runner.new_sequence()
+    logits = runner.prefill(seq, prompt)
+    pending = int(logits.argmax())
+    runner.draft(seq, pending, max(draft_list))  # warm
+    out = {"context_tokens": seq.length}
+    for k in draft_list:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                runner.draft(seq, pending, k)
+            times.append((time.perf_counter() - t0) * 1000 / calls)
+        out[f"k{k}_ms"] = round(statistics.median(times), 3)
     return out
 
 

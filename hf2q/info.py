@@ -106,6 +106,7 @@ def inspect(path, ctx: int | None = None, slots: int = 4, kv_budget: int | None 
         "kv_window": kv.window if kv is not None else None,
         "kv_window_layers": kv.window_layers if kv is not None else 0, "kv_window_bytes_per_slot": window_bytes,
         **recurrent_state(None if reasons else hp, elem),
+        **mtp_head(None if reasons or kind != "chat" else g, elem, kv_type, ctx),
         "serve_support": "rejected" if reasons else "ready",
         "reject_reason": "; ".join(reasons) if reasons else None,
     }
@@ -125,6 +126,29 @@ def recurrent_state(hp, elem: int = 4) -> dict[str, int]:
     return {"recurrent_layers": sum(hp.recurrent_layers), "recurrent_conv_bytes_per_slot": conv,
             "recurrent_ssm_bytes_per_slot": ssm, "recurrent_state_bytes_per_slot": conv + ssm,
             "recurrent_reuse_points_per_slot": CHECKPOINTS_KEPT}
+
+
+def mtp_head(g, elem: int, kv_type: str, ctx: int) -> dict[str, int]:
+    """What ``--speculative mtp`` adds to a Qwen 3.5 / 3.6 file's plan (``memory_plan``): the head's
+    weights as loaded, and its attention layer's K/V per token and per slot at ``ctx``. Zeros for a file
+    the head cannot draft for (none, or another family's MTP block)."""
+    from hf2q.engine.device_probe import probe
+    from hf2q.engine.memory_plan import head_tensors, mtp_position_bytes, tensor_bytes
+
+    names = head_tensors(g) if g is not None else set()
+    if not names:
+        return {"mtp_weight_bytes": 0, "mtp_kv_bytes_per_token": 0, "mtp_kv_bytes_per_slot": 0}
+    scale = probe().scale_bytes()
+    per_token = mtp_position_bytes(g.hparams, elem, kv_type)
+    return {"mtp_weight_bytes": sum(tensor_bytes(g.tensors[n], elem, scale) for n in names),
+            "mtp_kv_bytes_per_token": per_token, "mtp_kv_bytes_per_slot": per_token * ctx}
+
+
+def _mtp_line(info: dict) -> str:
+    return (f"MTP head:       with --speculative mtp: weights {_human(info['mtp_weight_bytes'])}, KV "
+            f"{_human(info['mtp_kv_bytes_per_token'])}/token more (per slot {_human(info['mtp_kv_bytes_per_slot'])}; "
+            f"worst case {info['slots']} slots {_human(info['mtp_kv_bytes_per_slot'] * info['slots'])}), "
+            "not in the lines above")
 
 
 def _kv_storage(info: dict) -> str:
@@ -191,6 +215,8 @@ def run(args) -> int:
                          f"whatever the context (included above)")
         if info["recurrent_layers"]:
             lines.append(_recurrent_line(info))
+        if info["mtp_weight_bytes"]:
+            lines.append(_mtp_line(info))
     print("\n".join(lines))
     if ready:
         print("Serve support: ready")

@@ -19,6 +19,7 @@ import pytest
 
 from hf2q.sched.contracts import SamplingParams
 from tests.engine_support import random_tokens
+from tests.models.mtp_runners import runner_cache
 
 TOL = 1e-3
 PROMPT = 24
@@ -33,7 +34,7 @@ def gguf(tiny_checkpoint, tmp_path_factory):
     return lambda kind: convert_f32(tiny_checkpoint(FAMILIES[kind]), d / f"{kind}.gguf")
 
 
-_RUNNERS: dict = {}
+_runner = runner_cache()  # shared by the tests of this module
 
 
 @pytest.fixture(scope="module")
@@ -45,21 +46,6 @@ def no_mtp_gguf(tiny_checkpoint, tmp_path_factory):
     assert main(["convert", str(tiny_checkpoint(FAMILIES["dense"])), "-q", "f32", "-o", str(out), "--no-integrity",
                  "--no-mtp"]) == 0
     return out
-
-
-def _runner(path, mtp: bool, fresh: bool = False):
-    """A runner of ``path`` with its MTP head on or off (shared by the tests of this module)."""
-    from hf2q.engine.factory import load_runner
-
-    key = (str(path), mtp)
-    if fresh or key not in _RUNNERS:
-        r = load_runner(path)
-        if mtp:
-            r.enable_mtp()
-        if fresh:
-            return r
-        _RUNNERS[key] = r
-    return _RUNNERS[key]
 
 
 # ---------------------------------------------------------------------------- the head against transformers
@@ -130,7 +116,7 @@ def test_draft_logits_match_transformers(gguf, tiny_checkpoint, tmp_path, kind):
     for t in tokens[PROMPT:PROMPT + 3]:
         runner.decode([seq], [t])
     n = PROMPT + 3
-    drafts, rows = runner.model.mtp.draft(seq, tokens[n], 3)
+    drafts, rows = runner.model.mtp.draft_logits(seq, tokens[n], 3)
     head = _transformers_head(tiny_checkpoint(FAMILIES[kind]), tmp_path)
     ref = _reference(head, tokens[:n], tokens[n], 3)
     assert float(np.std(ref)) > 0.3  # not flat
@@ -139,7 +125,7 @@ def test_draft_logits_match_transformers(gguf, tiny_checkpoint, tmp_path, kind):
     assert seq.length == n  # drafting leaves the sequence alone
     runner.verify(seq, tokens[n:n + 5])  # five fed, two kept: the state after the second
     seq.trim(n + 2)
-    _, rows = runner.model.mtp.draft(seq, tokens[n + 2], 2)
+    _, rows = runner.model.mtp.draft_logits(seq, tokens[n + 2], 2)
     ref = _reference(head, tokens[:n + 2], tokens[n + 2], 2)
     np.testing.assert_allclose(rows, ref, atol=TOL, rtol=0)
 

@@ -308,6 +308,33 @@ class DistributedRunner:
         return self._run({"op": "decode", "seqs": ids},
                          lambda: self.local.decode([s.local for s in seqs], toks.tolist()), {"tokens": toks})
 
+    def verify(self, seq: ShardedSequence, tokens: Sequence[int]) -> np.ndarray:
+        """``MlxModelRunner.verify`` on every rank (speculative decoding); rank 0's rows."""
+        toks = np.asarray(list(tokens), dtype=np.int64)
+        return self._run({"op": "verify", "seq": seq.seq_id}, lambda: self.local.verify(seq.local, toks.tolist()),
+                         {"tokens": toks})
+
+    @property
+    def rolls_back_drafts(self) -> bool:
+        """Rank 0's answer (every rank holds the same model): whether a verify can be cut back anywhere."""
+        return bool(getattr(self.local, "rolls_back_drafts", True))
+
+    def enable_mtp(self) -> None:
+        """Every rank loads its share of the MTP draft head (``--speculative mtp``), before any sequence."""
+        self._run({"op": "enable_mtp"}, self.local.enable_mtp)
+        self.kv_bytes_per_token = self.local.kv_bytes_per_token
+
+    @property
+    def drafts(self) -> bool:
+        """Whether the model drafts for itself (its MTP head is enabled)."""
+        return bool(getattr(self.local, "drafts", False))
+
+    def draft(self, seq: ShardedSequence, pending: int, k: int) -> list[int]:
+        """The MTP head's draft, its steps run on every rank in step (their all-reduces); rank 0's tokens
+        (every rank's are the same: the head's output is all-reduced, its LM head replicated)."""
+        return self._run({"op": "draft", "seq": seq.seq_id, "pending": int(pending), "k": int(k)},
+                         lambda: self.local.draft(seq.local, pending, k))
+
     @property
     def pipelines_decode(self) -> bool:
         """Whether the runtime should queue steps ahead: rank 0's shard runs the MLX graph (it always
@@ -481,6 +508,12 @@ def follow(runner, sock: socket.socket, group, plan, stopped: threading.Event | 
                 queued[step] = PendingTokens(shared, logprobs)
                 for old in [k for k in queued if k <= step - KEPT_STEPS]:
                     del queued[old]
+            elif op == "verify":
+                runner.verify(seqs[header["seq"]], arrays["tokens"].tolist())
+            elif op == "enable_mtp":
+                runner.enable_mtp()
+            elif op == "draft":
+                runner.draft(seqs[header["seq"]], header["pending"], header["k"])
             elif op == "trim":
                 seqs[header["seq"]].trim(header["n"])
             elif op == "export":

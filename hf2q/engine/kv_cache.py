@@ -514,6 +514,19 @@ class SequenceCache:
     def advance(self, n: int) -> None:
         self._length += n
 
+    def write_ahead(self, layer: int, at: int, k: mx.array, v: mx.array) -> None:
+        """Rows ``[at, at + n)`` of ``layer`` set to ``k, v [kv_heads, n, d]`` (encoded by the codec) in
+        place, at or past the length, whose room :meth:`reserve` made: a draft's rows (the MTP head's),
+        which the next forward writes over; the length does not move."""
+        if at < self._length or at + k.shape[1] > self.capacity:
+            raise ValueError(f"rows {at}..{at + k.shape[1]} are not between the length {self._length} and the "
+                             f"capacity {self.capacity}")
+        if self.codec is not None:
+            k, v = self.codec.encode(k), self.codec.encode(v)
+        _write(self.keys[layer], at, k)
+        _write(self.values[layer], at, v)
+        self.version = next(_VERSIONS)
+
     # ---- the persistent store's blocks ------------------------------------------------------
 
     @property

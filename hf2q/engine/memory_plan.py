@@ -95,7 +95,7 @@ def token_bytes(hp, elem: int, kv_type: str = "f16") -> int:
     return heads * (row_nbytes(kv_type, hp.key_length, elem) + row_nbytes(kv_type, hp.value_length, elem))
 
 
-def kv_need(hp, elem: int, *, on_cpu: bool = False, kv_type: str = "f16") -> KvNeed:
+def kv_need(hp, elem: int, *, on_cpu: bool = False, kv_type: str = "f16", mtp: bool = False) -> KvNeed:
     """The K/V layout of ``hp``'s model at ``elem`` bytes a value, stored as ``kv_type``, from the
     header alone — the one account of it (the runner, ``info`` and the memory check read it).
 
@@ -103,8 +103,13 @@ def kv_need(hp, elem: int, *, on_cpu: bool = False, kv_type: str = "f16") -> KvN
     padded to the widest layer (``models/gemma4.py::cache_layout``) — its KV-shared layers hold none,
     and its sliding layers keep only their window. gemma3's local layers keep only theirs off the CPU
     (``on_cpu``: the host decode step there keeps every position). With ``HF2Q_SWA_FULL=1`` sliding
-    layers count per token. Other families: ``kv_bytes_per_token``."""
+    layers count per token. Other families: ``kv_bytes_per_token``. ``mtp`` (``--speculative mtp``, qwen35):
+    the draft head's attention layer keeps a K/V row of every position too (:func:`mtp_position_bytes`)."""
     from hf2q.formats.gguf_keys import Keys
+
+    if mtp:
+        need = kv_need(hp, elem, on_cpu=on_cpu, kv_type=kv_type)
+        return attrs.evolve(need, per_token=need.per_token + mtp_position_bytes(hp, elem, kv_type))
 
     windowed = hp.sliding_window and not swa_full()
     if hp.arch == "gemma3" and windowed and not on_cpu:
@@ -131,14 +136,38 @@ def kv_need(hp, elem: int, *, on_cpu: bool = False, kv_type: str = "f16") -> KvN
     return KvNeed((len(owners) - n_window) * position, window if n_window else None, n_window, position)
 
 
-def rank_need(g: GGUFFile, size: int, kv_budget: int, *, float_bytes: int, scale_bytes: int) -> RankNeed:
-    """What the most loaded of ``size`` ranks holds (``InputError`` when ``g`` cannot split ``size`` ways)."""
+def mtp_position_bytes(hp, elem: int, kv_type: str = "f16") -> int:
+    """K/V bytes of one position in the multi-token-prediction head's attention layer (block
+    ``n_main_layers``), stored as ``kv_type`` like the main layers; 0 for a file without the head."""
+    if not hp.nextn_predict_layers:
+        return 0
+    kv = hp.n_kv_heads
+    heads = kv[hp.n_main_layers] if isinstance(kv, list) else kv
+    return heads * (row_nbytes(kv_type, hp.key_length, elem) + row_nbytes(kv_type, hp.value_length, elem))
+
+
+def head_tensors(g: GGUFFile) -> set[str]:
+    """The names of a Qwen 3.5 / 3.6 file's multi-token-prediction block tensors (those after the main
+    blocks), which the engine reads only with ``--speculative mtp``; empty for other files."""
+    from hf2q.engine.speculative import has_mtp_head
+
+    hp = g.hparams
+    heads = {f"blk.{i}." for i in range(hp.n_main_layers, hp.n_layers)} if has_mtp_head(g) else set()
+    return {n for n in g.tensors if any(n.startswith(p) for p in heads)}
+
+
+def rank_need(g: GGUFFile, size: int, kv_budget: int, *, float_bytes: int, scale_bytes: int,
+              mtp: bool = False) -> RankNeed:
+    """What the most loaded of ``size`` ranks holds (``InputError`` when ``g`` cannot split ``size`` ways);
+    the MTP head's weights only with ``mtp`` (the engine loads them only then)."""
     from hf2q.engine.tensor_parallel import shard_gguf
 
+    unread = set() if mtp else head_tensors(g)
     worst = 0
     for rank in range(size):
         view = shard_gguf(g, rank, size)
-        worst = max(worst, sum(tensor_bytes(t, float_bytes, scale_bytes) for t in view.tensors.values()))
+        worst = max(worst, sum(tensor_bytes(t, float_bytes, scale_bytes) for n, t in view.tensors.items()
+                               if n not in unread))
     return RankNeed(size, worst, -(-kv_budget // size))
 
 
@@ -152,15 +181,15 @@ def _gib(n: int) -> str:
 
 
 def check_fits(g: GGUFFile, size: int, kv_budget: int, limit: int, *, float_bytes: int, scale_bytes: int,
-               max_size: int = 8) -> RankNeed:
+               max_size: int = 8, mtp: bool = False) -> RankNeed:
     """The need of each of ``size`` ranks, or an ``InputError`` that says what would fit."""
-    need = rank_need(g, size, kv_budget, float_bytes=float_bytes, scale_bytes=scale_bytes)
+    need = rank_need(g, size, kv_budget, float_bytes=float_bytes, scale_bytes=scale_bytes, mtp=mtp)
     if need.total <= limit:
         return need
     hint = ""
     for bigger in range(size + 1, max_size + 1):
         try:
-            other = rank_need(g, bigger, kv_budget, float_bytes=float_bytes, scale_bytes=scale_bytes)
+            other = rank_need(g, bigger, kv_budget, float_bytes=float_bytes, scale_bytes=scale_bytes, mtp=mtp)
         except InputError:
             continue  # the heads or blocks do not split this many ways
         if other.total <= limit:
@@ -175,14 +204,14 @@ def check_fits(g: GGUFFile, size: int, kv_budget: int, limit: int, *, float_byte
 
 def check_model(path, size: int, *, ctx: int | None, slots: int, kv_budget: int | None,
                 limit: int | None, device: DeviceFacts | None = None, prefill_chunk: int = 2048,
-                kv_type: str = "f16") -> RankNeed:
+                kv_type: str = "f16", mtp: bool = False) -> RankNeed:
     """``check_fits`` for a GGUF (path or opened) with the server's settings, on ``device``
     (default: the one MLX will use, found without importing MLX — ``device_probe``).
 
     The KV budget defaults to the scheduler's (``slots × ctx`` tokens) plus what a slot holds whatever
     its length: a hybrid model's recurrent states, a sliding-window model's window layers (one slot's
     with a ``prefill_chunk`` transaction in flight); the limit to ``DEFAULT_FRACTION`` of the device's
-    memory.
+    memory. ``mtp``: the MTP draft head's weights and K/V layer are counted too.
     """
     from hf2q.formats.gguf_file import open_gguf
 
@@ -191,11 +220,11 @@ def check_model(path, size: int, *, ctx: int | None, slots: int, kv_budget: int 
     elem = device.activation_bytes()
     if kv_budget is None:
         hp = g.hparams
-        kv = kv_need(hp, elem, on_cpu=device.on_cpu, kv_type=kv_type)  # the host step reads every cache type
+        kv = kv_need(hp, elem, on_cpu=device.on_cpu, kv_type=kv_type, mtp=mtp)  # the host step reads every cache type
         # hybrid models: each slot's recurrent state, its rollback copy and its reuse points (docs/ENGINE.md)
         kv_budget = slots * (kv.slot_bytes(ctx or hp.n_ctx_train)
                              + STATES_PER_SEQUENCE * hp.recurrent_state_bytes(elem))
         kv_budget += kv.window_bytes(prefill_chunk) - kv.window_bytes()  # the one slot prefilling at a time
     if limit is None:
         limit = int(device.memory * DEFAULT_FRACTION)
-    return check_fits(g, size, kv_budget, limit, float_bytes=elem, scale_bytes=device.scale_bytes())
+    return check_fits(g, size, kv_budget, limit, float_bytes=elem, scale_bytes=device.scale_bytes(), mtp=mtp)

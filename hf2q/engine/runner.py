@@ -128,6 +128,8 @@ class MlxModelRunner:
         #: K/V one more token of context costs, and what a slot holds whatever its length (its
         #: sliding-window layers at their bound), as ``memory_plan.kv_need`` accounts them
         self.kv_bytes_per_token = self.kv_bytes_per_slot = 0
+        #: the header the K/V plan is read from (a tensor-parallel rank's: its view, with its own heads)
+        self.kv_hparams = gguf.hparams
         if not self.is_embedding_model:
             need = kv_need(gguf.hparams, dtype.size, on_cpu=self.host_decoder is not None, kv_type=kv_cache_type)
             self.kv_bytes_per_token, self.kv_bytes_per_slot = need.per_token, need.window_bytes()
@@ -199,16 +201,13 @@ class MlxModelRunner:
 
     def enable_mtp(self) -> None:
         """Draft with the model's multi-token-prediction head (``--speculative mtp``, qwen35): call before
-        the first sequence. ``InputError`` for a file without one, ``UsageError`` with an 8-bit KV cache."""
-        from hf2q.errors import UsageError
-
+        the first sequence. ``InputError`` for a file without one. The head's K/V layer is stored as the
+        main ones are (an 8-bit cache's too), and counted in ``kv_bytes_per_token``."""
         if not hasattr(self.model, "enable_mtp"):
             raise InputError(f"{self.gguf.path.name} ({self.arch}) has no multi-token-prediction head")
-        if self.kv_codec is not None:
-            raise UsageError("--speculative mtp needs --kv-cache-type f16")
-        n_attention = self.model.kv_shape[0]
         self.model.enable_mtp()
-        self.kv_bytes_per_token = self.kv_bytes_per_token * (n_attention + 1) // max(n_attention, 1)
+        self.kv_bytes_per_token = kv_need(self.kv_hparams, self.dtype.size, on_cpu=self.host_decoder is not None,
+                                          kv_type=self.kv_cache_type, mtp=True).per_token
 
     @property
     def drafts(self) -> bool:
@@ -217,7 +216,7 @@ class MlxModelRunner:
 
     def draft(self, seq: SequenceCache, pending: int, k: int) -> list[int]:
         """Up to ``k`` tokens the model's MTP head drafts after ``pending`` (sampled, not yet in ``seq``)."""
-        return self.model.mtp.draft(seq, pending, k)[0] if k > 0 else []
+        return self.model.mtp.draft(seq, pending, k) if k > 0 else []
 
     # ---- sequences -----------------------------------------------------------------
 

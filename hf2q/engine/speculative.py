@@ -104,21 +104,24 @@ def nextn_block(g) -> int | None:
     return i
 
 
+def has_mtp_head(g) -> bool:
+    """Whether ``--speculative mtp`` can draft with ``g``'s own head: a qwen35 / qwen35moe file with its
+    ``nextn`` block (header only)."""
+    return g.arch in ("qwen35", "qwen35moe") and nextn_block(g) is not None
+
+
 def check_speculative(g, args) -> None:
-    """``--speculative mtp``'s start-up checks on the model's header: a qwen35 / qwen35moe file with a
-    ``nextn`` block (``InputError``) and a float KV cache on one rank (``UsageError``)."""
-    from hf2q.errors import InputError, UsageError
+    """``--speculative mtp``'s start-up check on the model's header: a qwen35 / qwen35moe file with a
+    ``nextn`` block (``InputError``). Any ``--kv-cache-type`` (the head's K/V layer is stored like the main
+    ones) and any ``--tensor-parallel`` (the head is split like the main blocks)."""
+    from hf2q.errors import InputError
 
     if getattr(args, "speculative", "off") != "mtp":
         return
     name = getattr(g.path, "name", g.path)
-    if g.arch not in ("qwen35", "qwen35moe") or nextn_block(g) is None:
+    if not has_mtp_head(g):
         raise InputError(f"{name}: --speculative mtp needs a Qwen 3.5 / 3.6 GGUF with its multi-token-prediction "
                          "(nextn) block — convert without --no-mtp, or use --speculative ngram")
-    if getattr(args, "kv_cache_type", "f16") != "f16":
-        raise UsageError("--speculative mtp needs --kv-cache-type f16")
-    if getattr(args, "tensor_parallel", 1) > 1 or getattr(args, "hostfile", None) or getattr(args, "hosts", None):
-        raise UsageError("--speculative mtp runs on one rank; drop --tensor-parallel")
 
 
 def accept_draft(sampler, draft: Sequence[int], rows: np.ndarray, history: Sequence[int]) -> list[int]:

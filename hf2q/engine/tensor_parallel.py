@@ -403,31 +403,39 @@ def parallelize(model, group) -> Any:
     """Make a model built from a :func:`shard_gguf` view compute the full model across ``group``.
 
     Every ``attn.o`` and dense ``ffn.down`` becomes :class:`RowParallel`; a routed MoE
-    feed-forward becomes :class:`ExpertParallelMoE`. Any other feed-forward is refused
-    rather than silently computing a wrong sum.
+    feed-forward becomes :class:`ExpertParallelMoE` (:func:`parallelize_block`). Any other
+    feed-forward is refused rather than silently computing a wrong sum. The model keeps the group
+    (``tp_group``) for a block it builds later (Qwen 3.5's MTP draft head).
     """
     if group.size() == 1:
         return model
     if getattr(model, "is_embedding_model", False):
         raise InputError("tensor parallelism serves decoder (chat) models only")
     for layer in getattr(model, "layers", None) or model.blocks:  # blocks: gemma4
-        if getattr(layer, "experts", None) is not None:  # gemma4's experts beside the MLP, each with its post-norm
-            raise InputError(f"tensor parallelism does not support {type(layer).__name__}'s experts yet")
-        mixer = getattr(layer, "attn", None) or getattr(layer, "mixer", None)  # mixer: a hybrid model's block
-        if hasattr(mixer, "o"):
-            mixer.o = RowParallel(mixer.o, group)  # attention (gated or not)
-        elif hasattr(mixer, "out") and hasattr(mixer, "qkv"):
-            mixer.out = RowParallel(mixer.out, group)  # Gated DeltaNet: its value heads are split
-        else:
-            raise InputError(f"tensor parallelism does not support the layer {type(layer).__name__} yet")
-        ffn = layer.ffn
-        if hasattr(ffn, "down") and hasattr(ffn, "gate"):
-            ffn.down = RowParallel(ffn.down, group)
-        elif all(hasattr(ffn, a) for a in ("router", "gate_exps", "up_exps", "down_exps", "top_k")):
-            layer.ffn = ExpertParallelMoE(ffn, group.rank(), group.size(), group)
-        elif all(hasattr(ffn, a) for a in ("routed", "shared", "shared_gate")):
-            layer.ffn = SharedExpertParallelMoE(ffn, group.rank(), group.size(), group)
-        else:
-            raise InputError(f"tensor parallelism does not support the feed-forward layer "
-                             f"{type(ffn).__name__} yet")
+        parallelize_block(layer, group)
+    model.tp_group = group
     return model
+
+
+def parallelize_block(layer, group) -> None:
+    """One decoder block of a shard computing the full block: its mixer's output and its feed-forward's
+    down projection end in an all-reduce."""
+    if getattr(layer, "experts", None) is not None:  # gemma4's experts beside the MLP, each with its post-norm
+        raise InputError(f"tensor parallelism does not support {type(layer).__name__}'s experts yet")
+    mixer = getattr(layer, "attn", None) or getattr(layer, "mixer", None)  # mixer: a hybrid model's block
+    if hasattr(mixer, "o"):
+        mixer.o = RowParallel(mixer.o, group)  # attention (gated or not)
+    elif hasattr(mixer, "out") and hasattr(mixer, "qkv"):
+        mixer.out = RowParallel(mixer.out, group)  # Gated DeltaNet: its value heads are split
+    else:
+        raise InputError(f"tensor parallelism does not support the layer {type(layer).__name__} yet")
+    ffn = layer.ffn
+    if hasattr(ffn, "down") and hasattr(ffn, "gate"):
+        ffn.down = RowParallel(ffn.down, group)
+    elif all(hasattr(ffn, a) for a in ("router", "gate_exps", "up_exps", "down_exps", "top_k")):
+        layer.ffn = ExpertParallelMoE(ffn, group.rank(), group.size(), group)
+    elif all(hasattr(ffn, a) for a in ("routed", "shared", "shared_gate")):
+        layer.ffn = SharedExpertParallelMoE(ffn, group.rank(), group.size(), group)
+    else:
+        raise InputError(f"tensor parallelism does not support the feed-forward layer "
+                         f"{type(ffn).__name__} yet")

@@ -258,6 +258,11 @@ class Qwen35Model:
                              "--no-mtp, or use --speculative ngram")
         block = Qwen35Block(GatedAttention(self.cfg, g, i, self.n_attention, self.dtype), self._make_ffn(i), g, i,
                             self.cfg.norm_eps, self.dtype)
+        group = getattr(self, "tp_group", None)  # a tensor-parallel shard: the head's block is split like the others
+        if group is not None:
+            from hf2q.engine.tensor_parallel import parallelize_block
+
+            parallelize_block(block, group)
         self.mtp = MtpHead(g, self.cfg, i, block, self.n_attention, self.embed, self.lm_head, self.norm, self.dtype)
 
     def new_recurrent_state(self) -> RecurrentState:

@@ -20,7 +20,9 @@ sequence cache — trimmed, grown and stacked with the others. Only the K/V proj
 Drafting chains the head (:meth:`MtpHead.draft`): from the pending token (sampled, not yet fed) and
 the main model's hidden row before it, the head gives draft 1 and its own output row ``g``, which
 stands in for the main model's hidden row at the next position; k drafts take k small forwards of
-the head alone, whose K/V rows live only in the draft (the verify forward writes the real ones).
+the head alone, one lazy graph whose tokens never leave the device until the last. Their K/V rows go
+into the head's cache layer past the sequence's length, in place and in the cache's storage (float or
+8-bit), where the verify forward writes the real ones over them.
 Drafts are the head's greedy tokens: the acceptance rule (``speculative.accept_draft``) keeps the
 target's distribution for any deterministic draft.
 """
@@ -95,40 +97,61 @@ class MtpHead:
 
     # ---- drafting -------------------------------------------------------------------------
 
-    def draft(self, seq: SequenceCache, pending: int, k: int) -> tuple[list[int], np.ndarray]:
-        """Up to ``k`` greedy draft tokens after ``pending`` (the sampled token not yet in ``seq``) and
-        the head's float32 logits ``[k, vocab]`` they were read from. ``seq`` is left as it was."""
+    def draft(self, seq: SequenceCache, pending: int, k: int) -> list[int]:
+        """Up to ``k`` greedy draft tokens after ``pending`` (the sampled token not yet in ``seq``); ``seq``
+        keeps its length (the draft's K/V rows sit past it, where the verify forward writes the real ones)."""
+        tokens, _ = self._chain(seq, pending, k)
+        mx.eval(tokens)
+        return np.array(tokens).astype(np.int64).tolist()
+
+    def draft_logits(self, seq: SequenceCache, pending: int, k: int) -> tuple[list[int], np.ndarray]:
+        """:meth:`draft` and the head's float32 logits ``[k, vocab]`` the tokens were read from."""
+        tokens, logits = self._chain(seq, pending, k)
+        mx.eval(tokens, logits)
+        return np.array(tokens).astype(np.int64).tolist(), np.array(logits)
+
+    def _chain(self, seq: SequenceCache, pending: int, k: int) -> tuple[mx.array, mx.array]:
+        """The lazy graph of ``k`` chained head steps: tokens ``[k]`` and logits ``[k, vocab]``, every step's
+        token an argmax on the device that feeds the next step. Each step writes its K/V row in place into
+        the head's cache layer (position ``length + i``) and attends over that layer's rows up to it, as
+        the main layers attend over their preallocated buffers."""
         c, attn = self.cfg, self.block.mixer
         start = seq.length
+        seq.reserve(start + k)
         hidden = previous_hidden(seq, start, c.hidden, self.dtype)[None, None, :]
-        cached_k = seq.keys[self.kv_index]
-        cached_v = seq.values[self.kv_index]
-        keys = [cached_k[None, :, :start, :]] if start and cached_k is not None else []
-        values = [cached_v[None, :, :start, :]] if start and cached_v is not None else []
-        token, out, rows = pending, [], []
+        token = mx.array([[pending]], dtype=mx.int32)
+        codec, toks, rows = seq.codec, [], []
         for i in range(k):
-            u = self._fused(mx.array([[token]], dtype=mx.int32), hidden)
+            u = self._fused(token, hidden)
             x = rms_norm(u, self.block.attn_norm, c.norm_eps)
             kn, vn = self._kv(u, start + i)
-            keys.append(kn)
-            values.append(vn)
+            seq.write_ahead(self.kv_index, start + i, kn[0], vn[0])
+            upto = lambda a: a[None, :, :start + i + 1, :]  # noqa: E731
+            keys, values = _rows(upto, seq.keys[self.kv_index]), _rows(upto, seq.values[self.kv_index])
             qg = attn.q(x).reshape(1, 1, c.n_heads, 2 * c.head_dim)
             q, gate = qg[..., :c.head_dim], qg[..., c.head_dim:]
             q = mx.fast.rope(rms_norm(q, attn.q_norm, c.norm_eps).transpose(0, 2, 1, 3), c.rope_dims, offset=start + i,
                              **attn._rope)
-            o = mx.fast.scaled_dot_product_attention(q, mx.concatenate(keys, axis=2), mx.concatenate(values, axis=2),
-                                                     scale=attn.scale)
+            if codec is not None:  # the 8-bit layer, read as stored (kv_quant); one query sees every row
+                o = codec.attend(q, keys, values, attn.scale, None)
+            else:
+                o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale)
             o = o.transpose(0, 2, 1, 3).reshape(1, 1, -1)
             u = u + attn.o(o * mx.sigmoid(gate.reshape(1, 1, -1)))
             u = u + self.block.ffn(rms_norm(u, self.block.post_norm, c.norm_eps))
             hidden = rms_norm(u, self.head_norm, c.norm_eps)
             logits = self.lm_head(hidden).astype(mx.float32)[0, 0]
-            mx.eval(logits, hidden, kn, vn)
-            row = np.array(logits)
-            rows.append(row)
-            token = int(np.argmax(row))
-            out.append(token)
-        return out, np.stack(rows) if rows else np.zeros((0, c.vocab), np.float32)
+            token = mx.argmax(logits).astype(mx.int32).reshape(1, 1)
+            toks.append(token[0, 0])
+            rows.append(logits)
+        if not k:
+            return mx.zeros((0,), dtype=mx.int32), mx.zeros((0, c.vocab), dtype=mx.float32)
+        return mx.stack(toks), mx.stack(rows)
+
+
+def _rows(take, buf):
+    """``take`` applied to a cache layer's buffer: the array, or each plane of an 8-bit one (codes, scales)."""
+    return tuple(take(a) for a in buf) if isinstance(buf, tuple) else take(buf)
 
 
 def previous_hidden(seq: SequenceCache, position: int, width: int, dtype) -> mx.array:
