@@ -33,17 +33,18 @@ def _plan(runner, seq, prompt, cached):
 class ImageEncodeTransaction:
     """One image's encode: its jobs posted one at a time, the client looked at between them."""
 
-    def __init__(self, job):
+    def __init__(self, job, handle):
         self.fsm = Lifecycle(IMAGE_ENCODE)
         self.job = job
+        self.handle = handle  # the request it encodes for
 
     @property
     def state(self) -> str:
         return self.fsm.state
 
-    async def run(self, transact: Transact, handle) -> Failed | str | None:
+    async def run(self, transact: Transact) -> Failed | str | None:
         while True:
-            if handle.gone:
+            if self.handle.gone:
                 self.fsm.fire("client_gone")
                 self.job = None  # the partial encode goes with it
                 return CANCELLED
@@ -86,8 +87,8 @@ class ImageEncoder:
         if not isinstance(jobs, list):  # the prompt names an image no longer held
             return Failed(jobs.status, "image_encode_failed", jobs.message)
         for job in jobs:
-            txn = self.current = ImageEncodeTransaction(job)
-            result = await txn.run(self._transact, handle)  # EnginePoisoned: kept for engine_failed
+            txn = self.current = ImageEncodeTransaction(job, handle)
+            result = await txn.run(self._transact)  # EnginePoisoned: kept for engine_failed
             self.outcomes[txn.state] += 1
             self.current = None
             if result is not None:

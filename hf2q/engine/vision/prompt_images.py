@@ -246,6 +246,7 @@ def warm_up_images(runner, side: int = 16) -> None:
     prefill its tokens, so a GPU compiles the encoder's and M-RoPE's kernels before the server says ready."""
     enc = runner.vision
     stats = dict(runner.stats)
+    counts = runner.images.encodes, runner.images.feature_hits
     rows = np.zeros((side * side, enc.patch_w.shape[1]), np.float32)
     runner.images.add(_WARM_UP_KEY, PreparedImage(rows, (1, side, side), enc.merge))
     try:
@@ -253,5 +254,6 @@ def warm_up_images(runner, side: int = 16) -> None:
         runner.prefill(runner.new_sequence(), [1, *(image_token(_WARM_UP_KEY, i) for i in range(n)), 1])
     finally:
         runner.images.forget(_WARM_UP_KEY)
+        runner.images.encodes, runner.images.feature_hits = counts
         runner.stats.clear()
         runner.stats.update(stats)
