@@ -202,10 +202,8 @@ def preflight(args) -> tuple[Path, Path | None]:
     named = check_gguf(Path(args.mmproj).expanduser(), "--mmproj") if getattr(args, "mmproj", None) else None
     if named is not None and args.tensor_parallel > 1:
         raise UsageError("--mmproj: images are served by a single rank; drop --tensor-parallel")
-    if named is not None and getattr(args, "kv_persist", None):
-        raise UsageError("--mmproj: the persistent KV cache does not keep images' positions yet; drop --kv-persist")
     args.mmproj_path, args.mmproj_line = (None, "")
-    if args.tensor_parallel == 1 and not getattr(args, "kv_persist", None):
+    if args.tensor_parallel == 1:
         args.mmproj_path, args.mmproj_line = choose_mmproj(header, named)
     from hf2q.engine.tp_hosts import group_size, hosts_from_args
 
