@@ -200,11 +200,7 @@ def preflight(args) -> tuple[Path, Path | None]:
     from hf2q.engine.vision.mmproj_match import choose_mmproj
 
     named = check_gguf(Path(args.mmproj).expanduser(), "--mmproj") if getattr(args, "mmproj", None) else None
-    if named is not None and args.tensor_parallel > 1:
-        raise UsageError("--mmproj: images are served by a single rank; drop --tensor-parallel")
-    args.mmproj_path, args.mmproj_line = (None, "")
-    if args.tensor_parallel == 1:
-        args.mmproj_path, args.mmproj_line = choose_mmproj(header, named)
+    args.mmproj_path, args.mmproj_line = choose_mmproj(header, named)  # at TP > 1, rank 0 encodes
     from hf2q.engine.tp_hosts import group_size, hosts_from_args
 
     args.tp_hosts = hosts_from_args(args)  # --hostfile / --hosts: one rank per host

@@ -148,11 +148,15 @@ class ImageStore:
                 self.feature_hits += 1
             return feats
 
-    def put_features(self, key: int, feats) -> None:
-        """Cache one image's encoded features; the least recently used go while the cache is over its
-        bytes (the newest set stays even alone above them: its prefill is about to read it)."""
+    def __contains__(self, key: int) -> bool:
         with self._lock:
-            self.encodes += 1
+            return key in self._images
+
+    def put_features(self, key: int, feats, counted: bool = True) -> None:
+        """Cache one image's encoded features (``counted`` an encode); the least recently used go while
+        the cache is over its bytes (the newest set stays even alone above them: its prefill reads it)."""
+        with self._lock:
+            self.encodes += int(counted)
             self._features[key] = feats
             self._features.move_to_end(key)
             total = sum(_nbytes(f) for f in self._features.values())
