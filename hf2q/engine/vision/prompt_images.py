@@ -80,7 +80,7 @@ class PreparedImage:
 
 class ImageStore:
     """Prepared images by content key, shared by the request side (which adds them) and the engine
-    thread (which encodes them inside a prefill transaction); encoded features cached for a few.
+    thread (which encodes them, ``encode_job``); their encoded features in an LRU bounded in bytes.
 
     Each ``add`` holds its image until the matching ``release`` (the request ended): an image a queued
     request still needs is never evicted, since a missing one would fault the engine mid-step.
