@@ -138,6 +138,7 @@ async def _idle(slots, store) -> None:
             await trio.sleep(0.02)
 
 
+@pytest.mark.slow  # the transformers reference and a 2-slot server: ~30 s
 async def test_text_streams_between_encode_jobs_and_a_cached_image_is_not_encoded_again(mmproj, engine_log, reference):
     events: list[str] = []  # what the client saw, in order
     async with _server(mmproj) as (url, store, slots), httpx.AsyncClient(base_url=url, timeout=120) as client:
