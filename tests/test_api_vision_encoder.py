@@ -11,19 +11,17 @@
 
 from __future__ import annotations
 
-import base64
 import io
 import json
 import threading
 from contextlib import asynccontextmanager
-from types import SimpleNamespace
 
 import httpx
-import numpy as np
 import pytest
 import trio
 
-from tests.models.qwen3vl import checkpoint, f32_gguf
+from tests.models.qwen3vl import checkpoint
+from tests.models.qwen3vl_serve import data_uri, mmproj_f32, png, vision_server
 
 CTX = 4096
 SIDE = 256  # Qwen3-VL's minimum area: no resize; 256 patch rows, 64 merged tokens
@@ -31,12 +29,7 @@ NO_END = {"151645": -100, "151643": -100}  # <|im_end|>, <|endoftext|>: the text
 
 
 def _uri(seed: int) -> str:
-    from PIL import Image
-
-    pixels = np.random.default_rng(seed).integers(0, 256, (SIDE, SIDE, 3), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+    return data_uri(png(seed))
 
 
 def _image_body(text: str, seed: int, **kw) -> dict:
@@ -46,11 +39,7 @@ def _image_body(text: str, seed: int, **kw) -> dict:
 
 @pytest.fixture(scope="module")
 def mmproj(tmp_path_factory):
-    from hf2q.convert.mmproj import convert_mmproj
-
-    path = tmp_path_factory.mktemp("vl") / "mmproj-tiny-f32.gguf"
-    convert_mmproj(checkpoint("qwen3vl"), path, "f32")
-    return path
+    return mmproj_f32(tmp_path_factory.mktemp("vl"))
 
 
 @pytest.fixture
@@ -80,30 +69,9 @@ def engine_log(monkeypatch):
 
 @asynccontextmanager
 async def _server(mmproj_path):
-    from hf2q.actors.runtime import open_runtime
-    from hf2q.api.app import ServerContext
-    from hf2q.api.command import _vision, runner_factory
-    from hf2q.api.server import serve
-    from hf2q.api.textbridge import GGUFChatModel
-    from hf2q.sched.contracts import RuntimeConfig
-
-    path = f32_gguf("qwen3vl")
-    model = GGUFChatModel.from_gguf(path, "vl")
-    vision = _vision(SimpleNamespace(mmproj_path=mmproj_path, mmproj_line=""), model)
-    config = RuntimeConfig(slots=2, ctx=CTX, queue_capacity=4, gpu_deadline_s=600, prefill_chunk=32)
-    async with open_runtime(runner_factory(path, CTX, vision=vision), config) as runtime, \
-            trio.open_nursery() as nursery:
-        assert await runtime.wait_ready(), runtime.readiness()
-        ctx = ServerContext(runtime=runtime, chat_model=model, model_id="vl")
-        handle = await nursery.start(lambda task_status: serve(ctx, "127.0.0.1", 0, graceful_timeout=1,
-                                                               task_status=task_status))
-        try:
-            yield handle.url, model.vision.store, runtime._system.slots  # noqa: SLF001
-        finally:
-            handle.request_stop()
-            with trio.move_on_after(30):
-                await handle.closed.wait()
-            nursery.cancel_scope.cancel()
+    """A 2-slot server; yields its URL, the image store and the slot actors."""
+    async with vision_server(mmproj_path, ctx=CTX) as (url, model, runtime):
+        yield url, model.vision.store, runtime._system.slots  # noqa: SLF001
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +87,7 @@ def reference():
     model = transformers.AutoModelForImageTextToText.from_pretrained(src, dtype=torch.float32).eval()
 
     def greedy(text: str, seed: int) -> str:
-        png = base64.b64decode(_uri(seed).split(",", 1)[1])
-        image = proc(images=[Image.open(io.BytesIO(png))], return_tensors="pt")
+        image = proc(images=[Image.open(io.BytesIO(png(seed)))], return_tensors="pt")
         prompt = (f"<|im_start|>user\n{text}<|vision_start|>" + "<|image_pad|>" * 64
                   + "<|vision_end|><|im_end|>\n<|im_start|>assistant\n")
         ids = tok(prompt, return_tensors="pt")["input_ids"]
@@ -224,8 +191,7 @@ async def test_disconnect_mid_encode_and_a_failed_encode_end_only_their_request(
         await _idle(slots, store)
         assert txn.state == "aborted"
         assert [e[1] for e in engine_log if e[0] == "encode"] == ["running"]  # no job after the first
-        png = base64.b64decode(_uri(2).split(",", 1)[1])
-        assert store.encodes == 0 and store.cached_features(content_key(png)) is None
+        assert store.encodes == 0 and store.cached_features(content_key(png(2))) is None
 
         fail.set()  # the next encode fails: its request alone gets the answer
         r = await client.post("/v1/chat/completions", json=_image_body("Describe", 2))

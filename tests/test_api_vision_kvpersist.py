@@ -10,17 +10,13 @@ block key names the image.
 
 from __future__ import annotations
 
-import base64
-import io
 from contextlib import asynccontextmanager
-from types import SimpleNamespace
 
 import httpx
 import numpy as np
 import pytest
-import trio
 
-from tests.models.qwen3vl import checkpoint, f32_gguf
+from tests.models.qwen3vl_serve import data_uri, mmproj_f32, png, vision_server
 
 CTX = 1024
 BLOCK = 256
@@ -29,12 +25,7 @@ QUESTION = "What is in the picture after all those words? Describe every part of
 
 
 def _uri(seed: int) -> str:
-    from PIL import Image
-
-    pixels = np.random.default_rng(seed).integers(0, 256, (256, 256, 3), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+    return data_uri(png(seed))
 
 
 def _body(seed: int) -> dict:
@@ -46,42 +37,13 @@ def _body(seed: int) -> dict:
 
 @pytest.fixture(scope="module")
 def mmproj(tmp_path_factory):
-    from hf2q.convert.mmproj import convert_mmproj
-
-    path = tmp_path_factory.mktemp("vl") / "mmproj-tiny-f32.gguf"
-    convert_mmproj(checkpoint("qwen3vl"), path, "f32")
-    return path
+    return mmproj_f32(tmp_path_factory.mktemp("vl"))
 
 
 @asynccontextmanager
 async def _server(mmproj_path, kv_dir):
-    from hf2q.actors.runtime import open_runtime
-    from hf2q.api.app import ServerContext
-    from hf2q.api.command import _vision, kv_store_opener, runner_factory
-    from hf2q.api.server import serve
-    from hf2q.api.textbridge import GGUFChatModel
-    from hf2q.sched.contracts import RuntimeConfig
-
-    path = f32_gguf("qwen3vl")
-    model = GGUFChatModel.from_gguf(path, "vl")
-    vision = _vision(SimpleNamespace(mmproj_path=mmproj_path, mmproj_line=""), model)
-    opener = kv_store_opener(SimpleNamespace(kv_persist=str(kv_dir), kv_persist_budget=None), path,
-                             model.template_source)
-    config = RuntimeConfig(slots=1, ctx=CTX, queue_capacity=4, gpu_deadline_s=600, prefill_chunk=64)
-    async with open_runtime(runner_factory(path, CTX, vision=vision), config, kv_store_opener=opener) as runtime, \
-            trio.open_nursery() as nursery:
-        assert await runtime.wait_ready(), runtime.readiness()
-        ctx = ServerContext(runtime=runtime, chat_model=model, model_id="vl")
-        handle = await nursery.start(lambda task_status: serve(ctx, "127.0.0.1", 0, graceful_timeout=1,
-                                                               task_status=task_status))
-        try:
-            yield handle.url, model.vision.store
-            assert await runtime.drain(60)  # every persisted block written before the restart
-        finally:
-            handle.request_stop()
-            with trio.move_on_after(30):
-                await handle.closed.wait()
-            nursery.cancel_scope.cancel()
+    async with vision_server(mmproj_path, slots=1, ctx=CTX, prefill_chunk=64, kv_dir=kv_dir) as (url, model, _):
+        yield url, model.vision.store
 
 
 def _logprobs(out: dict) -> list[tuple[str, list[float]]]:

@@ -10,31 +10,18 @@
 
 from __future__ import annotations
 
-import base64
 import io
 
 import httpx
-import numpy as np
 import pytest
 
 from tests.models.qwen3vl import checkpoint, f32_gguf
+from tests.models.qwen3vl_serve import data_uri, png
 from tests.serve_support import hf2q_server
 
-SIDE = 256
 
-
-def _png(seed: int) -> bytes:
-    from PIL import Image
-
-    pixels = np.random.default_rng(seed).integers(0, 256, (SIDE, SIDE, 3), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="PNG")
-    return out.getvalue()
-
-
-def _image_body(model: str, png: bytes) -> dict:
-    content = [{"type": "text", "text": "Describe"},
-               {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}}]
+def _image_body(model: str, image: bytes) -> dict:
+    content = [{"type": "text", "text": "Describe"}, {"type": "image_url", "image_url": {"url": data_uri(image)}}]
     return {"model": model, "messages": [{"role": "user", "content": content}], "temperature": 0, "max_tokens": 6}
 
 
@@ -70,12 +57,12 @@ def test_two_models_one_with_vision_over_http(vl_dir, smollm2_gguf, tmp_path):
     import transformers
     from PIL import Image
 
-    png = _png(1)
+    image_png = png(1)
     src = checkpoint("qwen3vl")
     proc = transformers.AutoImageProcessor.from_pretrained(src)
     tok = transformers.AutoTokenizer.from_pretrained(src)
     ref = transformers.AutoModelForImageTextToText.from_pretrained(src, dtype=torch.float32).eval()
-    image = proc(images=[Image.open(io.BytesIO(png))], return_tensors="pt")
+    image = proc(images=[Image.open(io.BytesIO(image_png))], return_tensors="pt")
     ids = tok("<|im_start|>user\nDescribe<|vision_start|>" + "<|image_pad|>" * 64
               + "<|vision_end|><|im_end|>\n<|im_start|>assistant\n", return_tensors="pt")["input_ids"]
     with torch.no_grad():
@@ -87,13 +74,13 @@ def test_two_models_one_with_vision_over_http(vl_dir, smollm2_gguf, tmp_path):
     args = ["--model", str(vl_dir / "tiny-vl.gguf"), "--model", str(smollm2_gguf), "--models-memory", "4G",
             "--ctx", "512", "--slots", "1"]
     with hf2q_server(args, tmp_path) as url, httpx.Client(base_url=url, timeout=120) as client:
-        r = client.post("/v1/chat/completions", json=_image_body("tiny-vl", png))
+        r = client.post("/v1/chat/completions", json=_image_body("tiny-vl", image_png))
         assert r.status_code == 200, r.text
         got = r.json()
         assert got["usage"]["prompt_tokens"] == ids.shape[1]
         text = got["choices"][0]["message"]["content"]
         assert text == want if got["choices"][0]["finish_reason"] == "length" else want.startswith(text)
-        r = client.post("/v1/chat/completions", json=_image_body(smollm2_gguf.stem, png))
+        r = client.post("/v1/chat/completions", json=_image_body(smollm2_gguf.stem, image_png))
         assert r.status_code == 400, r.text
         assert "does not accept image input" in r.json()["error"]["message"]
         assert r.json()["error"]["param"] == "messages[0].content[1]"
