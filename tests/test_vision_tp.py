@@ -88,3 +88,34 @@ def test_two_ranks_serve_an_image_as_one_rank(tmp_path, monkeypatch):
         np.testing.assert_allclose(tp[key], ref[key], rtol=0, atol=1e-4 * scale, err_msg=key)
         np.testing.assert_array_equal(tp[key].argmax(-1), ref[key].argmax(-1), err_msg=key)
     np.testing.assert_allclose(tp["moved_tail"], tp["tail"], rtol=0, atol=1e-4 * float(np.abs(tp["tail"]).max()))
+
+
+@pytest.mark.slow
+async def test_served_at_two_ranks_answers_an_image_as_one_rank(tmp_path):
+    """``hf2q serve --mmproj --tensor-parallel 2`` (a real process) and the one-rank server, same image
+    request through a real HTTP client: the same T=0 reply, and the same image prefix reused after it."""
+    import httpx
+    import trio
+
+    from tests.models.qwen3vl_serve import data_uri, mmproj_f32, png, vision_server
+    from tests.serve_support import hf2q_server
+
+    mmproj = mmproj_f32(tmp_path)
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Describe"},
+                                                      {"type": "image_url", "image_url": {"url": data_uri(png(1))}}]}],
+            "temperature": 0, "max_tokens": 6}
+
+    def ask(url: str) -> list[dict]:
+        with httpx.Client(base_url=url, timeout=120) as client:
+            return [client.post("/v1/chat/completions", json=body).json() for _ in range(2)]
+
+    async with vision_server(mmproj, slots=1, ctx=512) as (url, _, _):
+        want = await trio.to_thread.run_sync(ask, url)
+    args = ["--model", str(f32_gguf("qwen3vl")), "--mmproj", str(mmproj), "--tensor-parallel", "2",
+            "--ctx", "512", "--slots", "1"]
+    with hf2q_server(args, tmp_path) as url:
+        got = ask(url)
+    for g, w in zip(got, want, strict=True):
+        assert g["choices"][0]["message"]["content"] == w["choices"][0]["message"]["content"]
+        assert g["usage"] == w["usage"]
+    assert got[1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 64  # through the image
