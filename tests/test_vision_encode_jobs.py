@@ -91,6 +91,10 @@ def test_a_moved_prefix_with_an_image_gets_its_positions_back(runner):
     np.testing.assert_allclose(runner.decode([seq], [42])[0], want_decode, atol=1e-4, rtol=0)
     stale = moved(plan=False)  # without the shifts, the text after the image sits at the wrong ids
     assert np.abs(runner.prefill(stale, tail) - want_prefill).max() > 1e-3
+    # a restored text-only prefix clears shifts its sequence kept from an earlier prompt's image
+    reused = runner.new_sequence()
+    reused.mrope_shifts = [(3, -5)]
+    assert plan_images(runner, reused, tail + tail, len(tail)) == [] and reused.mrope_shifts == []
     # the images still to prefill are planned once each, in prompt order
     other, _ = _add_image(runner, 22)
     rest = [image_token(other, i) for i in range(6)] + [7] + [image_token(key, 0)]

@@ -24,6 +24,12 @@ Transact = Callable[[Callable[[Any], Any], str], Awaitable[Any]]
 CANCELLED = "cancelled"
 
 
+def _names_images(prompt) -> bool:
+    from hf2q.engine.vision.prompt_images import IMAGE_ID_BASE  # the id layout only (no MLX)
+
+    return max(prompt, default=0) >= IMAGE_ID_BASE
+
+
 def _plan(runner, seq, prompt, cached):
     from hf2q.engine.vision.encode_job import plan_images  # runs in the engine thread
 
@@ -66,7 +72,7 @@ class ImageEncodeTransaction:
 
 
 class ImageEncoder:
-    """A slot's image side (every slot has one; a runner without images costs one job, once)."""
+    """A slot's image side: no GPU work for a prompt without images on a prefix of its own KV."""
 
     def __init__(self, transact: Transact):
         self._transact = transact
@@ -74,11 +80,13 @@ class ImageEncoder:
         self.outcomes: collections.Counter[str] = collections.Counter()  # final states, for the operator/tests
         self.current: ImageEncodeTransaction | None = None
 
-    async def prepare(self, handle, seq, prompt: tuple[int, ...], cached: int) -> Failed | str | None:
+    async def prepare(self, handle, seq, prompt: tuple[int, ...], cached: int,
+                      restored: bool = False) -> Failed | str | None:
         """Encode the images ``prompt`` names past its ``cached`` tokens (and put the cached images'
         positions on ``seq``); None when the prefill may start, a ``Failed`` for the request, or
-        ``CANCELLED`` when its client left."""
-        if self._serves_images is False:
+        ``CANCELLED`` when its client left. ``restored``: part of the cached prefix came from the
+        persistent store, so ``seq``'s positions are set again even for a prompt without images."""
+        if self._serves_images is False or not (restored or _names_images(prompt)):
             return None
         jobs = await self._transact(lambda runner: _plan(runner, seq, prompt, cached), "image plan")
         self._serves_images = jobs is not None

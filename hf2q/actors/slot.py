@@ -131,7 +131,7 @@ class SlotActor:
         h.emit(Admitted(self.index, len(prompt), cached))
         gen = Generation(self.index, h, a.limits, p, len(prompt))
         self.fsm.fire("prefill_started")
-        encoded = await self.images.prepare(h, self.seq, prompt, cached)
+        encoded = await self.images.prepare(h, self.seq, prompt, cached, restored=cached > a.cached_tokens)
         if encoded is not None:
             return p.finished("cancelled", trio.current_time()) if encoded == CANCELLED else encoded
         plan = plan_transactions(cached, len(prompt), a.prefill_chunk, h.req.stable_prefix)

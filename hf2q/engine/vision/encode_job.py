@@ -43,10 +43,13 @@ def image_tokens(tokens: Sequence[int]) -> np.ndarray:
 
 
 def shifts_through(tokens: Sequence[int], store) -> list[tuple[int, int]]:
-    """The ``(length, shift)`` pairs the images in ``tokens`` leave when prefilled from position 0."""
-    if not (image_tokens(tokens) >= IMAGE_ID_BASE).any():
+    """The ``(length, shift)`` pairs the images in ``tokens`` leave when prefilled from position 0
+    (only the stretch from the first image token to the last is walked: text outside adds no pair)."""
+    where = np.flatnonzero(image_tokens(tokens) >= IMAGE_ID_BASE)
+    if not where.size:
         return []
-    return chunk_positions(tokens, 0, 0, store)[1]
+    a, b = int(where[0]), int(where[-1]) + 1
+    return chunk_positions(tokens[a:b], a, 0, store)[1]
 
 
 def plan_images(runner, seq, prompt: Sequence[int], cached: int) -> "list[ImageEncodeJob] | EncodeStep | None":
