@@ -12,16 +12,14 @@
 
 from __future__ import annotations
 
-import base64
 import io
 from contextlib import asynccontextmanager
 
 import httpx
-import numpy as np
 import pytest
-import trio
 
-from tests.models.qwen3vl import checkpoint, f32_gguf
+from tests.models.qwen3vl import checkpoint
+from tests.models.qwen3vl_serve import data_uri, mmproj_f32, png as png_bytes, vision_server
 
 CTX = 1024
 SIDE = 256  # 65536 pixels: Qwen3-VL's minimum, so no resize; 8×8 merged tokens
@@ -29,19 +27,11 @@ PROMPT = "Describe"
 
 
 def _png(seed: int | None, size=(SIDE, SIDE), fmt: str = "PNG") -> bytes:
-    """Random pixels (a flat grey for ``seed`` None: a large image in few bytes)."""
-    from PIL import Image
-
-    shape = (size[1], size[0], 3)
-    pixels = np.full(shape, 128, np.uint8) if seed is None else \
-        np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format=fmt)
-    return out.getvalue()
+    return png_bytes(seed, size, fmt)
 
 
 def _uri(data: bytes, kind: str = "png") -> str:
-    return f"data:image/{kind};base64," + base64.b64encode(data).decode()
+    return data_uri(data, kind)
 
 
 def _body(*parts, max_tokens: int = 6) -> dict:
@@ -51,42 +41,13 @@ def _body(*parts, max_tokens: int = 6) -> dict:
 
 @pytest.fixture(scope="module")
 def mmproj(tmp_path_factory):
-    from hf2q.convert.mmproj import convert_mmproj
-
-    path = tmp_path_factory.mktemp("vl") / "mmproj-tiny-f32.gguf"
-    convert_mmproj(checkpoint("qwen3vl"), path, "f32")
-    return path
+    return mmproj_f32(tmp_path_factory.mktemp("vl"))
 
 
 @asynccontextmanager
 async def _server(mmproj_path):
-    from hf2q.actors.runtime import open_runtime
-    from hf2q.api.app import ServerContext
-    from hf2q.api.command import _vision, runner_factory
-    from hf2q.api.server import serve
-    from hf2q.api.textbridge import GGUFChatModel
-    from hf2q.sched.contracts import RuntimeConfig
-
-    path = f32_gguf("qwen3vl")
-    model = GGUFChatModel.from_gguf(path, "vl")
-
-    from types import SimpleNamespace
-
-    vision = _vision(SimpleNamespace(mmproj_path=mmproj_path, mmproj_line=""), model)
-    config = RuntimeConfig(slots=2, ctx=CTX, queue_capacity=4, gpu_deadline_s=600, prefill_chunk=32)
-    async with open_runtime(runner_factory(path, CTX, vision=vision), config) as runtime, \
-            trio.open_nursery() as nursery:
-        assert await runtime.wait_ready(), runtime.readiness()
-        ctx = ServerContext(runtime=runtime, chat_model=model, model_id="vl")
-        handle = await nursery.start(lambda task_status: serve(ctx, "127.0.0.1", 0, graceful_timeout=1,
-                                                               task_status=task_status))
-        try:
-            yield handle.url, model
-        finally:
-            handle.request_stop()
-            with trio.move_on_after(30):
-                await handle.closed.wait()
-            nursery.cancel_scope.cancel()
+    async with vision_server(mmproj_path, ctx=CTX) as (url, model, _):
+        yield url, model
 
 
 def _transformers_greedy(png: bytes, n: int) -> tuple[int, str]:

@@ -38,7 +38,6 @@ def test_a_budget_that_holds_one_model_but_not_the_other_is_refused(cli, smollm2
     (["--model-name", "x"], "--model-name is for a single --model"),
     (["--tensor-parallel", "2"], "--tensor-parallel is for a single --model"),
     (["--hosts", "a,b"], "--hosts is for a single --model"),
-    (["--mmproj", "p.gguf"], "--mmproj is for a single --model"),
 ])
 def test_single_model_flags_are_usage_errors(cli, smollm2_gguf, gemma3_gguf, extra, says):
     r = serve(cli, "--model", smollm2_gguf, "--model", gemma3_gguf, *extra)

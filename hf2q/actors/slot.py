@@ -19,6 +19,7 @@ from typing import Any, Awaitable, Callable
 import attrs
 import trio
 
+from hf2q.actors.encoder import CANCELLED, ImageEncoder
 from hf2q.actors.messages import Assignment, Evict, Generation, Overwrite, Persist, PrefillWork, Released, Restore
 from hf2q.actors.prefill import PrefillTransaction
 from hf2q.actors.progress import SlotProgress
@@ -47,6 +48,7 @@ class SlotActor:
         self._inbox = inbox  # Assignment | Evict, from admission
         self.progress = SlotProgress()
         self._txn: PrefillTransaction | None = None
+        self.images = ImageEncoder(env.transact)  # the prompt's images, encoded before its prefill
 
     @property
     def state(self) -> str:
@@ -79,6 +81,7 @@ class SlotActor:
         """The engine was poisoned: settle the machine (the request itself is failed by admission)."""
         if self._txn is not None:
             self._txn.engine_failed()
+        self.images.engine_failed()
         if self.fsm.state in ("admitted", "prefilling", "decoding", "finishing"):
             self.fsm.fire("engine_failed")
 
@@ -128,6 +131,9 @@ class SlotActor:
         h.emit(Admitted(self.index, len(prompt), cached))
         gen = Generation(self.index, h, a.limits, p, len(prompt))
         self.fsm.fire("prefill_started")
+        encoded = await self.images.prepare(h, self.seq, prompt, cached, restored=cached > a.cached_tokens)
+        if encoded is not None:
+            return p.finished("cancelled", trio.current_time()) if encoded == CANCELLED else encoded
         plan = plan_transactions(cached, len(prompt), a.prefill_chunk, h.req.stable_prefix)
         for i, (start, end) in enumerate(plan):
             if h.gone:

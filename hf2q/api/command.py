@@ -203,13 +203,7 @@ def preflight(args) -> tuple[Path, Path | None]:
     from hf2q.engine.vision.mmproj_match import choose_mmproj
 
     named = check_gguf(Path(args.mmproj).expanduser(), "--mmproj") if getattr(args, "mmproj", None) else None
-    if named is not None and args.tensor_parallel > 1:
-        raise UsageError("--mmproj: images are served by a single rank; drop --tensor-parallel")
-    if named is not None and getattr(args, "kv_persist", None):
-        raise UsageError("--mmproj: the persistent KV cache does not keep images' positions yet; drop --kv-persist")
-    args.mmproj_path, args.mmproj_line = (None, "")
-    if args.tensor_parallel == 1 and not getattr(args, "kv_persist", None):
-        args.mmproj_path, args.mmproj_line = choose_mmproj(header, named)
+    args.mmproj_path, args.mmproj_line = choose_mmproj(header, named)  # at TP > 1, rank 0 encodes
     from hf2q.engine.tp_hosts import group_size, hosts_from_args
 
     args.tp_hosts = hosts_from_args(args)  # --hostfile / --hosts: one rank per host
@@ -245,13 +239,19 @@ def _vision(args, chat_model):
     """``(mmproj path, ImageStore)`` for the runner, with the chat model's image side set; None without one."""
     if getattr(args, "mmproj_path", None) is None:
         return None
+    return vision_for(args.mmproj_path, chat_model)
+
+
+def vision_for(mmproj_path: Path, chat_model):
+    """Serve images with ``chat_model`` through ``mmproj_path``: its image side set on the chat model,
+    and the ``(mmproj path, ImageStore)`` its runner factory takes (a store of its own per model)."""
     from hf2q.api.images import VisionInput
     from hf2q.engine.vision.prompt_images import ImageStore
     from hf2q.formats.gguf_file import open_gguf
 
     store = ImageStore()
-    chat_model.vision = VisionInput.from_mmproj(open_gguf(args.mmproj_path), chat_model.tokenizer, store)
-    return args.mmproj_path, store
+    chat_model.vision = VisionInput.from_mmproj(open_gguf(mmproj_path), chat_model.tokenizer, store)
+    return mmproj_path, store
 
 
 async def _serve(args, model_path: Path, chat_model, embed_path, embed_model, kv_opener) -> str | None:

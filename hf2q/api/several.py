@@ -19,7 +19,7 @@ from pathlib import Path
 import trio
 
 from hf2q.api.command import (_size_hint, _watch_signals, check_gguf, check_kv_budget, check_kv_cache_type,
-                               check_model_kind, runner_factory)
+                               check_model_kind, runner_factory, vision_for)
 from hf2q.errors import InputError, UsageError
 from hf2q.logs import log_format
 
@@ -71,15 +71,47 @@ def _refuse_flags(args) -> None:
                                  ("--kv-persist", args.kv_persist, None),
                                  ("--model-name", args.model_name, None),
                                  ("--hostfile", getattr(args, "hostfile", None), None),
-                                 ("--hosts", getattr(args, "hosts", None), None),
-                                 ("--mmproj", getattr(args, "mmproj", None), None)):
+                                 ("--hosts", getattr(args, "hosts", None), None)):
         if value != default:
             raise UsageError(f"{flag} is for a single --model; with several models each is served "
                              f"by its file name and alone on its device")
 
 
+def assign_mmprojs(headers: dict[str, object], named: Path | None,
+                   lines: list[str] | None = None) -> dict[str, Path]:
+    """model id → the vision projector it serves images through: ``--mmproj`` goes to the one chat
+    model it fits (refused when it fits none or several), every other vision model takes the one
+    found beside it by name (``engine.vision.mmproj_match``). Text-only models get none. ``lines``
+    collects what the operator is told about each vision model."""
+    from hf2q.engine.vision.mmproj_match import PROJECTORS, choose_mmproj, misfit
+    from hf2q.formats.gguf_file import open_gguf
+
+    out: dict[str, Path] = {}
+    if named is not None:
+        projector = open_gguf(named)
+        fits = [mid for mid, h in headers.items() if h.arch in PROJECTORS and misfit(h, projector) is None]
+        if not fits:
+            raise InputError(f"--mmproj: {named.name} fits none of the models "
+                             f"({', '.join(headers)}); it needs a vision model of its embedding width")
+        if len(fits) > 1:
+            raise UsageError(f"--mmproj: {named.name} fits {' and '.join(fits)}; put each model's projector "
+                             f"beside it as mmproj-*.gguf instead")
+        out[fits[0]] = named
+        if lines is not None:
+            lines.append(f"{fits[0]}: vision projector {named} (--mmproj)")
+    for mid, header in headers.items():
+        if mid not in out:
+            path, line = choose_mmproj(header, None)
+            if path is not None:
+                out[mid] = path
+            if line and lines is not None:
+                lines.append(f"{mid}: {line}")
+    return out
+
+
 def plan_models(args):
-    """Check every model and measure it: ``[(path, model_id, kind, need_bytes)]`` and the budget."""
+    """Check every model and measure it: ``[(path, model_id, kind, need_bytes)]`` and the budget
+    (and ``args.mmprojs``: model id → its vision projector)."""
     from hf2q.api.command import check_memory
     from hf2q.engine.memory_plan import DEFAULT_FRACTION, check_model, device_memory
     from hf2q.formats.gguf_check import check_servable
@@ -90,7 +122,7 @@ def plan_models(args):
     if args.embedding_model:
         paths.append((check_gguf(Path(args.embedding_model).expanduser(), "--embedding-model"),
                       "--embedding-model"))
-    plans, seen = [], {}
+    plans, seen, chat_headers = [], {}, {}
     for path, flag in paths:
         model_id = path.stem
         if model_id in seen:
@@ -111,7 +143,11 @@ def plan_models(args):
 
             check_speculative(header, args)  # --speculative mtp: every chat model needs its nextn block
             need = check_memory(header, args)
+            chat_headers[model_id] = header
         plans.append((path, model_id, "embedding" if encoder else "chat", need.total))
+    named = check_gguf(Path(args.mmproj).expanduser(), "--mmproj") if getattr(args, "mmproj", None) else None
+    args.mmproj_lines = []
+    args.mmprojs = assign_mmprojs(chat_headers, named, args.mmproj_lines)
     budget = args.models_memory
     if budget is None:
         budget = args.memory_limit or int(device_memory() * DEFAULT_FRACTION)
@@ -146,8 +182,11 @@ def run(args) -> int:
     for path, model_id, kind, need in plans:
         chat = kind == "chat"
         text = GGUFChatModel.from_gguf(path, model_id) if chat else GGUFEmbeddingModel.from_gguf(path, model_id)
+        mmproj = getattr(args, "mmprojs", {}).get(model_id)
+        vision = vision_for(mmproj, text) if mmproj is not None else None
         entries.append(Entry(model_id, path, kind, need, text, chat_config if chat else embed_config,
-                             partial(runner_factory, path, args.ctx, 1, args) if chat else partial(runner_factory, path, None)))
+                             partial(runner_factory, path, args.ctx, 1, args, vision) if chat
+                             else partial(runner_factory, path, None)))
     trio.run(partial(_serve, args, entries, budget))
     return 0
 
@@ -163,6 +202,8 @@ async def _serve(args, entries, budget: int) -> None:
         if lg.getEffectiveLevel() > logging.INFO:
             lg.setLevel(logging.INFO)
     mode = choose_mode(getattr(args, "operator_ui", "plain"), log_format())
+    for line in getattr(args, "mmproj_lines", ()):
+        log.info(line)  # which vision projector serves each vision model's images, or why none
     if mode != "dashboard":  # the dashboard's rows replace the per-request lines
         for entry in entries:
             entry.on_loaded = lambda runtime: runtime.add_event_hook(EventLogger())

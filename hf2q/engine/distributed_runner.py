@@ -190,6 +190,15 @@ class ShardedSequence:
         """Rank 0's reuse points as of the last forward or trim (what the slot routes prompts by)."""
         return getattr(self.local, "published_points", None)
 
+    @property
+    def mrope_shifts(self):
+        """Rank 0's M-RoPE shifts after images (every rank's prefill records the same ones)."""
+        return getattr(self.local, "mrope_shifts", None)
+
+    @mrope_shifts.setter
+    def mrope_shifts(self, pairs) -> None:  # set from outside a prefill (a restored prefix): on every rank
+        self._runner._set_shifts(self, pairs)
+
     def __del__(self):  # followers drop their copy with the next command
         runner = getattr(self, "_runner", None)
         if runner is not None:
@@ -299,8 +308,32 @@ class DistributedRunner:
 
     def prefill(self, seq: ShardedSequence, tokens: Sequence[int]) -> np.ndarray:
         toks = np.asarray(list(tokens), dtype=np.int64)
-        return self._run({"op": "prefill", "seq": seq.seq_id}, lambda: self.local.prefill(seq.local, toks.tolist()),
-                         {"tokens": toks})
+        header, arrays = {"op": "prefill", "seq": seq.seq_id}, {"tokens": toks}
+        if self.local.images is not None:  # rank 0 encodes; the chunk's image features go with it
+            from hf2q.engine.vision.tp_images import chunk_images
+
+            entries, features = chunk_images(self.local.images, self.local.vision, toks)
+            if entries:
+                header["images"] = entries
+                arrays.update(features)
+        return self._run(header, lambda: self.local.prefill(seq.local, toks.tolist()), arrays)
+
+    def attach_vision(self, encoder, store) -> None:
+        """Serve images: the encoder runs unsplit on rank 0 (``hf2q.engine.vision.tp_images``)."""
+        self.local.attach_vision(encoder, store)
+
+    @property
+    def images(self):
+        return self.local.images
+
+    @property
+    def vision(self):
+        return self.local.vision
+
+    def _set_shifts(self, seq: ShardedSequence, pairs) -> None:
+        pairs = [(int(a), int(b)) for a, b in pairs]
+        self._run({"op": "shifts", "seq": seq.seq_id, "pairs": pairs},
+                  lambda: setattr(seq.local, "mrope_shifts", list(pairs)))
 
     def decode(self, seqs: Sequence[ShardedSequence], tokens: Sequence[int]) -> np.ndarray:
         toks = np.asarray(list(tokens), dtype=np.int64)
@@ -497,7 +530,16 @@ def follow(runner, sock: socket.socket, group, plan, stopped: threading.Event | 
             if op == "new":
                 seqs[header["seq"]] = runner.new_sequence()
             elif op == "prefill":
+                if "images" in header:
+                    from hf2q.engine.vision.tp_images import take_images
+
+                    take_images(runner, header["images"], arrays)
                 runner.prefill(seqs[header["seq"]], arrays["tokens"].tolist())
+            elif op == "shifts":
+                from hf2q.engine.vision.tp_images import ensure_store
+
+                ensure_store(runner)  # a shifted sequence decodes at explicit positions
+                seqs[header["seq"]].mrope_shifts = [tuple(p) for p in header["pairs"]]
             elif op == "decode":
                 runner.decode([seqs[i] for i in header["seqs"]], arrays["tokens"].tolist())
             elif op == "decode_async":

@@ -89,11 +89,13 @@ def model_fingerprint(gguf_path: str | os.PathLike, quant: str | None, chat_temp
 
 
 def token_bytes(tokens: Sequence[int]) -> bytes:
-    """Token ids as little-endian uint32, the byte form hashed into block keys."""
+    """Token ids as little-endian uint32, the byte form hashed into block keys; a block holding an
+    image's tokens (ids above uint32 that carry the image's content digest,
+    ``hf2q.engine.vision.prompt_images``) as uint64, so its key names the image it was computed from."""
     arr = np.asarray(tokens, dtype=np.int64)
-    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
-        raise ValueError("token ids must fit in uint32")
-    return arr.astype("<u4").tobytes()
+    if arr.size and arr.min() < 0:
+        raise ValueError("token ids must not be negative")
+    return arr.astype("<u8" if arr.size and arr.max() > 0xFFFFFFFF else "<u4").tobytes()
 
 
 def chain_hash(parent_hash: str, fingerprint: str, block_tokens: Sequence[int]) -> str:

@@ -16,6 +16,7 @@ MODULES = (
     "hf2q.statemachines.admission",
     "hf2q.statemachines.slot",
     "hf2q.statemachines.prefill",
+    "hf2q.statemachines.image_encode",
     "hf2q.statemachines.gpu_owner",
     "hf2q.statemachines.kv_prefix",
     "hf2q.statemachines.model_residency",

@@ -32,8 +32,9 @@ MAX_IMAGE_TOKENS = 1 << 20
 KEY_BITS = 40
 #: bytes of prepared patch rows a store keeps of images no request holds (the least recently added go first)
 STORE_BYTES = 1 << 29
-#: encoded feature sets kept for prefix misses on a recent image (each ``tokens × d × (1 + deepstack)``)
-FEATURE_CACHE = 8
+#: bytes of encoded features kept by image (each ``tokens × d_text × (1 + deepstack layers)``), least
+#: recently used first out: a second request with the same image skips the encoder
+FEATURE_BYTES = 1 << 28
 
 
 def is_image_token(token: int) -> bool:
@@ -79,17 +80,19 @@ class PreparedImage:
 
 class ImageStore:
     """Prepared images by content key, shared by the request side (which adds them) and the engine
-    thread (which encodes them inside a prefill transaction); encoded features cached for a few.
+    thread (which encodes them, ``encode_job``); their encoded features in an LRU bounded in bytes.
 
     Each ``add`` holds its image until the matching ``release`` (the request ended): an image a queued
-    request still needs is never evicted, since a missing one would fault the engine mid-step."""
+    request still needs is never evicted, since a missing one would fault the engine mid-step.
+    ``encodes`` counts the images the encoder ran on, ``feature_hits`` the encodes a cached set saved."""
 
-    def __init__(self, capacity: int = STORE_BYTES, feature_cache: int = FEATURE_CACHE):
+    def __init__(self, capacity: int = STORE_BYTES, feature_bytes: int = FEATURE_BYTES):
         self._images: collections.OrderedDict[int, PreparedImage] = collections.OrderedDict()
         self._holds: collections.Counter[int] = collections.Counter()
         self._features: collections.OrderedDict[int, object] = collections.OrderedDict()
-        self._capacity, self._feature_cache = capacity, feature_cache
+        self._capacity, self._feature_bytes = capacity, feature_bytes
         self._lock = threading.Lock()
+        self.encodes = self.feature_hits = 0
 
     def add(self, key: int, image: PreparedImage) -> None:
         if image.n_tokens > MAX_IMAGE_TOKENS:
@@ -134,19 +137,47 @@ class ImageStore:
         with self._lock:
             self._images.pop(key, None)
             self._holds.pop(key, None)
-        self._features.pop(key, None)
+            self._features.pop(key, None)
+
+    def cached_features(self, key: int):
+        """The features of image ``key`` if the cache has them (counted a hit), else None."""
+        with self._lock:
+            feats = self._features.get(key)
+            if feats is not None:
+                self._features.move_to_end(key)
+                self.feature_hits += 1
+            return feats
+
+    def __contains__(self, key: int) -> bool:
+        with self._lock:
+            return key in self._images
+
+    def put_features(self, key: int, feats, counted: bool = True) -> None:
+        """Cache one image's encoded features (``counted`` an encode); the least recently used go while
+        the cache is over its bytes (the newest set stays even alone above them: its prefill reads it)."""
+        with self._lock:
+            self.encodes += int(counted)
+            self._features[key] = feats
+            self._features.move_to_end(key)
+            total = sum(_nbytes(f) for f in self._features.values())
+            while total > self._feature_bytes and len(self._features) > 1:
+                total -= _nbytes(self._features.popitem(last=False)[1])
 
     def features(self, key: int, encode):
-        """The encoder's features of image ``key`` (``encode(patches, grid)`` on a miss); engine thread only."""
-        feats = self._features.get(key)
+        """The encoder's features of image ``key`` (``encode(patches, grid)`` on a miss); engine thread only.
+
+        A server encodes every image before the prefill reaching it (``hf2q.actors.encoder``); a miss
+        here is a set evicted in between, or a caller without that step (tests, ``generate``)."""
+        feats = self.cached_features(key)
         if feats is None:
             image = self.get(key)
             feats = encode(image.patches, image.grid)
-            self._features[key] = feats
-            while len(self._features) > self._feature_cache:
-                self._features.popitem(last=False)
-        self._features.move_to_end(key)
+            self.put_features(key, feats)
         return feats
+
+
+def _nbytes(feats) -> int:
+    return int(getattr(feats, "nbytes", 0))
 
 
 # ---- per-sequence M-RoPE shift -----------------------------------------------------------------------
@@ -219,6 +250,7 @@ def warm_up_images(runner, side: int = 16) -> None:
     prefill its tokens, so a GPU compiles the encoder's and M-RoPE's kernels before the server says ready."""
     enc = runner.vision
     stats = dict(runner.stats)
+    counts = runner.images.encodes, runner.images.feature_hits
     rows = np.zeros((side * side, enc.patch_w.shape[1]), np.float32)
     runner.images.add(_WARM_UP_KEY, PreparedImage(rows, (1, side, side), enc.merge))
     try:
@@ -226,5 +258,6 @@ def warm_up_images(runner, side: int = 16) -> None:
         runner.prefill(runner.new_sequence(), [1, *(image_token(_WARM_UP_KEY, i) for i in range(n)), 1])
     finally:
         runner.images.forget(_WARM_UP_KEY)
+        runner.images.encodes, runner.images.feature_hits = counts
         runner.stats.clear()
         runner.stats.update(stats)

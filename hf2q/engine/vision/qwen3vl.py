@@ -57,6 +57,22 @@ class VisionFeatures:
     deepstack: tuple[mx.array, ...]
     grid: tuple[int, int, int]  # (frame pairs, patch rows, patch columns)
 
+    @property
+    def nbytes(self) -> int:
+        return int(self.merged.nbytes + sum(d.nbytes for d in self.deepstack))
+
+
+@attrs.define(eq=False)
+class EncodeState:
+    """An image part-way through the encoder: the hidden rows after ``done`` blocks."""
+
+    x: mx.array
+    cos: mx.array
+    sin: mx.array
+    grid: tuple[int, int, int]
+    done: int = 0
+    deepstack: list = attrs.Factory(list)
+
 
 def bilinear_taps(h: int, w: int, side: int, merge: int) -> tuple[np.ndarray, np.ndarray]:
     """Indices ``[h·w, 4]`` into the flattened ``side × side`` table and their weights, per patch in
@@ -171,6 +187,13 @@ class Qwen3VLVisionEncoder:
         return prepare_image(image, self.patch, self.merge, self.image_mean, self.image_std, min_pixels, max_pixels)
 
     def __call__(self, patches: np.ndarray, grid: tuple[int, int, int]) -> VisionFeatures:
+        state = self.begin(patches, grid)
+        while not self.advance(state, len(self.blocks)):
+            pass
+        return self.finish(state)
+
+    def begin(self, patches: np.ndarray, grid: tuple[int, int, int]) -> "EncodeState":
+        """The patch and position embedding of one image: the state ``advance`` takes through the blocks."""
         t, h, w = (int(v) for v in grid)
         if patches.shape != (t * h * w, self.patch_w.shape[1]):
             raise InputError(f"patches of shape {patches.shape} for grid {grid}: expected "
@@ -182,16 +205,28 @@ class Qwen3VLVisionEncoder:
         pos = (self.pos_table[mx.array(idx)] * mx.array(wts)[..., None].astype(self.dtype)).sum(axis=1)
         x = x + mx.tile(pos, (t, 1))
         angles = mx.array(np.tile(rotary_angles(h, w, self.merge, self.head_dim), (t, 1)))
-        cos, sin = mx.cos(angles), mx.sin(angles)
+        return EncodeState(x, mx.cos(angles), mx.sin(angles), (t, h, w))
+
+    def advance(self, state: "EncodeState", blocks: int) -> bool:
+        """Run up to ``blocks`` more blocks (and their deepstack mergers), evaluated; True once the last ran.
+
+        Each call is a bounded piece of vision work: a server runs one per GPU job, so decode steps of
+        other requests go between the pieces of a large image."""
         unit = self.merge * self.merge
-        deepstack = []
-        for i, blk in enumerate(self.blocks):
-            x = self._block(blk, x, cos, sin, t)
+        stop = min(state.done + max(blocks, 1), len(self.blocks))
+        for i in range(state.done, stop):
+            state.x = self._block(self.blocks[i], state.x, state.cos, state.sin, state.grid[0])
             if i in self.deepstack:
-                deepstack.append(self.deepstack[i](x, unit, self.eps))
-        merged = self.merger(x, unit, self.eps)
-        mx.eval(merged, *deepstack)
-        return VisionFeatures(merged, tuple(deepstack), (t, h, w))
+                state.deepstack.append(self.deepstack[i](state.x, unit, self.eps))
+        state.done = stop
+        mx.eval(state.x, *state.deepstack)
+        return state.done == len(self.blocks)
+
+    def finish(self, state: "EncodeState") -> VisionFeatures:
+        """The merger over the last block's output: the features the language model takes."""
+        merged = self.merger(state.x, self.merge * self.merge, self.eps)
+        mx.eval(merged)
+        return VisionFeatures(merged, tuple(state.deepstack), state.grid)
 
     def _block(self, blk: _Block, x: mx.array, cos: mx.array, sin: mx.array, frames: int) -> mx.array:
         n = x.shape[0]
