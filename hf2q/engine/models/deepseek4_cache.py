@@ -209,13 +209,8 @@ class Deepseek4Cache(SequenceCache):
         self.published_points = self.reuse_points()
 
     def _add_points(self, start: int, n: int, transaction: bool) -> None:
-        aged = {}
-        for cut in self.points.due(start, n):
-            aged |= self.points.add(start + cut, (None, self._snapshot(start + cut)))
-        end = start + n
-        if self.points.ends_at(end, n, transaction):
-            kind = self.TRANSACTION_END if n > 1 and transaction else None
-            aged |= self.points.add(end, (kind, self._snapshot(end)))
+        aged = self.points.add_reached(
+            start, n, transaction, lambda p, end: (self.TRANSACTION_END if end else None, self._snapshot(p)))
         for p, (kind, rows) in aged.items():
             if kind == self.TRANSACTION_END:
                 self.ends[p] = rows
