@@ -7,7 +7,8 @@ consecutive compressor rows. So instead of every position's rows this cache keep
 * :class:`Rows` — raw rows, and compressor (and indexer) rows, of consecutive positions up to the
   length; before each forward (:meth:`Deepseek4Cache.reserve`) they let go of what the next query and
   the decode pipeline's one-position undo no longer need, so right after a forward every length
-  inside it can still be returned to (speculative verification, a mid-prompt trim);
+  inside it can still be returned to (a mid-prompt trim; a speculative verify publishes every length
+  inside it as a reuse point, so a partial accept stops at the accepted length without a second forward);
 * :class:`Entries` — the compressed entries (and indexer keys), appended as each block closes.
 
 A forward's new rows and entries are staged by the attention layers (:meth:`stage`) and committed
@@ -143,6 +144,9 @@ class Deepseek4Cache(SequenceCache):
         self.ends_kept = ends_kept
         #: where the last forward started (its rows are all held until the next one)
         self._rollback: int | None = None
+        #: the lengths inside the last forward, when it was a speculative verify (all its rows are held
+        #: until the next forward, so a partial accept stops there instead of feeding the tokens again)
+        self._verified: range = range(0)
         self._pending: dict[int, tuple[LayerState, int, int]] = {}
         self._transaction = True
         self.published_points = (0,)
@@ -184,6 +188,7 @@ class Deepseek4Cache(SequenceCache):
     def reserve(self, n_tokens: int) -> None:
         """Before a forward: let go of the rows neither the next query nor the one-position undo needs."""
         self._pending = {}
+        self._verified = range(0)
         if self._length and self._held(self._length - 1):  # (not after a return to a point: already minimal)
             self.states = self._state_at(self._length - 1, self._length)
 
@@ -205,6 +210,7 @@ class Deepseek4Cache(SequenceCache):
         self._pending = {}
         self._length += n
         self._rollback = start
+        self._verified = range(start + 1, start + n) if n > 1 and not self._transaction else range(0)
         self._add_points(start, n, self._transaction)
         self.published_points = self.reuse_points()
 
@@ -230,6 +236,8 @@ class Deepseek4Cache(SequenceCache):
 
     def reuse_points(self) -> tuple[int, ...]:
         points = {0, self._length} | {p for p in (*self.points, *self.ends) if p <= self._length}
+        if self._verified.stop == self._length:  # (an import since the verify moved the length on)
+            points |= set(self._verified)
         if self._rollback is not None and self._rollback <= self._length and self._held(self._rollback):
             points.add(self._rollback)
         return tuple(sorted(points))
@@ -259,7 +267,7 @@ class Deepseek4Cache(SequenceCache):
         for p in [p for p in self.ends if p > n_tokens]:
             del self.ends[p]
         self._length = n_tokens
-        self._rollback = None
+        self._rollback, self._verified = None, range(0)
         self.published_points = self.reuse_points()
 
     def _cut_entries(self, n: int) -> None:
