@@ -31,7 +31,7 @@ from hf2q.engine.kv_cache import ForwardBatch
 from hf2q.engine.layers import Linear, float_array, silu
 from hf2q.engine.models.decoder import distinct_nbytes
 from hf2q.engine.models.deepseek4_attention import AttnGeometry, Deepseek4Attention, default_inv_freq, yarn_inv_freq
-from hf2q.engine.models.deepseek4_cache import Deepseek4Cache
+from hf2q.engine.models.deepseek4_cache import Deepseek4Cache, EntryBatch, batch_entries
 from hf2q.engine.models.deepseek4_layout import layer_rows
 from hf2q.engine.models.deepseek4_hc import HyperConnection, HyperHead
 from hf2q.engine.quant_repack import FLOAT_TYPES, QUANTIZED_TYPES
@@ -218,6 +218,8 @@ class Deepseek4Model:
         self.head = HyperHead(g, c.hc_count, c.hc_eps, c.norm_eps)
         self.norm = float_array(g.tensor("output_norm.weight"), dtype)
         self.lm_head = Linear(g.tensors["output.weight"], dtype) if "output.weight" in g.tensors else self.embed
+        #: the sequences of the last batched decode, their entries in shared rows (``EntryBatch``)
+        self._entry_batch: EntryBatch | None = None
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:
@@ -235,6 +237,8 @@ class Deepseek4Model:
         """``tokens [B, T]`` → float32 logits ``[B, vocab]`` of the last position (or all)."""
         x = self.embed.rows(tokens)
         B, T, D = x.shape
+        if B > 1:  # a batched decode reads its rows' entries from shared buffers
+            self._entry_batch = batch_entries(self._entry_batch, fb.caches)
         streams = mx.broadcast_to(x[:, :, None, :], (B, T, self.cfg.hc_count, D))
         for block in self.blocks:
             streams = block(streams, fb, tokens)
