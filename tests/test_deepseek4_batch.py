@@ -67,3 +67,13 @@ def test_batched_rows_equal_each_alone_and_share_entry_rows(runner):
             assert float(np.abs(both[b] - runner.decode([pairs[k][1]], [t])[0]).max()) < TOL
     assert rows[1].entries[layer].rows.n_rows == 1 and rows[0].entries[layer].rows.n_rows == 2
     assert float(np.abs(runner.decode([rows[1]], [5])[0] - runner.decode([pairs[1][1]], [5])[0]).max()) < TOL
+    # HF2Q_NO_STACKED_DECODE's way (no sharing): a row of the shared batch and one of its own batch by
+    # stacking their entries per step, and still decode as each alone
+    runner.model.share_entries = False
+    try:
+        for t in random_tokens(2, low=3, high=49152, seed=51):
+            both = runner.decode([rows[0], rows[1]], [t, t])
+            for b, k in ((0, 0), (1, 1)):
+                assert float(np.abs(both[b] - runner.decode([pairs[k][1]], [t])[0]).max()) < TOL
+    finally:
+        runner.model.share_entries = True

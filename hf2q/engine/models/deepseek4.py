@@ -20,6 +20,7 @@ repacking does not take).
 
 from __future__ import annotations
 
+import os
 import types
 
 import attrs
@@ -218,8 +219,10 @@ class Deepseek4Model:
         self.head = HyperHead(g, c.hc_count, c.hc_eps, c.norm_eps)
         self.norm = float_array(g.tensor("output_norm.weight"), dtype)
         self.lm_head = Linear(g.tensors["output.weight"], dtype) if "output.weight" in g.tensors else self.embed
-        #: the sequences of the last batched decode, their entries in shared rows (``EntryBatch``)
+        #: the sequences of the last batched decode, their entries in shared rows (``EntryBatch``);
+        #: HF2Q_NO_STACKED_DECODE=1 keeps them in buffers of their own (stacked per step), as for the runner's K/V
         self._entry_batch: EntryBatch | None = None
+        self.share_entries = not os.environ.get("HF2Q_NO_STACKED_DECODE")
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:
@@ -237,7 +240,7 @@ class Deepseek4Model:
         """``tokens [B, T]`` → float32 logits ``[B, vocab]`` of the last position (or all)."""
         x = self.embed.rows(tokens)
         B, T, D = x.shape
-        if B > 1:  # a batched decode reads its rows' entries from shared buffers
+        if B > 1 and self.share_entries:  # a batched decode reads its rows' entries from shared buffers
             self._entry_batch = batch_entries(self._entry_batch, fb.caches)
         streams = mx.broadcast_to(x[:, :, None, :], (B, T, self.cfg.hc_count, D))
         for block in self.blocks:
