@@ -107,6 +107,7 @@ def inspect(path, ctx: int | None = None, slots: int = 4, kv_budget: int | None 
         "kv_window_layers": kv.window_layers if kv is not None else 0, "kv_window_bytes_per_slot": window_bytes,
         **recurrent_state(None if reasons else hp, elem),
         **mtp_head(None if reasons or kind != "chat" else g, elem, kv_type, ctx),
+        **compact_cache(hp if not reasons and arch == "deepseek4" else None, elem),
         "serve_support": "rejected" if reasons else "ready",
         "reject_reason": "; ".join(reasons) if reasons else None,
     }
@@ -149,6 +150,19 @@ def _mtp_line(info: dict) -> str:
             f"{_human(info['mtp_kv_bytes_per_token'])}/token more (per slot {_human(info['mtp_kv_bytes_per_slot'])}; "
             f"worst case {info['slots']} slots {_human(info['mtp_kv_bytes_per_slot'] * info['slots'])}), "
             "not in the lines above")
+
+
+def compact_cache(hp, elem: int = 4) -> dict[str, int]:
+    """The bounded part of a deepseek4 slot's compact cache (``engine/models/deepseek4_layout.py``):
+    the live rows (every layer's window and unfinished blocks), and the copies of them its reuse
+    points keep. Zeros for other families."""
+    if hp is None:
+        return {"kv_compact_fixed_bytes_per_slot": 0, "kv_compact_copies_per_slot": 0, "kv_compact_copy_bytes": 0}
+    from hf2q.engine.models.deepseek4_layout import compact_need
+
+    need = compact_need(hp, elem)
+    return {"kv_compact_fixed_bytes_per_slot": need.fixed(), "kv_compact_copies_per_slot": need.COPIES,
+            "kv_compact_copy_bytes": need.point_copy()}
 
 
 def _kv_storage(info: dict) -> str:
@@ -212,6 +226,11 @@ def run(args) -> int:
         if info["kv_window_layers"]:
             lines.append(f"KV window:      {info['kv_window_layers']} sliding layers keep only their "
                          f"{info['kv_window']}-token window: {_human(info['kv_window_bytes_per_slot'])} per slot "
+                         f"whatever the context (included above)")
+        if info["kv_compact_fixed_bytes_per_slot"]:
+            lines.append(f"KV compact:     windows and unfinished blocks {_human(info['kv_compact_fixed_bytes_per_slot'])}"
+                         f" per slot, plus up to {info['kv_compact_copies_per_slot']} reuse-point copies of "
+                         f"{_human(info['kv_compact_copy_bytes'])}: {_human(info['kv_window_bytes_per_slot'])} per slot "
                          f"whatever the context (included above)")
         if info["recurrent_layers"]:
             lines.append(_recurrent_line(info))

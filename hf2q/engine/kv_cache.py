@@ -486,11 +486,8 @@ class SequenceCache:
         """The reuse points a forward of ``n_new`` tokens from ``start`` reached (its tokens are all
         in the window buffer until the next forward moves the buffer's first position)."""
         w = self.window
-        aged = {}
-        for cut in w.points.due(start, n_new):
-            aged |= w.points.add(start + cut)
-        if w.points.ends_at(start + n_new, n_new, transaction):
-            aged |= w.points.add(start + n_new, SlidingWindow.TRANSACTION_END if n_new > 1 and transaction else None)
+        aged = w.points.add_reached(start, n_new, transaction,
+                                    lambda _, end: SlidingWindow.TRANSACTION_END if end else None)
         for p, kind in aged.items():
             if kind == SlidingWindow.TRANSACTION_END and w.reachable(p):
                 self._snapshot_window(p)

@@ -90,6 +90,19 @@ class ReusePoints:
         first = (start // self.interval + 1) * self.interval
         return [p - start for p in range(first, start + n_new, self.interval)]
 
+    def add_reached(self, start: int, n_new: int, transaction: bool,
+                    payload=lambda length, ends_transaction: None) -> dict[int, object]:
+        """Keep every point a forward of ``n_new`` tokens from ``start`` reaches (inside it, and at its
+        end); ``payload(length, ends_transaction)`` is what each carries. Returns the points pushed out
+        (the caller decides what of them to keep otherwise, e.g. a prompt end's copy)."""
+        aged: dict[int, object] = {}
+        for cut in self.due(start, n_new):
+            aged |= self.add(start + cut, payload(start + cut, False))
+        end = start + n_new
+        if self.ends_at(end, n_new, transaction):
+            aged |= self.add(end, payload(end, n_new > 1 and transaction))
+        return aged
+
     def ends_at(self, end: int, n_new: int, transaction: bool) -> bool:
         """Whether a forward of ``n_new`` tokens that ends at ``end`` leaves a point there: the end of
         a prefill transaction, or a multiple of ``interval``."""

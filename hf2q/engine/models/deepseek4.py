@@ -20,6 +20,7 @@ repacking does not take).
 
 from __future__ import annotations
 
+import os
 import types
 
 import attrs
@@ -31,7 +32,7 @@ from hf2q.engine.kv_cache import ForwardBatch
 from hf2q.engine.layers import Linear, float_array, silu
 from hf2q.engine.models.decoder import distinct_nbytes
 from hf2q.engine.models.deepseek4_attention import AttnGeometry, Deepseek4Attention, default_inv_freq, yarn_inv_freq
-from hf2q.engine.models.deepseek4_cache import Deepseek4Cache
+from hf2q.engine.models.deepseek4_cache import Deepseek4Cache, EntryBatch, batch_entries
 from hf2q.engine.models.deepseek4_layout import layer_rows
 from hf2q.engine.models.deepseek4_hc import HyperConnection, HyperHead
 from hf2q.engine.quant_repack import FLOAT_TYPES, QUANTIZED_TYPES
@@ -218,6 +219,10 @@ class Deepseek4Model:
         self.head = HyperHead(g, c.hc_count, c.hc_eps, c.norm_eps)
         self.norm = float_array(g.tensor("output_norm.weight"), dtype)
         self.lm_head = Linear(g.tensors["output.weight"], dtype) if "output.weight" in g.tensors else self.embed
+        #: the sequences of the last batched decode, their entries in shared rows (``EntryBatch``);
+        #: HF2Q_NO_STACKED_DECODE=1 keeps them in buffers of their own (stacked per step), as for the runner's K/V
+        self._entry_batch: EntryBatch | None = None
+        self.share_entries = not os.environ.get("HF2Q_NO_STACKED_DECODE")
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:
@@ -235,6 +240,8 @@ class Deepseek4Model:
         """``tokens [B, T]`` → float32 logits ``[B, vocab]`` of the last position (or all)."""
         x = self.embed.rows(tokens)
         B, T, D = x.shape
+        if B > 1 and self.share_entries:  # a batched decode reads its rows' entries from shared buffers
+            self._entry_batch = batch_entries(self._entry_batch, fb.caches)
         streams = mx.broadcast_to(x[:, :, None, :], (B, T, self.cfg.hc_count, D))
         for block in self.blocks:
             streams = block(streams, fb, tokens)

@@ -228,16 +228,21 @@ class Deepseek4Attention:
         (padded to the most; the closed blocks pooled and written after the committed ones) and each
         row's entry count."""
         new = mx.concatenate([comp.kv(x), comp.gate(x)], axis=-1)  # [B, T, 2·width]
-        rows, views, counts = [], [], []
+        rows, stores, counts = [], [], []
         for b, (st, *ents) in enumerate(held):
             rw = (st.comp if part == 1 else st.index).extended(new[b])
             store = ents[part - 1]
-            count = store.write(comp.closed(rw, int(offsets[b]), T, self.geo.norm_eps, self.inv_freq,
-                                            self.geo.rope_dims))
+            counts.append(store.write(comp.closed(rw, int(offsets[b]), T, self.geo.norm_eps, self.inv_freq,
+                                                  self.geo.rope_dims)))
             rows.append(rw)
-            views.append(store.view(count))
-            counts.append(count)
-        return rows, _padded_rows(views).astype(self.dtype), counts
+            stores.append(store)
+        shared = stores[0].rows
+        if len(stores) > 1 and shared.n_rows == len(stores) \
+                and all(e.rows is shared and e.row == b for b, e in enumerate(stores)):
+            entries = shared.head(max(counts))  # a batch's rows (deepseek4_cache.EntryBatch): one slice
+        else:
+            entries = _padded_rows([e.view(n) for e, n in zip(stores, counts)])
+        return rows, entries.astype(self.dtype), counts
 
     def _indexed(self, x, q_res, q_pos, entries: mx.array, visible: mx.array) -> mx.array:
         """``[B, T, E]``: the visible compressed entries the lightning indexer keeps for each query (its

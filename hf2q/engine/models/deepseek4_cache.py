@@ -7,8 +7,10 @@ consecutive compressor rows. So instead of every position's rows this cache keep
 * :class:`Rows` — raw rows, and compressor (and indexer) rows, of consecutive positions up to the
   length; before each forward (:meth:`Deepseek4Cache.reserve`) they let go of what the next query and
   the decode pipeline's one-position undo no longer need, so right after a forward every length
-  inside it can still be returned to (speculative verification, a mid-prompt trim);
-* :class:`Entries` — the compressed entries (and indexer keys), appended as each block closes.
+  inside it can still be returned to (a mid-prompt trim; a speculative verify publishes every length
+  inside it as a reuse point, so a partial accept stops at the accepted length without a second forward);
+* :class:`Entries` — the compressed entries (and indexer keys), appended as each block closes; while
+  sequences decode together their entries are rows of shared buffers (:class:`EntryBatch`).
 
 A forward's new rows and entries are staged by the attention layers (:meth:`stage`) and committed
 only by :meth:`advance` (``ForwardBatch.finish``), so a failed forward leaves the last commit.
@@ -37,9 +39,9 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from hf2q.engine.kv_cache import BLOCK_ENDS_KEPT, PrefixNotReusable, SequenceCache
+from hf2q.engine.kv_cache import BLOCK_ENDS_KEPT, PrefixNotReusable, SequenceCache, StackedDecode
 from hf2q.engine.models.deepseek4_layout import LayerRows
-from hf2q.engine.recurrent_policy import (CHECKPOINT_INTERVAL, WINDOW_POINTS_KEPT, WINDOW_SNAPSHOTS_KEPT,
+from hf2q.engine.recurrent_policy import (CHECKPOINT_INTERVAL, KV_GROW, WINDOW_POINTS_KEPT, WINDOW_SNAPSHOTS_KEPT,
                                           ReusePoints, room_for)
 
 
@@ -87,48 +89,152 @@ class LayerState:
         return [r.data for r in (self.raw, self.comp, self.index) if r is not None]
 
 
+class EntryRows:
+    """The buffer ``[rows, capacity, width]`` that :class:`Entries` write into: one row for a sequence on
+    its own, one per sequence of a batched decode (:class:`EntryBatch`), so that a batched step attends
+    over one slice of it rather than stacking every row's entries again. Grown in ``KV_GROW`` steps."""
+
+    def __init__(self, n_rows: int, width: int, dtype, capacity: int = 0):
+        self.n_rows, self.width, self.dtype = n_rows, width, dtype
+        self.capacity = room_for(capacity)
+        self.buf: mx.array | None = mx.zeros((n_rows, self.capacity, width), dtype=dtype) if self.capacity else None
+
+    def ensure(self, n: int) -> None:
+        """Room for ``n`` entries in every row (what the rows hold is kept)."""
+        if n <= self.capacity:
+            return
+        grown = mx.zeros((self.n_rows, room_for(n), self.width), dtype=self.dtype)
+        if self.buf is not None:
+            grown[:, :self.capacity] = self.buf
+        self.buf, self.capacity = grown, grown.shape[1]
+
+    def head(self, count: int) -> mx.array:
+        """Every row's first ``count`` entries ``[rows, count, width]`` (a slice, no copy)."""
+        if self.buf is None:
+            return mx.zeros((self.n_rows, 0, self.width), dtype=self.dtype)
+        return self.buf[:, :count]
+
+
 class Entries:
-    """A layer's compressed entries ``[count, width]`` in a buffer grown in ``KV_GROW`` steps."""
+    """A layer's compressed entries ``[count, width]``: row ``row`` of an :class:`EntryRows` (its own, or a
+    batched decode's)."""
 
     def __init__(self, width: int, dtype):
         self.width, self.dtype = width, dtype
-        self.buf: mx.array | None = None
+        self.rows, self.row = EntryRows(1, width, dtype), 0
         self.count = 0
 
     @property
+    def buf(self) -> mx.array | None:
+        return self.rows.buf
+
+    @property
     def nbytes(self) -> int:
-        return 0 if self.buf is None else self.buf.nbytes
+        """This row's share of the buffer."""
+        return self.rows.capacity * self.width * self.dtype.size if self.rows.buf is not None else 0
 
     def write(self, new: mx.array | None) -> int:
         """Write ``new [n, width]`` after the committed entries; the count they make (not committed)."""
         if new is None or not new.shape[0]:
             return self.count
         end = self.count + new.shape[0]
-        cap = 0 if self.buf is None else self.buf.shape[0]
-        if end > cap:
-            grown = mx.zeros((room_for(end), self.width), dtype=self.dtype)
-            if self.count:
-                grown[:self.count] = self.buf[:self.count]
-            self.buf = grown
-        self.buf[self.count:end] = new.astype(self.dtype)
+        self.rows.ensure(end)
+        self.rows.buf[self.row, self.count:end] = new.astype(self.dtype)
         return end
 
     def view(self, count: int) -> mx.array:
-        if self.buf is None:
+        if self.rows.buf is None:
             return mx.zeros((0, self.width), dtype=self.dtype)
-        return self.buf[:count]
+        return self.rows.buf[self.row, :count]
 
     def keep(self, count: int) -> None:
-        """The first ``count`` entries stay (room beyond them given back)."""
+        """The first ``count`` entries stay (room beyond them given back, unless the row is a batch's)."""
         self.count = count
         room = room_for(count)
-        if self.buf is not None and room < self.buf.shape[0]:
-            self.buf = _copy(self.buf[:room]) if room else None
+        if self.rows.n_rows == 1 and self.rows.buf is not None and room < self.rows.capacity:
+            self.rows.buf = _copy(self.rows.buf[:, :room]) if room else None
+            self.rows.capacity = room
+
+    def move_to(self, rows: EntryRows, row: int) -> None:
+        """Hold the entries in row ``row`` of ``rows`` from now on (copied there)."""
+        if self.count:
+            rows.ensure(self.count)
+            rows.buf[row, :self.count] = self.view(self.count)
+        self.rows, self.row = rows, row
+
+    def alone(self) -> None:
+        """Back to a buffer of its own, of the room its count needs."""
+        if self.rows.n_rows != 1:
+            self.move_to(EntryRows(1, self.width, self.dtype, self.count), 0)
+
+
+class EntryBatch:
+    """The compressed entries of the sequences of a batched decode, every layer's in one
+    :class:`EntryRows` with a row per sequence, while the same sequences keep decoding together.
+
+    Why: with a buffer per sequence, every layer of every batched step padded and stacked each row's
+    entries again — a copy of all of them per step, growing with the context. In shared rows a step
+    writes only the entries its blocks close, in place, and attends over one slice (the per-row counts
+    mask the rest). The rows stay the sequences' own meanwhile: a member's prefill, verify, trim, export
+    or import reads and writes its row; only a change of members copies the entries (once) — the old
+    batch's back to buffers of their own, the new one's into new rows."""
+
+    MAX_PADDING, PADDING_ENTRIES = StackedDecode.MAX_PADDING, KV_GROW
+
+    def __init__(self, caches: list["Deepseek4Cache"]):
+        self.caches = list(caches)
+        first = self.caches[0]
+        self.rows: list[EntryRows] = []
+        for part in ("entries", "index_entries"):
+            for i, e in enumerate(getattr(first, part)):
+                if e is None:
+                    continue
+                members = [getattr(c, part)[i] for c in self.caches]
+                shared = EntryRows(len(members), e.width, e.dtype, max(m.count for m in members))
+                for b, m in enumerate(members):
+                    m.move_to(shared, b)
+                self.rows.append(shared)
+        self._probe = next((e for e in (*first.entries, *first.index_entries) if e is not None), None)
+
+    @classmethod
+    def fits(cls, caches) -> bool:
+        """Whether sharing rows pads the shorter sequences by little (their entries are what the KV
+        budget counts): at most ``MAX_PADDING`` of their own room, or ``PADDING_ENTRIES`` a row."""
+        if len(caches) < 2 or len({id(c) for c in caches}) != len(caches):
+            return False
+        counts = [max((e.count for e in c.entries if e is not None), default=0) for c in caches]
+        need = room_for(max(counts) + 1)
+        own = sum(room_for(n + 1) for n in counts)
+        return len(caches) * need - own <= max(own * cls.MAX_PADDING, cls.PADDING_ENTRIES * len(caches))
+
+    def holds(self, caches) -> bool:
+        """Whether this batch's rows are exactly ``caches``', in order."""
+        if len(caches) != len(self.caches) or any(a is not b for a, b in zip(caches, self.caches)):
+            return False
+        return self._probe is None or self._probe.rows is self.rows[0]
+
+    def dissolve(self) -> None:
+        for c in self.caches:
+            for e in (*c.entries, *c.index_entries):
+                if e is not None and any(e.rows is r for r in self.rows):
+                    e.alone()
+        self.caches, self.rows = [], []
+
+
+def batch_entries(batch: EntryBatch | None, caches) -> EntryBatch | None:
+    """The :class:`EntryBatch` a batched decode over ``caches`` reads: ``batch`` while it holds them,
+    else a new one (``batch`` dissolved), or None where sharing rows would pad too much (each row's
+    entries are then stacked per step)."""
+    if batch is not None and batch.holds(caches):
+        return batch
+    if batch is not None:
+        batch.dissolve()
+    return EntryBatch(list(caches)) if EntryBatch.fits(caches) else None
 
 
 class Deepseek4Cache(SequenceCache):
-    """The compact cache of one sequence (see the module doc). Not stackable: batched decode reads
-    each row's own arrays."""
+    """The compact cache of one sequence (see the module doc). Not a ``StackedDecode`` row: a batched
+    decode reads each row's own raw and compressor rows, and its entries from an :class:`EntryBatch`."""
 
     #: the payload marking a point that ends a prefill transaction
     TRANSACTION_END = "end"
@@ -146,6 +252,9 @@ class Deepseek4Cache(SequenceCache):
         self.ends_kept = ends_kept
         #: where the last forward started (its rows are all held until the next one)
         self._rollback: int | None = None
+        #: the lengths inside the last forward, when it was a speculative verify (all its rows are held
+        #: until the next forward, so a partial accept stops there instead of feeding the tokens again)
+        self._verified: range = range(0)
         self._pending: dict[int, tuple[LayerState, int, int]] = {}
         self._transaction = True
         self.published_points = (0,)
@@ -193,6 +302,7 @@ class Deepseek4Cache(SequenceCache):
         if self._awaiting_state:
             raise PrefixNotReusable("this deepseek4 cache was restored up to a block without its rows")
         self._pending = {}
+        self._verified = range(0)
         if self._length and self._held(self._length - 1):  # (not after a return to a point: already minimal)
             self.states = self._state_at(self._length - 1, self._length)
 
@@ -214,17 +324,13 @@ class Deepseek4Cache(SequenceCache):
         self._pending = {}
         self._length += n
         self._rollback = start
+        self._verified = range(start + 1, start + n) if n > 1 and not self._transaction else range(0)
         self._add_points(start, n, self._transaction)
         self.published_points = self.reuse_points()
 
     def _add_points(self, start: int, n: int, transaction: bool) -> None:
-        aged = {}
-        for cut in self.points.due(start, n):
-            aged |= self.points.add(start + cut, (None, self._snapshot(start + cut)))
-        end = start + n
-        if self.points.ends_at(end, n, transaction):
-            kind = self.TRANSACTION_END if n > 1 and transaction else None
-            aged |= self.points.add(end, (kind, self._snapshot(end)))
+        aged = self.points.add_reached(
+            start, n, transaction, lambda p, end: (self.TRANSACTION_END if end else None, self._snapshot(p)))
         for p, (kind, rows) in aged.items():
             if kind == self.TRANSACTION_END:
                 self.ends[p] = rows
@@ -245,6 +351,8 @@ class Deepseek4Cache(SequenceCache):
 
     def reuse_points(self) -> tuple[int, ...]:
         points = {0, self._length} | {p for p in (*self.points, *self.ends) if p <= self._length}
+        if self._verified.stop == self._length:  # (an import since the verify moved the length on)
+            points |= set(self._verified)
         if self._rollback is not None and self._rollback <= self._length and self._held(self._rollback):
             points.add(self._rollback)
         return tuple(sorted(points))
@@ -277,7 +385,7 @@ class Deepseek4Cache(SequenceCache):
         for p in [p for p in self.ends if p > n_tokens]:
             del self.ends[p]
         self._length = n_tokens
-        self._rollback = None
+        self._rollback, self._verified = None, range(0)
         self.published_points = self.reuse_points()
 
     def _cut_entries(self, n: int) -> None:

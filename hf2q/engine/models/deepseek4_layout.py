@@ -87,11 +87,20 @@ class CompactNeed:
     window: int
     elem: int
 
+    #: reuse points whose rows a slot keeps a copy of: the newest kept points and the prompt ends aged out
+    COPIES = WINDOW_POINTS_KEPT + WINDOW_SNAPSHOTS_KEPT
+
+    def fixed(self, new_tokens: int = 1) -> int:
+        """The live rows while a forward of ``new_tokens`` runs — every layer's window and unfinished
+        blocks' compressor rows — and the room of the entries buffers beyond the entries."""
+        return sum(lay.live_values(self.window, new_tokens) for lay in self.layers) * self.elem
+
+    def point_copy(self) -> int:
+        """Most bytes one reuse point's copy of the rows holds."""
+        return sum(lay.snapshot_values(self.window) for lay in self.layers) * self.elem
+
     def bounded(self, new_tokens: int = 1) -> int:
-        points = WINDOW_POINTS_KEPT + WINDOW_SNAPSHOTS_KEPT
-        values = sum(lay.live_values(self.window, new_tokens) + points * lay.snapshot_values(self.window)
-                     for lay in self.layers)
-        return values * self.elem
+        return self.fixed(new_tokens) + self.COPIES * self.point_copy()
 
 
 def compact_need(hp, elem: int) -> CompactNeed:
