@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -99,7 +100,7 @@ def summary(rows: list[dict]) -> dict:
     out = {"cold_ttft_ms": rows[0]["ttft_ms"]}
     cached = [r for r in rows[1:] if not r.get("diverged")]
     if cached:
-        out.update(cached_ttft_ms_median=sorted(r["ttft_ms"] for r in cached)[len(cached) // 2],
+        out.update(cached_ttft_ms_median=statistics.median(r["ttft_ms"] for r in cached),
                    worst_over_cold=max(r["over_cold"] or 0.0 for r in cached),
                    min_cached_fraction=round(min((r["cached_tokens"] or 0) / max(r["prompt_tokens"] or 1, 1)
                                                  for r in cached), 4))

@@ -72,12 +72,11 @@ def check_kv_budget(header, args) -> None:
     if args.kv_cache_budget is None:
         return
     from hf2q.engine.device_probe import probe
-    from hf2q.engine.memory_plan import mtp_position_bytes, token_bytes
+    from hf2q.engine.memory_plan import kv_need
 
     elem, kv_type = probe().activation_bytes(), getattr(args, "kv_cache_type", "f16")
-    per_token = token_bytes(header.hparams, elem, kv_type)
-    if getattr(args, "speculative", "off") == "mtp":  # the draft head's K/V layer holds a row per token too
-        per_token += mtp_position_bytes(header.hparams, elem, kv_type)
+    per_token = kv_need(header.hparams, elem, kv_type=kv_type,
+                        mtp=getattr(args, "speculative", "off") == "mtp").per_token
     if args.kv_cache_budget < 2 * per_token:
         raise UsageError(f"--kv-cache-budget {args.kv_cache_budget} bytes is too small: one token of KV takes "
                          f"{per_token} bytes for this model, and a request needs at least 2 tokens "
@@ -99,7 +98,8 @@ def check_memory(model, args):
 
     return check_model(model, args.tensor_parallel, ctx=args.ctx, slots=args.slots, kv_budget=args.kv_cache_budget,
                        limit=args.memory_limit, prefill_chunk=transaction_tokens(model.arch, args.prefill_chunk),
-                       kv_type=getattr(args, "kv_cache_type", "f16"), mtp=getattr(args, "speculative", "off") == "mtp")
+                       kv_type=getattr(args, "kv_cache_type", "f16"), mtp=getattr(args, "speculative", "off") == "mtp",
+                       kv_persist=bool(getattr(args, "kv_persist", None)))
 
 
 def runner_factory(path: Path, ctx: int | None, tensor_parallel: int = 1, args=None, vision=None):

@@ -238,6 +238,8 @@ class DistributedRunner:
         self.tensor_parallel = self.size
         # prefix reuse: a recurrent or sliding-window model trims only at its reuse points, at any TP
         self.trims_prefix = bool(getattr(local, "trims_prefix", True))
+        # sharded sequences capture no block-end states: only plain K/V persists across ranks
+        self.persists_kv = bool(getattr(local, "persists_kv", True)) and self.trims_prefix
         self.kv_bytes_per_slot = getattr(local, "kv_bytes_per_slot", 0)
         self.kv_cache_type = getattr(local, "kv_cache_type", "f16")  # every rank's (tp_launch tells the followers)
         # KV computed over a tensor-parallel split (sharded heads, all-reduced partial sums) is its own kind

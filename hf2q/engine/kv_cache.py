@@ -44,9 +44,10 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
+from hf2q.engine.kv_layout import END_STATE_PREFIX, has_end_state
 from hf2q.engine.kv_quant import KvCodec
-from hf2q.engine.recurrent_policy import (CHECKPOINT_INTERVAL, CHECKPOINTS_KEPT, KV_GROW, WINDOW_POINTS_KEPT,
-                                          WINDOW_SNAPSHOTS_KEPT, ReusePoints, room_for)
+from hf2q.engine.recurrent_policy import (BLOCK_ENDS_KEPT, CHECKPOINT_INTERVAL, CHECKPOINTS_KEPT, KV_GROW,
+                                          WINDOW_POINTS_KEPT, WINDOW_SNAPSHOTS_KEPT, ReusePoints, room_for)
 
 GROW = KV_GROW
 
@@ -58,8 +59,6 @@ class PrefixNotReusable(ValueError):
     """A prefix operation a recurrent state cannot honour (trim to an earlier position, KV export/import)."""
 
 
-#: block-end states a sequence keeps for the persistent store until they are exported (the newest)
-BLOCK_ENDS_KEPT = 16
 
 
 
@@ -575,8 +574,8 @@ class SequenceCache:
         state = None if rec is None else rec.state_at(end, self._length)
         if state is not None and all(a is not None for a in (*state[0], *state[1])):
             for j, (conv, ssm) in enumerate(zip(*state)):
-                out[f"state.conv.{j}"] = np.array(conv.astype(mx.float32))
-                out[f"state.ssm.{j}"] = np.array(ssm.astype(mx.float32))
+                out[f"{END_STATE_PREFIX}conv.{j}"] = np.array(conv.astype(mx.float32))
+                out[f"{END_STATE_PREFIX}ssm.{j}"] = np.array(ssm.astype(mx.float32))
             rec.block_ends.pop(end, None)
         return out
 
@@ -618,12 +617,12 @@ class SequenceCache:
 
     def _imported_state(self, arrays: dict[str, np.ndarray], rec: RecurrentState) -> tuple[list, list] | None:
         """The recurrent state a block carries (checked against this model's shapes), None if it has none."""
-        if not any(name.startswith("state.") for name in arrays):
+        if not has_end_state(arrays):
             return None
         conv, ssm = [], []
         for j in range(rec.n_layers):
-            for name, shape, out, dtype in ((f"state.conv.{j}", rec.conv_shape, conv, rec.dtype),
-                                            (f"state.ssm.{j}", rec.ssm_shape, ssm, mx.float32)):
+            for name, shape, out, dtype in ((f"{END_STATE_PREFIX}conv.{j}", rec.conv_shape, conv, rec.dtype),
+                                            (f"{END_STATE_PREFIX}ssm.{j}", rec.ssm_shape, ssm, mx.float32)):
                 got = None if name not in arrays else tuple(np.shape(arrays[name]))
                 if got != shape:
                     raise ValueError(f"recurrent layer {j}: KV block part {name!r} has shape {got}, expected {shape}")

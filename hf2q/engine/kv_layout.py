@@ -19,6 +19,14 @@ NO_QUANTIZED_KV = frozenset({"deepseek4"})
 #: ``export_kv`` of an 8-bit cache: ``k.{i}`` / ``v.{i}`` are the codes themselves (uint8, the
 #: row's values in ``[1, 255]``), and ``k.{i}`` + this suffix their scales (float32 host copies)
 SCALES_SUFFIX = ".scales"
+#: an exported block's tensors holding the state its end needs beside the K/V (a recurrent state,
+#: a compact cache's rows): the persistent store keeps them lossless (``kvstore/blockfile.py``)
+END_STATE_PREFIX = "state."
+
+
+def has_end_state(names) -> bool:
+    """Whether an exported block's tensor ``names`` carry the state its end needs."""
+    return any(name.startswith(END_STATE_PREFIX) for name in names)
 
 
 def group_size(width: int) -> int:

@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as T
 
 from hf2q.engine.device_probe import DeviceFacts, probe
 from hf2q.engine.kv_layout import row_nbytes
-from hf2q.engine.recurrent_policy import STATES_PER_SEQUENCE, swa_full, window_positions
+from hf2q.engine.recurrent_policy import BLOCK_ENDS_KEPT, STATES_PER_SEQUENCE, swa_full, window_positions
 from hf2q.errors import InputError
 from hf2q.formats.gguf_file import GGUFFile, GGUFTensor
 
@@ -92,6 +92,11 @@ def token_bytes(hp, elem: int, kv_type: str = "f16") -> int:
     if kv_type == "f16":
         return hp.kv_bytes_per_token(elem)
     heads = hp.kv_bytes_per_token(1) // (hp.key_length + hp.value_length)  # summed over the layers
+    return _rows_bytes(hp, heads, elem, kv_type)
+
+
+def _rows_bytes(hp, heads: int, elem: int, kv_type: str) -> int:
+    """One position's K and V rows for ``heads`` heads, stored as ``kv_type``."""
     return heads * (row_nbytes(kv_type, hp.key_length, elem) + row_nbytes(kv_type, hp.value_length, elem))
 
 
@@ -136,14 +141,23 @@ def kv_need(hp, elem: int, *, on_cpu: bool = False, kv_type: str = "f16", mtp: b
     return KvNeed((len(owners) - n_window) * position, window if n_window else None, n_window, position)
 
 
+def block_end_copy(hp, elem: int) -> int:
+    """Bytes of one captured block end beside the recurrent state: a deepseek4 compact cache's rows
+    (a reuse-point copy, ``models/deepseek4_layout.py``); 0 for other families."""
+    if hp.arch != "deepseek4":
+        return 0
+    from hf2q.engine.models.deepseek4_layout import compact_need
+
+    return compact_need(hp, elem).point_copy()
+
+
 def mtp_position_bytes(hp, elem: int, kv_type: str = "f16") -> int:
     """K/V bytes of one position in the multi-token-prediction head's attention layer (block
     ``n_main_layers``), stored as ``kv_type`` like the main layers; 0 for a file without the head."""
     if not hp.nextn_predict_layers:
         return 0
     kv = hp.n_kv_heads
-    heads = kv[hp.n_main_layers] if isinstance(kv, list) else kv
-    return heads * (row_nbytes(kv_type, hp.key_length, elem) + row_nbytes(kv_type, hp.value_length, elem))
+    return _rows_bytes(hp, kv[hp.n_main_layers] if isinstance(kv, list) else kv, elem, kv_type)
 
 
 def head_tensors(g: GGUFFile) -> set[str]:
@@ -204,14 +218,16 @@ def check_fits(g: GGUFFile, size: int, kv_budget: int, limit: int, *, float_byte
 
 def check_model(path, size: int, *, ctx: int | None, slots: int, kv_budget: int | None,
                 limit: int | None, device: DeviceFacts | None = None, prefill_chunk: int = 2048,
-                kv_type: str = "f16", mtp: bool = False) -> RankNeed:
+                kv_type: str = "f16", mtp: bool = False, kv_persist: bool = False) -> RankNeed:
     """``check_fits`` for a GGUF (path or opened) with the server's settings, on ``device``
     (default: the one MLX will use, found without importing MLX — ``device_probe``).
 
     The KV budget defaults to the scheduler's (``slots × ctx`` tokens) plus what a slot holds whatever
     its length: a hybrid model's recurrent states, a sliding-window model's window layers (one slot's
     with a ``prefill_chunk`` transaction in flight); the limit to ``DEFAULT_FRACTION`` of the device's
-    memory. ``mtp``: the MTP draft head's weights and K/V layer are counted too.
+    memory. ``mtp``: the MTP draft head's weights and K/V layer are counted too. ``kv_persist``: the
+    block-end states a slot keeps for the persistent store until they are written (``BLOCK_ENDS_KEPT``
+    more recurrent states, or reuse-point copies of a deepseek4 compact cache).
     """
     from hf2q.formats.gguf_file import open_gguf
 
@@ -222,8 +238,9 @@ def check_model(path, size: int, *, ctx: int | None, slots: int, kv_budget: int 
         hp = g.hparams
         kv = kv_need(hp, elem, on_cpu=device.on_cpu, kv_type=kv_type, mtp=mtp)  # the host step reads every cache type
         # hybrid models: each slot's recurrent state, its rollback copy and its reuse points (docs/ENGINE.md)
-        kv_budget = slots * (kv.slot_bytes(ctx or hp.n_ctx_train)
-                             + STATES_PER_SEQUENCE * hp.recurrent_state_bytes(elem))
+        states = STATES_PER_SEQUENCE + (BLOCK_ENDS_KEPT if kv_persist else 0)
+        kv_budget = slots * (kv.slot_bytes(ctx or hp.n_ctx_train) + states * hp.recurrent_state_bytes(elem)
+                             + (BLOCK_ENDS_KEPT * block_end_copy(hp, elem) if kv_persist else 0))
         kv_budget += kv.window_bytes(prefill_chunk) - kv.window_bytes()  # the one slot prefilling at a time
     if limit is None:
         limit = int(device.memory * DEFAULT_FRACTION)

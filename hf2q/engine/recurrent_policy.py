@@ -21,6 +21,9 @@ CHECKPOINT_INTERVAL = 256
 CHECKPOINTS_KEPT = 16
 #: copies of the recurrent state one sequence may hold at once: live, rollback, reuse points
 STATES_PER_SEQUENCE = 2 + CHECKPOINTS_KEPT
+#: block-end states a sequence keeps for the persistent store until they are exported (the newest);
+#: with ``--kv-persist`` each may be one more copy beside the reuse points
+BLOCK_ENDS_KEPT = 16
 #: most reuse points a sliding-window sequence keeps: each holds the positions since it in every
 #: window layer, so fewer than the recurrent state's (whose points cost one state each)
 WINDOW_POINTS_KEPT = 4

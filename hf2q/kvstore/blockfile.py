@@ -36,6 +36,7 @@ from typing import Mapping, Sequence
 import attrs
 import numpy as np
 
+from hf2q.engine.kv_layout import has_end_state
 from hf2q.kvstore.fingerprint import chain_hash
 
 FORMAT_NAME = "hf2q-kv-block"
@@ -54,8 +55,6 @@ VERSION_PAYLOADS = {FORMAT_VERSION: PAYLOAD_KINDS, CODES_FORMAT_VERSION: (PAYLOA
                     STATE_FORMAT_VERSION: (*PAYLOAD_KINDS, PAYLOAD_KV_CODES)}
 #: the caches whose blocks carry a cache kind (version 3): what their ``export`` produces
 CACHE_KINDS = ("recurrent", "deepseek4")
-#: tensors of a block holding the state its end needs (``BlockMeta.has_end_state``)
-END_STATE_PREFIX = "state."
 
 _MAX_HEADER = 1 << 20
 
@@ -110,7 +109,7 @@ class BlockMeta:
     def has_end_state(self) -> bool:
         """Whether a restore may stop at this block's end: plain K/V always, a stateful cache's block
         only when it carries the state there."""
-        return not self.cache_kind or any(name.startswith(END_STATE_PREFIX) for name in self.tensors)
+        return not self.cache_kind or has_end_state(self.tensors)
 
 
 def block_file_name(block_hash: str) -> str:

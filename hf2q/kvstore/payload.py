@@ -23,8 +23,8 @@ from typing import Mapping
 
 import numpy as np
 
-from hf2q.engine.kv_layout import SCALES_SUFFIX
-from hf2q.kvstore.blockfile import (END_STATE_PREFIX, PAYLOAD_KV, PAYLOAD_KV_CODES, PAYLOAD_KV_F16, PAYLOAD_KV_Q8,
+from hf2q.engine.kv_layout import END_STATE_PREFIX, SCALES_SUFFIX
+from hf2q.kvstore.blockfile import (PAYLOAD_KV, PAYLOAD_KV_CODES, PAYLOAD_KV_F16, PAYLOAD_KV_Q8,
                                     BlockMeta)
 from hf2q.kvstore.q8 import SCALE_SUFFIX, dequantize_rows, quantize_rows
 

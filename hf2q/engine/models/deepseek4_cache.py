@@ -39,10 +39,11 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from hf2q.engine.kv_cache import BLOCK_ENDS_KEPT, PrefixNotReusable, SequenceCache, StackedDecode
+from hf2q.engine.kv_cache import PrefixNotReusable, SequenceCache, StackedDecode
+from hf2q.engine.kv_layout import END_STATE_PREFIX, has_end_state
 from hf2q.engine.models.deepseek4_layout import LayerRows
-from hf2q.engine.recurrent_policy import (CHECKPOINT_INTERVAL, KV_GROW, WINDOW_POINTS_KEPT, WINDOW_SNAPSHOTS_KEPT,
-                                          ReusePoints, room_for)
+from hf2q.engine.recurrent_policy import (BLOCK_ENDS_KEPT, CHECKPOINT_INTERVAL, KV_GROW, WINDOW_POINTS_KEPT,
+                                          WINDOW_SNAPSHOTS_KEPT, ReusePoints, room_for)
 
 
 def _copy(a: mx.array) -> mx.array:
@@ -469,11 +470,11 @@ class Deepseek4Cache(SequenceCache):
             if spec.overlap:
                 out[f"index_entries.{i}"] = host(self.index_entries[i].view(end // spec.ratio)[start // spec.ratio:])
             if rows is not None:
-                out[f"state.raw.{i}"] = host(rows[i].raw.data)
+                out[f"{END_STATE_PREFIX}raw.{i}"] = host(rows[i].raw.data)
                 if spec.ratio:
-                    out[f"state.comp.{i}"] = host(rows[i].comp.data)
+                    out[f"{END_STATE_PREFIX}comp.{i}"] = host(rows[i].comp.data)
                 if spec.overlap:
-                    out[f"state.index.{i}"] = host(rows[i].index.data)
+                    out[f"{END_STATE_PREFIX}index.{i}"] = host(rows[i].index.data)
         if rows is not None:
             self._block_ends.pop(end, None)
         elif not out:  # a model of window layers only: a block is its end rows or nothing
@@ -484,7 +485,7 @@ class Deepseek4Cache(SequenceCache):
     def import_(self, arrays: dict[str, np.ndarray], n_tokens: int) -> None:
         """Append a block ``export`` gave: its entries, and its end rows as the live ones when it has them."""
         start, end = self._length, self._length + n_tokens
-        with_rows = any(name.startswith("state.") for name in arrays)
+        with_rows = has_end_state(arrays)
         rows = []
         for i, spec in enumerate(self.specs):
             raw_first, comp_first = self.raw_first(end), self.comp_first(spec, end) if spec.ratio else 0
@@ -495,19 +496,19 @@ class Deepseek4Cache(SequenceCache):
             if spec.overlap:
                 want[f"index_entries.{i}"] = (n_entries, spec.index_dim)
             if with_rows:
-                want[f"state.raw.{i}"] = (end - raw_first, spec.head_dim)
+                want[f"{END_STATE_PREFIX}raw.{i}"] = (end - raw_first, spec.head_dim)
                 if spec.ratio:
-                    want[f"state.comp.{i}"] = (end - comp_first, spec.comp_width)
+                    want[f"{END_STATE_PREFIX}comp.{i}"] = (end - comp_first, spec.comp_width)
                 if spec.overlap:
-                    want[f"state.index.{i}"] = (end - comp_first, spec.index_width)
+                    want[f"{END_STATE_PREFIX}index.{i}"] = (end - comp_first, spec.index_width)
             for name, shape in want.items():
                 got = None if name not in arrays else tuple(np.shape(arrays[name]))
                 if got != shape:
                     raise ValueError(f"layer {i}: KV block part {name!r} has shape {got}, expected {shape}")
             if with_rows:
-                rows.append(LayerState(Rows(raw_first, self._put(arrays, f"state.raw.{i}")),
-                                       Rows(comp_first, self._put(arrays, f"state.comp.{i}")) if spec.ratio else None,
-                                       Rows(comp_first, self._put(arrays, f"state.index.{i}")) if spec.overlap else None))
+                rows.append(LayerState(Rows(raw_first, self._put(arrays, f"{END_STATE_PREFIX}raw.{i}")),
+                                       Rows(comp_first, self._put(arrays, f"{END_STATE_PREFIX}comp.{i}")) if spec.ratio else None,
+                                       Rows(comp_first, self._put(arrays, f"{END_STATE_PREFIX}index.{i}")) if spec.overlap else None))
         for i, spec in enumerate(self.specs):  # every part checked: now append
             if spec.ratio:
                 self.entries[i].count = self.entries[i].write(self._put(arrays, f"entries.{i}"))

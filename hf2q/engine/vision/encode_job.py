@@ -90,7 +90,7 @@ class ImageEncodeJob:
     def _step(self, runner) -> EncodeStep:
         store, encoder = runner.images, runner.vision
         if self.state is None:
-            if store.cached_features(self.key) is not None:
+            if store.cached_features(self.key, hit=True) is not None:
                 return EncodeStep("cached")
             image = store.get(self.key)
             self.state = encoder.begin(image.patches, image.grid)

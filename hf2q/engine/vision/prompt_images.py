@@ -139,13 +139,14 @@ class ImageStore:
             self._holds.pop(key, None)
             self._features.pop(key, None)
 
-    def cached_features(self, key: int):
-        """The features of image ``key`` if the cache has them (counted a hit), else None."""
+    def cached_features(self, key: int, hit: bool = False):
+        """The features of image ``key`` if the cache has them, else None; ``hit``: an encode they
+        save (the encoder's check, not a prefill chunk reading them) is counted."""
         with self._lock:
             feats = self._features.get(key)
             if feats is not None:
                 self._features.move_to_end(key)
-                self.feature_hits += 1
+                self.feature_hits += int(hit)
             return feats
 
     def __contains__(self, key: int) -> bool:
