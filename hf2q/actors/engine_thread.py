@@ -7,13 +7,18 @@ trio token captured when the thread started (``run_sync_soon``: the thread does 
 trio to take the answer, it goes straight back to its queue) — never through
 ``trio.to_thread``, whose worker threads change between calls.
 
-The thread is a daemon: a hung GPU step must not keep the process alive.
+The thread is a daemon: a hung GPU step must not keep the process alive. A healthy one is
+waited for at shutdown (``exited``, set once its last job has returned and the device work it
+queued has finished): an engine call that returns into a thread while the interpreter finalizes
+ends the process by SIGABRT (the extension's C++ frame cannot be unwound by the thread's forced
+exit), so the runtime lets the interpreter exit only after the thread is done.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -71,7 +76,20 @@ class EngineThread:
                 if not send_reply(self._token, reply, result):
                     return
         finally:
+            finish_device_work()
             self.exited.set()
+
+
+def finish_device_work() -> None:
+    """Wait for the device work the engine queued and nobody reads any more (a pipelined decode step
+    queued ahead of the last one read), so that an engine thread that says it is done is."""
+    mx = sys.modules.get("mlx.core")
+    if mx is None:
+        return
+    try:
+        mx.synchronize()
+    except Exception:  # noqa: BLE001 — a broken device must not keep the thread from reporting its exit
+        log.exception("waiting for the engine's queued device work failed")
 
 
 def run_timed(job: Job, runner: Any) -> tuple[outcome.Outcome, float]:

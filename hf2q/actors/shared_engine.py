@@ -25,7 +25,7 @@ from typing import Any, Callable
 import outcome
 import trio
 
-from hf2q.actors.engine_thread import Job, Reply, run_timed, send_reply
+from hf2q.actors.engine_thread import Job, Reply, finish_device_work, run_timed, send_reply
 
 
 class EngineLane:
@@ -131,6 +131,7 @@ class SharedEngineThread:
                 ok = send_reply(self._token, reply, result)
             elif kind == "stop":
                 lane.runner = None
+                finish_device_work()
                 lane.exited.set()
                 ok = True
             else:  # "call": item = ("call", fn, reply)
