@@ -28,6 +28,8 @@ import trio
 
 log = logging.getLogger("hf2q.gpu")
 
+THREAD_NAME = "hf2q-gpu-owner"
+
 Job = Callable[[Any], Any]  # job(runner) -> result
 Reply = Callable[[outcome.Outcome], None]  # runs in trio
 
@@ -37,7 +39,7 @@ class EngineThread:
         self._factory = runner_factory
         self._token = trio_token
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._main, name="hf2q-gpu-owner", daemon=True)
+        self._thread = threading.Thread(target=self._main, name=THREAD_NAME, daemon=True)
         self.exited = threading.Event()
         #: seconds spent running jobs (written by the thread only; a float read is atomic)
         self.busy_s = 0.0
@@ -78,6 +80,18 @@ class EngineThread:
         finally:
             finish_device_work()
             self.exited.set()
+
+
+def engine_threads_finished(grace_s: float) -> bool:
+    """Whether every engine thread has ended, each given ``grace_s`` to return. Once the runtime is
+    over, one still running is loading the model or stuck in a GPU job: the process must then leave
+    without finalizing the interpreter (``os._exit``), which would abort under it."""
+    for t in threading.enumerate():
+        if t.name == THREAD_NAME and t is not threading.current_thread():
+            t.join(grace_s)
+            if t.is_alive():
+                return False
+    return True
 
 
 def finish_device_work() -> None:
