@@ -112,9 +112,7 @@ class GpuOwner:
         # touched only by jobs in the engine thread; HF2Q_NO_DECODE_PIPELINE=1 keeps blocking steps
         self.pipeline = None if os.environ.get("HF2Q_NO_DECODE_PIPELINE") else DecodePipeline()
         self.dead_peer: Callable[[], str | None] | None = None
-        #: the thread may not come back soon: a job outlived its deadline or waits on a dead rank, or the
-        #: model was still loading at stop (wait_stopped does not wait then)
-        self._busy_for_long = False
+        self._stopped_loading = False  # stop() came while the thread was still loading the model
         self.draft_tokens = draft_tokens  # set to 0 at load when the runner cannot verify drafts
         self.mtp = False  # drafts come from the model's MTP head (``runner.drafts``), made in the engine thread
 
@@ -213,7 +211,6 @@ class GpuOwner:
             if trio.current_time() >= deadline:
                 break
         self._pending = None
-        self._busy_for_long = p.result is None
         if p.result is None and dead is not None:
             self.fsm.fire("faulted")
             self._supervisor.poison(f"GPU {p.what} cannot finish: {dead}")
@@ -235,20 +232,19 @@ class GpuOwner:
     def stop(self) -> None:
         if self._thread is not None:
             self._thread.stop()
-        if self.fsm.state == "loading":
-            self._busy_for_long = True
+        self._stopped_loading = self.fsm.state == "loading"
         if self.fsm.state in ("loading", "idle", "busy"):
             self.fsm.fire("shut_down")
 
     async def wait_stopped(self, limit_s: float) -> bool:
         """After :meth:`stop`: wait (at most ``limit_s``) until the engine thread has finished the job it
         was running and its queued device work (``EngineThread.exited``) — the process must not exit
-        under a running engine call. A thread still loading the model, or one whose job is stuck (past
-        its deadline, or waiting on a dead rank), is not waited for. Whether the thread is done."""
+        under a running engine call. A thread still loading the model, or one of a poisoned engine (its
+        job may be hung, or wait on a dead rank), is not waited for. Whether the thread is done."""
         thread = self._thread
         if thread is None or thread.exited.is_set():
             return True
-        if self._busy_for_long:
+        if self._stopped_loading or self._supervisor.poisoned:
             return False
         with trio.CancelScope(deadline=trio.current_time() + limit_s, shield=True):  # also in a cancelled exit
             while not thread.exited.is_set():
