@@ -246,9 +246,11 @@ class GpuOwner:
             return True
         if self._stopped_loading or self._supervisor.poisoned:
             return False
+        pause = 0.001  # a job is usually over within milliseconds: look often first
         with trio.CancelScope(deadline=trio.current_time() + limit_s, shield=True):  # also in a cancelled exit
             while not thread.exited.is_set():
-                await trio.sleep(0.01)
+                await trio.sleep(pause)
+                pause = min(2 * pause, 0.02)
         return thread.exited.is_set()
 
     # ---- the step loop ---------------------------------------------------------------
