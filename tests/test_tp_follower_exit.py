@@ -4,6 +4,7 @@ Two "hosts" on 127.0.0.1 (ring backend): rank 0 is a small driver over ``tp_laun
 (the serving runtime's own start-up, without HTTP) and rank 1 the real ``hf2q tp-follower`` command.
 A follower's exit status says how its group ended: 0 when rank 0 stopped it (a server that exits
 cleanly), 1 when the group broke (rank 0 vanished), 130 when it was itself stopped by a signal.
+On one machine a closed runner and a dropped one both stop their child ranks (exit 0) and reap them.
 """
 
 from __future__ import annotations
@@ -38,9 +39,17 @@ if then == "vanish":  # rank 0 dies without a word
 if then == "wait":  # until the test ends the follower
     sys.stdin.readline()
     os._exit(0)
-if then == "close":  # one machine: rank 0 closes the group and reports how its child ranks ended
-    runner.close()
-    print("codes", [p.returncode for p in runner.followers.procs], flush=True)
+if then in ("close", "drop"):  # one machine: rank 0 ends the group, reports how its child ranks ended
+    followers = runner.followers
+    if then == "close":
+        runner.close()
+        runner.close()  # idempotent
+    else:  # no close(): the last reference goes
+        import gc
+        del seq, runner
+        gc.collect()
+    print("codes", [p.returncode for p in followers.procs], flush=True)
+    print("alive", [pid for pid in followers.pids if os.path.exists(f"/proc/{{pid}}")], flush=True)
 # "exit": a normal interpreter exit (as after a drained SIGTERM): the group is stopped at exit
 """
 
@@ -109,8 +118,7 @@ def wait_line(proc: subprocess.Popen, timeout: float = 180) -> str:
 @pytest.mark.slow
 def test_follower_exit_status_says_how_the_group_ended(models, tmp_path):
     """0 after rank 0's clean exit (it stops the group), 1 when rank 0 vanished, 130 on SIGTERM;
-    each with one line in the follower's log (but the clean stop). A child rank on one machine
-    exits 0 after its rank 0's clean exit too."""
+    each with one line in the follower's log (but the clean stop)."""
     model = models("llama", "f32")
     statuses, logs = {}, {}
     for then in ("exit", "vanish", "sigterm"):
@@ -136,6 +144,15 @@ def test_follower_exit_status_says_how_the_group_ended(models, tmp_path):
     assert "hf2q tp rank 1: stopped by SIGTERM" in logs["sigterm"].read_text()
     assert "broken" not in logs["exit"].read_text()
 
-    local = rank0(model, "-", 0, "close", tmp_path)  # one machine: rank 0 spawns rank 1 itself
-    wait_line(local)
-    assert local.stdout.readline().strip() == "codes [0]" and local.wait(60) == 0, local.stderr.read()[-2000:]
+
+@pytest.mark.parametrize("then", ["close", "drop"])
+def test_a_closed_or_dropped_runner_stops_its_child_ranks(models, tmp_path, then):
+    """One machine (rank 0 spawns rank 1): ``close()`` (twice) and a runner dropped without it end the
+    group the same way — the child rank is told to stop, exits 0 and is reaped before rank 0 goes on."""
+    local = rank0(models("llama", "f32"), "-", 0, then, tmp_path)
+    try:
+        wait_line(local)
+        lines = [local.stdout.readline().strip() for _ in range(2)]
+        assert lines == ["codes [0]", "alive []"] and local.wait(60) == 0, (lines, local.stderr.read()[-2000:])
+    finally:
+        stop(local, signal.SIGKILL, 5)

@@ -7,13 +7,18 @@ trio token captured when the thread started (``run_sync_soon``: the thread does 
 trio to take the answer, it goes straight back to its queue) — never through
 ``trio.to_thread``, whose worker threads change between calls.
 
-The thread is a daemon: a hung GPU step must not keep the process alive.
+The thread is a daemon: a hung GPU step must not keep the process alive. A healthy one is
+waited for at shutdown (``exited``, set once its last job has returned and the device work it
+queued has finished): an engine call that returns into a thread while the interpreter finalizes
+ends the process by SIGABRT (the extension's C++ frame cannot be unwound by the thread's forced
+exit), so the runtime lets the interpreter exit only after the thread is done.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -22,6 +27,8 @@ import outcome
 import trio
 
 log = logging.getLogger("hf2q.gpu")
+
+THREAD_NAME = "hf2q-gpu-owner"
 
 Job = Callable[[Any], Any]  # job(runner) -> result
 Reply = Callable[[outcome.Outcome], None]  # runs in trio
@@ -32,7 +39,7 @@ class EngineThread:
         self._factory = runner_factory
         self._token = trio_token
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._main, name="hf2q-gpu-owner", daemon=True)
+        self._thread = threading.Thread(target=self._main, name=THREAD_NAME, daemon=True)
         self.exited = threading.Event()
         #: seconds spent running jobs (written by the thread only; a float read is atomic)
         self.busy_s = 0.0
@@ -71,7 +78,32 @@ class EngineThread:
                 if not send_reply(self._token, reply, result):
                     return
         finally:
+            finish_device_work()
             self.exited.set()
+
+
+def engine_threads_finished(grace_s: float) -> bool:
+    """Whether every engine thread has ended, each given ``grace_s`` to return. Once the runtime is
+    over, one still running is loading the model or stuck in a GPU job: the process must then leave
+    without finalizing the interpreter (``os._exit``), which would abort under it."""
+    for t in threading.enumerate():
+        if t.name == THREAD_NAME and t is not threading.current_thread():
+            t.join(grace_s)
+            if t.is_alive():
+                return False
+    return True
+
+
+def finish_device_work() -> None:
+    """Wait for the device work the engine queued and nobody reads any more (a pipelined decode step
+    queued ahead of the last one read), so that an engine thread that says it is done is."""
+    mx = sys.modules.get("mlx.core")
+    if mx is None:
+        return
+    try:
+        mx.synchronize()
+    except Exception:  # noqa: BLE001 — a broken device must not keep the thread from reporting its exit
+        log.exception("waiting for the engine's queued device work failed")
 
 
 def run_timed(job: Job, runner: Any) -> tuple[outcome.Outcome, float]:

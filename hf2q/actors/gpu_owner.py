@@ -112,6 +112,7 @@ class GpuOwner:
         # touched only by jobs in the engine thread; HF2Q_NO_DECODE_PIPELINE=1 keeps blocking steps
         self.pipeline = None if os.environ.get("HF2Q_NO_DECODE_PIPELINE") else DecodePipeline()
         self.dead_peer: Callable[[], str | None] | None = None
+        self._stopped_loading = False  # stop() came while the thread was still loading the model
         self.draft_tokens = draft_tokens  # set to 0 at load when the runner cannot verify drafts
         self.mtp = False  # drafts come from the model's MTP head (``runner.drafts``), made in the engine thread
 
@@ -231,8 +232,26 @@ class GpuOwner:
     def stop(self) -> None:
         if self._thread is not None:
             self._thread.stop()
+        self._stopped_loading = self.fsm.state == "loading"
         if self.fsm.state in ("loading", "idle", "busy"):
             self.fsm.fire("shut_down")
+
+    async def wait_stopped(self, limit_s: float) -> bool:
+        """After :meth:`stop`: wait (at most ``limit_s``) until the engine thread has finished the job it
+        was running and its queued device work (``EngineThread.exited``) — the process must not exit
+        under a running engine call. A thread still loading the model, or one of a poisoned engine (its
+        job may be hung, or wait on a dead rank), is not waited for. Whether the thread is done."""
+        thread = self._thread
+        if thread is None or thread.exited.is_set():
+            return True
+        if self._stopped_loading or self._supervisor.poisoned:
+            return False
+        pause = 0.001  # a job is usually over within milliseconds: look often first
+        with trio.CancelScope(deadline=trio.current_time() + limit_s, shield=True):  # also in a cancelled exit
+            while not thread.exited.is_set():
+                await trio.sleep(pause)
+                pause = min(2 * pause, 0.02)
+        return thread.exited.is_set()
 
     # ---- the step loop ---------------------------------------------------------------
 

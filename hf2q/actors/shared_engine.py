@@ -25,7 +25,7 @@ from typing import Any, Callable
 import outcome
 import trio
 
-from hf2q.actors.engine_thread import Job, Reply, run_timed, send_reply
+from hf2q.actors.engine_thread import THREAD_NAME, Job, Reply, finish_device_work, run_timed, send_reply
 
 
 class EngineLane:
@@ -69,7 +69,7 @@ class SharedEngineThread:
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._main, name="hf2q-gpu-owner", daemon=True)
+        self._thread = threading.Thread(target=self._main, name=THREAD_NAME, daemon=True)
         self._token: trio.lowlevel.TrioToken | None = None
         #: (kind, time.monotonic() it began) of the item running now, (None, 0.0) when idle;
         #: written by the thread only, read in trio (one atomic attribute)
@@ -131,6 +131,7 @@ class SharedEngineThread:
                 ok = send_reply(self._token, reply, result)
             elif kind == "stop":
                 lane.runner = None
+                finish_device_work()
                 lane.exited.set()
                 ok = True
             else:  # "call": item = ("call", fn, reply)

@@ -27,6 +27,9 @@ log = logging.getLogger("hf2q.runtime")
 
 SHUTDOWN = Failed(503, "not_ready", "server shutting down")
 
+#: the longest shutdown waits for the engine thread's running job (a healthy job is one step or chunk)
+ENGINE_STOP_WAIT_S = 30.0
+
 #: blocks the KV writer's queue holds (exported host copies); a finished request's further
 #: blocks wait in the KV prefix actor's record until the queue has emptied
 KV_WRITER_QUEUE = 8
@@ -158,11 +161,16 @@ class ActorSystem:
             self._work_scope.cancel()
 
     async def shutdown(self) -> None:
-        """Context exit: end what is still running, stop the thread (never waits for a hung one)."""
+        """Context exit: end what is still running, stop the thread and wait for the job it runs
+        (bounded; never for a hung one, nor for a load) — the interpreter must not finalize under a
+        running engine call (``engine_thread.py``)."""
         self.admission.fail_all("shut_down", SHUTDOWN)
         self.gpu.stop()
         if self._work_scope is not None:
             self._work_scope.cancel()
+        limit = min(ENGINE_STOP_WAIT_S, self.supervisor.deadline_s or ENGINE_STOP_WAIT_S)
+        if not await self.gpu.wait_stopped(limit):
+            log.warning("the engine thread is still busy at shutdown (loading, or a stuck GPU job)")
 
     # ---- the Runtime API ------------------------------------------------------------------
 

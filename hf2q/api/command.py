@@ -14,6 +14,7 @@ GPU-owner thread when the runtime calls it.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 from contextlib import AsyncExitStack
@@ -232,6 +233,13 @@ def run(args) -> int:
     failure = trio.run(partial(_serve, args, model_path, chat_model, embed_path, embed_model, opener))
     if failure:
         raise ConversionError(failure)
+    from hf2q.actors.engine_thread import engine_threads_finished
+
+    if not engine_threads_finished(1.0):  # stopped while loading (or stuck): finalizing would abort under it
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

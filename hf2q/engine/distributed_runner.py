@@ -45,6 +45,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -205,31 +206,75 @@ class ShardedSequence:
             runner._released.append(self.seq_id)
 
 
+class ControlLinks:
+    """Rank 0's control connections to the followers, the lock that keeps each command whole on them,
+    and the one way the group ends (:meth:`close`).
+
+    Apart from the runner so that the runner's finalizer can hold it: a runner dropped without
+    ``close()``, or still alive when the interpreter exits (a server that drained), ends its group
+    through the same ``close`` under the same lock as an explicit ``close()``."""
+
+    def __init__(self, socks: Sequence[socket.socket], on_close: Callable[[], None]):
+        self.socks = list(socks)
+        self.lock = threading.Lock()
+        self.broken: str | None = None  # why the group may not be used again
+        self._on_close = on_close
+        self._closed = False
+
+    def close(self) -> None:
+        """Tell every follower to stop (each exits 0), then run ``on_close`` (rank 0's launcher waits
+        for its child ranks there). Idempotent. A broken group gets no stop: its followers were already
+        ended as from a failure.
+
+        A step that never returns (a hung collective) holds the lock: after a few seconds the group is
+        ended without the stop (the followers then exit as from a broken group)."""
+        locked = self.lock.acquire(timeout=5)
+        try:
+            if self._closed:
+                return
+            self._closed = True
+            for sock in self.socks:
+                try:
+                    if locked and self.broken is None:
+                        send_message(sock, {"op": "stop"})
+                    sock.close()
+                except OSError:
+                    pass
+            self.broken = self.broken or "tensor-parallel runner closed"
+        finally:
+            if locked:
+                self.lock.release()
+        try:
+            self._on_close()
+        except Exception:
+            log.exception("stopping the tensor-parallel followers failed")
+
+
 class DistributedRunner:
     """Rank 0's runner: broadcast each call to the followers, then run it on the local shard.
 
     ``local`` is rank 0's ``MlxModelRunner`` over its shard; ``links`` the control sockets
     of ranks 1..N-1 in rank order; ``plans`` every rank's :class:`HeadPlan`; ``check_alive``
     raises when a follower process has exited; ``on_fault`` tears the group down after a failure,
-    ``on_close`` after :meth:`close`.
+    ``on_close`` once the group has been told to stop (:meth:`close`, or the runner dropped).
     """
 
     def __init__(self, local, links: Sequence[socket.socket], plans, group, *,
                  check_alive: Callable[[], None] = lambda: None, on_fault: Callable[[], None] = lambda: None,
                  on_close: Callable[[], None] = lambda: None, pipelined: bool = True):
         self.local = local
-        self.links = list(links)
+        self._control = ControlLinks(links, on_close)
+        self.links = self._control.socks
         self.plans = list(plans)
         self.group = group
         self.size = len(self.links) + 1
         self._check_alive = check_alive
         self._on_fault = on_fault
-        self._on_close = on_close
-        self._closed = False
         self._next_id = 0
         self._released: list[int] = []
-        self._broken: str | None = None
-        self._lock = threading.Lock()  # one caller thread in practice; keeps commands whole regardless
+        self._lock = self._control.lock  # one caller thread in practice; keeps commands whole regardless
+        # dropped without close(), or alive at interpreter exit: the group still ends cleanly (same close)
+        weakref.finalize(self, self._control.close)
         self._pipelined = pipelined  # whether the runtime may queue steps ahead (``pipelines_over``)
         self._step = 0  # id of the next pipelined step (the followers keep the last KEPT_STEPS by id)
         for name in ("vocab_size", "n_ctx_train", "n_ctx", "eos_token_ids", "is_embedding_model",
@@ -244,6 +289,14 @@ class DistributedRunner:
         self.kv_cache_type = getattr(local, "kv_cache_type", "f16")  # every rank's (tp_launch tells the followers)
         # KV computed over a tensor-parallel split (sharded heads, all-reduced partial sums) is its own kind
         self.kv_identity = f"{local.kv_identity}-tp{self.size}"
+
+    @property
+    def _broken(self) -> str | None:
+        return self._control.broken
+
+    @_broken.setter
+    def _broken(self, why: str | None) -> None:
+        self._control.broken = why
 
     def dead_peer(self) -> str | None:
         """Why a follower is gone (it exited), else None. Safe from any thread: only polls processes.
@@ -424,31 +477,8 @@ class DistributedRunner:
                          lambda: all_sum_times(self.group, shape, reps))
 
     def close(self) -> None:
-        """End the group cleanly: every follower is told to stop (and exits 0), then ``on_close`` runs
-        (rank 0's launcher waits for its child ranks there). Idempotent; the runner is unusable afterwards.
-
-        A step that never returns (a hung collective) holds the lock: after a few seconds the group is
-        ended without the stop (the followers then exit as from a broken group)."""
-        locked = self._lock.acquire(timeout=5)
-        try:
-            if self._closed:
-                return
-            self._closed = True
-            for sock in self.links:
-                try:
-                    if locked and self._broken is None:
-                        send_message(sock, {"op": "stop"})
-                    sock.close()
-                except OSError:
-                    pass
-            self._broken = self._broken or "tensor-parallel runner closed"
-        finally:
-            if locked:
-                self._lock.release()
-        try:
-            self._on_close()
-        except Exception:
-            log.exception("stopping the tensor-parallel followers failed")
+        """End the group cleanly (:meth:`ControlLinks.close`); idempotent, the runner is unusable afterwards."""
+        self._control.close()
 
 
 def head_slice(arrays: dict[str, np.ndarray], plan) -> dict[str, np.ndarray]:

@@ -328,15 +328,17 @@ class ExpertParallelMoE:
     ``down_exps`` ``Linear``s holding this rank's ``E / size`` experts, ``top_k``,
     ``normalize``). The router is replicated, so every rank picks the same top-k experts
     and weights for a token; each rank applies only the chosen experts it owns (the others
-    get weight 0) and one ``all_sum`` adds the ranks' shares.
+    get weight 0) and one ``all_sum`` adds the ranks' shares — unless ``reduce`` is False (a block that
+    adds other partials first and reduces them together: :class:`SharedExpertParallelMoE`).
     """
 
-    def __init__(self, ffn, rank: int, size: int, group):
+    def __init__(self, ffn, rank: int, size: int, group, reduce: bool = True):
         import mlx.core as mx
 
         self.ffn = ffn
         self.router, self.gate_exps, self.up_exps, self.down_exps = ffn.router, ffn.gate_exps, ffn.up_exps, ffn.down_exps
         self.group = group
+        self.reduce = reduce
         self.n_local = int(ffn.gate_exps.shape[0])
         self.first = rank * self.n_local
         self._mx = mx
@@ -346,7 +348,8 @@ class ExpertParallelMoE:
         return sum(lin.nbytes for lin in (self.ffn.router, self.ffn.gate_exps, self.ffn.up_exps, self.ffn.down_exps))
 
     def __call__(self, x):
-        return self._mx.distributed.all_sum(self.local(x), group=self.group)
+        y = self.local(x)
+        return self._mx.distributed.all_sum(y, group=self.group) if self.reduce else y
 
     def local(self, x):
         """This rank's share of the output (its experts' weighted sum), before the ``all_sum``."""
@@ -373,20 +376,20 @@ class ExpertParallelMoE:
 
 
 class SharedExpertParallelMoE:
-    """Routed experts split by expert index plus a shared expert split Megatron style, one ``all_sum``.
+    """Qwen 3.5's ``SharedExpertMoE`` run by its own ``__call__`` on this rank's shares, reduced once.
 
-    Built around Qwen 3.5's ``SharedExpertMoE`` (``routed`` MoE, ``shared`` gated MLP whose
-    ``gate``/``up`` rows and ``down`` columns this rank holds, replicated ``shared_gate``). The shared
-    expert's per-token gate σ(shared_gate·x) scales a sum, so it scales each rank's partial alike: the
-    ranks' routed shares and gated shared partials are added locally and reduced once.
+    Its routed experts become this rank's expert share (:class:`ExpertParallelMoE`, not reduced); its
+    shared gated MLP already holds this rank's ``gate``/``up`` rows and ``down`` columns (``shard_gguf``),
+    and the replicated per-token gate σ(shared_gate·x) scales a sum, so it scales each rank's partial
+    alike. The model's own formula over a rank's shares is therefore that rank's partial of the whole
+    block, and one ``all_sum`` adds the ranks' partials.
     """
 
     def __init__(self, ffn, rank: int, size: int, group):
         import mlx.core as mx
 
+        ffn.routed = ExpertParallelMoE(ffn.routed, rank, size, group, reduce=False)
         self.ffn = ffn
-        self.routed = ExpertParallelMoE(ffn.routed, rank, size, group)
-        self.shared, self.shared_gate = ffn.shared, ffn.shared_gate
         self.group = group
         self._mx = mx
 
@@ -394,9 +397,7 @@ class SharedExpertParallelMoE:
         return self.ffn.linears()
 
     def __call__(self, x):
-        mx = self._mx
-        y = self.routed.local(x) + self.shared(x) * mx.sigmoid(self.shared_gate(x))
-        return mx.distributed.all_sum(y, group=self.group)
+        return self._mx.distributed.all_sum(self.ffn(x), group=self.group)
 
 
 def parallelize(model, group) -> Any:

@@ -40,7 +40,6 @@ import sys
 import tempfile
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -365,25 +364,12 @@ def launch(path: str | Path, size: int, ctx: int | None = None, *, backend: str 
         runner = DistributedRunner(local, [links[r] for r in range(1, size)], plans, group,
                                    check_alive=followers.check_alive, on_fault=followers.terminate,
                                    on_close=followers.reap, pipelined=pipelines_over(backend))
-        runner.followers = followers
-        # a server that exits cleanly (or a runner dropped without close()) ends its group cleanly
-        weakref.finalize(runner, _stop_group, list(runner.links), followers.reap)
+        runner.followers = followers  # a runner closed, dropped or alive at exit reaps them (on_close)
         return runner
     except BaseException:
         listener.close()
         followers.terminate()
         raise
-
-
-def _stop_group(links: list[socket.socket], reap: Callable[[], None]) -> None:
-    """Tell every follower to stop (a closed link, after close() or a failure, is skipped), then reap."""
-    for sock in links:
-        try:
-            send_message(sock, {"op": "stop"})
-            sock.close()
-        except OSError:
-            pass
-    reap()
 
 
 def _init(mx, backend: str):
