@@ -15,7 +15,7 @@ import attrs
 import mlx.core as mx
 
 from hf2q.engine.kv_cache import ForwardBatch
-from hf2q.engine.layers import Linear, fused_products, rms_norm, run_products, silu
+from hf2q.engine.layers import Linear, load_products, rms_norm, run_products, silu
 from hf2q.formats.gguf_file import GGUFFile
 from hf2q.kernels import cpu_ops
 
@@ -53,9 +53,8 @@ class Attention:
     def __init__(self, cfg: DecoderConfig, g: GGUFFile, i: int, dtype):
         p = f"blk.{i}."
         self.cfg = cfg
-        self.q = Linear(g.tensor(p + "attn_q.weight"), dtype)
-        self.k = Linear(g.tensor(p + "attn_k.weight"), dtype)
-        self.v = Linear(g.tensor(p + "attn_v.weight"), dtype)
+        #: [q | k | v] as products: adjacent projections of one quantized layout share one, fused as read
+        (self.q, self.k, self.v), self.qkv = load_products([g.tensor(p + f"attn_{n}.weight") for n in "qkv"], dtype)
         self.o = Linear(g.tensor(p + "attn_output.weight"), dtype)
         if cfg.qk_norm:
             self.q_norm = _norm(g, p + "attn_q_norm.weight", dtype)
@@ -66,8 +65,6 @@ class Attention:
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5
         self.layer = i
         self._cpu = mx.default_device() == mx.cpu
-        #: [q | k | v] as products: adjacent projections of one quantized layout share one (``fused_products``)
-        self.qkv = fused_products([self.q, self.k, self.v])
         # RoPE's arguments, fixed per layer: scaling applies to the layers on rope_base only (llama.cpp: SWA
         # layers keep plain rope)
         scaled = self.base == cfg.rope_base

@@ -116,8 +116,7 @@ def _yarn_periods(g: GGUFFile, cfg: DecoderConfig, factor: float, periods: np.nd
 def gated_mlp(g: GGUFFile, i: int, dtype, act=None) -> GatedMLP:
     p = f"blk.{i}."
     kw = {"act": act} if act else {}
-    return GatedMLP(Linear(g.tensor(p + "ffn_gate.weight"), dtype), Linear(g.tensor(p + "ffn_up.weight"), dtype),
-                    Linear(g.tensor(p + "ffn_down.weight"), dtype), **kw)
+    return GatedMLP.load(*(g.tensor(p + f"ffn_{n}.weight") for n in ("gate", "up", "down")), dtype, **kw)
 
 
 def build(g: GGUFFile, dtype) -> DecoderModel:
