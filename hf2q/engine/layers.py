@@ -472,6 +472,41 @@ def rms_norm(x: mx.array, w: mx.array, eps: float) -> mx.array:
     return mx.fast.rms_norm(x, w, eps)
 
 
+def step_compiling() -> bool:
+    """Whether a decode step's per-layer pieces run as graphs traced once per batch size (``HF2Q_NO_STEP_COMPILE=1``:
+    never). Only one-token rows take them: their shapes are one per batch size, so the traces stay few, while a
+    prefill chunk's length varies."""
+    return not os.environ.get("HF2Q_NO_STEP_COMPILE")
+
+
+def _add_norm(x: mx.array, h: mx.array, w: mx.array, eps: float) -> tuple[mx.array, mx.array]:
+    y = x + h
+    return y, mx.fast.rms_norm(y, w, eps)
+
+
+#: a residual add and the norm of its sum (a decoder layer's attention output into its MLP), replayed from one trace
+ADD_NORM = mx.compile(_add_norm)
+
+_ROTATIONS: dict[tuple, object] = {}
+
+
+def qk_rotation(dims: int, rope: dict, eps: float, qk_norm: bool):
+    """``(q, k, offset, q_norm, k_norm) -> (q, k)``: a decode row's query and key heads ``[B, 1, heads, d]`` normed
+    (``qk_norm``) and rotated, as ``[B, heads, 1, d]``, replayed from one trace per batch size (shared by the layers
+    of one RoPE configuration). ``offset`` is an int32 array (``ForwardBatch.offset_array``), so a new position
+    is a new input, not a new trace; the ops are those of the plain code, in order, so the results are equal."""
+    key = (dims, eps, qk_norm, *((k, id(v) if isinstance(v, mx.array) else v) for k, v in sorted(rope.items())))
+    if key not in _ROTATIONS:
+        def rotate(q, k, offset, q_norm, k_norm):
+            if qk_norm:
+                q, k = mx.fast.rms_norm(q, q_norm, eps), mx.fast.rms_norm(k, k_norm, eps)
+            return (mx.fast.rope(q.transpose(0, 2, 1, 3), dims, offset=offset, **rope),
+                    mx.fast.rope(k.transpose(0, 2, 1, 3), dims, offset=offset, **rope))
+
+        _ROTATIONS[key] = mx.compile(rotate)
+    return _ROTATIONS[key]
+
+
 def layer_norm(x: mx.array, w: mx.array, b: mx.array, eps: float) -> mx.array:
     return mx.fast.layer_norm(x, w, b, eps)
 

@@ -15,7 +15,8 @@ import attrs
 import mlx.core as mx
 
 from hf2q.engine.kv_cache import ForwardBatch
-from hf2q.engine.layers import Linear, load_products, rms_norm, run_products, silu
+from hf2q.engine.layers import (ADD_NORM, Linear, load_products, qk_rotation, rms_norm, run_products, silu,
+                               step_compiling)
 from hf2q.formats.gguf_file import GGUFFile
 from hf2q.kernels import cpu_ops
 
@@ -71,6 +72,8 @@ class Attention:
         freqs = cfg.rope_freqs if scaled else None
         self._rope = dict(traditional=cfg.rope_traditional, base=None if freqs is not None else self.base,
                           scale=cfg.rope_scale if scaled else 1.0, freqs=freqs)
+        #: a decode row's norms and RoPE as one traced graph (``layers.qk_rotation``)
+        self._rotate = qk_rotation(cfg.rope_dims, self._rope, cfg.norm_eps, cfg.qk_norm) if step_compiling() else None
 
     def __call__(self, x: mx.array, fb: ForwardBatch) -> mx.array:
         c = self.cfg
@@ -98,6 +101,9 @@ class Attention:
     def attend_projected(self, q: mx.array, k: mx.array, v: mx.array, fb: ForwardBatch) -> mx.array:
         """:meth:`attend` from the projections ``[B, L, heads, head_dim]``: norms, RoPE, the cache."""
         c = self.cfg
+        if self._rotate is not None and fb.n_new == 1:
+            q, k = self._rotate(q, k, fb.offset_array, *((self.q_norm, self.k_norm) if c.qk_norm else (None, None)))
+            return self.attend_rotated(q, k, v.transpose(0, 2, 1, 3), fb)
         if c.qk_norm:
             q = rms_norm(q, self.q_norm, c.norm_eps)
             k = rms_norm(k, self.k_norm, c.norm_eps)
@@ -134,6 +140,7 @@ class DecoderLayer:
         self.attn = Attention(cfg, g, i, dtype)
         self.ffn_norm = _norm(g, p + "ffn_norm.weight", dtype)
         self.ffn = ffn
+        self._compiled = step_compiling()
         if cfg.sandwich_norms:
             self.post_attn_norm = _norm(g, p + "post_attention_norm.weight", dtype)
             self.post_ffn_norm = _norm(g, p + "post_ffw_norm.weight", dtype)
@@ -143,8 +150,12 @@ class DecoderLayer:
         h = self.attn(rms_norm(x, self.attn_norm, eps), fb)
         if self.cfg.sandwich_norms:
             h = rms_norm(h, self.post_attn_norm, eps)
-        x = x + h
-        h = self.ffn(rms_norm(x, self.ffn_norm, eps))
+        if self._compiled and fb.n_new == 1:
+            x, normed = ADD_NORM(x, h, self.ffn_norm, eps)
+        else:
+            x = x + h
+            normed = rms_norm(x, self.ffn_norm, eps)
+        h = self.ffn(normed)
         if self.cfg.sandwich_norms:
             h = rms_norm(h, self.post_ffn_norm, eps)
         return x + h
