@@ -16,7 +16,7 @@ what ``decode_async`` builds before ``mx.async_eval``); each step is then evalua
 number of primitive nodes in one step's graph (``mx.export_to_dot``), ``compute_ops`` those that are not views of
 their input (reshapes, slices, transposes, broadcasts: kernels a GPU launches, roughly), ``top_ops`` the commonest.
 ``--profile N`` adds, for each batch size, the N functions with the most own time (cProfile) over its timed builds.
-``HF2Q_NO_STEP_COMPILE=1`` times the step without its traced pieces (``layers.qk_rotation``, ``layers.ADD_NORM``).
+``HF2Q_NO_STEP_COMPILE=1`` times the step without its traced q/k norms and RoPE (``layers.qk_rotation``).
 Prints one JSON report (``--out`` also writes it).
 """
 

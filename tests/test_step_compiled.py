@@ -1,5 +1,5 @@
-"""A decode step's traced pieces (``layers.qk_rotation``, ``layers.ADD_NORM``) give the logits of the plain ops, bit
-for bit, and the batch's positions are one array a step.
+"""A decode row's traced q/k norms and RoPE (``layers.qk_rotation``) give the logits of the plain ops, bit for bit,
+and a stacked batch's positions are one array a step.
 
 The reference is the same F32 GGUF loaded with ``HF2Q_NO_STEP_COMPILE=1``, both on the MLX graph path
 (``HF2Q_NO_HOST_DECODE=1``: the CPU host decode step builds no graph), over single and stacked decodes whose

@@ -473,19 +473,11 @@ def rms_norm(x: mx.array, w: mx.array, eps: float) -> mx.array:
 
 
 def step_compiling() -> bool:
-    """Whether a decode step's per-layer pieces run as graphs traced once per batch size (``HF2Q_NO_STEP_COMPILE=1``:
-    never). Only one-token rows take them: their shapes are one per batch size, so the traces stay few, while a
-    prefill chunk's length varies."""
+    """Whether a decode row's q/k norms and RoPE run as a graph traced once per batch size (:func:`qk_rotation`;
+    ``HF2Q_NO_STEP_COMPILE=1``: never). Only one-token rows take it: their shapes are one per batch size, so the
+    traces stay few, while a prefill chunk's length varies."""
     return not os.environ.get("HF2Q_NO_STEP_COMPILE")
 
-
-def _add_norm(x: mx.array, h: mx.array, w: mx.array, eps: float) -> tuple[mx.array, mx.array]:
-    y = x + h
-    return y, mx.fast.rms_norm(y, w, eps)
-
-
-#: a residual add and the norm of its sum (a decoder layer's attention output into its MLP), replayed from one trace
-ADD_NORM = mx.compile(_add_norm)
 
 _ROTATIONS: dict[tuple, object] = {}
 

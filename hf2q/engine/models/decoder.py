@@ -15,8 +15,7 @@ import attrs
 import mlx.core as mx
 
 from hf2q.engine.kv_cache import ForwardBatch
-from hf2q.engine.layers import (ADD_NORM, Linear, load_products, qk_rotation, rms_norm, run_products, silu,
-                               step_compiling)
+from hf2q.engine.layers import Linear, load_products, qk_rotation, rms_norm, run_products, silu, step_compiling
 from hf2q.formats.gguf_file import GGUFFile
 from hf2q.kernels import cpu_ops
 
@@ -140,7 +139,6 @@ class DecoderLayer:
         self.attn = Attention(cfg, g, i, dtype)
         self.ffn_norm = _norm(g, p + "ffn_norm.weight", dtype)
         self.ffn = ffn
-        self._compiled = step_compiling()
         if cfg.sandwich_norms:
             self.post_attn_norm = _norm(g, p + "post_attention_norm.weight", dtype)
             self.post_ffn_norm = _norm(g, p + "post_ffw_norm.weight", dtype)
@@ -150,12 +148,8 @@ class DecoderLayer:
         h = self.attn(rms_norm(x, self.attn_norm, eps), fb)
         if self.cfg.sandwich_norms:
             h = rms_norm(h, self.post_attn_norm, eps)
-        if self._compiled and fb.n_new == 1:
-            x, normed = ADD_NORM(x, h, self.ffn_norm, eps)
-        else:
-            x = x + h
-            normed = rms_norm(x, self.ffn_norm, eps)
-        h = self.ffn(normed)
+        x = x + h
+        h = self.ffn(rms_norm(x, self.ffn_norm, eps))
         if self.cfg.sandwich_norms:
             h = rms_norm(h, self.post_ffn_norm, eps)
         return x + h
