@@ -24,7 +24,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from hf2q.engine.layers import GatedMLP, Linear, float_array
+from hf2q.engine.layers import GatedMLP, float_array
 from hf2q.engine.models.decoder import DecoderConfig, DecoderModel
 from hf2q.errors import InputError
 from hf2q.formats.gguf_file import GGUFFile
