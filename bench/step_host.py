@@ -15,7 +15,8 @@ step's lazy outputs (the runner's graph step plus greedy device sampling,
 what ``decode_async`` builds before ``mx.async_eval``); each step is then evaluated, untimed. ``ops`` is the
 number of primitive nodes in one step's graph (``mx.export_to_dot``), ``compute_ops`` those that are not views of
 their input (reshapes, slices, transposes, broadcasts: kernels a GPU launches, roughly), ``top_ops`` the commonest.
-``--profile N`` adds the N functions with the most own time (cProfile) over the timed builds.
+``--profile N`` adds, for each batch size, the N functions with the most own time (cProfile) over its timed builds.
+``HF2Q_NO_STEP_COMPILE=1`` times the step without its traced q/k norms and RoPE (``layers.qk_rotation``).
 Prints one JSON report (``--out`` also writes it).
 """
 
@@ -155,12 +156,12 @@ def main(argv=None) -> int:
         for path in files:
             runner = MlxModelRunner.load(path, ctx=PROMPT + WARM_STEPS + args.steps + 8)
             row = {"layers": runner.model.cfg.n_layers}
-            profiler = cProfile.Profile() if args.profile else None
             for b in (int(x) for x in args.batches.split(",") if x):
+                profiler = cProfile.Profile() if args.profile else None
                 row[f"B{b}"] = time_batch(runner, b, args.steps, profiler)
                 print(f"{path.name} B{b}: {row[f'B{b}']}", file=sys.stderr, flush=True)
-            if profiler is not None:
-                row["profile"] = profile_lines(profiler, args.profile)
+                if profiler is not None:
+                    row[f"B{b}"]["profile"] = profile_lines(profiler, args.profile)
             report["runs"][path.name] = row
             del runner
         return emit(report, args.out)

@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf2q.engine.layers import Linear, fused_products, run_products
+from hf2q.engine.quant_repack import to_affine
 from hf2q.formats.gguf_file import GGUFTensor
 from hf2q.ggml import codec
 from tests.engine_support import convert_f32, random_tokens
@@ -210,3 +211,37 @@ def test_fused_products_match_each_part(parts, rows, seed):
     flat = np.concatenate([np.array(y) for y in mlx_only], axis=-1)
     for i, lin in enumerate(alone):
         assert np.array_equal(flat[..., offsets[i]:offsets[i + 1]], np.array(lin._quantized_product(x)))
+
+
+def _tensor(name: str, rows: int, qtype, seed: int) -> GGUFTensor:
+    w = (np.random.default_rng(seed).standard_normal((rows, 256)) * 0.05).astype(np.float32)
+    data = codec.quantize(w, qtype)
+    return GGUFTensor(name, qtype, (rows, 256), data, data.nbytes)
+
+
+@settings(max_examples=10, deadline=None)
+@given(parts=st.lists(st.tuples(st.sampled_from(QTYPES), st.integers(1, 40)), min_size=2, max_size=4),
+       chunk=st.sampled_from([256, 256 * 7, 1 << 24]), seed=st.integers(0, 2 ** 16))
+def test_products_fused_as_read_match_each_part(parts, chunk, seed):
+    """Tensors fused as they are read (stored blocks repacked band by band into one MLX buffer, bands of any size):
+    the same packed weights, row for row, as each tensor loaded alone, and the same products."""
+    from hf2q.engine import layers
+    from hf2q.engine.layers import load_products
+
+    tensors = [_tensor(f"p{i}", n, qt, seed + i) for i, (qt, n) in enumerate(parts)]
+    kept, layers.REPACK_CHUNK = layers.REPACK_CHUNK, chunk
+    try:
+        mine, products = load_products(tensors, mx.float32)
+    finally:
+        layers.REPACK_CHUNK = kept
+    alone = [Linear(t, mx.float32) for t in tensors]
+    same_run = sum(1 for a, b in zip(parts, parts[1:]) if a[0] == b[0])
+    assert len(products) == len(parts) - same_run
+    assert [p.name for p in mine] == [t.name for t in tensors]
+    for p, a, t in zip(mine, alone, tensors):
+        ref = to_affine(t.data, t.qtype, t.shape)  # the repack in one piece, no MLX
+        for k, want in (("weight", ref.packed), ("scales", ref.scales), ("biases", ref.biases)):
+            assert np.array_equal(np.array(getattr(p, k)), want) and np.array_equal(np.array(getattr(a, k)), want)
+    x = mx.array(np.random.default_rng(seed).standard_normal((1, 3, 256)).astype(np.float32))
+    for g, a in zip(run_products(products, x), alone):
+        assert np.array_equal(np.array(g), np.array(a(x)))

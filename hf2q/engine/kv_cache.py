@@ -866,9 +866,16 @@ class ForwardBatch:
         not once a layer)."""
         if len(self.caches) == 1:
             return self.offsets[0]
-        if self._offset is None:
-            self._offset = mx.array(self.offsets)
+        if self._offset is None:  # a stacked batch has made it already, for its cache writes
+            self._offset = self._offsets_mx if self.stack is not None else mx.array(self.offsets, dtype=mx.int32)
         return self._offset
+
+    @property
+    def offset_array(self) -> mx.array:
+        """:attr:`offset` as an int32 array for one sequence too (a traced step takes positions as an input)."""
+        if self._offset is None and len(self.caches) == 1:
+            self._offset = mx.array(self.offsets[0], dtype=mx.int32)
+        return self._offset if len(self.caches) == 1 else self.offset
 
     def mask_np(self, window: int | None) -> np.ndarray | None:
         """Boolean ``[B, 1, n_new, total]`` (True = attend), or None when nothing is masked."""

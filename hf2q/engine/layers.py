@@ -27,7 +27,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from hf2q.engine.device_probe import EXACT_GPU_SCALES  # HF2Q_EXACT_SCALES=1: float32 group scales on GPUs
-from hf2q.engine.quant_repack import FLOAT_TYPES, QUANTIZED_TYPES, to_affine
+from hf2q.engine.quant_repack import FLOAT_TYPES, GROUP, QUANTIZED_TYPES, to_affine
 from hf2q.errors import InputError
 from hf2q.formats.gguf_file import GGUFTensor
 from hf2q.kernels import cuda_qmv
@@ -101,25 +101,78 @@ def _release_dense(nbytes: int) -> None:
 
 
 
+#: weights repacked at a time as a quantized tensor is read (bounds the load's transient host memory)
+REPACK_CHUNK = 1 << 24
+
+_MX_DTYPES = {np.dtype(np.uint32): mx.uint32, np.dtype(np.float32): mx.float32}
+
+
+def _repacked(tensors: "list[GGUFTensor]", shape: tuple[int, ...]):
+    """The MLX affine form (packed, scales, biases, bits, exact) of ``tensors``' rows in order, ``shape``'s
+    leading dims restored.
+
+    The stored blocks are repacked a band of rows at a time (a row's blocks depend on that row alone) straight
+    into the MLX buffers on the CPU (elsewhere into one host array each, handed to MLX once): the load holds no
+    second whole copy of a weight, and a stack of tensors costs what its parts would apart."""
+    n = shape[-1]
+    total = math.prod(shape[:-1])
+    step = max(1, REPACK_CHUNK // n)
+    in_place = on_cpu()
+    outs, views, bits, exact, at = None, None, 0, True, 0
+    for t in tensors:
+        rows = math.prod(t.shape[:-1])
+        raw = np.asarray(t.data).reshape(rows, -1)
+        for a in range(0, rows, step):
+            b = min(rows, a + step)
+            aff = to_affine(raw[a:b], t.qtype, (b - a, n))
+            parts = (aff.packed, aff.scales, aff.biases)
+            if views is None:
+                bits = aff.bits
+                if in_place:
+                    outs = [mx.zeros((total, x.shape[1]), dtype=_MX_DTYPES[x.dtype]) for x in parts]
+                    mx.eval(outs)
+                    views = [np.asarray(memoryview(o)) for o in outs]
+                else:
+                    views = [np.empty((total, x.shape[1]), x.dtype) for x in parts]
+            for v, x in zip(views, parts):
+                v[at:at + b - a] = x
+            exact = exact and aff.exact
+            at += b - a
+    if not in_place:
+        outs = [mx.array(v) for v in views]
+    lead = shape[:-1]
+    outs = [o.reshape(*lead, -1) if len(lead) > 1 else o for o in outs]
+    return (*outs, bits, exact)
+
+
+def _stack_on_host(arrays: list[mx.array]) -> mx.array:
+    """Evaluated ``arrays`` stacked along their first axis by numpy (bfloat16 through its bits), as one MLX array."""
+    bf16 = arrays[0].dtype == mx.bfloat16
+    if bf16:
+        arrays = [a.view(mx.uint16) for a in arrays]
+    mx.eval(arrays)
+    out = mx.array(np.concatenate([np.asarray(memoryview(a)) for a in arrays]))
+    return out.view(mx.bfloat16) if bf16 else out
+
 class Linear:
     """``y = x @ W.T (+ b)`` with W either float or MLX-affine quantized (leading expert dims allowed)."""
 
-    def __init__(self, t: GGUFTensor, dtype, bias: mx.array | None = None):
-        self.name = t.name
-        self.shape = t.shape  # (..., out, in)
+    def __init__(self, t: "GGUFTensor | list[GGUFTensor]", dtype, bias: mx.array | None = None):
+        """``t`` one tensor, or quantized 2-D tensors of one type and width read as one linear over their rows in
+        order (:func:`load_products`)."""
+        tensors = [t] if isinstance(t, GGUFTensor) else list(t)
+        t = tensors[0]
+        self.name = "+".join(x.name for x in tensors)
+        self.shape = t.shape if len(tensors) == 1 else (sum(x.shape[0] for x in tensors), t.shape[1])
         self.qtype = t.qtype
         self.bias = bias
         self.dtype = dtype
-        if t.qtype in FLOAT_TYPES:
+        if t.qtype in FLOAT_TYPES and len(tensors) == 1:
             self.weight = float_array(t, dtype)
             self.quantized = False
         elif t.qtype in QUANTIZED_TYPES:
-            a = to_affine(t.data, t.qtype, t.shape)
-            lead = t.shape[:-1]
-            self.weight = mx.array(a.packed.reshape(*lead, -1))
-            self.scales = mx.array(a.scales.reshape(*lead, -1))
-            self.biases = mx.array(a.biases.reshape(*lead, -1))
-            self.bits, self.group_size, self.exact = a.bits, a.group_size, a.exact
+            self.weight, self.scales, self.biases, self.bits, self.exact = _repacked(tensors, self.shape)
+            self.group_size = GROUP
             if not on_cpu() and self.scales.dtype != dtype and not EXACT_GPU_SCALES:
                 # GPU kernels take their fast path when scales match the activations; float32
                 # scales (kept where f16 would round, e.g. Q4_K's d*sc) cost 2-4x in decode.
@@ -128,8 +181,8 @@ class Linear:
             self.quantized = True
         else:
             raise InputError(f"tensor {t.name}: unsupported GGUF type {t.qtype.name}")
-        self.observed = (t.name,)
-        #: the linears a fused one stands for (``fused``), None for one tensor's
+        self.observed = tuple(x.name for x in tensors)
+        #: the linears a fused one stands for (``fused``, ``load_products``), None for one tensor's
         self.parts: list[Linear] | None = None
         self._ready()
 
@@ -176,33 +229,50 @@ class Linear:
 
     @classmethod
     def fused(cls, parts: "list[Linear]") -> "Linear":
-        """One linear over the rows of ``parts`` (one :meth:`layout`) stacked in order; each part then reads
-        its rows of the fused buffers (views: no second copy), so code that uses a part alone still works."""
+        """One linear over the rows of ``parts`` (built already, one :meth:`layout`) stacked in order; each part
+        then reads its rows of the fused buffers (views: no second copy), so code that uses a part alone still
+        works. The stacking is numpy's, over the parts' host buffers: no MLX op, so nothing lazy is left on the
+        device (:func:`load_products` stacks the stored blocks before any part is built, which costs less)."""
         lay = parts[0].layout()
         if lay is None or any(p.layout() != lay for p in parts):
             raise ValueError("only quantized linears of one layout fuse")
         f = cls.__new__(cls)
-        f.name = "+".join(p.name for p in parts)
-        f.observed = tuple(n for p in parts for n in p.observed)
-        f.parts = list(parts)
-        f.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
-        f.qtype, f.dtype, f.quantized = parts[0].qtype, parts[0].dtype, True
-        f.bits, f.group_size, f.exact = parts[0].bits, parts[0].group_size, all(p.exact for p in parts)
-        f.weight, f.scales, f.biases = (mx.concatenate([getattr(p, k) for p in parts])
+        f._stacked_from(parts[0], parts)
+        f.weight, f.scales, f.biases = (_stack_on_host([getattr(p, k) for p in parts])
                                         for k in ("weight", "scales", "biases"))
-        f.bias = None if parts[0].bias is None else mx.concatenate([p.bias for p in parts])
+        f.bias = None if parts[0].bias is None else _stack_on_host([p.bias for p in parts])
         f._ready()
-        row = 0
-        for p in parts:
-            n = p.shape[0]
-            rows = slice(row, row + n)
-            p.weight, p.scales, p.biases = f.weight[rows], f.scales[rows], f.biases[rows]
-            if p.bias is not None:
-                p.bias = f.bias[rows]
-            p._ready(host=None if f._host is None else (f._host[0][rows], f._host[1][rows], f._host[2][rows],
-                                                        f._host[3]))
-            row += n
+        f._split_into(parts)
         return f
+
+    def _stacked_from(self, like: "Linear", parts: "list[Linear]") -> None:
+        """Name, shape and quantization of the stack of ``parts`` (of ``like``'s layout)."""
+        self.name = "+".join(p.name for p in parts)
+        self.observed = tuple(n for p in parts for n in p.observed)
+        self.parts = list(parts)
+        self.shape = (sum(p.shape[0] for p in parts), like.shape[1])
+        self.qtype, self.dtype, self.quantized = like.qtype, like.dtype, True
+        self.bits, self.group_size, self.exact = like.bits, like.group_size, all(p.exact for p in parts)
+
+    def _split_into(self, parts: "list[Linear]") -> None:
+        """Point each of ``parts`` at its rows of this (stacked) linear's buffers and C-kernel arrays."""
+        row = 0
+        host = self._host
+        for p in parts:
+            rows = slice(row, row + p.shape[0])
+            p.weight, p.scales, p.biases = self.weight[rows], self.scales[rows], self.biases[rows]
+            if p.bias is not None:
+                p.bias = self.bias[rows]
+            p._ready(host=None if host is None else (host[0][rows], host[1][rows], host[2][rows], host[3]))
+            row += p.shape[0]
+
+    def _part(self, name: str, rows: int) -> "Linear":
+        """A part of ``rows`` rows of this linear's layout, its buffers not yet set (:meth:`_split_into`)."""
+        p = Linear.__new__(Linear)
+        p.name, p.observed, p.parts, p.shape = name, (name,), None, (rows, self.shape[1])
+        p.qtype, p.dtype, p.quantized, p.bias = self.qtype, self.dtype, True, None
+        p.bits, p.group_size, p.exact = self.bits, self.group_size, self.exact
+        return p
 
     def params(self) -> list[mx.array]:
         ps = [self.weight] + ([self.scales, self.biases] if self.quantized else [])
@@ -321,11 +391,9 @@ class Linear:
 def fusing() -> bool:
     """Whether models fuse projections that share an input at load (``HF2Q_NO_FUSED_PROJ=1``: never).
 
-    Off by default on a GPU until it is measured there (docs/ENGINE.md, "Fused projections"); ``HF2Q_FUSED_PROJ=1``
-    turns it on anyway."""
-    if os.environ.get("HF2Q_NO_FUSED_PROJ"):
-        return False
-    return bool(os.environ.get("HF2Q_FUSED_PROJ")) or mx.default_device().type != mx.DeviceType.gpu
+    On by default on every backend since the fusion is done on the host as the weights are read (docs/ENGINE.md,
+    "Fused projections"); its tokens/s on a GPU is still to be measured."""
+    return not os.environ.get("HF2Q_NO_FUSED_PROJ")
 
 
 def fused_products(parts: list[Linear]) -> tuple[tuple[Linear, tuple[int, ...]], ...]:
@@ -334,7 +402,8 @@ def fused_products(parts: list[Linear]) -> tuple[tuple[Linear, tuple[int, ...]],
 
     One product instead of three (q, k, v) or two (gate, up) is fewer graph nodes for the host to build and fewer
     kernels for the device to launch; each output row is the same dot product as before, so results are equal.
-    Where types differ (Q4_K_M's Q6_K attn_v beside Q4_K q/k) only the matching neighbours fuse.
+    Where types differ (Q4_K_M's Q6_K attn_v beside Q4_K q/k) only the matching neighbours fuse. For parts not
+    built yet, :func:`load_products` fuses from the stored blocks instead.
     """
     groups: list[list[Linear]] = []
     for p in parts:
@@ -345,6 +414,43 @@ def fused_products(parts: list[Linear]) -> tuple[tuple[Linear, tuple[int, ...]],
             groups.append([p])
     return tuple((g[0], (g[0].shape[0],)) if len(g) == 1 else (Linear.fused(g), tuple(p.shape[0] for p in g))
                  for g in groups)
+
+
+def _stacks(t: GGUFTensor) -> tuple | None:
+    """What tensors must share to load as one stacked linear (type and width), or None when ``t`` cannot."""
+    if t.qtype not in QUANTIZED_TYPES or len(t.shape) != 2:
+        return None
+    return t.qtype, t.shape[1]
+
+
+def load_products(tensors: "list[GGUFTensor]", dtype) -> tuple[list[Linear], tuple[tuple[Linear, tuple[int, ...]], ...]]:
+    """The linears of ``tensors`` (one input, outputs side by side) and the products a forward runs, as
+    :func:`fused_products` gives them, but fused as they are read: a run of adjacent tensors of one quantized
+    type and width is stacked from its stored blocks (numpy) and repacked and handed to MLX once, and each part
+    is a view of its rows. Loading so costs no more time or memory than loading the parts apart, and leaves no
+    device-side concatenation to evaluate."""
+    groups: list[list[GGUFTensor]] = []
+    for t in tensors:
+        key = _stacks(t) if fusing() else None
+        if groups and key is not None and _stacks(groups[-1][0]) == key:
+            groups[-1].append(t)
+        else:
+            groups.append([t])
+    parts: list[Linear] = []
+    products = []
+    for g in groups:
+        if len(g) == 1:
+            lin = Linear(g[0], dtype)
+            parts.append(lin)
+            products.append((lin, (lin.shape[0],)))
+            continue
+        f = Linear(g, dtype)
+        mine = [f._part(t.name, t.shape[0]) for t in g]
+        f.parts = mine
+        f._split_into(mine)
+        parts.extend(mine)
+        products.append((f, tuple(t.shape[0] for t in g)))
+    return parts, tuple(products)
 
 
 def run_products(products, x: mx.array) -> list[mx.array]:
@@ -364,6 +470,33 @@ def run_products(products, x: mx.array) -> list[mx.array]:
 
 def rms_norm(x: mx.array, w: mx.array, eps: float) -> mx.array:
     return mx.fast.rms_norm(x, w, eps)
+
+
+def step_compiling() -> bool:
+    """Whether a decode row's q/k norms and RoPE run as a graph traced once per batch size (:func:`qk_rotation`;
+    ``HF2Q_NO_STEP_COMPILE=1``: never). Only one-token rows take it: their shapes are one per batch size, so the
+    traces stay few, while a prefill chunk's length varies."""
+    return not os.environ.get("HF2Q_NO_STEP_COMPILE")
+
+
+_ROTATIONS: dict[tuple, object] = {}
+
+
+def qk_rotation(dims: int, rope: dict, eps: float, qk_norm: bool):
+    """``(q, k, offset, q_norm, k_norm) -> (q, k)``: a decode row's query and key heads ``[B, 1, heads, d]`` normed
+    (``qk_norm``) and rotated, as ``[B, heads, 1, d]``, replayed from one trace per batch size (shared by the layers
+    of one RoPE configuration). ``offset`` is an int32 array (``ForwardBatch.offset_array``), so a new position
+    is a new input, not a new trace; the ops are those of the plain code, in order, so the results are equal."""
+    key = (dims, eps, qk_norm, *((k, id(v) if isinstance(v, mx.array) else v) for k, v in sorted(rope.items())))
+    if key not in _ROTATIONS:
+        def rotate(q, k, offset, q_norm, k_norm):
+            if qk_norm:
+                q, k = mx.fast.rms_norm(q, q_norm, eps), mx.fast.rms_norm(k, k_norm, eps)
+            return (mx.fast.rope(q.transpose(0, 2, 1, 3), dims, offset=offset, **rope),
+                    mx.fast.rope(k.transpose(0, 2, 1, 3), dims, offset=offset, **rope))
+
+        _ROTATIONS[key] = mx.compile(rotate)
+    return _ROTATIONS[key]
 
 
 def layer_norm(x: mx.array, w: mx.array, b: mx.array, eps: float) -> mx.array:
@@ -398,12 +531,18 @@ GLU_COMPILED = {silu: mx.compile(_swiglu, shapeless=True), gelu_tanh: mx.compile
 class GatedMLP:
     """``down(act(gate(x)) * up(x))`` — SwiGLU (llama, qwen) or GeGLU-tanh (gemma)."""
 
-    def __init__(self, gate: Linear, up: Linear, down: Linear, act=silu):
+    def __init__(self, gate: Linear, up: Linear, down: Linear, act=silu, gate_up=None):
         self.gate, self.up, self.down, self.act = gate, up, down, act
-        #: gate and up as one product when their layouts match (``fused_products``)
-        self.gate_up = fused_products([gate, up])
+        #: gate and up as one product when their layouts match (``fused_products``; ``load`` fuses as it reads)
+        self.gate_up = fused_products([gate, up]) if gate_up is None else gate_up
         self._host_capable = act in (silu, gelu_tanh) and on_cpu()
         self._glu = GLU_COMPILED.get(act)
+
+    @classmethod
+    def load(cls, gate: GGUFTensor, up: GGUFTensor, down: GGUFTensor, dtype, act=silu) -> "GatedMLP":
+        """The MLP of three stored tensors, gate and up fused as they are read (:func:`load_products`)."""
+        (g, u), gate_up = load_products([gate, up], dtype)
+        return cls(g, u, Linear(down, dtype), act, gate_up=gate_up)
 
     def __call__(self, x: mx.array) -> mx.array:
         from hf2q.kernels import cpu_ops

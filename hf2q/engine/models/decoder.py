@@ -15,7 +15,7 @@ import attrs
 import mlx.core as mx
 
 from hf2q.engine.kv_cache import ForwardBatch
-from hf2q.engine.layers import Linear, fused_products, rms_norm, run_products, silu
+from hf2q.engine.layers import Linear, load_products, qk_rotation, rms_norm, run_products, silu, step_compiling
 from hf2q.formats.gguf_file import GGUFFile
 from hf2q.kernels import cpu_ops
 
@@ -53,9 +53,8 @@ class Attention:
     def __init__(self, cfg: DecoderConfig, g: GGUFFile, i: int, dtype):
         p = f"blk.{i}."
         self.cfg = cfg
-        self.q = Linear(g.tensor(p + "attn_q.weight"), dtype)
-        self.k = Linear(g.tensor(p + "attn_k.weight"), dtype)
-        self.v = Linear(g.tensor(p + "attn_v.weight"), dtype)
+        #: [q | k | v] as products: adjacent projections of one quantized layout share one, fused as read
+        (self.q, self.k, self.v), self.qkv = load_products([g.tensor(p + f"attn_{n}.weight") for n in "qkv"], dtype)
         self.o = Linear(g.tensor(p + "attn_output.weight"), dtype)
         if cfg.qk_norm:
             self.q_norm = _norm(g, p + "attn_q_norm.weight", dtype)
@@ -66,14 +65,14 @@ class Attention:
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5
         self.layer = i
         self._cpu = mx.default_device() == mx.cpu
-        #: [q | k | v] as products: adjacent projections of one quantized layout share one (``fused_products``)
-        self.qkv = fused_products([self.q, self.k, self.v])
         # RoPE's arguments, fixed per layer: scaling applies to the layers on rope_base only (llama.cpp: SWA
         # layers keep plain rope)
         scaled = self.base == cfg.rope_base
         freqs = cfg.rope_freqs if scaled else None
         self._rope = dict(traditional=cfg.rope_traditional, base=None if freqs is not None else self.base,
                           scale=cfg.rope_scale if scaled else 1.0, freqs=freqs)
+        #: a decode row's norms and RoPE as one traced graph (``layers.qk_rotation``)
+        self._rotate = qk_rotation(cfg.rope_dims, self._rope, cfg.norm_eps, cfg.qk_norm) if step_compiling() else None
 
     def __call__(self, x: mx.array, fb: ForwardBatch) -> mx.array:
         c = self.cfg
@@ -101,6 +100,9 @@ class Attention:
     def attend_projected(self, q: mx.array, k: mx.array, v: mx.array, fb: ForwardBatch) -> mx.array:
         """:meth:`attend` from the projections ``[B, L, heads, head_dim]``: norms, RoPE, the cache."""
         c = self.cfg
+        if self._rotate is not None and fb.n_new == 1:
+            q, k = self._rotate(q, k, fb.offset_array, *((self.q_norm, self.k_norm) if c.qk_norm else (None, None)))
+            return self.attend_rotated(q, k, v.transpose(0, 2, 1, 3), fb)
         if c.qk_norm:
             q = rms_norm(q, self.q_norm, c.norm_eps)
             k = rms_norm(k, self.k_norm, c.norm_eps)

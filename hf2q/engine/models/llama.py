@@ -24,7 +24,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from hf2q.engine.layers import GatedMLP, Linear, float_array
+from hf2q.engine.layers import GatedMLP, float_array
 from hf2q.engine.models.decoder import DecoderConfig, DecoderModel
 from hf2q.errors import InputError
 from hf2q.formats.gguf_file import GGUFFile
@@ -116,8 +116,7 @@ def _yarn_periods(g: GGUFFile, cfg: DecoderConfig, factor: float, periods: np.nd
 def gated_mlp(g: GGUFFile, i: int, dtype, act=None) -> GatedMLP:
     p = f"blk.{i}."
     kw = {"act": act} if act else {}
-    return GatedMLP(Linear(g.tensor(p + "ffn_gate.weight"), dtype), Linear(g.tensor(p + "ffn_up.weight"), dtype),
-                    Linear(g.tensor(p + "ffn_down.weight"), dtype), **kw)
+    return GatedMLP.load(*(g.tensor(p + f"ffn_{n}.weight") for n in ("gate", "up", "down")), dtype, **kw)
 
 
 def build(g: GGUFFile, dtype) -> DecoderModel:
