@@ -391,9 +391,12 @@ class Linear:
 def fusing() -> bool:
     """Whether models fuse projections that share an input at load (``HF2Q_NO_FUSED_PROJ=1``: never).
 
-    On by default on every backend since the fusion is done on the host as the weights are read (docs/ENGINE.md,
-    "Fused projections"); its tokens/s on a GPU is still to be measured."""
-    return not os.environ.get("HF2Q_NO_FUSED_PROJ")
+    The fusion is done on the host as the weights are read; on a GPU it stays off by default until its
+    load and tokens/s are measured there (docs/ENGINE.md, "Fused projections"), ``HF2Q_FUSED_PROJ=1``
+    turns it on anyway."""
+    if os.environ.get("HF2Q_NO_FUSED_PROJ"):
+        return False
+    return bool(os.environ.get("HF2Q_FUSED_PROJ")) or mx.default_device().type != mx.DeviceType.gpu
 
 
 def fused_products(parts: list[Linear]) -> tuple[tuple[Linear, tuple[int, ...]], ...]:
