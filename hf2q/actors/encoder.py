@@ -30,10 +30,10 @@ def _names_images(prompt) -> bool:
     return max(prompt, default=0) >= IMAGE_ID_BASE
 
 
-def _plan(runner, seq, prompt, cached):
+def _plan(runner, seq, prompt, cached, restored):
     from hf2q.engine.vision.encode_job import plan_images  # runs in the engine thread
 
-    return plan_images(runner, seq, prompt, cached)
+    return plan_images(runner, seq, prompt, cached, restored)
 
 
 class ImageEncodeTransaction:
@@ -88,7 +88,7 @@ class ImageEncoder:
         persistent store, so ``seq``'s positions are set again even for a prompt without images."""
         if self._serves_images is False or not (restored or _names_images(prompt)):
             return None
-        jobs = await self._transact(lambda runner: _plan(runner, seq, prompt, cached), "image plan")
+        jobs = await self._transact(lambda runner: _plan(runner, seq, prompt, cached, restored), "image plan")
         self._serves_images = jobs is not None
         if jobs is None:
             return None

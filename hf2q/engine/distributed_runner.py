@@ -405,7 +405,7 @@ class DistributedRunner:
     @property
     def rolls_back_drafts(self) -> bool:
         """Rank 0's answer (every rank holds the same model): whether a verify can be cut back anywhere."""
-        return bool(getattr(self.local, "rolls_back_drafts", True))
+        return bool(self.local.rolls_back_drafts)
 
     def enable_mtp(self) -> None:
         """Every rank loads its share of the MTP draft head (``--speculative mtp``), before any sequence."""
@@ -415,7 +415,7 @@ class DistributedRunner:
     @property
     def drafts(self) -> bool:
         """Whether the model drafts for itself (its MTP head is enabled)."""
-        return bool(getattr(self.local, "drafts", False))
+        return bool(self.local.drafts)
 
     def draft(self, seq: ShardedSequence, pending: int, k: int) -> list[int]:
         """The MTP head's draft, its steps run on every rank in step (their all-reduces); rank 0's tokens

@@ -52,17 +52,21 @@ def shifts_through(tokens: Sequence[int], store) -> list[tuple[int, int]]:
     return chunk_positions(tokens[a:b], a, 0, store)[1]
 
 
-def plan_images(runner, seq, prompt: Sequence[int], cached: int) -> "list[ImageEncodeJob] | EncodeStep | None":
-    """Before a request's prefill: the cached prefix's shifts on ``seq``, and a job per image still to
-    prefill (in prompt order, each image once). None when the runner serves no images; a failed
-    ``EncodeStep`` when the prompt names an image the store no longer holds."""
+def plan_images(runner, seq, prompt: Sequence[int], cached: int,
+                restored: bool = True) -> "list[ImageEncodeJob] | EncodeStep | None":
+    """Before a request's prefill: a job per image still to prefill (in prompt order, each image once),
+    and, when part of the cached prefix was ``restored`` from elsewhere (the persistent store), that
+    prefix's shifts on ``seq`` (a slot's own prefix keeps its own: ``shift_at`` drops those past the
+    length). None when the runner serves no images; a failed ``EncodeStep`` when the prompt names an
+    image the store no longer holds."""
     store = getattr(runner, "images", None)
     if store is None:
         return None
-    try:
-        seq.mrope_shifts = shifts_through(prompt[:cached], store)
-    except InputError as e:
-        return EncodeStep("failed", 400, str(e))
+    if restored:
+        try:
+            seq.mrope_shifts = shifts_through(prompt[:cached], store)
+        except InputError as e:
+            return EncodeStep("failed", 400, str(e))
     rest = image_tokens(prompt[cached:])
     keys = dict.fromkeys(split_image_token(int(t))[0] for t in rest[rest >= IMAGE_ID_BASE])
     return [ImageEncodeJob(key) for key in keys]
