@@ -12,7 +12,7 @@ dequantised Q4_1), ``off-grid`` (its weights plus noise), ``moe`` (its noised we
 qwen3_moe; pairs with the APEX tiers).
 
     python bench/tiers.py [--models smollm2,off-grid,moe] [--eval FILE|NAME] [--n-ctx 256] [--chunks 11]
-                          [--imatrix-chunks 8] [--tiers apex-balanced] [--no-imatrix]
+                          [--imatrix-chunks 8] [--tiers apex-balanced] [--no-imatrix | --imatrix-only]
                           [--threads 1] [--work DIR] [-o results.json]
 """
 
@@ -105,7 +105,7 @@ def bench_model(name: str, args, work: Path, eval_file: Path) -> dict:
     rows, done = [], {}
     pairs = MOE_PAIRS if name == "moe" else DENSE_PAIRS
     for mix, tier in [(m, t) for m, t in pairs if not args.tiers or t in args.tiers.split(",")]:
-        for weighted in (False,) if args.no_imatrix else (False, True):
+        for weighted in (False,) if args.no_imatrix else (True,) if args.imatrix_only else (False, True):
             im = imatrix if weighted else None
             ours_name = tier.replace("apex-", "apex-i-") if weighted and tier.startswith("apex-") else tier
             row = {"llama_cpp_mix": mix, "tier": ours_name, "imatrix": weighted}
@@ -143,6 +143,7 @@ def main() -> int:
     ap.add_argument("--imatrix-n-ctx", type=int, default=512)
     ap.add_argument("--imatrix-chunks", type=int, default=8)
     ap.add_argument("--no-imatrix", action="store_true", help="only the pairs without an importance matrix")
+    ap.add_argument("--imatrix-only", action="store_true", help="only the pairs with the importance matrix")
     ap.add_argument("--tiers", default=None, help="only the pairs of these tiers (comma-separated)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--work", default=None, help="keep sources, references and imatrices here (reused)")

@@ -50,7 +50,7 @@ def check_flags_unused(args: argparse.Namespace) -> None:
     """``--dwq-*`` flags only mean something with ``--quant dwq-N``."""
     for f in FLAGS:
         if getattr(args, f, None) is not None:
-            raise UsageError(f"--{f.replace('_', '-')} applies to --quant dwq-3 / dwq-4 only")
+            raise UsageError(f"--{f.replace('_', '-')} applies to --quant dwq-3 / dwq-4 only (or dwq-q4_1 / dwq-q5_1 for GGUF)")
 
 
 def calibration_tokens(src: Path, corpus_spec: str | None) -> tuple[str, np.ndarray]:

@@ -210,8 +210,12 @@ def loss_summary(losses: list[float]) -> dict[str, Any]:
 
 
 def distill(dec: Decoder, teacher, student, layout: QuantLayout, tokens: np.ndarray, settings: DwqSettings,
-            make_linear, progress=None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Fit ``student``'s scales/biases on ``tokens``; returns (fitted arrays, the report's ``dwq`` section)."""
+            make_linear, progress=None, written=None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Fit ``student``'s scales/biases on ``tokens``; returns (fitted arrays, the report's ``dwq`` section).
+
+    ``written(fitted) → student`` gives the arrays actually written when they are not the fitted ones
+    (GGUF re-rounds the codes against the fitted scales); they are scored too, as ``heldout_written``.
+    """
     t0 = time.perf_counter()
     train, heldout = split_tokens(tokens, settings.seq_len)
     d = Distiller(dec, teacher, student, layout, make_linear)
@@ -222,6 +226,11 @@ def distill(dec: Decoder, teacher, student, layout: QuantLayout, tokens: np.ndar
     losses = d.fit(train, settings, progress)
     after = d.score(heldout, held_lp)
     log.info("dwq: held-out KL %.5f after %d steps", after.kl_mean, settings.steps)
+    fitted = d.fitted()
+    final = None
+    if written is not None:
+        final = Distiller(dec, teacher, written(fitted), layout, make_linear).score(heldout, held_lp)
+        log.info("dwq: held-out KL %.5f as written", final.kl_mean)
     section = {
         "steps": settings.steps, "learning_rate": settings.lr, "seq_len": settings.seq_len,
         "seed": settings.seed, "optimizer": "adam", "objective": "KL(teacher || student), next token",
@@ -232,4 +241,6 @@ def distill(dec: Decoder, teacher, student, layout: QuantLayout, tokens: np.ndar
         "heldout_before": before.as_dict(), "heldout_after": after.as_dict(),
         "seconds": round(time.perf_counter() - t0, 2),
     }
-    return d.fitted(), section
+    if final is not None:
+        section["heldout_written"] = final.as_dict()
+    return fitted, section

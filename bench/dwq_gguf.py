@@ -1,0 +1,98 @@
+"""Benchmark: DWQ into GGUF Q4_1 / Q5_1 against the plain quantization of the same type, by KL divergence.
+
+Per model and type: the F16 GGUF is the reference, ``hf2q convert -q q4_1`` (llama-quantize's bytes) the
+plain file and ``hf2q convert -q dwq-q4_1`` the distilled one — same size, same types, only the blocks'
+scales, mins and codes differ. Every file is scored by stock ``llama-perplexity --kl-divergence`` against the
+F16 on the evaluation text ``bench/tiers.py`` uses (not the calibration text the fit trains on), with
+the DWQ report's held-out figures (our engine, calibration tail) beside. JSON on stdout.
+
+    python bench/dwq_gguf.py [--models smollm2,off-grid] [--types q4_1,q5_1] [--dwq-steps 32]
+                             [--n-ctx 256] [--chunks 11] [--threads 1] [--work DIR] [-o results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.common import emit  # noqa: E402
+from bench.tiers import DEFAULT_EVAL, EVAL_BYTES, hf2q, scored, source  # noqa: E402
+
+
+def bench_model(name: str, args, work: Path, eval_file: Path) -> dict:
+    from tests.tools import llama_perplexity
+
+    d = work / name
+    d.mkdir(parents=True, exist_ok=True)
+    src = source(name, work)
+    f16 = d / "f16.gguf"
+    if not f16.exists():
+        hf2q("convert", src, "-q", "f16", "-o", f16, "--threads", args.threads, "--no-integrity")
+    base = d / "f16.kld"
+    ref = llama_perplexity.base(f16, eval_file, args.n_ctx, args.chunks, base, args.threads)
+    rows = []
+    for qt in args.types.split(","):
+        row = {"type": qt}
+        for kind, quant in (("plain", qt), ("dwq", f"dwq-{qt}")):
+            out = d / f"{quant}.gguf"
+            argv = ["convert", src, "-q", quant, "-o", out, "--threads", args.threads, "--no-integrity"]
+            if kind == "dwq":
+                argv += ["--dwq-steps", args.dwq_steps, "--dwq-lr", args.dwq_lr]
+            t0 = time.perf_counter()
+            try:
+                hf2q(*argv)
+                row[kind] = {"convert_s": time.perf_counter() - t0, **scored(out, args, eval_file, base)}
+                if kind == "dwq":
+                    rep = json.loads(Path(f"{out}.report.json").read_text())["dwq"]
+                    row[kind]["heldout"] = {k: rep[k] for k in ("heldout_before", "heldout_after",
+                                                                "heldout_written", "heldout_tokens")}
+            except Exception as e:  # noqa: BLE001 — one failed file is a row entry, not the end of the run
+                row[kind] = {"error": f"{type(e).__name__}: {e}"}
+            out.unlink(missing_ok=True)
+            Path(f"{out}.report.json").unlink(missing_ok=True)
+        print(f"{name}: {json.dumps(row)}", file=sys.stderr, flush=True)
+        rows.append(row)
+    return {"model": name, "source": str(src), "ppl_f16": ref["ppl"], "rows": rows}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="smollm2,off-grid")
+    ap.add_argument("--types", default="q4_1,q5_1")
+    ap.add_argument("--dwq-steps", type=int, default=32)
+    ap.add_argument("--dwq-lr", type=float, default=1e-4)
+    ap.add_argument("--eval", default=DEFAULT_EVAL, help="evaluation text (file or shipped corpus name)")
+    ap.add_argument("--eval-bytes", type=int, default=EVAL_BYTES)
+    ap.add_argument("--n-ctx", type=int, default=256)
+    ap.add_argument("--chunks", type=int, default=11)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--work", default=None, help="keep sources and references here (reused)")
+    ap.add_argument("-o", "--output", default=None)
+    args = ap.parse_args()
+    from hf2q.engine.factory import prepare_mlx
+    from hf2q.quality.corpus import load_corpus
+
+    prepare_mlx()
+    with contextlib.ExitStack() as stack:
+        work = Path(args.work) if args.work else Path(stack.enter_context(tempfile.TemporaryDirectory(
+            prefix="hf2q-bench-dwq-")))
+        work.mkdir(parents=True, exist_ok=True)
+        eval_file = work / "eval.txt"
+        eval_file.write_text(load_corpus(args.eval).text.encode("utf-8")[:args.eval_bytes].decode("utf-8", "ignore"),
+                             "utf-8")
+        results = [bench_model(m, args, work, eval_file) for m in args.models.split(",")]
+    return emit({"bench": "dwq_gguf", "eval": args.eval, "eval_bytes": args.eval_bytes, "n_ctx": args.n_ctx,
+                 "chunks": args.chunks, "dwq_steps": args.dwq_steps, "dwq_lr": args.dwq_lr, "results": results},
+                args.output)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
