@@ -13,10 +13,8 @@ the DWQ report's held-out figures (our engine, calibration tail) beside. JSON on
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import emit  # noqa: E402
-from bench.tiers import DEFAULT_EVAL, EVAL_BYTES, hf2q, scored, source  # noqa: E402
+from bench.tiers import add_scoring_args, hf2q, scored, source, workspace  # noqa: E402
 
 
 def bench_model(name: str, args, work: Path, eval_file: Path) -> dict:
@@ -69,25 +67,9 @@ def main() -> int:
     ap.add_argument("--types", default="q4_1,q5_1")
     ap.add_argument("--dwq-steps", type=int, default=32)
     ap.add_argument("--dwq-lr", type=float, default=1e-4)
-    ap.add_argument("--eval", default=DEFAULT_EVAL, help="evaluation text (file or shipped corpus name)")
-    ap.add_argument("--eval-bytes", type=int, default=EVAL_BYTES)
-    ap.add_argument("--n-ctx", type=int, default=256)
-    ap.add_argument("--chunks", type=int, default=11)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--work", default=None, help="keep sources and references here (reused)")
-    ap.add_argument("-o", "--output", default=None)
+    add_scoring_args(ap)
     args = ap.parse_args()
-    from hf2q.engine.factory import prepare_mlx
-    from hf2q.quality.corpus import load_corpus
-
-    prepare_mlx()
-    with contextlib.ExitStack() as stack:
-        work = Path(args.work) if args.work else Path(stack.enter_context(tempfile.TemporaryDirectory(
-            prefix="hf2q-bench-dwq-")))
-        work.mkdir(parents=True, exist_ok=True)
-        eval_file = work / "eval.txt"
-        eval_file.write_text(load_corpus(args.eval).text.encode("utf-8")[:args.eval_bytes].decode("utf-8", "ignore"),
-                             "utf-8")
+    with workspace(args, "hf2q-bench-dwq-") as (work, eval_file):
         results = [bench_model(m, args, work, eval_file) for m in args.models.split(",")]
     return emit({"bench": "dwq_gguf", "eval": args.eval, "eval_bytes": args.eval_bytes, "n_ctx": args.n_ctx,
                  "chunks": args.chunks, "dwq_steps": args.dwq_steps, "dwq_lr": args.dwq_lr, "results": results},

@@ -133,33 +133,44 @@ def bench_model(name: str, args, work: Path, eval_file: Path) -> dict:
     return {"model": name, "source": str(src), "ppl_f16": ref["ppl"], "imatrix_s": imatrix_s, "rows": rows}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default="smollm2,off-grid,moe")
+def add_scoring_args(ap: argparse.ArgumentParser) -> None:
+    """The evaluation text, its scoring windows, threads, the reusable work folder and the output file."""
     ap.add_argument("--eval", default=DEFAULT_EVAL, help="evaluation text (file or shipped corpus name)")
     ap.add_argument("--eval-bytes", type=int, default=EVAL_BYTES, help="use only this many leading bytes of it")
     ap.add_argument("--n-ctx", type=int, default=256)
     ap.add_argument("--chunks", type=int, default=11)
-    ap.add_argument("--imatrix-n-ctx", type=int, default=512)
-    ap.add_argument("--imatrix-chunks", type=int, default=8)
-    ap.add_argument("--no-imatrix", action="store_true", help="only the pairs without an importance matrix")
-    ap.add_argument("--imatrix-only", action="store_true", help="only the pairs with the importance matrix")
-    ap.add_argument("--tiers", default=None, help="only the pairs of these tiers (comma-separated)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--work", default=None, help="keep sources, references and imatrices here (reused)")
     ap.add_argument("-o", "--output", default=None)
-    args = ap.parse_args()
+
+
+@contextlib.contextmanager
+def workspace(args, prefix: str):
+    """(work folder, evaluation text file): ``--work`` or a temporary folder, MLX readied first."""
     from hf2q.engine.factory import prepare_mlx
     from hf2q.quality.corpus import load_corpus
 
     prepare_mlx()
     with contextlib.ExitStack() as stack:
-        work = Path(args.work) if args.work else Path(stack.enter_context(tempfile.TemporaryDirectory(
-            prefix="hf2q-bench-tiers-")))
+        work = Path(args.work) if args.work else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=prefix)))
         work.mkdir(parents=True, exist_ok=True)
         eval_file = work / "eval.txt"
         eval_file.write_text(load_corpus(args.eval).text.encode("utf-8")[:args.eval_bytes].decode("utf-8", "ignore"),
                              "utf-8")
+        yield work, eval_file
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="smollm2,off-grid,moe")
+    add_scoring_args(ap)
+    ap.add_argument("--imatrix-n-ctx", type=int, default=512)
+    ap.add_argument("--imatrix-chunks", type=int, default=8)
+    ap.add_argument("--no-imatrix", action="store_true", help="only the pairs without an importance matrix")
+    ap.add_argument("--imatrix-only", action="store_true", help="only the pairs with the importance matrix")
+    ap.add_argument("--tiers", default=None, help="only the pairs of these tiers (comma-separated)")
+    args = ap.parse_args()
+    with workspace(args, "hf2q-bench-tiers-") as (work, eval_file):
         results = [bench_model(m, args, work, eval_file) for m in args.models.split(",")]
     return emit({"bench": "tiers", "eval": args.eval, "eval_bytes": args.eval_bytes, "n_ctx": args.n_ctx,
                  "chunks": args.chunks, "imatrix": {"corpus": "calibration", "n_ctx": args.imatrix_n_ctx,

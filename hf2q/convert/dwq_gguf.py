@@ -52,7 +52,7 @@ def parse_gguf_dwq(name: str) -> str:
 def convert_dwq_gguf(args: argparse.Namespace) -> int:
     """CLI entry for ``--quant dwq-q4_1|dwq-q5_1`` (``hf2q.convert.command`` dispatches here)."""
     from hf2q.convert.command import default_output
-    from hf2q.convert.dwq_convert import settings_from_args
+    from hf2q.convert.dwq_convert import report_arg, settings_from_args, summary
     from hf2q.convert.pipeline import dry_run
     from hf2q.convert.quant_names import GGUF_QUANTS
 
@@ -71,12 +71,8 @@ def convert_dwq_gguf(args: argparse.Namespace) -> int:
         return 0
     out = Path(args.output) if args.output else default_output(src, name)
     rep = write_dwq_gguf(src, out, name, settings, getattr(args, "dwq_corpus", None), threads=args.threads,
-                         integrity=not getattr(args, "no_integrity", False),
-                         report_path=Path(args.json_report) if getattr(args, "json_report", None) else None)
-    d = rep["dwq"]
-    print(f"wrote {out} ({rep['output_bytes'] / 2**20:.1f} MiB, {rep['bits_per_weight']:.2f} bpw) in "
-          f"{rep['timings_s']['total_s']:.1f}s; held-out KL {d['heldout_before']['kl_mean']:.5f} -> "
-          f"{d['heldout_written']['kl_mean']:.5f} after {d['steps']} DWQ steps")
+                         integrity=not getattr(args, "no_integrity", False), report_path=report_arg(args))
+    print(summary(str(out), rep))
     return 0
 
 
