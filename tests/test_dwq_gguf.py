@@ -170,6 +170,7 @@ def test_tiny_dwq_file_runs_in_llama_cpp_and_our_engine(tiny_runs, llama_cpp_bin
     (["--format", "gguf", "-q", "dwq-4"], 3, "dwq-q4_1 or dwq-q5_1"),
     (["-q", "dwq-q5_1", "--imatrix-corpus", "calibration"], 2, "importance matrix"),
     (["-q", "dwq-q4_1", "--dwq-corpus", "no-such-corpus"], 3, "no corpus file"),
+    (["-q", "dwq-q4_1", "--quality"], 2, "hf2q quality OUT"),
 ])
 def test_bad_gguf_dwq_requests_are_one_line_errors(argv, code, needle, tiny_checkpoint, tmp_path, cli):
     r = cli("convert", tiny_checkpoint("llama"), *argv, "-o", tmp_path / "o.gguf")

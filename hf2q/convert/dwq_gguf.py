@@ -60,6 +60,9 @@ def convert_dwq_gguf(args: argparse.Namespace) -> int:
     if getattr(args, "imatrix", None) or getattr(args, "imatrix_corpus", None):
         raise UsageError(f"--quant {name} does not take an importance matrix (the fit uses calibration text: "
                          "--dwq-corpus)")
+    if getattr(args, "quality", False):
+        raise UsageError(f"--quality is not run by --quant {name}: score the output with "
+                         "hf2q quality OUT --reference SRC")
     if getattr(args, "repo", None) or not getattr(args, "src", None):
         raise UsageError(f"--quant {name} needs SRC, a local HF model directory")
     settings = settings_from_args(args)

@@ -98,6 +98,8 @@ def parse_gguf_quant(name: str | None) -> QuantName:
         return TIER_QUANTS[key]
     if key in _REFUSED:
         raise InputError(f"--quant {name}: {_REFUSED[key]}")
+    if key.startswith("dwq-q"):  # hf2q.convert.dwq_gguf: fitted on calibration text, one conversion at a time
+        raise InputError(f"--quant {name} (distilled GGUF) is a single conversion: hf2q convert SRC -q {key}")
     if key in MLX_QUANTS or key.startswith("dwq-"):
         raise InputError(f"--quant {name} is an mlx quantization; add --format mlx")
     raise InputError(f"unknown quantization {name!r}"
