@@ -50,8 +50,9 @@ def bench_model(name: str, args, work: Path, eval_file: Path) -> dict:
                 row[kind] = {"convert_s": time.perf_counter() - t0, **scored(out, args, eval_file, base)}
                 if kind == "dwq":
                     rep = json.loads(Path(f"{out}.report.json").read_text())["dwq"]
-                    row[kind]["heldout"] = {k: rep[k] for k in ("heldout_before", "heldout_after",
-                                                                "heldout_written", "heldout_tokens")}
+                    row[kind]["heldout"] = {k: rep.get(k) for k in (
+                        "heldout_before", "heldout_after", "heldout_rerounded", "heldout_written", "heldout_tokens",
+                        "codes")}
             except Exception as e:  # noqa: BLE001 — one failed file is a row entry, not the end of the run
                 row[kind] = {"error": f"{type(e).__name__}: {e}"}
             out.unlink(missing_ok=True)

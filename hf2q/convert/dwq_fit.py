@@ -210,11 +210,11 @@ def loss_summary(losses: list[float]) -> dict[str, Any]:
 
 
 def distill(dec: Decoder, teacher, student, layout: QuantLayout, tokens: np.ndarray, settings: DwqSettings,
-            make_linear, progress=None, written=None) -> tuple[dict[str, Any], dict[str, Any]]:
+            make_linear, progress=None, variants=None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Fit ``student``'s scales/biases on ``tokens``; returns (fitted arrays, the report's ``dwq`` section).
 
-    ``written(fitted) → student`` gives the arrays actually written when they are not the fitted ones
-    (GGUF re-rounds the codes against the fitted scales); they are scored too, as ``heldout_written``.
+    ``variants``: ``{name: fn(fitted) → student}``, other students built from the fit (GGUF's codes
+    re-rounded against the fitted scales); each is scored on the held-out rows too, as ``heldout_NAME``.
     """
     t0 = time.perf_counter()
     train, heldout = split_tokens(tokens, settings.seq_len)
@@ -227,10 +227,10 @@ def distill(dec: Decoder, teacher, student, layout: QuantLayout, tokens: np.ndar
     after = d.score(heldout, held_lp)
     log.info("dwq: held-out KL %.5f after %d steps", after.kl_mean, settings.steps)
     fitted = d.fitted()
-    final = None
-    if written is not None:
-        final = Distiller(dec, teacher, written(fitted), layout, make_linear).score(heldout, held_lp)
-        log.info("dwq: held-out KL %.5f as written", final.kl_mean)
+    extra = {}
+    for name, build in (variants or {}).items():
+        extra[name] = Distiller(dec, teacher, build(fitted), layout, make_linear).score(heldout, held_lp)
+        log.info("dwq: held-out KL %.5f (%s)", extra[name].kl_mean, name)
     section = {
         "steps": settings.steps, "learning_rate": settings.lr, "seq_len": settings.seq_len,
         "seed": settings.seed, "optimizer": "adam", "objective": "KL(teacher || student), next token",
@@ -241,6 +241,5 @@ def distill(dec: Decoder, teacher, student, layout: QuantLayout, tokens: np.ndar
         "heldout_before": before.as_dict(), "heldout_after": after.as_dict(),
         "seconds": round(time.perf_counter() - t0, 2),
     }
-    if final is not None:
-        section["heldout_written"] = final.as_dict()
+    section.update({f"heldout_{name}": sc.as_dict() for name, sc in extra.items()})
     return fitted, section

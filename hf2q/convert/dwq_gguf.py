@@ -4,10 +4,12 @@ The plain conversion (``--quant q4_1`` / ``q5_1``, llama-quantize's bytes) is wr
 file beside the output. The student is that file's model, in the HF tensor names and row order the DWQ
 forward (``dwq_forward``) runs: every tensor of the target type that the forward multiplies by becomes
 an affine module (codes, float16 ``d`` as scales, float16 ``m`` as biases, group 32), every other tensor
-its decoded GGUF value, frozen. ``dwq_fit`` trains the scales and biases against the float32 teacher; the
-fitted pairs are then written as the blocks' ``d``/``m`` with the codes re-rounded against them
-(``dwq_blocks.reround``), in place over the staging file's tensor data — same types, same offsets,
-same metadata — which is then moved onto the output. The held-out scores are taken on what is written.
+its decoded GGUF value, frozen. ``dwq_fit`` trains the scales and biases against the float32 teacher with
+the codes frozen. Two files are then possible: the fitted pairs over the codes they were trained with,
+or over the source's codes re-rounded against them (``dwq_blocks.reround``, the nearest code for each
+weight); both are scored on the held-out text and the lower KL is written, as the blocks' ``d``/``m``
+and codes, in place over the staging file's tensor data — same types, same offsets, same metadata —
+which is then moved onto the output.
 
 Why only these two types: docs/QUALITY.md, "DWQ" (the other GGUF types have no float16 min, or store
 their per-32 scales too coarsely to hold the fit).
@@ -114,16 +116,23 @@ class _Student:
 
         return {k: mx.array(v) for k, v in self.arrays.items()}
 
-    def written(self, teacher: dict, fitted: dict) -> dict[str, dwq_blocks.AffineBlocks]:
-        """HF module → its blocks as written: the fitted d/m, the source's codes re-rounded against them."""
+    def _pair(self, fitted: dict, module: str) -> tuple[np.ndarray, np.ndarray]:
+        return (np.asarray(fitted[f"{module}.scales"]).astype(np.float16),
+                np.asarray(fitted[f"{module}.biases"]).astype(np.float16))
+
+    def trained(self, fitted: dict) -> dict[str, dwq_blocks.AffineBlocks]:
+        """HF module → the fitted d/m over the codes the fit was trained with (the plain file's)."""
+        return {module: dwq_blocks.AffineBlocks(*self._pair(fitted, module), self.arrays[f"{module}.weight"])
+                for module in self.fitted}
+
+    def rerounded(self, teacher: dict, fitted: dict) -> dict[str, dwq_blocks.AffineBlocks]:
+        """HF module → the fitted d/m with the source's codes re-rounded against them."""
         from hf2q.convert.pipeline import round_like_export
 
         out = {}
         for module in self.fitted:
             x = round_like_export(np.asarray(teacher[f"{module}.weight"], dtype=np.float32), self.qtype)
-            d = np.asarray(fitted[f"{module}.scales"]).astype(np.float16)
-            m = np.asarray(fitted[f"{module}.biases"]).astype(np.float16)
-            out[module] = dwq_blocks.reround(x, d, m, self.qtype)
+            out[module] = dwq_blocks.reround(x, *self._pair(fitted, module), self.qtype)
         return out
 
     def as_student(self, blocks: dict[str, dwq_blocks.AffineBlocks]) -> dict:
@@ -190,11 +199,14 @@ def write_dwq_gguf(src: Path, out: Path, name: str, settings: DwqSettings, corpu
         fitted, section = distill(
             dec, teacher_mx, student.mx_arrays(), layout, tokens, settings, make_linear or default_linear,
             _progress_logger(settings.steps),
-            written=lambda f: student.as_student(student.written(teacher, f)))
+            variants={"rerounded": lambda f: student.as_student(student.rerounded(teacher, f))})
         dwq_s = time.perf_counter() - t0
-        blocks = student.written(teacher, fitted)
+        # the codes the fit trained with, unless re-rounding them against the fitted pairs scores better
+        rerounded = section["heldout_rerounded"]["kl_mean"] < section["heldout_after"]["kl_mean"]
+        blocks = student.rerounded(teacher, fitted) if rerounded else student.trained(fitted)
         _patch(staging, student, blocks)
-        section.update(corpus=corpus_name, codes="re-rounded against the fitted scales and mins",
+        section.update(corpus=corpus_name, codes="re-rounded" if rerounded else "trained",
+                       heldout_written=section["heldout_rerounded" if rerounded else "heldout_after"],
                        fitted_tensors=len(blocks), block_type=qtype.name)
         by_gguf = {student.fitted[m][0]: b for m, b in blocks.items()}
         for r in rep["tensors"]:
