@@ -22,20 +22,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import emit  # noqa: E402
-from bench.tiers import add_scoring_args, hf2q, scored, source, workspace  # noqa: E402
+from bench.tiers import add_scoring_args, f16_reference, hf2q, scored, workspace  # noqa: E402
 
 
 def bench_model(name: str, args, work: Path, eval_file: Path) -> dict:
-    from tests.tools import llama_perplexity
-
-    d = work / name
-    d.mkdir(parents=True, exist_ok=True)
-    src = source(name, work)
-    f16 = d / "f16.gguf"
-    if not f16.exists():
-        hf2q("convert", src, "-q", "f16", "-o", f16, "--threads", args.threads, "--no-integrity")
-    base = d / "f16.kld"
-    ref = llama_perplexity.base(f16, eval_file, args.n_ctx, args.chunks, base, args.threads)
+    d, src, _, base, ref = f16_reference(name, args, work, eval_file)
     rows = []
     for qt in args.types.split(","):
         row = {"type": qt}

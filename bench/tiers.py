@@ -85,7 +85,8 @@ def scored(path: Path, args, eval_file: Path, base: Path) -> dict:
     return {"bytes": path.stat().st_size, "mib": path.stat().st_size / 2**20, **{k: kl[k] for k in FIGURES}}
 
 
-def bench_model(name: str, args, work: Path, eval_file: Path) -> dict:
+def f16_reference(name: str, args, work: Path, eval_file: Path):
+    """(the model's work folder, its HF source, its F16 GGUF, llama-perplexity's base file, the F16's figures)."""
     from tests.tools import llama_perplexity
 
     d = work / name
@@ -94,14 +95,18 @@ def bench_model(name: str, args, work: Path, eval_file: Path) -> dict:
     f16 = d / "f16.gguf"
     if not f16.exists():
         hf2q("convert", src, "-q", "f16", "-o", f16, "--threads", args.threads, "--no-integrity")
+    base = d / "f16.kld"
+    return d, src, f16, base, llama_perplexity.base(f16, eval_file, args.n_ctx, args.chunks, base, args.threads)
+
+
+def bench_model(name: str, args, work: Path, eval_file: Path) -> dict:
+    d, src, f16, base, ref = f16_reference(name, args, work, eval_file)
     imatrix = d / "calibration.imatrix.gguf"
     t0 = time.perf_counter()
     if not imatrix.exists() and not args.no_imatrix:
         hf2q("imatrix", f16, "--corpus", "calibration", "-o", imatrix, "--n-ctx", args.imatrix_n_ctx,
              "--chunks", args.imatrix_chunks)
     imatrix_s = time.perf_counter() - t0
-    base = d / "f16.kld"
-    ref = llama_perplexity.base(f16, eval_file, args.n_ctx, args.chunks, base, args.threads)
     rows, done = [], {}
     pairs = MOE_PAIRS if name == "moe" else DENSE_PAIRS
     for mix, tier in [(m, t) for m, t in pairs if not args.tiers or t in args.tiers.split(",")]:
