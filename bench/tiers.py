@@ -12,7 +12,7 @@ dequantised Q4_1), ``off-grid`` (its weights plus noise), ``moe`` (its noised we
 qwen3_moe; pairs with the APEX tiers).
 
     python bench/tiers.py [--models smollm2,off-grid,moe] [--eval FILE|NAME] [--n-ctx 256] [--chunks 11]
-                          [--imatrix-chunks 8] [--tiers apex-balanced] [--no-imatrix]
+                          [--imatrix-chunks 8] [--tiers apex-balanced] [--no-imatrix | --imatrix-only]
                           [--threads 1] [--work DIR] [-o results.json]
 """
 
@@ -85,7 +85,8 @@ def scored(path: Path, args, eval_file: Path, base: Path) -> dict:
     return {"bytes": path.stat().st_size, "mib": path.stat().st_size / 2**20, **{k: kl[k] for k in FIGURES}}
 
 
-def bench_model(name: str, args, work: Path, eval_file: Path) -> dict:
+def f16_reference(name: str, args, work: Path, eval_file: Path):
+    """(the model's work folder, its HF source, its F16 GGUF, llama-perplexity's base file, the F16's figures)."""
     from tests.tools import llama_perplexity
 
     d = work / name
@@ -94,18 +95,22 @@ def bench_model(name: str, args, work: Path, eval_file: Path) -> dict:
     f16 = d / "f16.gguf"
     if not f16.exists():
         hf2q("convert", src, "-q", "f16", "-o", f16, "--threads", args.threads, "--no-integrity")
+    base = d / "f16.kld"
+    return d, src, f16, base, llama_perplexity.base(f16, eval_file, args.n_ctx, args.chunks, base, args.threads)
+
+
+def bench_model(name: str, args, work: Path, eval_file: Path) -> dict:
+    d, src, f16, base, ref = f16_reference(name, args, work, eval_file)
     imatrix = d / "calibration.imatrix.gguf"
     t0 = time.perf_counter()
     if not imatrix.exists() and not args.no_imatrix:
         hf2q("imatrix", f16, "--corpus", "calibration", "-o", imatrix, "--n-ctx", args.imatrix_n_ctx,
              "--chunks", args.imatrix_chunks)
     imatrix_s = time.perf_counter() - t0
-    base = d / "f16.kld"
-    ref = llama_perplexity.base(f16, eval_file, args.n_ctx, args.chunks, base, args.threads)
     rows, done = [], {}
     pairs = MOE_PAIRS if name == "moe" else DENSE_PAIRS
     for mix, tier in [(m, t) for m, t in pairs if not args.tiers or t in args.tiers.split(",")]:
-        for weighted in (False,) if args.no_imatrix else (False, True):
+        for weighted in (False,) if args.no_imatrix else (True,) if args.imatrix_only else (False, True):
             im = imatrix if weighted else None
             ours_name = tier.replace("apex-", "apex-i-") if weighted and tier.startswith("apex-") else tier
             row = {"llama_cpp_mix": mix, "tier": ours_name, "imatrix": weighted}
@@ -133,32 +138,44 @@ def bench_model(name: str, args, work: Path, eval_file: Path) -> dict:
     return {"model": name, "source": str(src), "ppl_f16": ref["ppl"], "imatrix_s": imatrix_s, "rows": rows}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default="smollm2,off-grid,moe")
+def add_scoring_args(ap: argparse.ArgumentParser) -> None:
+    """The evaluation text, its scoring windows, threads, the reusable work folder and the output file."""
     ap.add_argument("--eval", default=DEFAULT_EVAL, help="evaluation text (file or shipped corpus name)")
     ap.add_argument("--eval-bytes", type=int, default=EVAL_BYTES, help="use only this many leading bytes of it")
     ap.add_argument("--n-ctx", type=int, default=256)
     ap.add_argument("--chunks", type=int, default=11)
-    ap.add_argument("--imatrix-n-ctx", type=int, default=512)
-    ap.add_argument("--imatrix-chunks", type=int, default=8)
-    ap.add_argument("--no-imatrix", action="store_true", help="only the pairs without an importance matrix")
-    ap.add_argument("--tiers", default=None, help="only the pairs of these tiers (comma-separated)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--work", default=None, help="keep sources, references and imatrices here (reused)")
     ap.add_argument("-o", "--output", default=None)
-    args = ap.parse_args()
+
+
+@contextlib.contextmanager
+def workspace(args, prefix: str):
+    """(work folder, evaluation text file): ``--work`` or a temporary folder, MLX readied first."""
     from hf2q.engine.factory import prepare_mlx
     from hf2q.quality.corpus import load_corpus
 
     prepare_mlx()
     with contextlib.ExitStack() as stack:
-        work = Path(args.work) if args.work else Path(stack.enter_context(tempfile.TemporaryDirectory(
-            prefix="hf2q-bench-tiers-")))
+        work = Path(args.work) if args.work else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=prefix)))
         work.mkdir(parents=True, exist_ok=True)
         eval_file = work / "eval.txt"
         eval_file.write_text(load_corpus(args.eval).text.encode("utf-8")[:args.eval_bytes].decode("utf-8", "ignore"),
                              "utf-8")
+        yield work, eval_file
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="smollm2,off-grid,moe")
+    add_scoring_args(ap)
+    ap.add_argument("--imatrix-n-ctx", type=int, default=512)
+    ap.add_argument("--imatrix-chunks", type=int, default=8)
+    ap.add_argument("--no-imatrix", action="store_true", help="only the pairs without an importance matrix")
+    ap.add_argument("--imatrix-only", action="store_true", help="only the pairs with the importance matrix")
+    ap.add_argument("--tiers", default=None, help="only the pairs of these tiers (comma-separated)")
+    args = ap.parse_args()
+    with workspace(args, "hf2q-bench-tiers-") as (work, eval_file):
         results = [bench_model(m, args, work, eval_file) for m in args.models.split(",")]
     return emit({"bench": "tiers", "eval": args.eval, "eval_bytes": args.eval_bytes, "n_ctx": args.n_ctx,
                  "chunks": args.chunks, "imatrix": {"corpus": "calibration", "n_ctx": args.imatrix_n_ctx,

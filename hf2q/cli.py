@@ -75,7 +75,7 @@ def _add_convert(sub) -> None:
     p.add_argument("src", nargs="?", help="HF model directory (config.json + *.safetensors)")
     p.add_argument("--quant", "-q", help="quantization: f32 f16 bf16 q4_0 q4_1 q5_0 q5_1 q8_0 q2_k q2_k_s q3_k_s q3_k_m q3_k_l "
                    "q4_k_s q4_k_m q5_k_s q5_k_m q6_k, dynamic-q2|q3|q4, apex-quality|balanced|compact, apex-i-*; with --format mlx: mlx-2 … mlx-8, "
-                   "mlx-mixed-2-6|3-4|3-6|4-6, dwq-3|dwq-4 (distilled)")
+                   "mlx-mixed-2-6|3-4|3-6|4-6, dwq-3|dwq-4 (distilled); GGUF distilled: dwq-q4_1|dwq-q5_1")
     p.add_argument("-o", "--output", help="output GGUF path or mlx directory")
     p.add_argument("--format", choices=["gguf", "mlx"], default=None, help="output format (default gguf)")
     p.add_argument("--repo", help="Hub model id to fetch into the cache instead of SRC")

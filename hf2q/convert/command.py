@@ -24,7 +24,8 @@ def _wants_gguf(args: argparse.Namespace) -> bool:
 
 def _mlx_output(args: argparse.Namespace) -> bool:
     """Whether this conversion writes an mlx-lm directory (``--format mlx``, or an mlx/dwq quant name)."""
-    return args.format == "mlx" or (args.quant or "").lower().startswith(("mlx", "dwq"))
+    quant = (args.quant or "").lower()
+    return args.format == "mlx" or quant.startswith("mlx") or (quant.startswith("dwq") and not quant.startswith("dwq-q"))
 
 
 def _check_imatrix_flags(args: argparse.Namespace) -> None:
@@ -75,10 +76,16 @@ def run(args: argparse.Namespace) -> int:
     quant = (args.quant or "").lower()
     if getattr(args, "quality", False) and _mlx_output(args):
         raise UsageError("--quality scores GGUF output; for an mlx directory run hf2q quality DIR --reference SRC")
+    if quant.startswith("dwq-q"):  # GGUF blocks with a float16 scale and min (dwq_gguf)
+        if args.format == "mlx":
+            raise UsageError(f"--quant {args.quant} writes GGUF; for mlx use --quant dwq-3 or dwq-4")
+        from hf2q.convert.dwq_gguf import convert_dwq_gguf
+        return convert_dwq_gguf(args)
     if quant.startswith("dwq"):
         if _wants_gguf(args):
             raise InputError(f"--quant {args.quant} (distilled weight quantization) needs --format mlx: "
-                             "it fits mlx-lm's affine scales and biases")
+                             "it fits mlx-lm's affine scales and biases; for GGUF use --quant dwq-q4_1 or "
+                             "dwq-q5_1 (q4_1 / q5_1 blocks)")
         from hf2q.convert.dwq_convert import convert_dwq
         return convert_dwq(args)
     from hf2q.convert.dwq_convert import check_flags_unused

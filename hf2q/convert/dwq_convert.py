@@ -50,7 +50,7 @@ def check_flags_unused(args: argparse.Namespace) -> None:
     """``--dwq-*`` flags only mean something with ``--quant dwq-N``."""
     for f in FLAGS:
         if getattr(args, f, None) is not None:
-            raise UsageError(f"--{f.replace('_', '-')} applies to --quant dwq-3 / dwq-4 only")
+            raise UsageError(f"--{f.replace('_', '-')} applies to --quant dwq-3 / dwq-4 only (or dwq-q4_1 / dwq-q5_1 for GGUF)")
 
 
 def calibration_tokens(src: Path, corpus_spec: str | None) -> tuple[str, np.ndarray]:
@@ -86,13 +86,22 @@ def convert_dwq(args: argparse.Namespace) -> int:
         return 0
     out = Path(args.output) if args.output else mlx_writer.default_output(src, quant.name)
     rep = write_dwq(src, out, quant, group_size, settings, getattr(args, "dwq_corpus", None),
-                    integrity=not getattr(args, "no_integrity", False),
-                    report_path=Path(args.json_report) if getattr(args, "json_report", None) else None)
-    d = rep["dwq"]
-    print(f"wrote {out}/ ({rep['output_bytes'] / 2**20:.1f} MiB, {rep['bits_per_weight']:.2f} bpw) in "
-          f"{rep['timings_s']['total_s']:.1f}s; held-out KL {d['heldout_before']['kl_mean']:.5f} -> "
-          f"{d['heldout_after']['kl_mean']:.5f} after {d['steps']} DWQ steps")
+                    integrity=not getattr(args, "no_integrity", False), report_path=report_arg(args))
+    print(summary(f"{out}/", rep))
     return 0
+
+
+def report_arg(args: argparse.Namespace) -> Path | None:
+    return Path(args.json_report) if getattr(args, "json_report", None) else None
+
+
+def summary(label: str, rep: dict) -> str:
+    """The one line a DWQ conversion prints: size, time, and held-out KL before and after (as written)."""
+    d = rep["dwq"]
+    final = d.get("heldout_written", d["heldout_after"])
+    return (f"wrote {label} ({rep['output_bytes'] / 2**20:.1f} MiB, {rep['bits_per_weight']:.2f} bpw) in "
+            f"{rep['timings_s']['total_s']:.1f}s; held-out KL {d['heldout_before']['kl_mean']:.5f} -> "
+            f"{final['kl_mean']:.5f} after {d['steps']} DWQ steps")
 
 
 def _teacher(src: Path, quant: mlx_policy.MlxQuant, group_size: int) -> tuple[dict, dict[str, Any]]:

@@ -210,8 +210,12 @@ def loss_summary(losses: list[float]) -> dict[str, Any]:
 
 
 def distill(dec: Decoder, teacher, student, layout: QuantLayout, tokens: np.ndarray, settings: DwqSettings,
-            make_linear, progress=None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Fit ``student``'s scales/biases on ``tokens``; returns (fitted arrays, the report's ``dwq`` section)."""
+            make_linear, progress=None, variants=None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Fit ``student``'s scales/biases on ``tokens``; returns (fitted arrays, the report's ``dwq`` section).
+
+    ``variants``: ``{name: fn(fitted) → student}``, other students built from the fit (GGUF's codes
+    re-rounded against the fitted scales); each is scored on the held-out rows too, as ``heldout_NAME``.
+    """
     t0 = time.perf_counter()
     train, heldout = split_tokens(tokens, settings.seq_len)
     d = Distiller(dec, teacher, student, layout, make_linear)
@@ -222,6 +226,11 @@ def distill(dec: Decoder, teacher, student, layout: QuantLayout, tokens: np.ndar
     losses = d.fit(train, settings, progress)
     after = d.score(heldout, held_lp)
     log.info("dwq: held-out KL %.5f after %d steps", after.kl_mean, settings.steps)
+    fitted = d.fitted()
+    extra = {}
+    for name, build in (variants or {}).items():
+        extra[name] = Distiller(dec, teacher, build(fitted), layout, make_linear).score(heldout, held_lp)
+        log.info("dwq: held-out KL %.5f (%s)", extra[name].kl_mean, name)
     section = {
         "steps": settings.steps, "learning_rate": settings.lr, "seq_len": settings.seq_len,
         "seed": settings.seed, "optimizer": "adam", "objective": "KL(teacher || student), next token",
@@ -232,4 +241,5 @@ def distill(dec: Decoder, teacher, student, layout: QuantLayout, tokens: np.ndar
         "heldout_before": before.as_dict(), "heldout_after": after.as_dict(),
         "seconds": round(time.perf_counter() - t0, 2),
     }
-    return d.fitted(), section
+    section.update({f"heldout_{name}": sc.as_dict() for name, sc in extra.items()})
+    return fitted, section

@@ -8,6 +8,9 @@ that is unavailable) inside an ``mx.custom_function`` whose vjp we give by hand:
 with ``dW = dyᵀ · x``, ``ds = Σ_group dW · codes`` and ``db = Σ_group dW``. MLX autograd still
 owns the graph (norms, RoPE, attention, the loss), so ``mx.value_and_grad`` and the optimizers
 see one differentiable function either way.
+
+A quantized module's ``X.weight`` is either mlx's packed codes or, for the GGUF blocks DWQ fits
+(``dwq_gguf``), the codes unpacked as uint8 ``[out, in]``; both implementations take either.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ def native_linear(layout: QuantLayout | None) -> Linear:
     def linear(w, module, x):
         if f"{module}.scales" in w:
             bits, gs = layout.of(module)  # type: ignore[union-attr]
+            if w[f"{module}.weight"].dtype == mx.uint8:
+                return x @ unpacked_weight(mx, w, module, gs).T
             return mx.quantized_matmul(x, w[f"{module}.weight"], w[f"{module}.scales"], w[f"{module}.biases"],
                                        transpose=True, group_size=gs, bits=bits)
         return x @ w[f"{module}.weight"].T
@@ -67,8 +72,11 @@ class HostLinear:
 
         bits, gs = self.layout.of(module)  # type: ignore[union-attr]
         s0 = w[f"{module}.scales"]
-        codes = np.asarray(mx.dequantize(w[f"{module}.weight"], mx.ones_like(s0), mx.zeros_like(s0),
-                                         group_size=gs, bits=bits), dtype=np.float32).astype(np.uint8)
+        if w[f"{module}.weight"].dtype == mx.uint8:
+            codes = np.asarray(w[f"{module}.weight"])
+        else:
+            codes = np.asarray(mx.dequantize(w[f"{module}.weight"], mx.ones_like(s0), mx.zeros_like(s0),
+                                             group_size=gs, bits=bits), dtype=np.float32).astype(np.uint8)
         n_out, n_in = codes.shape
         grouped = codes.reshape(n_out, n_in // gs, gs)
 
@@ -89,6 +97,15 @@ class HostLinear:
             dw = _mm_t(np.ascontiguousarray(dy.T), np.ascontiguousarray(_rows(x).T)).reshape(n_out, n_in // gs, gs)
             return dx, mx.array((dw * grouped).sum(-1)).astype(s.dtype), mx.array(dw.sum(-1)).astype(b.dtype)
         return affine
+
+
+def unpacked_weight(mx, w, module: str, gs: int):
+    """``codes · s + b`` per group, for a module whose codes are stored unpacked (uint8 ``[out, in]``)."""
+    codes = w[f"{module}.weight"]
+    n_out, n_in = codes.shape
+    s, b = w[f"{module}.scales"], w[f"{module}.biases"]
+    grouped = codes.astype(s.dtype).reshape(n_out, n_in // gs, gs)
+    return (grouped * s[..., None] + b[..., None]).reshape(n_out, n_in)
 
 
 def _mm_t(x: np.ndarray, w: np.ndarray) -> np.ndarray:

@@ -77,7 +77,7 @@ TIER_QUANTS: dict[str, QuantName] = {q.name: q for q in (
 _REFUSED = {
     "apex": "apex needs a level: apex-quality, apex-balanced or apex-compact "
             "(apex-i-* for the importance-weighted variants, with --imatrix FILE)",
-    "dwq": "dwq needs its bit width: dwq-4 or dwq-3, with --format mlx",
+    "dwq": "dwq needs its bit width: dwq-4 or dwq-3, with --format mlx (for GGUF: dwq-q4_1 or dwq-q5_1)",
     "tq1_0": "tq1_0 is a ternary type for models trained ternary (BitNet); hf2q does not write it — "
              "for a small file of an ordinary model try dynamic-q2 or q2_k",
     "tq2_0": "tq2_0 is a ternary type for models trained ternary (BitNet); hf2q does not write it — "
@@ -98,6 +98,8 @@ def parse_gguf_quant(name: str | None) -> QuantName:
         return TIER_QUANTS[key]
     if key in _REFUSED:
         raise InputError(f"--quant {name}: {_REFUSED[key]}")
+    if key.startswith("dwq-q"):  # hf2q.convert.dwq_gguf: fitted on calibration text, one conversion at a time
+        raise InputError(f"--quant {name} (distilled GGUF) is a single conversion: hf2q convert SRC -q {key}")
     if key in MLX_QUANTS or key.startswith("dwq-"):
         raise InputError(f"--quant {name} is an mlx quantization; add --format mlx")
     raise InputError(f"unknown quantization {name!r}"
