@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import attrs
 import mlx.core as mx
+import numpy as np
 
-from hf2q.engine.layers import Linear, float_array, gelu_tanh
+from hf2q.engine import layers
+from hf2q.engine.layers import Linear, float_array, gelu_tanh, on_cpu
 from hf2q.engine.models.bert import EncoderModel, check_pooling, norm_pair
 from hf2q.engine.models.nomic_bert import NomicBertConfig, NomicBertLayer
 from hf2q.formats.gguf_file import GGUFFile
@@ -28,13 +30,19 @@ class NomicMoeConfig(NomicBertConfig):
 
 
 class ExpertMLP:
-    """Softmax router → top-k experts, each ``down(gelu(up·x))``, summed by their router probabilities."""
+    """Softmax router → top-k experts, each ``down(gelu(up·x))``, summed by their router probabilities.
+
+    On the CPU a batch of many tokens runs expert by expert: the (token, expert) pairs sorted by expert, one
+    matrix product per expert over its tokens. MLX's gather-matmul there is a matrix-vector product per pair,
+    which reads a whole expert matrix for every token it routes; grouped, each expert is read once per block.
+    """
 
     def __init__(self, g: GGUFFile, p: str, dtype, top_k: int):
         self.router = Linear(g.tensor(p + "ffn_gate_inp.weight"), dtype)
         self.up = Linear(g.tensor(p + "ffn_up_exps.weight"), dtype)
         self.down = Linear(g.tensor(p + "ffn_down_exps.weight"), dtype)
         self.top_k = top_k
+        self.n_experts = int(self.up.shape[0])
 
     def __call__(self, x: mx.array) -> mx.array:
         shape = x.shape
@@ -42,9 +50,37 @@ class ExpertMLP:
         probs = mx.softmax(self.router(flat).astype(mx.float32), axis=-1, precise=True)
         idx = mx.argpartition(-probs, kth=self.top_k - 1, axis=-1)[:, :self.top_k]
         weights = mx.take_along_axis(probs, idx, axis=-1)
-        h = gelu_tanh(self.up.gather(flat[:, None, None, :], idx))  # [N, k, 1, ff]
-        out = self.down.gather(h, idx)[:, :, 0, :]  # [N, k, hidden]
+        if on_cpu() and layers._observer is None and flat.shape[0] > 1:
+            out = self._by_expert(flat, idx)
+        else:  # one fused gather-matmul (and the imatrix observer's per-expert hook)
+            h = gelu_tanh(self.up.gather(flat[:, None, None, :], idx))  # [N, k, 1, ff]
+            out = self.down.gather(h, idx)[:, :, 0, :]  # [N, k, hidden]
         return (out * weights[..., None].astype(out.dtype)).sum(axis=1).reshape(shape)
+
+    def _by_expert(self, flat: mx.array, idx: mx.array) -> mx.array:
+        """``[N, k, hidden]``: every (token, slot) pair through its expert, the pairs grouped by expert."""
+        n, k = idx.shape
+        pairs = np.array(idx).reshape(-1)
+        order = np.argsort(pairs, kind="stable")
+        counts = np.bincount(pairs, minlength=self.n_experts)
+        xs = flat[mx.array((order // k).astype(np.int32))]
+        outs, start = [], 0
+        for e, c in enumerate(counts.tolist()):
+            if c:
+                seg = xs[start:start + c]
+                outs.append(_expert_product(self.down, gelu_tanh(_expert_product(self.up, seg, e)), e))
+                start += c
+        back = np.empty_like(order)
+        back[order] = np.arange(order.size)
+        return mx.concatenate(outs)[mx.array(back.astype(np.int32))].reshape(n, k, -1)
+
+
+def _expert_product(lin: Linear, x: mx.array, e: int) -> mx.array:
+    """``x @ W[e].T`` for one expert of an expert-stacked weight ``[E, out, in]``."""
+    if lin.quantized:
+        return mx.quantized_matmul(x, lin.weight[e], lin.scales[e], lin.biases[e], transpose=True,
+                                   group_size=lin.group_size, bits=lin.bits)
+    return x @ lin.weight[e].T
 
 
 class DenseMLP:
