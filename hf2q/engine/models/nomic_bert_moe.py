@@ -15,10 +15,11 @@ import mlx.core as mx
 import numpy as np
 
 from hf2q.engine import layers
-from hf2q.engine.layers import Linear, float_array, gelu_tanh, on_cpu
+from hf2q.engine.layers import Linear, float_array, gelu_tanh, host_rows, on_cpu
 from hf2q.engine.models.bert import EncoderModel, check_pooling, norm_pair
 from hf2q.engine.models.nomic_bert import NomicBertConfig, NomicBertLayer
 from hf2q.formats.gguf_file import GGUFFile
+from hf2q.kernels import cpu_blas
 from hf2q.formats.gguf_hparams import moe_block
 from hf2q.formats.gguf_keys import Keys
 
@@ -33,7 +34,7 @@ class ExpertMLP:
     """Softmax router → top-k experts, each ``down(gelu(up·x))``, summed by their router probabilities.
 
     On the CPU a batch of many tokens runs expert by expert: the (token, expert) pairs sorted by expert, one
-    matrix product per expert over its tokens. MLX's gather-matmul there is a matrix-vector product per pair,
+    host BLAS product per expert over its tokens. MLX's gather-matmul there is a matrix-vector product per pair,
     which reads a whole expert matrix for every token it routes; grouped, each expert is read once per block.
     """
 
@@ -76,7 +77,18 @@ class ExpertMLP:
 
 
 def _expert_product(lin: Linear, x: mx.array, e: int) -> mx.array:
-    """``x @ W[e].T`` for one expert of an expert-stacked weight ``[E, out, in]``."""
+    """``x @ W[e].T`` for one expert of an expert-stacked weight ``[E, out, in]``: through the host BLAS
+    where there is one (MLX's own CPU products are many times slower), a quantized expert dequantized for
+    the call (the float32 copies of every expert would not fit the dense-weight cache)."""
+    if lin.dtype == mx.float32 and cpu_blas.has_matmul():
+        if lin.quantized:
+            w = mx.dequantize(lin.weight[e], lin.scales[e], lin.biases[e], group_size=lin.group_size,
+                              bits=lin.bits).astype(mx.float32)
+            mx.eval(w)
+            dense = np.asarray(memoryview(w))
+        else:
+            dense = np.asarray(memoryview(lin.weight))[e]
+        return mx.array(cpu_blas.matmul_t(host_rows(x), dense))
     if lin.quantized:
         return mx.quantized_matmul(x, lin.weight[e], lin.scales[e], lin.biases[e], transpose=True,
                                    group_size=lin.group_size, bits=lin.bits)
