@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 BATCHES = (1, 32, 256)
@@ -60,11 +62,52 @@ def minilm_gguf(work: Path) -> Path:
     return out
 
 
+class RandomTensors:
+    """Seeded random weights for a shape-only GGUF: F16 matrices scaled by 1/sqrt(width), F32 vectors."""
+
+    def __init__(self, seed: int = 0):
+        self._rng = np.random.default_rng(seed)
+
+    def mat(self, *shape):
+        return (self._rng.standard_normal(shape, dtype=np.float32) * shape[-1] ** -0.5).astype(np.float16)
+
+    def vec(self, n, around):
+        return (around + 0.1 * self._rng.standard_normal(n, dtype=np.float32)).astype(np.float32)
+
+    def embeddings(self, w, vocab: int, hidden: int, token_types: int) -> None:
+        """The token, token-type and embedding-norm tensors every BERT-like GGUF starts with."""
+        w.add_tensor("token_embd.weight", self.mat(vocab, hidden))
+        w.add_tensor("token_types.weight", self._rng.standard_normal((token_types, hidden),
+                                                                     dtype=np.float32) * 0.1)
+        w.add_tensor("token_embd_norm.weight", self.vec(hidden, 1.0))
+        w.add_tensor("token_embd_norm.bias", self.vec(hidden, 0.0))
+
+
+    def post_norms(self, w, prefix: str, hidden: int) -> None:
+        for norm in ("attn_output_norm", "layer_output_norm"):
+            w.add_tensor(prefix + norm + ".weight", self.vec(hidden, 1.0))
+            w.add_tensor(prefix + norm + ".bias", self.vec(hidden, 0.0))
+
+
+def copy_fields(w, src, keep) -> None:
+    """The key/values of GGUF ``src`` whose names ``keep`` accepts, as they are."""
+    for field in src.fields.values():
+        if keep(field.name):
+            sub = field.types[-1] if len(field.types) > 1 else None
+            w.add_key_value(field.name, field.contents(), field.types[0], sub)
+
+
+def finish(w, out: Path) -> Path:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
 def nomic_shape_gguf(work: Path, vocab_from: Path) -> Path:
     """A random-weight nomic-bert GGUF of v1.5's shape (F16 matrices), MiniLM's tokenizer metadata."""
     import gguf
-    import numpy as np
-
     from hf2q.formats.gguf_keys import Keys
 
     out = work / "nomic-v1.5-shape-f16.gguf"
@@ -82,44 +125,22 @@ def nomic_shape_gguf(work: Path, vocab_from: Path) -> Path:
     w.add_float32(Keys.Rope.FREQ_BASE.format(arch=a), 1000.0)
     w.add_float32(Keys.Attention.LAYERNORM_EPS.format(arch=a), 1e-12)
     w.add_bool(Keys.Attention.CAUSAL.format(arch=a), False)
-    for field in src.fields.values():
-        if field.name.startswith("tokenizer."):
-            sub = field.types[-1] if len(field.types) > 1 else None
-            w.add_key_value(field.name, field.contents(), field.types[0], sub)
-    vocab = len(src.fields[Keys.Tokenizer.LIST].data)
-    rng = np.random.default_rng(0)
-
-    def mat(rows, cols):
-        return (rng.standard_normal((rows, cols), dtype=np.float32) * cols ** -0.5).astype(np.float16)
-
-    def vec(n, around):
-        return (around + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np.float32)
-
-    w.add_tensor("token_embd.weight", mat(vocab, h))
-    w.add_tensor("token_types.weight", rng.standard_normal((2, h), dtype=np.float32) * 0.1)
-    w.add_tensor("token_embd_norm.weight", vec(h, 1.0))
-    w.add_tensor("token_embd_norm.bias", vec(h, 0.0))
+    copy_fields(w, src, lambda name: name.startswith("tokenizer."))
+    rand = RandomTensors()
+    rand.embeddings(w, len(src.fields[Keys.Tokenizer.LIST].data), h, token_types=2)
     for i in range(layers):
         p = f"blk.{i}."
         for name, rows, cols in (("attn_qkv", 3 * h, h), ("attn_output", h, h), ("ffn_gate", ff, h),
                                  ("ffn_up", ff, h), ("ffn_down", h, ff)):
-            w.add_tensor(p + name + ".weight", mat(rows, cols))
-        for norm in ("attn_output_norm", "layer_output_norm"):
-            w.add_tensor(p + norm + ".weight", vec(h, 1.0))
-            w.add_tensor(p + norm + ".bias", vec(h, 0.0))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
+            w.add_tensor(p + name + ".weight", rand.mat(rows, cols))
+        rand.post_norms(w, p, h)
+    return finish(w, out)
 
 
 def nomic_v2_shape_gguf(work: Path) -> Path:
     """A random-weight nomic-bert-moe GGUF (F16 matrices) under the header of llama.cpp's vocab file of the
     real model: its hyper-parameters decide every tensor's shape, its tokenizer keys are kept whole."""
     import gguf
-    import numpy as np
-
     from hf2q.fetch import LLAMA_CPP_SDIST, fetch
     from hf2q.formats.gguf_keys import Keys
 
@@ -135,24 +156,10 @@ def nomic_v2_shape_gguf(work: Path) -> Path:
     h, ff, layers = hp(Keys.LLM.EMBEDDING_LENGTH), hp(Keys.LLM.FEED_FORWARD_LENGTH), hp(Keys.LLM.BLOCK_COUNT)
     experts, every = hp(Keys.LLM.EXPERT_COUNT), hp(Keys.LLM.MOE_EVERY_N_LAYERS)
     w = gguf.GGUFWriter(out, a)
-    for field in src.fields.values():
-        if field.name.startswith("GGUF.") or field.name == Keys.General.ARCHITECTURE:
-            continue
-        sub = field.types[-1] if len(field.types) > 1 else None
-        w.add_key_value(field.name, field.contents(), field.types[0], sub)
-    vocab = len(src.fields[Keys.Tokenizer.LIST].data)
-    rng = np.random.default_rng(0)
-
-    def mat(*shape):
-        return (rng.standard_normal(shape, dtype=np.float32) * shape[-1] ** -0.5).astype(np.float16)
-
-    def vec(n, around):
-        return (around + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np.float32)
-
-    w.add_tensor("token_embd.weight", mat(vocab, h))
-    w.add_tensor("token_types.weight", rng.standard_normal((1, h), dtype=np.float32) * 0.1)
-    w.add_tensor("token_embd_norm.weight", vec(h, 1.0))
-    w.add_tensor("token_embd_norm.bias", vec(h, 0.0))
+    copy_fields(w, src, lambda name: not name.startswith("GGUF.") and name != Keys.General.ARCHITECTURE)
+    rand = RandomTensors()
+    mat, vec = rand.mat, rand.vec
+    rand.embeddings(w, len(src.fields[Keys.Tokenizer.LIST].data), h, token_types=1)
     for i in range(layers):
         p = f"blk.{i}."
         w.add_tensor(p + "attn_qkv.weight", mat(3 * h, h))
@@ -168,14 +175,8 @@ def nomic_v2_shape_gguf(work: Path) -> Path:
             w.add_tensor(p + "ffn_up.bias", vec(ff, 0.0))
             w.add_tensor(p + "ffn_down.weight", mat(h, ff))
             w.add_tensor(p + "ffn_down.bias", vec(h, 0.0))
-        for norm in ("attn_output_norm", "layer_output_norm"):
-            w.add_tensor(p + norm + ".weight", vec(h, 1.0))
-            w.add_tensor(p + norm + ".bias", vec(h, 0.0))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
+        rand.post_norms(w, p, h)
+    return finish(w, out)
 
 
 def ours(runner, tokens, repeats: int) -> tuple[float, "object"]:
@@ -189,8 +190,6 @@ def ours(runner, tokens, repeats: int) -> tuple[float, "object"]:
 
 
 def theirs(model: Path, texts: list[str], n_tokens: int, threads: int, repeats: int) -> tuple[float, "object"]:
-    import numpy as np
-
     from tests.tools import llama_cpp
 
     size = max(512, 1 << (n_tokens - 1).bit_length())
@@ -238,8 +237,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("HF2Q_BLAS_THREADS", str(args.threads))
     os.environ.setdefault("OPENBLAS_NUM_THREADS", str(args.threads))
-    import numpy as np
-
     from bench.common import emit
     from hf2q.engine.factory import load_runner  # the fast CPU BLAS before MLX
     from hf2q.text.tokenizer import GGUFTokenizer

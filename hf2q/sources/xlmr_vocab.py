@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ import gguf
 
 from hf2q.errors import InputError
 from hf2q.formats.gguf_keys import Keys
+from hf2q.sources.hf_config import read_json_object
 
 TT = gguf.TokenType
 V = gguf.GGUFValueType
@@ -105,16 +105,6 @@ def _from_sentencepiece(path: Path, cfg: dict[str, Any], nomic_mask: bool) -> Xl
                      remove_extra_whitespaces=norm.remove_extra_whitespaces, charsmap=norm.precompiled_charsmap)
 
 
-def _json_object(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InputError(f"{path}: unreadable JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise InputError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
-
-
 def _token_text(value: Any) -> str | None:
     """A special token as tokenizer_config.json names it: a string or a serialised AddedToken."""
     if isinstance(value, dict):
@@ -150,10 +140,10 @@ def _precompiled_charsmap(path: Path, tj: dict) -> bytes:
 
 def _from_tokenizer_json(src: Path, cfg: dict[str, Any]) -> XlmrVocab:
     path = src / "tokenizer.json"
-    tj = _json_object(path)
+    tj = read_json_object(path)
     pieces = _unigram_pieces(path, tj)
     charsmap = _precompiled_charsmap(path, tj)
-    tc = _json_object(src / "tokenizer_config.json") if (src / "tokenizer_config.json").is_file() else {}
+    tc = read_json_object(src / "tokenizer_config.json") if (src / "tokenizer_config.json").is_file() else {}
     added = {a["content"]: a["id"] for a in tj.get("added_tokens") or []
              if isinstance(a, dict) and isinstance(a.get("content"), str) and isinstance(a.get("id"), int)}
 
