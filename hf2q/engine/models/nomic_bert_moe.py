@@ -36,6 +36,8 @@ class ExpertMLP:
     On the CPU a batch of many tokens runs expert by expert: the (token, expert) pairs sorted by expert, one
     host BLAS product per expert over its tokens. MLX's gather-matmul there is a matrix-vector product per pair,
     which reads a whole expert matrix for every token it routes; grouped, each expert is read once per block.
+    Padding positions (``live_rows``, set by the block from its mask) are left out there: they are never a key
+    of attention nor part of the pooled mean, so their expert output is never read.
     """
 
     def __init__(self, g: GGUFFile, p: str, dtype, top_k: int):
@@ -44,6 +46,8 @@ class ExpertMLP:
         self.down = Linear(g.tensor(p + "ffn_down_exps.weight"), dtype)
         self.top_k = top_k
         self.n_experts = int(self.up.shape[0])
+        #: the flattened positions the next call must compute (the rest is padding); None for all
+        self.live_rows: np.ndarray | None = None
 
     def __call__(self, x: mx.array) -> mx.array:
         shape = x.shape
@@ -59,21 +63,23 @@ class ExpertMLP:
         return (out * weights[..., None].astype(out.dtype)).sum(axis=1).reshape(shape)
 
     def _by_expert(self, flat: mx.array, idx: mx.array) -> mx.array:
-        """``[N, k, hidden]``: every (token, slot) pair through its expert, the pairs grouped by expert."""
+        """``[N, k, hidden]``: every live (token, slot) pair through its expert, the pairs grouped by expert;
+        zeros for padding."""
         n, k = idx.shape
-        pairs = np.array(idx).reshape(-1)
-        order = np.argsort(pairs, kind="stable")
-        counts = np.bincount(pairs, minlength=self.n_experts)
-        xs = flat[mx.array((order // k).astype(np.int32))]
-        outs, start = [], 0
+        live = np.arange(n) if self.live_rows is None else self.live_rows
+        kept = (live[:, None] * k + np.arange(k)).reshape(-1)  # pair numbers, token-major
+        experts = np.array(idx).reshape(-1)[kept]
+        order = kept[np.argsort(experts, kind="stable")]
+        counts = np.bincount(experts, minlength=self.n_experts)
+        out = np.zeros((n * k, self.down.shape[1]), dtype=np.float32)
+        start = 0
         for e, c in enumerate(counts.tolist()):
             if c:
-                seg = xs[start:start + c]
-                outs.append(_expert_product(self.down, gelu_tanh(_expert_product(self.up, seg, e)), e))
+                pairs = order[start:start + c]
+                seg = flat[mx.array((pairs // k).astype(np.int32))]
+                out[pairs] = np.asarray(_expert_product(self.down, gelu_tanh(_expert_product(self.up, seg, e)), e))
                 start += c
-        back = np.empty_like(order)
-        back[order] = np.arange(order.size)
-        return mx.concatenate(outs)[mx.array(back.astype(np.int32))].reshape(n, k, -1)
+        return mx.array(out).astype(flat.dtype).reshape(n, k, -1)
 
 
 def _expert_product(lin: Linear, x: mx.array, e: int) -> mx.array:
@@ -116,6 +122,11 @@ class NomicMoeLayer(NomicBertLayer):
         self.qkv, self.o = lin("attn_qkv"), lin("attn_output")
         self.mlp = ExpertMLP(g, p, dtype, cfg.top_k) if moe_block(i, cfg.moe_every) else DenseMLP(lin)
         self.ln1, self.ln2 = norm_pair(g, p + "attn_output_norm", dtype), norm_pair(g, p + "layer_output_norm", dtype)
+
+    def __call__(self, x: mx.array, mask: mx.array, cfg: NomicMoeConfig) -> mx.array:
+        if isinstance(self.mlp, ExpertMLP):  # the padding mask [B, 1, 1, L] → the positions worth routing
+            self.mlp.live_rows = np.flatnonzero(np.array(mask).reshape(-1))
+        return super().__call__(x, mask, cfg)
 
 
 def build(g: GGUFFile, dtype) -> EncoderModel:
