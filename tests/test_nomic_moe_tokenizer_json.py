@@ -17,12 +17,14 @@ from tests.test_nomic_bert import converted_per_quant
 
 @pytest.fixture(scope="module")
 def tokjson_hf():
+    """The checkpoint (built once, cached across runs)."""
     return nomic_moe_tokenizer_json_only()
 
 
 @pytest.fixture(scope="module")
-def tokjson_gguf(tokjson_hf, tmp_path_factory):
-    return converted_per_quant(tokjson_hf, tmp_path_factory, "nomic-moe-tokjson")
+def tokjson_gguf(tmp_path_factory):
+    """``get(TYPE)``: our conversion of it, once per type."""
+    return converted_per_quant(nomic_moe_tokenizer_json_only(), tmp_path_factory, "nomic-moe-tokjson")
 
 
 @pytest.mark.llamacpp
