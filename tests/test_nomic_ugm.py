@@ -140,3 +140,40 @@ def test_a_broken_charsmap_is_input_error():
         Charsmap(b"\x01\x00")
     with pytest.raises(InputError, match="precompiled_charsmap"):
         Charsmap((1000).to_bytes(4, "little") + b"\0" * 8)
+
+
+def test_a_long_document_with_many_special_tokens_matches_llama_tokenize(llama_cpp_bin):
+    """A 20 KB document (what a user embeds), cut by hundreds of special tokens: the partition is found in
+    one pass over the text, and the ids are still llama.cpp's."""
+    from hf2q.quality.corpus import load_corpus
+
+    path = nomic_vocab()
+    words = load_corpus("calibration").text[:20000].split(" ")
+    doc = " ".join(w + ("<mask>" if i % 37 == 5 else "<pad>" if i % 53 == 7 else "") for i, w in enumerate(words))
+    assert len(doc) > 20000 and doc.count("<mask>") > 50
+    assert _tokenizer(path).encode(doc) == llama_tokenize(path, doc)
+
+
+_UNICODE_DOC = st.lists(st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=40)
+                        | st.sampled_from([" ", "  ", "\n", "<mask>", "<s>", "\u3000", "e\u0301"]),
+                        min_size=20, max_size=80).map("".join).filter(lambda t: SEPARATOR not in t)
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_UNICODE_DOC, min_size=8, max_size=12))
+def test_random_unicode_documents_match_llama_tokenize(llama_cpp_bin, texts):
+    """Any code point (not only the curated alphabet above), in documents of a few hundred characters."""
+    _check_each(nomic_vocab(), texts)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.binary(min_size=1, max_size=4), min_size=1, max_size=12),
+       st.lists(st.binary(max_size=5), min_size=1, max_size=30))
+def test_the_prefix_index_answers_as_a_scan_does(keys, probes):
+    """The remembered answers (kept in a memory small enough to be dropped and refilled here) are the
+    search's."""
+    from hf2q.text.ugm import _PrefixIndex
+
+    index = _PrefixIndex(keys, memo_limit=3)
+    for probe in probes + probes:
+        assert index.extends(probe) == any(k.startswith(probe) for k in keys), probe

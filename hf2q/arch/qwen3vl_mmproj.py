@@ -21,7 +21,6 @@ F32 otherwise; the rest the output type, with F16 where a Q8_0 row does not fill
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,7 @@ import numpy as np
 from hf2q.arch.base import Direct, Metadata, PlannedTensor, RowSource
 from hf2q.errors import InputError
 from hf2q.formats.gguf_keys import Keys
-from hf2q.sources.hf_config import require
+from hf2q.sources.hf_config import read_json_object, require
 from hf2q.sources.safetensors_reader import SafetensorsCheckpoint, to_f32
 
 T = gguf.GGMLQuantizationType
@@ -66,14 +65,6 @@ class TimeSlice(RowSource):
         return np.ascontiguousarray(x.reshape(-1, self.shape[-1])[lo:hi], dtype=np.float32)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InputError(f"{path}: cannot read ({e})") from None
-    if not isinstance(data, dict):
-        raise InputError(f"{path}: expected a JSON object")
-    return data
 
 
 def preprocessor_config(src: Path) -> dict[str, Any]:
@@ -81,10 +72,10 @@ def preprocessor_config(src: Path) -> dict[str, Any]:
     converter's precedence)."""
     out: dict[str, Any] = {}
     if (p := src / "preprocessor_config.json").is_file():
-        cfg = _read_json(p)
+        cfg = read_json_object(p)
         out.update({**cfg, **(cfg.get("media_proc_cfg") or {})})
     if (p := src / "processor_config.json").is_file():
-        cfg = _read_json(p)
+        cfg = read_json_object(p)
         out.update({**cfg, **(cfg.get("image_processor") or {})})
     return out
 

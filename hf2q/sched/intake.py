@@ -37,7 +37,9 @@ def check_embedding(req: EmbeddingRequest, facts: ModelFacts) -> None:
         if bad is not None:
             raise AdmissionRejected(400, "invalid_request",
                                     f"input[{i}]: token id {bad} is outside the vocabulary (0..{facts.vocab_size - 1})")
-    longest, limit = max(len(x) for x in req.inputs), min(facts.n_ctx_train, facts.ctx)
-    if longest > limit:
+    limit = min(facts.n_ctx_train, facts.ctx)
+    over = next((i for i, x in enumerate(req.inputs) if len(x) > limit), None)
+    if over is not None:  # refused whole and never truncated, as llama-server refuses it
         raise AdmissionRejected(400, "context_length_exceeded",
-                                f"input has {longest} tokens; the model accepts {limit}")
+                                f"input[{over}] ({len(req.inputs[over])} tokens) is larger than the model's "
+                                f"context ({limit} tokens); inputs are not truncated")

@@ -15,6 +15,19 @@ from typing import Any
 from hf2q.errors import InputError
 
 
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A checkpoint's JSON file that must hold an object; any problem is a one-line ``InputError``."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: cannot read ({e})") from None
+    except json.JSONDecodeError as e:
+        raise InputError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: expected a JSON object")
+    return data
+
+
 def load_config(src: Path) -> dict[str, Any]:
     """Parse ``src/config.json`` into a flat dict; any problem is a one-line ``InputError``."""
     src = Path(src)
@@ -25,14 +38,7 @@ def load_config(src: Path) -> dict[str, Any]:
     path = src / "config.json"
     if not path.is_file():
         raise InputError(f"{src}: missing config.json (not an HF model directory?)")
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"{path}: cannot read ({e})") from None
-    except json.JSONDecodeError as e:
-        raise InputError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
-    if not isinstance(cfg, dict):
-        raise InputError(f"{path}: expected a JSON object")
+    cfg = read_json_object(path)
     if isinstance(cfg.get("text_config"), dict):
         cfg = {**cfg, **cfg["text_config"]}
     return cfg

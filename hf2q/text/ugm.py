@@ -92,14 +92,27 @@ class Charsmap:
 
 
 class _PrefixIndex:
-    """Byte strings with exact lookup and a 'does any of them start with this' test (sorted + bisect)."""
+    """Byte strings with a 'does any of them start with this' test (sorted + bisect).
 
-    def __init__(self, keys: Sequence[bytes]):
+    Answers are remembered: a document repeats its words, so most of a Viterbi pass's questions were
+    asked before, and a dictionary answers them faster than a search of 250k sorted pieces. The memory
+    is dropped whole when it reaches ``memo_limit`` entries, so a stream of distinct text cannot grow it."""
+
+    def __init__(self, keys: Sequence[bytes], memo_limit: int = 1 << 18):
         self._sorted = sorted(set(keys))
+        self._memo: dict[bytes, bool] = {}
+        self._memo_limit = memo_limit
 
     def extends(self, prefix: bytes) -> bool:
+        known = self._memo.get(prefix)
+        if known is not None:
+            return known
         i = bisect.bisect_left(self._sorted, prefix)
-        return i < len(self._sorted) and self._sorted[i].startswith(prefix)
+        found = i < len(self._sorted) and self._sorted[i].startswith(prefix)
+        if len(self._memo) >= self._memo_limit:
+            self._memo.clear()
+        self._memo[prefix] = found
+        return found
 
 
 class UgmEncoder:
@@ -146,17 +159,17 @@ class UgmEncoder:
                 if isinstance(part, int) or special not in part:
                     out.append(part)
                     continue
-                rest = part
-                while (at := rest.find(special)) >= 0:
-                    left = rest[:at]
+                start = 0  # searched from an offset: cutting the rest off each time is quadratic in the matches
+                while (at := part.find(special, start)) >= 0:
+                    left = part[start:at]
                     if special in self._lstrip:
                         left = left.rstrip(_C_SPACES)
                     if left:
                         out.append(left)
                     out.append(tid)
-                    rest = rest[at + len(special):]
-                if rest:
-                    out.append(rest)
+                    start = at + len(special)
+                if start < len(part):
+                    out.append(part[start:])
             parts = out
         return parts
 

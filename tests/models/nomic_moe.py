@@ -142,3 +142,30 @@ def _build(out: Path) -> None:
     _train_sentencepiece(out)
     _tokenizer_files(out)
     _write_sentence_transformers_files(out, SHAPE["n_embd"])
+
+
+def nomic_moe_tokenizer_json_only() -> Path:
+    """The same checkpoint without ``sentencepiece.bpe.model``: its ``tokenizer.json`` with the charsmap as a
+    top-level ``Precompiled`` normaliser (the form of the Hub's XLM-R files), and a ``tokenizer_config.json``
+    that leaves ``add_prefix_space`` to its default and asks for ``clean_up_tokenization_spaces``."""
+    return build_once(f"tiny-nomic_bert_moe-tokjson-{VERSION}", _build_tokenizer_json_only)
+
+
+def _build_tokenizer_json_only(out: Path) -> None:
+    import shutil
+
+    src = nomic_moe()
+    for f in src.iterdir():
+        if f.is_dir():
+            shutil.copytree(f, out / f.name)
+        elif f.name == "model.safetensors":
+            (out / f.name).symlink_to(f)
+        elif f.name != "sentencepiece.bpe.model":
+            shutil.copy(f, out / f.name)
+    tj = json.loads((out / "tokenizer.json").read_text())
+    tj["normalizer"] = next(n for n in tj["normalizer"]["normalizers"] if n["type"] == "Precompiled")
+    (out / "tokenizer.json").write_text(json.dumps(tj, ensure_ascii=False))
+    tc = json.loads((out / "tokenizer_config.json").read_text())
+    tc.pop("add_prefix_space")
+    tc["clean_up_tokenization_spaces"] = True
+    (out / "tokenizer_config.json").write_text(json.dumps(tc, indent=2))

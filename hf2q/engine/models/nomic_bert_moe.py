@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import attrs
 import mlx.core as mx
+import numpy as np
 
-from hf2q.engine.layers import Linear, float_array, gelu_tanh
+from hf2q.engine import layers
+from hf2q.engine.layers import Linear, float_array, gelu_tanh, host_rows, on_cpu
 from hf2q.engine.models.bert import EncoderModel, check_pooling, norm_pair
 from hf2q.engine.models.nomic_bert import NomicBertConfig, NomicBertLayer
 from hf2q.formats.gguf_file import GGUFFile
+from hf2q.kernels import cpu_blas
 from hf2q.formats.gguf_hparams import moe_block
 from hf2q.formats.gguf_keys import Keys
 
@@ -28,13 +31,23 @@ class NomicMoeConfig(NomicBertConfig):
 
 
 class ExpertMLP:
-    """Softmax router → top-k experts, each ``down(gelu(up·x))``, summed by their router probabilities."""
+    """Softmax router → top-k experts, each ``down(gelu(up·x))``, summed by their router probabilities.
+
+    On the CPU a batch of many tokens runs expert by expert: the (token, expert) pairs sorted by expert, one
+    host BLAS product per expert over its tokens. MLX's gather-matmul there is a matrix-vector product per pair,
+    which reads a whole expert matrix for every token it routes; grouped, each expert is read once per block.
+    Padding positions (``live_rows``, set by the block from its mask) are left out there: they are never a key
+    of attention nor part of the pooled mean, so their expert output is never read.
+    """
 
     def __init__(self, g: GGUFFile, p: str, dtype, top_k: int):
         self.router = Linear(g.tensor(p + "ffn_gate_inp.weight"), dtype)
         self.up = Linear(g.tensor(p + "ffn_up_exps.weight"), dtype)
         self.down = Linear(g.tensor(p + "ffn_down_exps.weight"), dtype)
         self.top_k = top_k
+        self.n_experts = int(self.up.shape[0])
+        #: the flattened positions the next call must compute (the rest is padding); None for all
+        self.live_rows: np.ndarray | None = None
 
     def __call__(self, x: mx.array) -> mx.array:
         shape = x.shape
@@ -42,9 +55,50 @@ class ExpertMLP:
         probs = mx.softmax(self.router(flat).astype(mx.float32), axis=-1, precise=True)
         idx = mx.argpartition(-probs, kth=self.top_k - 1, axis=-1)[:, :self.top_k]
         weights = mx.take_along_axis(probs, idx, axis=-1)
-        h = gelu_tanh(self.up.gather(flat[:, None, None, :], idx))  # [N, k, 1, ff]
-        out = self.down.gather(h, idx)[:, :, 0, :]  # [N, k, hidden]
+        if on_cpu() and layers._observer is None and flat.shape[0] > 1:
+            out = self._by_expert(flat, idx)
+        else:  # one fused gather-matmul (and the imatrix observer's per-expert hook)
+            h = gelu_tanh(self.up.gather(flat[:, None, None, :], idx))  # [N, k, 1, ff]
+            out = self.down.gather(h, idx)[:, :, 0, :]  # [N, k, hidden]
         return (out * weights[..., None].astype(out.dtype)).sum(axis=1).reshape(shape)
+
+    def _by_expert(self, flat: mx.array, idx: mx.array) -> mx.array:
+        """``[N, k, hidden]``: every live (token, slot) pair through its expert, the pairs grouped by expert;
+        zeros for padding."""
+        n, k = idx.shape
+        live = np.arange(n) if self.live_rows is None else self.live_rows
+        kept = (live[:, None] * k + np.arange(k)).reshape(-1)  # pair numbers, token-major
+        experts = np.array(idx).reshape(-1)[kept]
+        order = kept[np.argsort(experts, kind="stable")]
+        counts = np.bincount(experts, minlength=self.n_experts)
+        out = np.zeros((n * k, self.down.shape[1]), dtype=np.float32)
+        start = 0
+        for e, c in enumerate(counts.tolist()):
+            if c:
+                pairs = order[start:start + c]
+                seg = flat[mx.array((pairs // k).astype(np.int32))]
+                out[pairs] = np.asarray(_expert_product(self.down, gelu_tanh(_expert_product(self.up, seg, e)), e))
+                start += c
+        return mx.array(out).astype(flat.dtype).reshape(n, k, -1)
+
+
+def _expert_product(lin: Linear, x: mx.array, e: int) -> mx.array:
+    """``x @ W[e].T`` for one expert of an expert-stacked weight ``[E, out, in]``: through the host BLAS
+    where there is one (MLX's own CPU products are many times slower), a quantized expert dequantized for
+    the call (the float32 copies of every expert would not fit the dense-weight cache)."""
+    if lin.dtype == mx.float32 and cpu_blas.has_matmul():
+        if lin.quantized:
+            w = mx.dequantize(lin.weight[e], lin.scales[e], lin.biases[e], group_size=lin.group_size,
+                              bits=lin.bits).astype(mx.float32)
+            mx.eval(w)
+            dense = np.asarray(memoryview(w))
+        else:
+            dense = np.asarray(memoryview(lin.weight))[e]
+        return mx.array(cpu_blas.matmul_t(host_rows(x), dense))
+    if lin.quantized:
+        return mx.quantized_matmul(x, lin.weight[e], lin.scales[e], lin.biases[e], transpose=True,
+                                   group_size=lin.group_size, bits=lin.bits)
+    return x @ lin.weight[e].T
 
 
 class DenseMLP:
@@ -68,6 +122,11 @@ class NomicMoeLayer(NomicBertLayer):
         self.qkv, self.o = lin("attn_qkv"), lin("attn_output")
         self.mlp = ExpertMLP(g, p, dtype, cfg.top_k) if moe_block(i, cfg.moe_every) else DenseMLP(lin)
         self.ln1, self.ln2 = norm_pair(g, p + "attn_output_norm", dtype), norm_pair(g, p + "layer_output_norm", dtype)
+
+    def __call__(self, x: mx.array, mask: mx.array, cfg: NomicMoeConfig) -> mx.array:
+        if isinstance(self.mlp, ExpertMLP):  # the padding mask [B, 1, 1, L] → the positions worth routing
+            self.mlp.live_rows = np.flatnonzero(np.array(mask).reshape(-1))
+        return super().__call__(x, mask, cfg)
 
 
 def build(g: GGUFFile, dtype) -> EncoderModel:
