@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         if args.format == "mlx":
             raise UsageError(f"--quant {args.quant} writes GGUF; for mlx use --quant dwq-3 or dwq-4")
         from hf2q.convert.dwq_gguf import convert_dwq_gguf
-        return convert_dwq_gguf(args)
+        return convert_dwq_gguf(args, default_output)
     if quant.startswith("dwq"):
         if _wants_gguf(args):
             raise InputError(f"--quant {args.quant} (distilled weight quantization) needs --format mlx: "

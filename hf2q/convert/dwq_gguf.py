@@ -51,9 +51,9 @@ def parse_gguf_dwq(name: str) -> str:
                      "6-bit scale codes are too coarse and q4_0/q5_0/q8_0 have no min")
 
 
-def convert_dwq_gguf(args: argparse.Namespace) -> int:
-    """CLI entry for ``--quant dwq-q4_1|dwq-q5_1`` (``hf2q.convert.command`` dispatches here)."""
-    from hf2q.convert.command import default_output
+def convert_dwq_gguf(args: argparse.Namespace, default_output) -> int:
+    """CLI entry for ``--quant dwq-q4_1|dwq-q5_1`` (``hf2q.convert.command`` dispatches here, with its
+    ``default_output(src, quant)`` naming rule)."""
     from hf2q.convert.dwq_convert import report_arg, settings_from_args, summary
     from hf2q.convert.pipeline import dry_run
     from hf2q.convert.quant_names import GGUF_QUANTS

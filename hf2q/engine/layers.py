@@ -160,7 +160,7 @@ class Linear:
     def __init__(self, t: "GGUFTensor | list[GGUFTensor]", dtype, bias: mx.array | None = None):
         """``t`` one tensor, or quantized 2-D tensors of one type and width read as one linear over their rows in
         order (:func:`load_products`)."""
-        tensors = [t] if isinstance(t, GGUFTensor) else list(t)
+        tensors = list(t) if isinstance(t, (list, tuple)) else [t]  # a GGUFTensor or one shaped like it
         t = tensors[0]
         self.name = "+".join(x.name for x in tensors)
         self.shape = t.shape if len(tensors) == 1 else (sum(x.shape[0] for x in tensors), t.shape[1])
