@@ -142,6 +142,7 @@ def nomic_v2_shape_gguf(work: Path) -> Path:
     real model: its hyper-parameters decide every tensor's shape, its tokenizer keys are kept whole."""
     import gguf
     from hf2q.fetch import LLAMA_CPP_SDIST, fetch
+    from hf2q.formats.gguf_hparams import moe_block
     from hf2q.formats.gguf_keys import Keys
 
     out = work / "nomic-v2-moe-shape-f16.gguf"
@@ -166,7 +167,7 @@ def nomic_v2_shape_gguf(work: Path) -> Path:
         w.add_tensor(p + "attn_qkv.bias", vec(3 * h, 0.0))
         w.add_tensor(p + "attn_output.weight", mat(h, h))
         w.add_tensor(p + "attn_output.bias", vec(h, 0.0))
-        if i % every == 1:
+        if moe_block(i, every):
             w.add_tensor(p + "ffn_gate_inp.weight", mat(experts, h).astype(np.float32) * 3.0)
             w.add_tensor(p + "ffn_up_exps.weight", mat(experts, ff, h))
             w.add_tensor(p + "ffn_down_exps.weight", mat(experts, h, ff))

@@ -182,7 +182,7 @@ def run(args) -> int:
     for path, model_id, kind, need in plans:
         chat = kind == "chat"
         text = GGUFChatModel.from_gguf(path, model_id) if chat else GGUFEmbeddingModel.from_gguf(path, model_id)
-        mmproj = getattr(args, "mmprojs", {}).get(model_id)
+        mmproj = args.mmprojs.get(model_id)
         vision = vision_for(mmproj, text) if mmproj is not None else None
         entries.append(Entry(model_id, path, kind, need, text, chat_config if chat else embed_config,
                              partial(runner_factory, path, args.ctx, 1, args, vision) if chat
@@ -202,7 +202,7 @@ async def _serve(args, entries, budget: int) -> None:
         if lg.getEffectiveLevel() > logging.INFO:
             lg.setLevel(logging.INFO)
     mode = choose_mode(getattr(args, "operator_ui", "plain"), log_format())
-    for line in getattr(args, "mmproj_lines", ()):
+    for line in args.mmproj_lines:
         log.info(line)  # which vision projector serves each vision model's images, or why none
     if mode != "dashboard":  # the dashboard's rows replace the per-request lines
         for entry in entries:

@@ -65,8 +65,6 @@ class TimeSlice(RowSource):
         return np.ascontiguousarray(x.reshape(-1, self.shape[-1])[lo:hi], dtype=np.float32)
 
 
-
-
 def preprocessor_config(src: Path) -> dict[str, Any]:
     """``preprocessor_config.json`` overlaid with ``processor_config.json``'s ``image_processor`` (the
     converter's precedence)."""

@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 
 from hf2q.ggml.common import fp16_bits, half_to_f32, u16_bytes
-from hf2q.ggml.legacy import QK, high_bits, pack_nibbles
+from hf2q.ggml.legacy import QK, _nibbles, _qh_bits, high_bits, pack_nibbles
 
 T = gguf.GGMLQuantizationType
 BITS = {T.Q4_1: 4, T.Q5_1: 5}
@@ -55,10 +55,7 @@ def unpack(raw: np.ndarray, qtype, shape: tuple[int, int]) -> AffineBlocks:
     d = half_to_f32(b[:, 0:2]).astype(np.float16)
     m = half_to_f32(b[:, 2:4]).astype(np.float16)
     qs = b[:, 4:20] if bits == 4 else b[:, 8:24]
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=1)
-    if bits == 5:
-        qh = np.ascontiguousarray(b[:, 4:8]).view("<u4")[:, 0]
-        q = q | (((qh[:, None] >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
+    q = _nibbles(qs) | (_qh_bits(b[:, 4:8]) if bits == 5 else 0)  # the codes, as the GGML codec reads them
     per_row = cols // QK
     return AffineBlocks(d.reshape(rows, per_row), m.reshape(rows, per_row), q.astype(np.uint8).reshape(rows, cols))
 

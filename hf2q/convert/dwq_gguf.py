@@ -196,14 +196,19 @@ def write_dwq_gguf(src: Path, out: Path, name: str, settings: DwqSettings, corpu
             plan.checkpoint.close()
         layout = QuantLayout(dwq_blocks.BITS[qtype], GROUP)
         t0 = time.perf_counter()
+        rerounded_blocks = {}  # built once: scored as a variant, written if it wins
+
+        def rerounded_student(f):
+            rerounded_blocks.update(student.rerounded(teacher, f))
+            return student.as_student(rerounded_blocks)
+
         fitted, section = distill(
             dec, teacher_mx, student.mx_arrays(), layout, tokens, settings, make_linear or default_linear,
-            _progress_logger(settings.steps),
-            variants={"rerounded": lambda f: student.as_student(student.rerounded(teacher, f))})
+            _progress_logger(settings.steps), variants={"rerounded": rerounded_student})
         dwq_s = time.perf_counter() - t0
         # the codes the fit trained with, unless re-rounding them against the fitted pairs scores better
         rerounded = section["heldout_rerounded"]["kl_mean"] < section["heldout_after"]["kl_mean"]
-        blocks = student.rerounded(teacher, fitted) if rerounded else student.trained(fitted)
+        blocks = rerounded_blocks if rerounded else student.trained(fitted)
         _patch(staging, student, blocks)
         section.update(corpus=corpus_name, codes="re-rounded" if rerounded else "trained",
                        heldout_written=section["heldout_rerounded" if rerounded else "heldout_after"],

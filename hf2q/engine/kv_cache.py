@@ -47,7 +47,8 @@ import numpy as np
 from hf2q.engine.kv_layout import END_STATE_PREFIX, has_end_state
 from hf2q.engine.kv_quant import KvCodec
 from hf2q.engine.recurrent_policy import (BLOCK_ENDS_KEPT, CHECKPOINT_INTERVAL, CHECKPOINTS_KEPT, KV_GROW,
-                                          WINDOW_POINTS_KEPT, WINDOW_SNAPSHOTS_KEPT, ReusePoints, room_for)
+                                          WINDOW_POINTS_KEPT, WINDOW_SNAPSHOTS_KEPT, ReusePoints, keep_newest,
+                                          room_for)
 
 GROW = KV_GROW
 
@@ -148,8 +149,7 @@ class RecurrentState:
         self.points.add(length, (list(conv), list(ssm)))
         if prompt and self.block_tokens and length % self.block_tokens == 0:
             self.block_ends[length] = (list(conv), list(ssm))
-            while len(self.block_ends) > BLOCK_ENDS_KEPT:
-                del self.block_ends[min(self.block_ends)]
+            keep_newest(self.block_ends, BLOCK_ENDS_KEPT)
 
     def state_at(self, length: int, current: int) -> tuple[list, list] | None:
         """(conv, ssm) at ``length`` if this still holds it (``current`` is the sequence's length)."""
@@ -504,8 +504,7 @@ class SequenceCache:
         values = {i: _each(copy, self._values[i]) for i in w.layers}
         mx.eval([a for buf in (*keys.values(), *values.values()) for a in _planes(buf)])
         w.snapshots[length] = (first, keys, values)
-        while len(w.snapshots) > w.snapshots_kept:
-            del w.snapshots[min(w.snapshots)]
+        keep_newest(w.snapshots, w.snapshots_kept)
 
     def advance(self, n: int) -> None:
         self._length += n

@@ -55,6 +55,12 @@ def window_positions(window: int, new_tokens: int = 1) -> int:
     return live + WINDOW_SNAPSHOTS_KEPT * window
 
 
+def keep_newest(held: dict, kept: int) -> None:
+    """Drop the lowest lengths of ``held`` (length → state) until at most ``kept`` remain."""
+    while len(held) > kept:
+        del held[min(held)]
+
+
 class ReusePoints:
     """The lengths a sequence keeps a reuse point at, each with what that part of the cache needs to
     return there (a recurrent state; nothing for a window, whose buffer keeps the positions).

@@ -43,7 +43,7 @@ from hf2q.engine.kv_cache import PrefixNotReusable, SequenceCache, StackedDecode
 from hf2q.engine.kv_layout import END_STATE_PREFIX, has_end_state
 from hf2q.engine.models.deepseek4_layout import LayerRows
 from hf2q.engine.recurrent_policy import (BLOCK_ENDS_KEPT, CHECKPOINT_INTERVAL, KV_GROW, WINDOW_POINTS_KEPT,
-                                          WINDOW_SNAPSHOTS_KEPT, ReusePoints, room_for)
+                                          WINDOW_SNAPSHOTS_KEPT, ReusePoints, keep_newest, room_for)
 
 
 def _copy(a: mx.array) -> mx.array:
@@ -335,8 +335,7 @@ class Deepseek4Cache(SequenceCache):
         for p, (kind, rows) in aged.items():
             if kind == self.TRANSACTION_END:
                 self.ends[p] = rows
-        while len(self.ends) > self.ends_kept:
-            del self.ends[min(self.ends)]
+        keep_newest(self.ends, self.ends_kept)
         self._capture_block_ends(start, n, transaction)
 
     def _snapshot(self, n: int) -> list[LayerState]:
@@ -444,8 +443,7 @@ class Deepseek4Cache(SequenceCache):
         first = (start // self.block_tokens + 1) * self.block_tokens
         for p in range(first, start + n + 1, self.block_tokens):
             self._block_ends[p] = self.points[p][1] if p in self.points else self._snapshot(p)
-        while len(self._block_ends) > BLOCK_ENDS_KEPT:
-            del self._block_ends[min(self._block_ends)]
+        keep_newest(self._block_ends, BLOCK_ENDS_KEPT)
 
     def _rows_at(self, end: int) -> list[LayerState] | None:
         if end == self._length or self._held(end):

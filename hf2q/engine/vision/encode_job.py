@@ -37,15 +37,10 @@ class EncodeStep:
     message: str = ""
 
 
-def image_tokens(tokens: Sequence[int]) -> np.ndarray:
-    """``tokens`` as int64, for the image-id tests (image ids need more than 32 bits)."""
-    return np.asarray(tokens, dtype=np.int64)
-
-
 def shifts_through(tokens: Sequence[int], store) -> list[tuple[int, int]]:
     """The ``(length, shift)`` pairs the images in ``tokens`` leave when prefilled from position 0
     (only the stretch from the first image token to the last is walked: text outside adds no pair)."""
-    where = np.flatnonzero(image_tokens(tokens) >= IMAGE_ID_BASE)
+    where = np.flatnonzero(np.asarray(tokens, dtype=np.int64) >= IMAGE_ID_BASE)  # ids past 32 bits
     if not where.size:
         return []
     a, b = int(where[0]), int(where[-1]) + 1
@@ -67,7 +62,7 @@ def plan_images(runner, seq, prompt: Sequence[int], cached: int,
             seq.mrope_shifts = shifts_through(prompt[:cached], store)
         except InputError as e:
             return EncodeStep("failed", 400, str(e))
-    rest = image_tokens(prompt[cached:])
+    rest = np.asarray(prompt[cached:], dtype=np.int64)
     keys = dict.fromkeys(split_image_token(int(t))[0] for t in rest[rest >= IMAGE_ID_BASE])
     return [ImageEncodeJob(key) for key in keys]
 
