@@ -30,3 +30,21 @@ def process_cpu_s(pid: int | str = "self") -> float:
     """User + system CPU seconds of a process so far (Linux ``/proc``; this one by default)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def synth_file(work: Path, shape: str, layers: int, mix: str, vocab: str | None = None) -> Path:
+    """A random-weight GGUF of ``shape`` from ``bench/synth_gguf.py``, made once under ``work`` (the loader
+    needs a real tokenizer: llama.cpp's Qwen2 vocabulary GGUF unless ``vocab`` names one)."""
+    import subprocess
+    import sys
+
+    if vocab is None:
+        from tests.tools import llama_cpp
+
+        vocab = str(llama_cpp.source_dir() / "models" / "ggml-vocab-qwen2.gguf")
+    path = work / f"{shape}-{layers}l-{mix}.gguf"
+    if not path.exists():
+        subprocess.run([sys.executable, str(Path(__file__).with_name("synth_gguf.py")), "--shape", shape, "--layers",
+                        str(layers), "--mix", mix, "--vocab-gguf", vocab, "-o", str(path)],
+                       check=True, stdout=subprocess.DEVNULL)
+    return path

@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import emit  # noqa: E402
+from bench.common import emit, synth_file  # noqa: E402
 
 #: run in the child: one load, its figures as one JSON line
 CHILD = r"""
@@ -49,18 +49,6 @@ print(json.dumps({"load_s": round(t1 - t0, 3), "load_cpu_s": round(c1 - c0, 3), 
                   "rss_before_mb": round(before), "weights_mb": round(runner.model.weights_nbytes() / 2 ** 20),
                   "qkv_products": len(layer.attn.qkv), "gate_up_products": len(layer.ffn.gate_up)}))
 """
-
-
-def synth_file(work: Path, shape: str, layers: int, mix: str, vocab: str | None) -> Path:
-    if vocab is None:
-        from tests.tools import llama_cpp
-
-        vocab = str(llama_cpp.source_dir() / "models" / "ggml-vocab-qwen2.gguf")
-    path = work / f"{shape}-{layers}l-{mix}.gguf"
-    if not path.exists():
-        subprocess.run([sys.executable, str(ROOT / "bench/synth_gguf.py"), "--shape", shape, "--layers", str(layers),
-                        "--mix", mix, "--vocab-gguf", vocab, "-o", str(path)], check=True, stdout=subprocess.DEVNULL)
-    return path
 
 
 def load_once(path: Path, fused: bool) -> dict:

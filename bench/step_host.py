@@ -30,7 +30,6 @@ import os
 import pstats
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,7 +41,7 @@ os.environ.setdefault("HF2Q_NO_CPU_KERNELS", "1")  # no host C matvec evaluated 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import emit  # noqa: E402
+from bench.common import emit, synth_file  # noqa: E402
 from hf2q.engine.factory import prepare_mlx  # noqa: E402
 
 prepare_mlx()
@@ -51,23 +50,6 @@ import numpy as np  # noqa: E402
 
 PROMPT = 64
 WARM_STEPS = 4
-
-
-def synth_files(work: Path, mixes: list[str], layers: int, vocab: str | None) -> list[Path]:
-    """The synthesised files (the loader needs a real tokenizer: llama.cpp's Qwen2 vocabulary GGUF)."""
-    if vocab is None:
-        from tests.tools import llama_cpp
-
-        vocab = str(llama_cpp.source_dir() / "models" / "ggml-vocab-qwen2.gguf")
-    out = []
-    for mix in mixes:
-        path = work / f"qwen3-tiny-{layers}l-{mix}.gguf"
-        if not path.exists():
-            subprocess.run([sys.executable, str(ROOT / "bench/synth_gguf.py"), "--shape", "qwen3-tiny", "--layers",
-                            str(layers), "--mix", mix, "--vocab-gguf", vocab, "-o", str(path)],
-                           check=True, stdout=subprocess.DEVNULL)
-        out.append(path)
-    return out
 
 
 #: primitives that make a view of their input (no kernel of their own unless a later op needs a contiguous copy)
@@ -151,7 +133,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="hf2q-step-host-") as tmp:
         work = Path(args.work or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        files = [Path(g) for g in args.gguf] or synth_files(work, args.mixes.split(","), args.layers, args.vocab_gguf)
+        files = [Path(g) for g in args.gguf] or [synth_file(work, "qwen3-tiny", args.layers, m, args.vocab_gguf)
+                                                   for m in args.mixes.split(",")]
         report = {"device": str(mx.default_device()), "prompt": PROMPT, "steps": args.steps, "runs": {}}
         for path in files:
             runner = MlxModelRunner.load(path, ctx=PROMPT + WARM_STEPS + args.steps + 8)

@@ -94,6 +94,21 @@ def engine_threads_finished(grace_s: float) -> bool:
     return True
 
 
+def leave_if_engine_busy(grace_s: float = 1.0) -> None:
+    """After a server's runtime is over: if an engine thread still runs (stopped while loading, or
+    stuck), flush and leave with status 0 at once (``engine_threads_finished``)."""
+    if engine_threads_finished(grace_s):
+        return
+    import logging
+    import os
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def finish_device_work() -> None:
     """Wait for the device work the engine queued and nobody reads any more (a pipelined decode step
     queued ahead of the last one read), so that an engine thread that says it is done is."""

@@ -233,13 +233,9 @@ def run(args) -> int:
     failure = trio.run(partial(_serve, args, model_path, chat_model, embed_path, embed_model, opener))
     if failure:
         raise ConversionError(failure)
-    from hf2q.actors.engine_thread import engine_threads_finished
+    from hf2q.actors.engine_thread import leave_if_engine_busy
 
-    if not engine_threads_finished(1.0):  # stopped while loading (or stuck): finalizing would abort under it
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    leave_if_engine_busy()  # stopped while loading (or stuck): finalizing would abort under it
     return 0
 
 

@@ -188,6 +188,9 @@ def run(args) -> int:
                              partial(runner_factory, path, args.ctx, 1, args, vision) if chat
                              else partial(runner_factory, path, None)))
     trio.run(partial(_serve, args, entries, budget))
+    from hf2q.actors.engine_thread import leave_if_engine_busy
+
+    leave_if_engine_busy()  # as one model's serve: a stop during a load must not abort at exit
     return 0
 
 
