@@ -482,21 +482,27 @@ def step_compiling() -> bool:
     return not os.environ.get("HF2Q_NO_STEP_COMPILE")
 
 
+def norm_rope(q: mx.array, k: mx.array, offset, q_norm: mx.array | None, k_norm: mx.array | None, *, dims: int,
+              rope: dict, eps: float) -> tuple[mx.array, mx.array]:
+    """Query and key heads ``[B, L, heads, d]`` RMS-normed (when ``q_norm``/``k_norm`` are given) and rotated from
+    ``offset``, as ``[B, heads, L, d]``: the one body of the plain and the traced (:func:`qk_rotation`) paths."""
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    return (mx.fast.rope(q.transpose(0, 2, 1, 3), dims, offset=offset, **rope),
+            mx.fast.rope(k.transpose(0, 2, 1, 3), dims, offset=offset, **rope))
+
+
 _ROTATIONS: dict[tuple, object] = {}
 
 
 def qk_rotation(dims: int, rope: dict, eps: float, qk_norm: bool):
-    """``(q, k, offset, q_norm, k_norm) -> (q, k)``: a decode row's query and key heads ``[B, 1, heads, d]`` normed
-    (``qk_norm``) and rotated, as ``[B, heads, 1, d]``, replayed from one trace per batch size (shared by the layers
-    of one RoPE configuration). ``offset`` is an int32 array (``ForwardBatch.offset_array``), so a new position
-    is a new input, not a new trace; the ops are those of the plain code, in order, so the results are equal."""
+    """``(q, k, offset, q_norm, k_norm) -> (q, k)``: :func:`norm_rope` of a decode row (``[B, 1, heads, d]``),
+    replayed from one trace per batch size (shared by the layers of one RoPE configuration). ``offset`` is an
+    int32 array (``ForwardBatch.offset_array``), so a new position is a new input, not a new trace."""
     key = (dims, eps, qk_norm, *((k, id(v) if isinstance(v, mx.array) else v) for k, v in sorted(rope.items())))
     if key not in _ROTATIONS:
         def rotate(q, k, offset, q_norm, k_norm):
-            if qk_norm:
-                q, k = mx.fast.rms_norm(q, q_norm, eps), mx.fast.rms_norm(k, k_norm, eps)
-            return (mx.fast.rope(q.transpose(0, 2, 1, 3), dims, offset=offset, **rope),
-                    mx.fast.rope(k.transpose(0, 2, 1, 3), dims, offset=offset, **rope))
+            return norm_rope(q, k, offset, q_norm if qk_norm else None, k_norm, dims=dims, rope=rope, eps=eps)
 
         _ROTATIONS[key] = mx.compile(rotate)
     return _ROTATIONS[key]

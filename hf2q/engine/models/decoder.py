@@ -15,7 +15,8 @@ import attrs
 import mlx.core as mx
 
 from hf2q.engine.kv_cache import ForwardBatch
-from hf2q.engine.layers import Linear, load_products, qk_rotation, rms_norm, run_products, silu, step_compiling
+from hf2q.engine.layers import (Linear, load_products, norm_rope, qk_rotation, rms_norm, run_products, silu,
+                                step_compiling)
 from hf2q.formats.gguf_file import GGUFFile
 from hf2q.kernels import cpu_ops
 
@@ -100,15 +101,11 @@ class Attention:
     def attend_projected(self, q: mx.array, k: mx.array, v: mx.array, fb: ForwardBatch) -> mx.array:
         """:meth:`attend` from the projections ``[B, L, heads, head_dim]``: norms, RoPE, the cache."""
         c = self.cfg
+        norms = (self.q_norm, self.k_norm) if c.qk_norm else (None, None)
         if self._rotate is not None and fb.n_new == 1:
-            q, k = self._rotate(q, k, fb.offset_array, *((self.q_norm, self.k_norm) if c.qk_norm else (None, None)))
+            q, k = self._rotate(q, k, fb.offset_array, *norms)
             return self.attend_rotated(q, k, v.transpose(0, 2, 1, 3), fb)
-        if c.qk_norm:
-            q = rms_norm(q, self.q_norm, c.norm_eps)
-            k = rms_norm(k, self.k_norm, c.norm_eps)
-        off = fb.offset
-        q = mx.fast.rope(q.transpose(0, 2, 1, 3), c.rope_dims, offset=off, **self._rope)
-        k = mx.fast.rope(k.transpose(0, 2, 1, 3), c.rope_dims, offset=off, **self._rope)
+        q, k = norm_rope(q, k, fb.offset, *norms, dims=c.rope_dims, rope=self._rope, eps=c.norm_eps)
         return self.attend_rotated(q, k, v.transpose(0, 2, 1, 3), fb)
 
     def attend_rotated(self, q: mx.array, k: mx.array, v: mx.array, fb: ForwardBatch) -> mx.array:
