@@ -43,6 +43,8 @@ log = logging.getLogger("hf2q.gpu")
 
 #: how often a pending transaction of a multi-process runner checks that every rank is alive
 PEER_POLL_S = 0.5
+#: how long shutdown waits for the engine thread of a poisoned engine (``wait_stopped``)
+POISONED_STOP_WAIT_S = 3.0
 
 
 def make_sampler(params):
@@ -239,13 +241,17 @@ class GpuOwner:
     async def wait_stopped(self, limit_s: float) -> bool:
         """After :meth:`stop`: wait (at most ``limit_s``) until the engine thread has finished the job it
         was running and its queued device work (``EngineThread.exited``) — the process must not exit
-        under a running engine call. A thread still loading the model, or one of a poisoned engine (its
-        job may be hung, or wait on a dead rank), is not waited for. Whether the thread is done."""
+        under a running engine call. A thread still loading the model is not waited for; one of a
+        poisoned engine only briefly (``POISONED_STOP_WAIT_S``): its fault has usually returned already
+        and it only has to leave, but its job may also be hung, or wait on a dead rank. Whether the
+        thread is done."""
         thread = self._thread
         if thread is None or thread.exited.is_set():
             return True
-        if self._stopped_loading or self._supervisor.poisoned:
+        if self._stopped_loading:
             return False
+        if self._supervisor.poisoned:
+            limit_s = min(limit_s, POISONED_STOP_WAIT_S)
         pause = 0.001  # a job is usually over within milliseconds: look often first
         with trio.CancelScope(deadline=trio.current_time() + limit_s, shield=True):  # also in a cancelled exit
             while not thread.exited.is_set():
