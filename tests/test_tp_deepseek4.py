@@ -1,0 +1,164 @@
+"""DeepSeek-V4 (``deepseek4``) at TP = 2 on CPU ranks: query heads, sinks and output groups split, the
+shared K=V head, compressors and indexer replicated, experts split by expert.
+
+The reference is the same GGUF (llama.cpp's f32 conversion of the tiny official-layout checkpoint,
+``tests/test_engine_deepseek4.py``) on one rank. The 150-token prompt passes the 128-token window and
+closes sparse (ratio 4, more than the indexer's top 16) and heavily compressed (ratio 128) blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hf2q.engine.models.deepseek4_tp import output_group_plan
+from hf2q.engine.tensor_parallel import shard_gguf
+from hf2q.errors import InputError
+from hf2q.formats.gguf_file import open_gguf
+from hf2q.formats.gguf_keys import ExtraKeys
+from tests.engine_support import random_tokens
+from tests.test_tensor_parallel import GROUP_TIMEOUT_S, ROOT
+
+CTX = 256
+PROMPT = 150
+DECODE = 8
+#: fp32 logits at TP = 2 against one rank, relative to the largest logit (summation order only)
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def v4_gguf():
+    from tests.test_engine_deepseek4 import deepseek4_gguf
+
+    return deepseek4_gguf()
+
+
+# ---------------------------------------------------------------------------- the cut (no processes)
+
+def test_output_groups_cover_every_head_once():
+    """Whole groups per rank, or a share of one group's heads; never heads of two partial groups."""
+    for heads, groups, size in [(8, 2, 2), (8, 2, 4), (8, 2, 8), (64, 8, 2), (64, 8, 16), (8, 1, 2), (8, 8, 4)]:
+        per_group, q = heads // groups, heads // size
+        covered = set()
+        for r in range(size):
+            p = output_group_plan(heads, groups, 3, r * q, q)
+            cols = range(p.col_start // 3, p.col_stop // 3)
+            assert len(cols) * p.group_count == q
+            for g in range(p.group_start, p.group_start + p.group_count):
+                covered |= {g * per_group + c for c in cols}
+        assert covered == set(range(heads)), (heads, groups, size)
+    with pytest.raises(InputError, match="straddle"):
+        output_group_plan(12, 4, 3, 2, 2)  # heads 2, 3 lie in groups 0 and 1
+
+
+def test_shards_reassemble_the_attention_and_experts(v4_gguf):
+    from gguf import quants
+
+    g = open_gguf(v4_gguf)
+    views = [shard_gguf(g, r, 2) for r in range(2)]
+
+    def dense(t):
+        return quants.dequantize(np.asarray(t.data), t.qtype).reshape(t.shape)
+
+    for i in range(g.hparams.n_layers):
+        p = f"blk.{i}."
+        whole = {n: dense(g.tensors[p + n]) for n in ("attn_q_b.weight", "attn_sinks.weight", "attn_output_a.weight",
+                                                       "attn_output_b.weight", "ffn_gate_exps.weight")}
+        parts = {n: [dense(v.tensors[p + n]) for v in views] for n in whole}
+        np.testing.assert_array_equal(np.concatenate(parts["attn_q_b.weight"], 0), whole["attn_q_b.weight"])
+        np.testing.assert_array_equal(np.concatenate(parts["attn_sinks.weight"], 0), whole["attn_sinks.weight"])
+        np.testing.assert_array_equal(np.concatenate(parts["attn_output_a.weight"], 0), whole["attn_output_a.weight"])
+        np.testing.assert_array_equal(np.concatenate(parts["attn_output_b.weight"], 1), whole["attn_output_b.weight"])
+        np.testing.assert_array_equal(np.concatenate(parts["ffn_gate_exps.weight"], 0), whole["ffn_gate_exps.weight"])
+        for n in ("attn_q_a.weight", "attn_kv.weight", "ffn_gate_inp.weight"):  # replicated
+            assert all(v.tensors[p + n] is g.tensors[p + n] for v in views), n
+    hp = views[0].hparams
+    assert (hp.n_heads, hp.stored(ExtraKeys.OUTPUT_GROUP_COUNT)) == (4, 1)
+
+
+def test_unsplittable_shape_is_one_input_error_before_any_rank_starts(v4_gguf):
+    """8 query heads over 3 ranks: ``hf2q serve`` exits 3 with one line, and starts no follower."""
+    run = subprocess.run([sys.executable, "-m", "hf2q", "serve", "--model", str(v4_gguf), "--tensor-parallel", "3",
+                          "--ctx", str(CTX), "--port", "1", "--operator-ui", "plain"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 3, (run.stdout, run.stderr[-2000:])
+    lines = [ln for ln in run.stderr.splitlines() if ln.strip()]
+    assert "do not split over 3 ranks" in lines[-1] and "Traceback" not in run.stderr, run.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------- two ranks against one
+
+DRIVER = r"""
+import sys
+import numpy as np
+sys.path.insert(0, {root!r})
+from hf2q.engine import tp_launch
+path, out = sys.argv[1], sys.argv[2]
+runner = tp_launch.runner_factory(path, 2, {ctx})()
+import mlx.core as mx
+from tests.test_tp_deepseek4 import scenario
+calls = {{"n": 0}}
+real = mx.distributed.all_sum
+def all_sum(*a, **k):
+    calls["n"] += 1
+    return real(*a, **k)
+mx.distributed.all_sum = all_sum
+np.savez(out, **scenario(runner, calls))
+runner.close()
+"""
+
+
+def scenario(runner, calls: dict | None = None) -> dict[str, np.ndarray]:
+    """A long prompt in two transactions (split mid-block), greedy decode steps, a second sequence decoding
+    beside it (a batched step), then the first back at a reuse point and continued."""
+    prompt = random_tokens(PROMPT, low=3, high=49152, seed=11)
+    a = runner.new_sequence()
+    runner.prefill(a, prompt[:70])
+    out = {"prefill_a": runner.prefill(a, prompt[70:])}
+    toks, steps, reduces = [int(out["prefill_a"].argmax())], [], []
+    for _ in range(DECODE):
+        if calls is not None:
+            calls["n"] = 0
+        lg = runner.decode([a], [toks[-1]])[0]
+        reduces.append(calls["n"] if calls is not None else -1)
+        steps.append(lg)
+        toks.append(int(lg.argmax()))
+    out["decode_a"], out["tokens_a"], out["reduces"] = np.stack(steps), np.asarray(toks), np.asarray(reduces)
+    b = runner.new_sequence()
+    out["prefill_b"] = runner.prefill(b, prompt[3:40])
+    pair, batched = [toks[-1], int(out["prefill_b"].argmax())], []
+    for _ in range(3):
+        lg = runner.decode([a, b], pair)
+        batched.append(lg)
+        pair = [int(x) for x in lg.argmax(-1)]
+    out["decode_ab"] = np.stack(batched)
+    back = a.reuse_points()[-1]
+    a.trim(back)
+    out["after_trim"] = runner.prefill(a, [7, 8, 9])
+    out["lengths"] = np.asarray([a.length, b.length, back])
+    return out
+
+
+@pytest.mark.slow
+def test_two_ranks_match_one_rank_with_two_all_reduces_per_block(v4_gguf, tmp_path):
+    from hf2q.engine.runner import MlxModelRunner
+
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER.format(root=str(ROOT), ctx=CTX))
+    run = subprocess.run([sys.executable, str(script), str(v4_gguf), str(tmp_path / "tp.npz")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=GROUP_TIMEOUT_S)
+    assert run.returncode == 0, run.stderr[-3000:]
+    with np.load(tmp_path / "tp.npz") as z:
+        tp = {k: z[k] for k in z.files}
+    ref = scenario(MlxModelRunner.load(v4_gguf, ctx=CTX))
+    for key in ("tokens_a", "lengths"):
+        np.testing.assert_array_equal(tp[key], ref[key], err_msg=key)
+    for key in ("prefill_a", "decode_a", "prefill_b", "decode_ab", "after_trim"):
+        scale = float(np.abs(ref[key]).max())
+        np.testing.assert_allclose(tp[key], ref[key], rtol=0, atol=TOL * scale, err_msg=key)
+    # one all-reduce after each block's attention output, one after its feed-forward (experts + shared)
+    assert tp["reduces"].tolist() == [2 * open_gguf(v4_gguf).hparams.n_layers] * DECODE, tp["reduces"]
