@@ -15,13 +15,14 @@ import sys
 import numpy as np
 import pytest
 
+from hf2q.engine.memory_plan import rank_need
 from hf2q.engine.models.deepseek4_tp import output_group_plan
 from hf2q.engine.tensor_parallel import shard_gguf
 from hf2q.errors import InputError
 from hf2q.formats.gguf_file import open_gguf
 from hf2q.formats.gguf_keys import ExtraKeys
 from tests.engine_support import random_tokens
-from tests.test_tensor_parallel import GROUP_TIMEOUT_S, ROOT
+from tests.test_tensor_parallel import GROUP_TIMEOUT_S, ROOT, serve_prompts
 
 CTX = 256
 PROMPT = 150
@@ -78,6 +79,9 @@ def test_shards_reassemble_the_attention_and_experts(v4_gguf):
             assert all(v.tensors[p + n] is g.tensors[p + n] for v in views), n
     hp = views[0].hparams
     assert (hp.n_heads, hp.stored(ExtraKeys.OUTPUT_GROUP_COUNT)) == (4, 1)
+    # the memory plan: a rank holds its share of the weights and the whole (replicated) compact cache
+    one, two = (rank_need(g, n, 10**6, float_bytes=4, scale_bytes=2) for n in (1, 2))
+    assert one.weights / 2 < two.weights < one.weights and two.kv == one.kv == 10**6
 
 
 def test_unsplittable_shape_is_one_input_error_before_any_rank_starts(v4_gguf):
@@ -162,3 +166,53 @@ def test_two_ranks_match_one_rank_with_two_all_reduces_per_block(v4_gguf, tmp_pa
         np.testing.assert_allclose(tp[key], ref[key], rtol=0, atol=TOL * scale, err_msg=key)
     # one all-reduce after each block's attention output, one after its feed-forward (experts + shared)
     assert tp["reduces"].tolist() == [2 * open_gguf(v4_gguf).hparams.n_layers] * DECODE, tp["reduces"]
+
+
+# ---------------------------------------------------------------------------- through the serving runtime
+
+RUNTIME_DRIVER = r"""
+import json, os, sys
+sys.path.insert(0, {root!r})
+os.environ["HF2Q_TP_PIPELINE"] = "1"  # queue decode steps ahead, as over NCCL (GPUs)
+import trio
+from tests.test_tensor_parallel import serve_prompts
+from tests.test_tp_deepseek4 import runtime_config
+from hf2q.actors.runtime import open_runtime
+from hf2q.engine import tp_launch
+
+async def main(path, prompts):
+    async with open_runtime(tp_launch.runner_factory(path, 2, {ctx}), runtime_config()) as rt:
+        assert await rt.wait_ready(), rt.readiness()
+        print(json.dumps(await serve_prompts(rt, prompts)))
+
+trio.run(main, sys.argv[1], json.loads(sys.argv[2]))
+"""
+
+
+def runtime_config():
+    from hf2q.sched.contracts import RuntimeConfig
+
+    return RuntimeConfig(slots=2, ctx=CTX, prefill_chunk=48, gpu_deadline_s=120)
+
+
+@pytest.mark.slow
+async def test_runtime_on_two_ranks_serves_what_one_rank_serves(v4_gguf, tmp_path):
+    """Two concurrent T=0 requests (one long enough to compress) in bounded prefill transactions, batched and
+    pipelined decode, then the long one again in its reused slot: the same tokens at TP = 2 as at 1."""
+    import trio
+
+    from hf2q.actors.runtime import open_runtime
+    from hf2q.engine.tp_launch import runner_factory
+
+    prompts = [random_tokens(PROMPT, low=3, high=49152, seed=5), random_tokens(30, low=3, high=49152, seed=6)]
+    script = tmp_path / "runtime_driver.py"
+    script.write_text(RUNTIME_DRIVER.format(root=str(ROOT), ctx=CTX))
+    with trio.fail_after(GROUP_TIMEOUT_S):
+        proc = await trio.run_process([sys.executable, str(script), str(v4_gguf), json.dumps(prompts)], cwd=ROOT,
+                                      capture_stdout=True, capture_stderr=True, check=False)
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    got = json.loads(proc.stdout.decode().strip().splitlines()[-1])
+    async with open_runtime(runner_factory(v4_gguf, 1, CTX), runtime_config()) as rt:
+        assert await rt.wait_ready()
+        want = await serve_prompts(rt, prompts)
+    assert got == want and all(len(t) == 8 for t in want), (got, want)
