@@ -38,6 +38,34 @@ def v4_gguf():
     return deepseek4_gguf()
 
 
+@pytest.fixture(scope="module")
+def v4_float_gguf(v4_gguf, tmp_path_factory):
+    """``v4_gguf`` with its Q8_0 matrices stored as the F32 values they hold (the same model), minus the
+    vocabulary arrays: four ranks cut the shared expert's 64 columns into 16, inside a Q8_0 block."""
+    import gguf
+    from gguf import quants
+
+    from tests.test_tensor_parallel import TOKENIZER_ARRAYS
+
+    r = gguf.GGUFReader(v4_gguf)
+    dst = tmp_path_factory.mktemp("v4-tp") / "f32-only.gguf"
+    w = gguf.GGUFWriter(dst, str(r.get_field("general.architecture").contents()))
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture" or name in TOKENIZER_ARRAYS:
+            continue
+        w.add_key_value(name, f.contents(), f.types[0], f.types[1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
+    for t in r.tensors:
+        if t.tensor_type == gguf.GGMLQuantizationType.Q8_0:
+            w.add_tensor(t.name, quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32))
+        else:
+            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
 # ---------------------------------------------------------------------------- the cut (no processes)
 
 def test_output_groups_cover_every_head_once():
@@ -84,14 +112,17 @@ def test_shards_reassemble_the_attention_and_experts(v4_gguf):
     assert one.weights / 2 < two.weights < one.weights and two.kv == one.kv == 10**6
 
 
-def test_unsplittable_shape_is_one_input_error_before_any_rank_starts(v4_gguf):
-    """8 query heads over 3 ranks: ``hf2q serve`` exits 3 with one line, and starts no follower."""
-    run = subprocess.run([sys.executable, "-m", "hf2q", "serve", "--model", str(v4_gguf), "--tensor-parallel", "3",
-                          "--ctx", str(CTX), "--port", "1", "--operator-ui", "plain"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
+# 3: 8 query heads do not split; 4: the Q8_0 shared expert's 64 down-projection columns would be cut into 16
+@pytest.mark.parametrize(("size", "why"), [(3, "8 attention heads do not split over 3 ranks"),
+                                           (4, "not aligned to the 32-element Q8_0 blocks")])
+def test_unsplittable_shape_is_one_input_error_before_any_rank_starts(v4_gguf, size, why):
+    """``hf2q serve`` exits 3 with one line, before it starts a follower or loads a weight."""
+    run = subprocess.run([sys.executable, "-m", "hf2q", "serve", "--model", str(v4_gguf), "--tensor-parallel",
+                          str(size), "--ctx", str(CTX), "--port", "1", "--operator-ui", "plain"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
     assert run.returncode == 3, (run.stdout, run.stderr[-2000:])
     lines = [ln for ln in run.stderr.splitlines() if ln.strip()]
-    assert "do not split over 3 ranks" in lines[-1] and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert len(lines) == 1 and why in lines[0], run.stderr[-2000:]
 
 
 # ---------------------------------------------------------------------------- two ranks against one
@@ -102,7 +133,7 @@ import numpy as np
 sys.path.insert(0, {root!r})
 from hf2q.engine import tp_launch
 path, out = sys.argv[1], sys.argv[2]
-runner = tp_launch.runner_factory(path, 2, {ctx})()
+runner = tp_launch.runner_factory(path, int(sys.argv[3]), {ctx})()
 import mlx.core as mx
 from tests.test_tp_deepseek4 import scenario
 calls = {{"n": 0}}
@@ -148,24 +179,28 @@ def scenario(runner, calls: dict | None = None) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.slow
-def test_two_ranks_match_one_rank_with_two_all_reduces_per_block(v4_gguf, tmp_path):
+# 2 ranks: one output group each (the Q8_0 file); 4 ranks: two ranks share each group, its low-rank sum
+# split over them (the float copy: four ranks cannot cut the Q8_0 shared expert)
+@pytest.mark.parametrize("size", [2, 4])
+def test_ranks_match_one_rank_with_two_all_reduces_per_block(v4_gguf, v4_float_gguf, size, tmp_path):
     from hf2q.engine.runner import MlxModelRunner
 
+    model = v4_gguf if size == 2 else v4_float_gguf
     script = tmp_path / "driver.py"
     script.write_text(DRIVER.format(root=str(ROOT), ctx=CTX))
-    run = subprocess.run([sys.executable, str(script), str(v4_gguf), str(tmp_path / "tp.npz")], cwd=ROOT,
+    run = subprocess.run([sys.executable, str(script), str(model), str(tmp_path / "tp.npz"), str(size)], cwd=ROOT,
                          capture_output=True, text=True, timeout=GROUP_TIMEOUT_S)
     assert run.returncode == 0, run.stderr[-3000:]
     with np.load(tmp_path / "tp.npz") as z:
         tp = {k: z[k] for k in z.files}
-    ref = scenario(MlxModelRunner.load(v4_gguf, ctx=CTX))
+    ref = scenario(MlxModelRunner.load(model, ctx=CTX))
     for key in ("tokens_a", "lengths"):
         np.testing.assert_array_equal(tp[key], ref[key], err_msg=key)
     for key in ("prefill_a", "decode_a", "prefill_b", "decode_ab", "after_trim"):
         scale = float(np.abs(ref[key]).max())
         np.testing.assert_allclose(tp[key], ref[key], rtol=0, atol=TOL * scale, err_msg=key)
     # one all-reduce after each block's attention output, one after its feed-forward (experts + shared)
-    assert tp["reduces"].tolist() == [2 * open_gguf(v4_gguf).hparams.n_layers] * DECODE, tp["reduces"]
+    assert tp["reduces"].tolist() == [2 * open_gguf(model).hparams.n_layers] * DECODE, tp["reduces"]
 
 
 # ---------------------------------------------------------------------------- through the serving runtime
