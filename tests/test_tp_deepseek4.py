@@ -40,15 +40,18 @@ def v4_gguf():
 
 @pytest.fixture(scope="module")
 def v4_float_gguf(v4_gguf, tmp_path_factory):
-    """``v4_gguf`` with its Q8_0 matrices stored as the F32 values they hold (the same model), minus the
+    return float_copy(v4_gguf, tmp_path_factory.mktemp("v4-tp") / "f32-only.gguf")
+
+
+def float_copy(src, dst):
+    """``src`` with its Q8_0 matrices stored as the F32 values they hold (the same model), minus the
     vocabulary arrays: four ranks cut the shared expert's 64 columns into 16, inside a Q8_0 block."""
     import gguf
     from gguf import quants
 
     from tests.test_tensor_parallel import TOKENIZER_ARRAYS
 
-    r = gguf.GGUFReader(v4_gguf)
-    dst = tmp_path_factory.mktemp("v4-tp") / "f32-only.gguf"
+    r = gguf.GGUFReader(src)
     w = gguf.GGUFWriter(dst, str(r.get_field("general.architecture").contents()))
     for name, f in r.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture" or name in TOKENIZER_ARRAYS:

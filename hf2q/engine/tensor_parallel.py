@@ -16,6 +16,9 @@ each rank reads (from the memory-mapped GGUF) and holds only its share:
 * hybrid models (Qwen 3.5's Gated DeltaNet layers): split by value head, each with the key head it
   reads (:class:`DeltaNetPlan`), so a rank's conv and delta-rule state hold its heads only;
   ``ssm_out`` is row-parallel like ``attn_output``.
+* DeepSeek-V4 (low-rank queries over one shared K=V head, a grouped low-rank output): the query heads,
+  their sinks and the output groups are cut, the K=V head, compressors and indexer replicated
+  (``models/deepseek4_tp.py``).
 * embeddings, norms and the LM head stay replicated: after each all-reduce every rank
   holds the same hidden state, so every rank can produce the logits.
 
