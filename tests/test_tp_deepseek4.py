@@ -152,7 +152,8 @@ runner.close()
 
 def scenario(runner, calls: dict | None = None) -> dict[str, np.ndarray]:
     """A long prompt in two transactions (split mid-block), greedy decode steps, a second sequence decoding
-    beside it (a batched step), then the first back at a reuse point and continued."""
+    beside it (a batched step), the first back at a reuse point and continued, then a speculative verify
+    partly accepted."""
     prompt = random_tokens(PROMPT, low=3, high=49152, seed=11)
     a = runner.new_sequence()
     runner.prefill(a, prompt[:70])
@@ -177,6 +178,9 @@ def scenario(runner, calls: dict | None = None) -> dict[str, np.ndarray]:
     back = a.reuse_points()[-1]
     a.trim(back)
     out["after_trim"] = runner.prefill(a, [7, 8, 9])
+    out["verify"] = runner.verify(a, prompt[:5])  # a speculative check: every position's logits
+    a.trim(a.length - 2)  # a partial accept: back inside the verify forward
+    out["after_verify"] = runner.decode([a], [prompt[3]])[0]
     out["lengths"] = np.asarray([a.length, b.length, back])
     return out
 
@@ -199,7 +203,7 @@ def test_ranks_match_one_rank_with_two_all_reduces_per_block(v4_gguf, v4_float_g
     ref = scenario(MlxModelRunner.load(model, ctx=CTX))
     for key in ("tokens_a", "lengths"):
         np.testing.assert_array_equal(tp[key], ref[key], err_msg=key)
-    for key in ("prefill_a", "decode_a", "prefill_b", "decode_ab", "after_trim"):
+    for key in ("prefill_a", "decode_a", "prefill_b", "decode_ab", "after_trim", "verify", "after_verify"):
         scale = float(np.abs(ref[key]).max())
         np.testing.assert_allclose(tp[key], ref[key], rtol=0, atol=TOL * scale, err_msg=key)
     # one all-reduce after each block's attention output, one after its feed-forward (experts + shared)

@@ -113,10 +113,14 @@ class ExpertShareMoE:
 
 
 def parallelize(model, group) -> None:
-    """Each block of a shard's model computing the whole block: ``attn_output_b`` row-parallel and the
-    MoE reduced once (two all-reduces a block)."""
+    for block in model.blocks:
+        parallelize_block(block, group)
+
+
+def parallelize_block(block, group) -> None:
+    """A ``Deepseek4Block`` built from a shard computing the whole block: ``attn_output_b`` row-parallel and
+    the MoE reduced once (two all-reduces a block)."""
     from hf2q.engine.tensor_parallel import RowParallel
 
-    for block in model.blocks:
-        block.attn.o_b = RowParallel(block.attn.o_b, group)
-        block.moe = ExpertShareMoE(block.moe, group.rank(), group)
+    block.attn.o_b = RowParallel(block.attn.o_b, group)
+    block.moe = ExpertShareMoE(block.moe, group.rank(), group)
