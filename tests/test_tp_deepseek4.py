@@ -31,16 +31,16 @@ DECODE = 8
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def v4_gguf():
+def v4_file():
+    """llama.cpp's f32 conversion of the tiny checkpoint (built once, beside it)."""
     from tests.test_engine_deepseek4 import deepseek4_gguf
 
     return deepseek4_gguf()
 
 
 @pytest.fixture(scope="module")
-def v4_float_gguf(v4_gguf, tmp_path_factory):
-    return float_copy(v4_gguf, tmp_path_factory.mktemp("v4-tp") / "f32-only.gguf")
+def v4_float_gguf(tmp_path_factory):
+    return float_copy(v4_file(), tmp_path_factory.mktemp("v4-tp") / "f32-only.gguf")
 
 
 def float_copy(src, dst):
@@ -87,10 +87,10 @@ def test_output_groups_cover_every_head_once():
         output_group_plan(12, 4, 3, 2, 2)  # heads 2, 3 lie in groups 0 and 1
 
 
-def test_shards_reassemble_the_attention_and_experts(v4_gguf):
+def test_shards_reassemble_the_attention_and_experts():
     from gguf import quants
 
-    g = open_gguf(v4_gguf)
+    g = open_gguf(v4_file())
     views = [shard_gguf(g, r, 2) for r in range(2)]
 
     def dense(t):
@@ -118,9 +118,9 @@ def test_shards_reassemble_the_attention_and_experts(v4_gguf):
 # 3: 8 query heads do not split; 4: the Q8_0 shared expert's 64 down-projection columns would be cut into 16
 @pytest.mark.parametrize(("size", "why"), [(3, "8 attention heads do not split over 3 ranks"),
                                            (4, "not aligned to the 32-element Q8_0 blocks")])
-def test_unsplittable_shape_is_one_input_error_before_any_rank_starts(v4_gguf, size, why):
+def test_unsplittable_shape_is_one_input_error_before_any_rank_starts(size, why):
     """``hf2q serve`` exits 3 with one line, before it starts a follower or loads a weight."""
-    run = subprocess.run([sys.executable, "-m", "hf2q", "serve", "--model", str(v4_gguf), "--tensor-parallel",
+    run = subprocess.run([sys.executable, "-m", "hf2q", "serve", "--model", str(v4_file()), "--tensor-parallel",
                           str(size), "--ctx", str(CTX), "--port", "1", "--operator-ui", "plain"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 3, (run.stdout, run.stderr[-2000:])
@@ -131,23 +131,47 @@ def test_unsplittable_shape_is_one_input_error_before_any_rank_starts(v4_gguf, s
 # ---------------------------------------------------------------------------- two ranks against one
 
 DRIVER = r"""
-import sys
+import json, os, sys
 import numpy as np
 sys.path.insert(0, {root!r})
+from tests import test_tp_deepseek4 as t
 from hf2q.engine import tp_launch
-path, out = sys.argv[1], sys.argv[2]
-runner = tp_launch.runner_factory(path, int(sys.argv[3]), {ctx})()
-import mlx.core as mx
-from tests.test_tp_deepseek4 import scenario
-calls = {{"n": 0}}
-real = mx.distributed.all_sum
-def all_sum(*a, **k):
-    calls["n"] += 1
-    return real(*a, **k)
-mx.distributed.all_sum = all_sum
-np.savez(out, **scenario(runner, calls))
-runner.close()
+mode, path, size, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+if mode == "engine":
+    runner = tp_launch.runner_factory(path, size, t.CTX)()
+    result = t.scenario(runner, t.counting_all_sums())
+    runner.close()
+    with open(out, "wb") as f:
+        np.savez(f, **result)
+else:
+    os.environ["HF2Q_TP_PIPELINE"] = "1"  # queue decode steps ahead, as over NCCL (GPUs)
+    import trio
+    tokens = trio.run(t.served_tokens, tp_launch.runner_factory(path, size, t.CTX), json.loads(sys.argv[5]))
+    open(out, "w").write(json.dumps(tokens))
 """
+
+
+def run_group(tmp_path, mode: str, model, size: int, *extra: str) -> None:
+    """:data:`DRIVER` in a child process (``mx.distributed.init`` is once per process), which must end with
+    every rank gone and exit 0."""
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER.format(root=str(ROOT)))
+    run = subprocess.run([sys.executable, str(script), mode, str(model), str(size), str(tmp_path / "out"), *extra],
+                         cwd=ROOT, capture_output=True, text=True, timeout=GROUP_TIMEOUT_S)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+def counting_all_sums() -> dict:
+    """``calls["n"]`` counts this process's ``mx.distributed.all_sum`` calls from now on."""
+    import mlx.core as mx
+
+    calls, real = {"n": 0}, mx.distributed.all_sum
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return real(*args, **kwargs)
+    mx.distributed.all_sum = counted
+    return calls
 
 
 def scenario(runner, calls: dict | None = None) -> dict[str, np.ndarray]:
@@ -189,16 +213,12 @@ def scenario(runner, calls: dict | None = None) -> dict[str, np.ndarray]:
 # 2 ranks: one output group each (the Q8_0 file); 4 ranks: two ranks share each group, its low-rank sum
 # split over them (the float copy: four ranks cannot cut the Q8_0 shared expert)
 @pytest.mark.parametrize("size", [2, 4])
-def test_ranks_match_one_rank_with_two_all_reduces_per_block(v4_gguf, v4_float_gguf, size, tmp_path):
+def test_ranks_match_one_rank_with_two_all_reduces_per_block(v4_float_gguf, size, tmp_path):
     from hf2q.engine.runner import MlxModelRunner
 
-    model = v4_gguf if size == 2 else v4_float_gguf
-    script = tmp_path / "driver.py"
-    script.write_text(DRIVER.format(root=str(ROOT), ctx=CTX))
-    run = subprocess.run([sys.executable, str(script), str(model), str(tmp_path / "tp.npz"), str(size)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=GROUP_TIMEOUT_S)
-    assert run.returncode == 0, run.stderr[-3000:]
-    with np.load(tmp_path / "tp.npz") as z:
+    model = v4_file() if size == 2 else v4_float_gguf
+    run_group(tmp_path, "engine", model, size)
+    with np.load(tmp_path / "out") as z:
         tp = {k: z[k] for k in z.files}
     ref = scenario(MlxModelRunner.load(model, ctx=CTX))
     for key in ("tokens_a", "lengths"):
@@ -212,49 +232,30 @@ def test_ranks_match_one_rank_with_two_all_reduces_per_block(v4_gguf, v4_float_g
 
 # ---------------------------------------------------------------------------- through the serving runtime
 
-RUNTIME_DRIVER = r"""
-import json, os, sys
-sys.path.insert(0, {root!r})
-os.environ["HF2Q_TP_PIPELINE"] = "1"  # queue decode steps ahead, as over NCCL (GPUs)
-import trio
-from tests.test_tensor_parallel import serve_prompts
-from tests.test_tp_deepseek4 import runtime_config
-from hf2q.actors.runtime import open_runtime
-from hf2q.engine import tp_launch
-
-async def main(path, prompts):
-    async with open_runtime(tp_launch.runner_factory(path, 2, {ctx}), runtime_config()) as rt:
-        assert await rt.wait_ready(), rt.readiness()
-        print(json.dumps(await serve_prompts(rt, prompts)))
-
-trio.run(main, sys.argv[1], json.loads(sys.argv[2]))
-"""
-
-
 def runtime_config():
     from hf2q.sched.contracts import RuntimeConfig
 
     return RuntimeConfig(slots=2, ctx=CTX, prefill_chunk=48, gpu_deadline_s=120)
 
 
+async def served_tokens(factory, prompts: list[list[int]]) -> list[list[int]]:
+    from hf2q.actors.runtime import open_runtime
+
+    async with open_runtime(factory, runtime_config()) as rt:
+        assert await rt.wait_ready(), rt.readiness()
+        return await serve_prompts(rt, prompts)
+
+
 @pytest.mark.slow
-async def test_runtime_on_two_ranks_serves_what_one_rank_serves(v4_gguf, tmp_path):
+def test_runtime_on_two_ranks_serves_what_one_rank_serves(tmp_path):
     """Two concurrent T=0 requests (one long enough to compress) in bounded prefill transactions, batched and
     pipelined decode, then the long one again in its reused slot: the same tokens at TP = 2 as at 1."""
     import trio
 
-    from hf2q.actors.runtime import open_runtime
     from hf2q.engine.tp_launch import runner_factory
 
     prompts = [random_tokens(PROMPT, low=3, high=49152, seed=5), random_tokens(30, low=3, high=49152, seed=6)]
-    script = tmp_path / "runtime_driver.py"
-    script.write_text(RUNTIME_DRIVER.format(root=str(ROOT), ctx=CTX))
-    with trio.fail_after(GROUP_TIMEOUT_S):
-        proc = await trio.run_process([sys.executable, str(script), str(v4_gguf), json.dumps(prompts)], cwd=ROOT,
-                                      capture_stdout=True, capture_stderr=True, check=False)
-    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
-    got = json.loads(proc.stdout.decode().strip().splitlines()[-1])
-    async with open_runtime(runner_factory(v4_gguf, 1, CTX), runtime_config()) as rt:
-        assert await rt.wait_ready()
-        want = await serve_prompts(rt, prompts)
+    run_group(tmp_path, "runtime", v4_file(), 2, json.dumps(prompts))
+    got = json.loads((tmp_path / "out").read_text())
+    want = trio.run(served_tokens, runner_factory(v4_file(), 1, CTX), prompts)
     assert got == want and all(len(t) == 8 for t in want), (got, want)
