@@ -64,22 +64,22 @@ def shard_attention(g, plan, meta: dict, tensors: dict) -> None:
     from hf2q.engine.tensor_parallel import slice_tensor
 
     hp = g.hparams
-    head_dim = hp.key_length
-    groups = int(hp.stored(ExtraKeys.OUTPUT_GROUP_COUNT) or 0)
+    head_dim, groups, o_lora = hp.key_length, int(hp.require(ExtraKeys.OUTPUT_GROUP_COUNT)), \
+        int(hp.require(ExtraKeys.OUTPUT_LORA_RANK))
     out = output_group_plan(plan.n_heads, groups, head_dim, plan.q_start, plan.q_count, g.path.name)
-    o_lora = int(hp.stored(ExtraKeys.OUTPUT_LORA_RANK) or 0)
-    q_rows = (plan.q_start * head_dim, (plan.q_start + plan.q_count) * head_dim)
+    heads = (plan.q_start, plan.q_start + plan.q_count)
     group_rows = (out.group_start * o_lora, (out.group_start + out.group_count) * o_lora)
-    rules = {"attn_q_b.weight": [(-2, q_rows)], "attn_sinks.weight": [(0, (plan.q_start, plan.q_start + plan.q_count))],
-             "attn_output_a.weight": [(-2, group_rows), (-1, (out.col_start, out.col_stop))],
-             "attn_output_b.weight": [(-1, group_rows)]}
+    cuts = {"attn_q_b.weight": [(-2, (heads[0] * head_dim, heads[1] * head_dim))], "attn_sinks.weight": [(0, heads)],
+            "attn_output_a.weight": [(-2, group_rows), (-1, (out.col_start, out.col_stop))],
+            "attn_output_b.weight": [(-1, group_rows)]}
     for name, t in g.tensors.items():
-        suffix = name.split(".", 2)[-1] if name.startswith("blk.") else ""
-        for axis, (a, b) in rules.get(suffix, ()):
-            if (a, b) != (0, t.shape[axis]):
+        rule = cuts.get(name.split(".", 2)[-1]) if name.startswith("blk.") else None
+        if rule is None:
+            continue
+        for axis, (a, b) in rule:
+            if b - a < t.shape[axis]:  # a whole axis stays as it is
                 t = slice_tensor(t, axis, a, b)
-        if suffix in rules:
-            tensors[name] = t
+        tensors[name] = t
     meta[hp.key(ExtraKeys.OUTPUT_GROUP_COUNT)] = out.group_count
 
 
