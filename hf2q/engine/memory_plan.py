@@ -182,7 +182,8 @@ def rank_need(g: GGUFFile, size: int, kv_budget: int, *, float_bytes: int, scale
         view = shard_gguf(g, rank, size)
         worst = max(worst, sum(tensor_bytes(t, float_bytes, scale_bytes) for n, t in view.tensors.items()
                                if n not in unread))
-    return RankNeed(size, worst, -(-kv_budget // size))
+    # deepseek4: its one K=V head and compressors are replicated, so every rank holds the whole compact cache
+    return RankNeed(size, worst, kv_budget if g.arch == "deepseek4" else -(-kv_budget // size))
 
 
 def device_memory() -> int:

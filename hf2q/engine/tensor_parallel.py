@@ -16,6 +16,9 @@ each rank reads (from the memory-mapped GGUF) and holds only its share:
 * hybrid models (Qwen 3.5's Gated DeltaNet layers): split by value head, each with the key head it
   reads (:class:`DeltaNetPlan`), so a rank's conv and delta-rule state hold its heads only;
   ``ssm_out`` is row-parallel like ``attn_output``.
+* DeepSeek-V4 (low-rank queries over one shared K=V head, a grouped low-rank output): the query heads,
+  their sinks and the output groups are cut, the K=V head, compressors and indexer replicated
+  (``models/deepseek4_tp.py``).
 * embeddings, norms and the LM head stay replicated: after each all-reduce every rank
   holds the same hidden state, so every rank can produce the logits.
 
@@ -260,6 +263,10 @@ def shard_gguf(g: GGUFFile, rank: int, size: int) -> GGUFFile:
         meta[hp.key(Keys.LLM.FEED_FORWARD_LENGTH)] = ff // size
     if any(hp.recurrent_layers):
         _shard_deltanet(g, rank, size, meta, tensors)
+    if g.arch == "deepseek4":  # low-rank queries, one shared K=V head, grouped low-rank output
+        from hf2q.engine.models.deepseek4_tp import shard_attention
+
+        shard_attention(g, plans[0], meta, tensors)
     return GGUFFile(g.path, meta, tensors, g.file_bytes)
 
 
@@ -412,6 +419,12 @@ def parallelize(model, group) -> Any:
         return model
     if getattr(model, "is_embedding_model", False):
         raise InputError("tensor parallelism serves decoder (chat) models only")
+    if type(model).__name__ == "Deepseek4Model":  # its blocks' own layers (models/deepseek4_tp.py)
+        from hf2q.engine.models import deepseek4_tp
+
+        deepseek4_tp.parallelize(model, group)
+        model.tp_group = group
+        return model
     for layer in getattr(model, "layers", None) or model.blocks:  # blocks: gemma4
         parallelize_block(layer, group)
     model.tp_group = group

@@ -104,8 +104,11 @@ class Deepseek4MoE:
         return (self.gate_exps, self.up_exps, self.down_exps, *self.shared)
 
     def __call__(self, x: mx.array, tokens: mx.array) -> mx.array:
-        shape = x.shape
-        flat = x.reshape(-1, shape[-1])
+        flat = x.reshape(-1, x.shape[-1])
+        return self.experts(flat, *self.route(flat, tokens)).reshape(x.shape)
+
+    def route(self, flat: mx.array, tokens: mx.array) -> tuple[mx.array, mx.array]:
+        """The experts ``[N, k]`` each token of ``flat [N, hidden]`` goes to, and their weights."""
         logits = flat.astype(mx.float32) @ self.router.T
         scores = mx.sqrt(mx.logaddexp(logits, mx.zeros_like(logits)))  # sqrt(softplus)
         k = self.top_k
@@ -114,13 +117,16 @@ class Deepseek4MoE:
         else:
             idx = mx.stop_gradient(mx.argpartition(-(scores + self.bias), kth=k - 1, axis=-1)[:, :k])
         weights = mx.take_along_axis(scores, idx, axis=-1)
-        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20) * self.scale
+        return idx, weights / (weights.sum(axis=-1, keepdims=True) + 1e-20) * self.scale
+
+    def experts(self, flat: mx.array, idx: mx.array, weights: mx.array) -> mx.array:
+        """The routed experts' weighted sum plus the shared expert, ``[N, hidden]``."""
         xe = flat[:, None, None, :]
         h = _clamped_swiglu(self.gate_exps.gather(xe, idx), self.up_exps.gather(xe, idx), self.limit)
         out = self.down_exps.gather(h, idx)[:, :, 0, :]  # [N, k, hidden]
         routed = (out * weights[..., None].astype(out.dtype)).sum(axis=1)
         gate, up, down = self.shared
-        return (routed + down(_clamped_swiglu(gate(flat), up(flat), self.shared_limit))).reshape(shape)
+        return routed + down(_clamped_swiglu(gate(flat), up(flat), self.shared_limit))
 
 
 class Deepseek4Block:
@@ -253,6 +259,4 @@ class Deepseek4Model:
 
 
 def build(g: GGUFFile, dtype) -> Deepseek4Model:
-    if ExtraKeys.TENSOR_PARALLEL in g.metadata:
-        raise InputError(f"{g.path.name}: tensor parallelism does not support deepseek4 yet")
-    return Deepseek4Model(g, dtype)
+    return Deepseek4Model(g, dtype)  # a tensor-parallel shard is a smaller model view (models/deepseek4_tp.py)
