@@ -9,6 +9,9 @@ cold ones (the head attends over its restored layer and starts from the restored
 
 from __future__ import annotations
 
+import json
+import signal
+
 import numpy as np
 import pytest
 
@@ -22,12 +25,17 @@ BLOCKS = 2
 
 
 @pytest.fixture(scope="module")
-def runner(tiny_checkpoint, tmp_path_factory):
-    from hf2q.engine.factory import load_runner
+def gguf(tiny_checkpoint, tmp_path_factory):
     from tests.engine_support import convert_f32
 
-    path = convert_f32(tiny_checkpoint("qwen35_parity_mtp"), tmp_path_factory.mktemp("mtp") / "dense.gguf")
-    r = load_runner(path, ctx=1024)
+    return convert_f32(tiny_checkpoint("qwen35_parity_mtp"), tmp_path_factory.mktemp("mtp") / "dense.gguf")
+
+
+@pytest.fixture(scope="module")
+def runner(gguf):
+    from hf2q.engine.factory import load_runner
+
+    r = load_runner(gguf, ctx=1024)
     r.enable_mtp()
     return r
 
@@ -110,3 +118,57 @@ def test_the_heads_input_row_is_what_the_draft_needs(runner, served):
     with pytest.raises(ValueError, match="hidden"):
         runner.import_kv(lacking, {k: v for k, v in blocks[0].items() if k != HIDDEN_STATE}, B)
     assert lacking.length == 0
+
+
+def _serve(model, kv_dir, body: dict, times: int) -> tuple[list[dict], list[dict]]:
+    """A ``serve --speculative mtp --kv-persist`` answering ``body`` ``times`` times, then SIGTERM;
+    → (replies, its JSON log records)."""
+    import httpx
+
+    from tests.test_server_command import start_server, wait_ready
+
+    proc, url = start_server("--log-format", "json", "serve", "--model", str(model), "--port", "0", "--slots", "1",
+                             "--ctx", "2048", "--speculative", "mtp", "--kv-persist", str(kv_dir))
+    try:
+        wait_ready(url, proc, timeout=120)
+        replies = []
+        for _ in range(times):
+            r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            replies.append(r.json())
+        proc.send_signal(signal.SIGTERM)
+        rc, err = proc.wait(60), proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert rc == 0, err[-3000:]
+    return replies, [json.loads(ln) for ln in err.splitlines() if ln.startswith("{")]
+
+
+@pytest.mark.slow  # two real servers
+def test_restarted_mtp_server_resumes_the_prefix(gguf, tmp_path):
+    """T=0 answers identical cold, reused in the slot and restored from disk by a restarted server, which
+    reports the restored blocks as cached tokens."""
+    from hf2q.kvstore.blockfile import read_meta
+    from tests.test_kvstore_stateful_serve import _top_logprobs
+
+    words = " ".join(f"w{(i * 7) % 89}" for i in range(210))
+    body = {"temperature": 0, "max_tokens": 6, "logprobs": True, "top_logprobs": 3,
+            "messages": [{"role": "user", "content": words}]}
+    (cold, reused), log = _serve(gguf, tmp_path / "kv", body, 2)
+    n_prompt = cold["usage"]["prompt_tokens"]
+    assert (n_prompt - 1) // B == BLOCKS, n_prompt
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert reused["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    stopped = [r for r in log if r.get("msg") == "kv persist: stopped"]
+    assert len(stopped) == 1 and stopped[0]["blocks_written"] == BLOCKS, log[-5:]
+    metas = [read_meta(p) for p in sorted((tmp_path / "kv" / "blocks").glob("*.safetensors"))]
+    assert len(metas) == BLOCKS and all(m.cache_kind == "recurrent-mtp" and m.has_end_state for m in metas)
+
+    (restored,), _ = _serve(gguf, tmp_path / "kv", body, 1)
+    assert restored["usage"]["prompt_tokens_details"]["cached_tokens"] == BLOCKS * B
+    assert cold["choices"][0]["message"] == reused["choices"][0]["message"] == restored["choices"][0]["message"]
+    for j, (got, want) in enumerate(zip(_top_logprobs(restored), _top_logprobs(cold), strict=True)):
+        assert got.keys() == want.keys(), j
+        assert max(abs(got[t] - want[t]) for t in want) <= TOL, (j, got, want)
