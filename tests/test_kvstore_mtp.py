@@ -9,9 +9,6 @@ cold ones (the head attends over its restored layer and starts from the restored
 
 from __future__ import annotations
 
-import json
-import signal
-
 import numpy as np
 import pytest
 
@@ -43,13 +40,10 @@ def runner(gguf):
 @pytest.fixture(scope="module")
 def served(runner):
     """A slot's sequence after one request (its prompt in one transaction, then decode steps) and its blocks."""
+    from tests.test_kvstore_stateful_engine import serve_and_export
+
     prompt = random_tokens(BLOCKS * B + 20, seed=3)
-    seq = runner.new_sequence()
-    seq.keep_block_ends(B)
-    logits = runner.prefill(seq, prompt)
-    for _ in range(3):
-        logits = runner.decode([seq], [int(np.argmax(logits))])[0]
-    return prompt, [runner.export_kv(seq, i * B, (i + 1) * B) for i in range(BLOCKS)]
+    return prompt, serve_and_export(runner, prompt, BLOCKS, 3)[1]
 
 
 def test_blocks_carry_the_heads_layer_and_the_row_it_reads_next(runner, served):
@@ -121,29 +115,9 @@ def test_the_heads_input_row_is_what_the_draft_needs(runner, served):
 
 
 def _serve(model, kv_dir, body: dict, times: int) -> tuple[list[dict], list[dict]]:
-    """A ``serve --speculative mtp --kv-persist`` answering ``body`` ``times`` times, then SIGTERM;
-    → (replies, its JSON log records)."""
-    import httpx
+    from tests.test_kvstore_stateful_serve import serve_requests
 
-    from tests.test_server_command import start_server, wait_ready
-
-    proc, url = start_server("--log-format", "json", "serve", "--model", str(model), "--port", "0", "--slots", "1",
-                             "--ctx", "2048", "--speculative", "mtp", "--kv-persist", str(kv_dir))
-    try:
-        wait_ready(url, proc, timeout=120)
-        replies = []
-        for _ in range(times):
-            r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
-            assert r.status_code == 200, r.text
-            replies.append(r.json())
-        proc.send_signal(signal.SIGTERM)
-        rc, err = proc.wait(60), proc.stderr.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert rc == 0, err[-3000:]
-    return replies, [json.loads(ln) for ln in err.splitlines() if ln.startswith("{")]
+    return serve_requests(model, kv_dir, body, times, "--speculative", "mtp")
 
 
 @pytest.mark.slow  # two real servers

@@ -42,14 +42,11 @@ runner.close()
 
 def scenario(runner) -> dict[str, np.ndarray]:
     """Blocks exported after a request, restored into a fresh sequence; a cold sequence beside it."""
+    from tests.test_kvstore_stateful_engine import serve_and_export
+
     prompt = random_tokens(BLOCKS * B + 20, seed=11)
     tail = random_tokens(30, seed=12)
-    seq = runner.new_sequence()
-    seq.keep_block_ends(B)
-    logits = runner.prefill(seq, prompt)
-    for _ in range(2):
-        logits = runner.decode([seq], [int(np.argmax(logits))])[0]
-    blocks = [runner.export_kv(seq, i * B, (i + 1) * B) for i in range(BLOCKS)]
+    seq, blocks = serve_and_export(runner, prompt, BLOCKS, 2)
     seq.forget_block_ends(())
     restored = runner.new_sequence()
     restored.keep_block_ends(B)
