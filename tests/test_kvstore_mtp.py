@@ -84,7 +84,8 @@ def test_restored_sequence_drafts_and_continues_like_a_cold_one(runner, served, 
     want = runner.prefill(cold, tail)
     assert float(np.abs(got - want).max()) <= TOL
     pending = int(np.argmax(want))
-    (got_draft, got_logits), (want_draft, want_logits) = _draft(runner, restored, pending), _draft(runner, cold, pending)
+    (got_draft, got_logits) = _draft(runner, restored, pending)
+    (want_draft, want_logits) = _draft(runner, cold, pending)
     assert got_draft == want_draft
     assert float(np.abs(got_logits - want_logits).max()) <= TOL
     step = runner.decode([restored], [pending])[0]

@@ -59,7 +59,8 @@ async def test_one_transaction_per_message_and_no_state_left_behind(tmp_path):
         return fn(runner)
 
     with BlockStore.open(tmp_path / "kv", "fp-prefix-actor") as store:
-        store.write(KVBlock.from_span(store.spans(prompt)[0], prompt, runner.export_kv(other, 0, B), other.persist_kind))
+        first = runner.export_kv(other, 0, B)
+        store.write(KVBlock.from_span(store.spans(prompt)[0], prompt, first, other.persist_kind))
         actor = KvPrefixActor(transact, store)
         inbox = actor._inbox = CountingInbox(actor._inbox)
         async with open_kv_writer(store, capacity=1) as writer, trio.open_nursery() as nursery:

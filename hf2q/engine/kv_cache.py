@@ -27,7 +27,8 @@ that diverges inside the history restarts from the last point before the diverge
 ``trim`` to any other earlier position raises :class:`PrefixNotReusable` rather than leaving K/V
 and recurrent state out of step. For the persistent KV store (``keep_block_ends``) the state is also
 captured at every block end a prompt's prefill reaches, while the forward still has it, and a block's
-export carries it: its K/V plus, where its end was captured, ``state.conv.{j}`` / ``state.ssm.{j}``.
+export carries it: its K/V plus, where its end was captured, ``state.conv.{j}`` / ``state.ssm.{j}`` (and, for a
+sequence that feeds an MTP draft head, ``state.hidden``: the main model's hidden row the head reads next).
 
 Sliding-window models (gemma4, gemma3's local layers off the CPU host step) give each sequence a :class:`SlidingWindow`: its window layers keep
 only the positions a later query or a kept reuse point can see, so their K/V stays bounded. The

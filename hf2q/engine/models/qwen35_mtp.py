@@ -23,6 +23,8 @@ stands in for the main model's hidden row at the next position; k drafts take k 
 the head alone, one lazy graph whose tokens never leave the device until the last. Their K/V rows go
 into the head's cache layer past the sequence's length, in place and in the cache's storage (float or
 8-bit), where the verify forward writes the real ones over them.
+For the persistent KV store a prompt's forward also keeps the hidden row before each block end it reaches,
+which that block's export carries (``state.hidden``), so a restored sequence's head continues as a cold one's.
 Drafts are the head's greedy tokens: the acceptance rule (``speculative.accept_draft``) keeps the
 target's distribution for any deterministic draft.
 """
