@@ -35,17 +35,23 @@ def _text(n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(10, 5000, n).tolist()
 
 
-@pytest.fixture(scope="module")
-def served(runner):
-    """A slot's sequence after one request: a prompt of five blocks and more prefilled in one transaction
-    (its block ends all inside it), then decode steps; and every full block exported from it."""
-    prompt = _text(N_BLOCKS * B + 30, seed=1)
+def serve_and_export(runner, prompt: list[int], n_blocks: int, steps: int):
+    """A slot's sequence after one request — ``prompt`` prefilled in one transaction with block-end capture
+    on (its block ends all inside it), then ``steps`` decode steps — and its first ``n_blocks`` blocks
+    exported from it: ``(seq, blocks)``."""
     seq = runner.new_sequence()
     seq.keep_block_ends(B)
     logits = runner.prefill(seq, prompt)
-    for _ in range(6):
+    for _ in range(steps):
         logits = runner.decode([seq], [int(np.argmax(logits))])[0]
-    blocks = [runner.export_kv(seq, i * B, (i + 1) * B) for i in range(N_BLOCKS)]
+    return seq, [runner.export_kv(seq, i * B, (i + 1) * B) for i in range(n_blocks)]
+
+
+@pytest.fixture(scope="module")
+def served(runner):
+    """A prompt of five blocks and more, and every full block exported after its request."""
+    prompt = _text(N_BLOCKS * B + 30, seed=1)
+    seq, blocks = serve_and_export(runner, prompt, N_BLOCKS, 6)
     return prompt, seq, blocks
 
 

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hf2q.kvstore import BLOCK_TOKENS, BlockStore, KVBlock, plan_restore
-from hf2q.kvstore.blockfile import (CACHE_KINDS, FORMAT_VERSION, PAYLOAD_KINDS, STATE_FORMAT_VERSION,
-                                    BlockFileError, encode_block_bytes, read_block, read_meta)
+from hf2q.kvstore.blockfile import (CACHE_KINDS, FORMAT_VERSION, HEAD_FORMAT_VERSION, PAYLOAD_KINDS,
+                                    STATE_FORMAT_VERSION, BlockFileError, encode_block_bytes, read_block, read_meta)
 from hf2q.kvstore.fingerprint import ROOT_PARENT, chain_hash
 from hf2q.kvstore.payload import block_kind, decode_payload, encode_payload
 
@@ -57,7 +57,8 @@ def test_payload_round_trip_keeps_the_end_state_bit_for_bit(tmp_path, seed, n_to
     arrays = _arrays(rng, n_tokens, narrow, with_state)
     meta, got = _round_trip(tmp_path, arrays, kind, cache_kind)
     assert meta.cache_kind == cache_kind and meta.has_end_state == with_state
-    assert _header(meta.path)["__metadata__"]["format_version"] == str(STATE_FORMAT_VERSION)
+    version = HEAD_FORMAT_VERSION if cache_kind == "recurrent-mtp" else STATE_FORMAT_VERSION
+    assert _header(meta.path)["__metadata__"]["format_version"] == str(version)
     assert got.keys() == arrays.keys()
     for name, want in arrays.items():
         assert got[name].dtype == want.dtype and got[name].shape == want.shape
@@ -111,7 +112,7 @@ def test_header_says_the_cache_kind_and_the_version_rule_holds(tmp_path):
         return out
 
     with pytest.raises(BlockFileError) as e:
-        read_meta(rewritten(stateful.path, format_version="4"))  # a later format: refused, not misread
+        read_meta(rewritten(stateful.path, format_version="5"))  # a later format: refused, not misread
     assert e.value.reason == "wrong-version"
     with pytest.raises(BlockFileError) as e:
         read_meta(rewritten(stateful.path, cache_kind=None))  # version 3 without its cache kind
@@ -119,6 +120,10 @@ def test_header_says_the_cache_kind_and_the_version_rule_holds(tmp_path):
     with pytest.raises(BlockFileError) as e:
         read_meta(rewritten(plain.path, cache_kind="recurrent"))  # a state claimed by a version-1 block
     assert e.value.reason == "unknown-payload"
+    for version, kind in (("3", "recurrent-mtp"), ("4", "recurrent"), ("4", None)):  # each version its own kinds
+        with pytest.raises(BlockFileError) as e:
+            read_meta(rewritten(stateful.path, format_version=version, cache_kind=kind))
+        assert e.value.reason == "unknown-payload", (version, kind)
 
 
 def test_restore_plan_stops_at_the_deepest_block_with_an_end_state(tmp_path):

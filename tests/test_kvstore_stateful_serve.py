@@ -27,14 +27,24 @@ BLOCKS = 2
 
 def _ask(model: Path, kv_dir: Path, body: dict) -> tuple[dict, list[dict]]:
     """Start a server on ``kv_dir``, answer ``body``, SIGTERM; → (reply, its JSON log records)."""
+    (reply,), records = serve_requests(model, kv_dir, body, 1)
+    return reply, records
+
+
+def serve_requests(model: Path, kv_dir: Path, body: dict, times: int, *flags: str) -> tuple[list[dict], list[dict]]:
+    """A server on ``kv_dir`` (one slot, more ``flags``) answering ``body`` ``times`` times, then SIGTERM;
+    → (replies, its JSON log records)."""
     from tests.test_server_command import start_server, wait_ready
 
     proc, url = start_server("--log-format", "json", "serve", "--model", str(model), "--port", "0", "--slots", "1",
-                             "--ctx", "2048", "--kv-persist", str(kv_dir))
+                             "--ctx", "2048", "--kv-persist", str(kv_dir), *flags)
     try:
         wait_ready(url, proc, timeout=120)
-        reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
-        assert reply.status_code == 200, reply.text
+        replies = []
+        for _ in range(times):
+            reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+            assert reply.status_code == 200, reply.text
+            replies.append(reply.json())
         proc.send_signal(signal.SIGTERM)
         rc, err = proc.wait(60), proc.stderr.read()
     finally:
@@ -42,7 +52,7 @@ def _ask(model: Path, kv_dir: Path, body: dict) -> tuple[dict, list[dict]]:
             proc.kill()
             proc.wait()
     assert rc == 0, err[-3000:]
-    return reply.json(), [json.loads(ln) for ln in err.splitlines() if ln.startswith("{")]
+    return replies, [json.loads(ln) for ln in err.splitlines() if ln.startswith("{")]
 
 
 def _top_logprobs(reply: dict) -> list[dict[str, float]]:

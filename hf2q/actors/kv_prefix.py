@@ -95,8 +95,7 @@ class KvPrefixActor:
             elif isinstance(msg, Persist):
                 self.fsm.fire("persist_requested")
                 self._record(msg)
-                await self._forget_stored_ends(msg.seq)
-                await self._export_batch()
+                await self._export_batch(held=(msg.seq,))
                 self.fsm.fire("exported")
                 msg.reply.set()
             elif isinstance(msg, Overwrite):
@@ -187,15 +186,24 @@ class KvPrefixActor:
             self._deferred.append(DeferredBlocks(msg.seq, msg.prompt, collections.deque(spans)))
             self._note_deferred(len(spans))
 
-    async def _forget_stored_ends(self, seq) -> None:
-        """The block-end states ``seq`` captured for blocks that need no export (already on disk) are
-        let go of at once: each can be a recurrent state's worth of device memory."""
-        ends = getattr(seq, "block_ends", None)
-        if not ends:
-            return
-        wanted = {sp.end for rec in self._deferred if rec.seq is seq for sp in rec.spans}
-        if set(ends) - wanted:
-            await self._transact(lambda runner: seq.forget_block_ends(wanted), "kv forget")
+    def _ends_to_let_go(self, held, take, skipped) -> list[tuple[Any, Callable[[Any], set]]]:
+        """The sequences holding captured block-end states that no export needs (each can be a recurrent
+        state's worth of device memory), with what each keeps of its ends: a ``Persist``'s (``held``) only
+        those of its recorded blocks and of the ones exported now (``take``); any other sequence just loses
+        those of its recorded blocks another request wrote meanwhile (``skipped``), since its slot may be
+        capturing a newer prompt's."""
+        out = []
+        for seq in held:
+            ends = getattr(seq, "block_ends", None)
+            keep = {sp.end for rec in self._deferred if rec.seq is seq for sp in rec.spans}
+            keep |= {sp.end for rec, sp in take if rec.seq is seq}
+            if ends and set(ends) - keep:
+                out.append((seq, lambda ends, keep=keep: keep))
+        for seq in {id(s): s for s, _ in skipped if not any(s is h for h in held)}.values():
+            gone = {end for s, end in skipped if s is seq}
+            if gone & set(getattr(seq, "block_ends", None) or ()):
+                out.append((seq, lambda ends, gone=gone: set(ends) - gone))
+        return out
 
     def _give_up(self, seq, keep: int) -> None:
         """``seq`` keeps only its first ``keep`` tokens: its recorded blocks beyond them are lost."""
@@ -211,13 +219,16 @@ class KvPrefixActor:
             self._not_written(lost)
             log.info("kv persist: blocks not written, their slot's KV was needed first", extra={"blocks": lost})
 
-    async def _export_batch(self, late: bool = False) -> None:
-        """Export as many recorded blocks as the writer has room for (one GPU transaction) and submit
-        them; if some remain, ask the writer for a ``WriterIdle``. ``late``: after their request's
-        ``Persist`` (counted ``kv_blocks_saved_late`` too)."""
+    async def _export_batch(self, late: bool = False, held=()) -> None:
+        """Export as many recorded blocks as the writer has room for and submit them; if some remain, ask
+        the writer for a ``WriterIdle``. In the same GPU transaction, the block-end states that need no
+        export are let go of: those of ``held`` sequences (a ``Persist``'s: its blocks already on disk) and
+        of any sequence whose recorded block another request wrote meanwhile. ``late``: after their
+        request's ``Persist`` (counted ``kv_blocks_saved_late`` too)."""
         from hf2q.kvstore import KVBlock
 
         take = []  # (record, span)
+        skipped = []  # (sequence, block end) of recorded blocks already on disk
         room = self.writer.room if self.writer is not None else 0
         while room and self._deferred:
             rec = self._deferred[0]
@@ -226,13 +237,18 @@ class KvPrefixActor:
                 self._deferred.popleft()
             if self.store.contains(sp.block_hash):
                 self._note_deferred(-1)  # another request's copy of the same block got there first
+                skipped.append((rec.seq, sp.end))
                 continue
             take.append((rec, sp))  # still counted pending until the writer has it
             room -= 1
-        if take:
+        let_go = self._ends_to_let_go(held, take, skipped)
+        if take or let_go:
             def export(runner):  # a record is only kept while its sequence holds it; checked again here
-                return [runner.export_kv(rec.seq, sp.start, sp.end) if sp.end <= rec.seq.length else None
-                        for rec, sp in take]
+                out = [runner.export_kv(rec.seq, sp.start, sp.end) if sp.end <= rec.seq.length else None
+                       for rec, sp in take]
+                for seq, keep in let_go:  # after the exports, which needed the ends they took
+                    seq.forget_block_ends(keep(seq.block_ends))
+                return out
 
             exported = await self._transact(export, "kv export")
             self._note_deferred(-len(take))

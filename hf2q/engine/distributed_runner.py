@@ -50,6 +50,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from hf2q.engine.kv_layout import END_STATE_PREFIX
 from hf2q.errors import InputError
 
 log = logging.getLogger("hf2q.tp")
@@ -200,6 +201,28 @@ class ShardedSequence:
     def mrope_shifts(self, pairs) -> None:  # set from outside a prefill (a restored prefix): on every rank
         self._runner._set_shifts(self, pairs)
 
+    # ---- the persistent store's blocks (a hybrid model's: each rank captures its state share) ----
+
+    @property
+    def persist_kind(self) -> str:
+        return getattr(self.local, "persist_kind", "")
+
+    @property
+    def block_ends(self) -> dict:
+        """Rank 0's captured block ends (every rank captures the same ones, each its own share)."""
+        return getattr(self.local, "block_ends", {})
+
+    def keep_block_ends(self, block_tokens: int) -> None:
+        """Capture block-end states on every rank. Called from the serving loop's side while the sequence
+        runs no forward (``kv_prefix``): rank 0's is set here, the followers' with the next command (which
+        precedes any forward of this sequence), so the caller never waits for a running step."""
+        self.local.keep_block_ends(block_tokens)
+        self._runner._keep_ends.append((self.seq_id, int(block_tokens)))
+
+    def forget_block_ends(self, keep) -> None:
+        """Let go of the captured block ends not in ``keep`` on every rank (an engine call)."""
+        self._runner._forget_ends(self, keep)
+
     def __del__(self):  # followers drop their copy with the next command
         runner = getattr(self, "_runner", None)
         if runner is not None:
@@ -272,6 +295,7 @@ class DistributedRunner:
         self._on_fault = on_fault
         self._next_id = 0
         self._released: list[int] = []
+        self._keep_ends: list[tuple[int, int]] = []  # (seq id, block tokens) the followers are told next
         self._lock = self._control.lock  # one caller thread in practice; keeps commands whole regardless
         # dropped without close(), or alive at interpreter exit: the group still ends cleanly (same close)
         weakref.finalize(self, self._control.close)
@@ -283,12 +307,18 @@ class DistributedRunner:
         self.tensor_parallel = self.size
         # prefix reuse: a recurrent or sliding-window model trims only at its reuse points, at any TP
         self.trims_prefix = bool(getattr(local, "trims_prefix", True))
-        # sharded sequences capture no block-end states: only plain K/V persists across ranks
-        self.persists_kv = bool(getattr(local, "persists_kv", True)) and self.trims_prefix
+        # plain K/V persists across ranks, and a hybrid model's blocks with every rank's recurrent state
+        # share (``gather_kv``); not yet a cache of a family's own (deepseek4)
+        hybrid = hasattr(getattr(local, "model", None), "new_recurrent_state")
+        self.persists_kv = bool(getattr(local, "persists_kv", True)) and (self.trims_prefix or hybrid)
         self.kv_bytes_per_slot = getattr(local, "kv_bytes_per_slot", 0)
         self.kv_cache_type = getattr(local, "kv_cache_type", "f16")  # every rank's (tp_launch tells the followers)
-        # KV computed over a tensor-parallel split (sharded heads, all-reduced partial sums) is its own kind
-        self.kv_identity = f"{local.kv_identity}-tp{self.size}"
+
+    @property
+    def kv_identity(self) -> str:
+        """KV computed over a tensor-parallel split (sharded heads, all-reduced partial sums) is its own kind;
+        read when the store opens, after an MTP head was enabled (rank 0's identity names it)."""
+        return f"{self.local.kv_identity}-tp{self.size}"
 
     @property
     def _broken(self) -> str | None:
@@ -325,6 +355,11 @@ class DistributedRunner:
                     released.append(self._released.pop())
                 if released:
                     header = {**header, "release": released}
+                keep_ends = []
+                while self._keep_ends:  # appended by ShardedSequence.keep_block_ends, possibly meanwhile
+                    keep_ends.append(self._keep_ends.pop(0))
+                if keep_ends:
+                    header = {**header, "keep_ends": keep_ends}
                 for r, sock in enumerate(self.links, start=1):
                     try:
                         send_message(sock, header, per_rank[r] if per_rank is not None else arrays)
@@ -460,15 +495,22 @@ class DistributedRunner:
         raise InputError("tensor parallelism serves decoder (chat) models only; embeddings run on one rank")
 
     def export_kv(self, seq: ShardedSequence, start: int, end: int) -> dict[str, np.ndarray]:
-        """Every rank exports its heads; one ``all_gather`` assembles the full KV in head order."""
+        """Every rank exports its heads; one ``all_gather`` assembles the full KV in head order (and a
+        hybrid block's end state from every rank's share, :func:`gather_state`)."""
         return self._run({"op": "export", "seq": seq.seq_id, "start": int(start), "end": int(end)},
                          lambda: gather_kv(self.local, seq.local, start, end, self.group, self.plans[0]))
 
     def import_kv(self, seq: ShardedSequence, arrays: dict[str, np.ndarray], n_tokens: int) -> None:
-        """Each rank receives (and keeps) the KV heads it owns."""
-        per_rank = {r: head_slice(arrays, self.plans[r]) for r in range(self.size)}
+        """Each rank receives (and keeps) the KV heads it owns, and its share of a block's end state."""
+        per_rank = {r: {**head_slice(arrays, self.plans[r]), **state_share(arrays, r, self.size)}
+                    for r in range(self.size)}
         self._run({"op": "import", "seq": seq.seq_id, "n": int(n_tokens)},
                   lambda: self.local.import_kv(seq.local, per_rank[0], n_tokens), per_rank=per_rank)
+
+    def _forget_ends(self, seq: ShardedSequence, keep) -> None:
+        keep = sorted(int(n) for n in keep)
+        self._run({"op": "forget_ends", "seq": seq.seq_id, "keep": keep},
+                  lambda: seq.local.forget_block_ends(keep))
 
     def time_all_sum(self, shape: Sequence[int], reps: int) -> list[float]:
         """Seconds of each of ``reps`` float32 ``all_sum``s of ``shape`` across the group, timed on rank 0
@@ -484,14 +526,60 @@ class DistributedRunner:
 def head_slice(arrays: dict[str, np.ndarray], plan) -> dict[str, np.ndarray]:
     """The KV heads ``plan`` owns out of full-model ``k.{i}`` / ``v.{i}`` arrays ``[kv_heads, n, d]``."""
     a, b = plan.kv_start, plan.kv_start + plan.kv_count
-    return {k: np.ascontiguousarray(v[a:b]) for k, v in arrays.items()}
+    return {k: np.ascontiguousarray(v[a:b]) for k, v in arrays.items() if not k.startswith(END_STATE_PREFIX)}
+
+
+#: the axis of each end-state tensor (``state.{kind}.{layer}``) along which the ranks' shares lie side by
+#: side: a conv window ``[K − 1, channels]`` by channel, a delta-rule state ``[value heads, …]`` by head; a
+#: kind not named here (an MTP head's input row, after the all-reduces) is the same on every rank
+STATE_SHARE_AXES = {"conv": 1, "ssm": 0}
+
+
+def _share_axis(name: str) -> int | None:
+    return STATE_SHARE_AXES.get(name[len(END_STATE_PREFIX):].split(".", 1)[0])
+
+
+def state_share(arrays: dict[str, np.ndarray], rank: int, size: int) -> dict[str, np.ndarray]:
+    """Rank ``rank``'s share of a block's end state (:func:`gather_state` laid the ranks' shares out in
+    rank order, equal parts, so a block of a ``size``-rank group restores to one of the same split)."""
+    out = {}
+    for name, a in arrays.items():
+        if name.startswith(END_STATE_PREFIX):
+            axis = _share_axis(name)
+            out[name] = a if axis is None else np.ascontiguousarray(np.split(a, size, axis=axis)[rank])
+    return out
+
+
+def gather_state(mine: dict[str, np.ndarray], group) -> dict[str, np.ndarray]:
+    """Collective: every rank's share of a hybrid block's end state side by side, rank by rank; empty when
+    some rank holds none at this block's end (the block then serves the chain only). The state of a rank is
+    of its own heads (``tensor_parallel.DeltaNetPlan``), so the layout is that of this split: the persistent
+    store keys a group's blocks by its size (``kv_identity``)."""
+    import mlx.core as mx
+
+    held = np.array(mx.distributed.all_gather(mx.array([int(bool(mine))], dtype=mx.int32), group=group))
+    if not held.all():
+        return {}
+    names = sorted(mine)
+    packed = np.concatenate([np.ascontiguousarray(mine[k]).reshape(-1).view(np.uint8) for k in names])
+    full = np.array(mx.distributed.all_gather(mx.array(packed[None]), group=group))  # [ranks, bytes]
+    out, at = {}, 0
+    for k in names:
+        a = mine[k]
+        parts = [np.ascontiguousarray(row[at:at + a.nbytes]).view(a.dtype).reshape(a.shape) for row in full]
+        axis = _share_axis(k)
+        out[k] = parts[0] if axis is None else np.concatenate(parts, axis=axis)
+        at += a.nbytes
+    return out
 
 
 def gather_kv(local, seq, start: int, end: int, group, plan) -> dict[str, np.ndarray]:
-    """Collective: this rank's exported heads, all-gathered into full-model arrays (every rank gets them)."""
+    """Collective: this rank's exported heads, all-gathered into full-model arrays (every rank gets them),
+    and for a hybrid sequence the block's end state (:func:`gather_state`)."""
     import mlx.core as mx
 
     mine = local.export_kv(seq, start, end)
+    state = {k: mine.pop(k) for k in [k for k in mine if k.startswith(END_STATE_PREFIX)]}
     names = sorted(mine)
     # one collective whatever the arrays' widths and dtypes (an 8-bit cache's codes and scales): each
     # KV head's bytes of every array side by side
@@ -505,6 +593,8 @@ def gather_kv(local, seq, start: int, end: int, group, plan) -> dict[str, np.nda
         n = a[:1].nbytes
         out[k] = np.ascontiguousarray(full[:, at:at + n]).view(a.dtype).reshape(len(full), *a.shape[1:])
         at += n
+    if getattr(seq, "persist_kind", ""):  # every rank's sequence alike: the same collectives on each
+        out.update(gather_state(state, group))
     return out
 
 
@@ -557,6 +647,9 @@ def follow(runner, sock: socket.socket, group, plan, stopped: threading.Event | 
             return FOLLOWER_STOPPED
         for seq_id in header.get("release", ()):
             seqs.pop(seq_id, None)
+        for seq_id, block_tokens in header.get("keep_ends", ()):
+            if seq_id in seqs:
+                seqs[seq_id].keep_block_ends(block_tokens)
         op = header["op"]
         try:
             if op == "new":
@@ -594,6 +687,8 @@ def follow(runner, sock: socket.socket, group, plan, stopped: threading.Event | 
                 gather_kv(runner, seqs[header["seq"]], header["start"], header["end"], group, plan)
             elif op == "import":
                 runner.import_kv(seqs[header["seq"]], arrays, header["n"])
+            elif op == "forget_ends":
+                seqs[header["seq"]].forget_block_ends(header["keep"])
             elif op == "allsum":
                 all_sum_times(group, header["shape"], header["reps"])
             else:

@@ -27,7 +27,8 @@ that diverges inside the history restarts from the last point before the diverge
 ``trim`` to any other earlier position raises :class:`PrefixNotReusable` rather than leaving K/V
 and recurrent state out of step. For the persistent KV store (``keep_block_ends``) the state is also
 captured at every block end a prompt's prefill reaches, while the forward still has it, and a block's
-export carries it: its K/V plus, where its end was captured, ``state.conv.{j}`` / ``state.ssm.{j}``.
+export carries it: its K/V plus, where its end was captured, ``state.conv.{j}`` / ``state.ssm.{j}`` (and, for a
+sequence that feeds an MTP draft head, ``state.hidden``: the main model's hidden row the head reads next).
 
 Sliding-window models (gemma4, gemma3's local layers off the CPU host step) give each sequence a :class:`SlidingWindow`: its window layers keep
 only the positions a later query or a kept reuse point can see, so their K/V stays bounded. The
@@ -44,7 +45,7 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from hf2q.engine.kv_layout import END_STATE_PREFIX, has_end_state
+from hf2q.engine.kv_layout import END_STATE_PREFIX, HIDDEN_STATE, has_end_state
 from hf2q.engine.kv_quant import KvCodec
 from hf2q.engine.recurrent_policy import (BLOCK_ENDS_KEPT, CHECKPOINT_INTERVAL, CHECKPOINTS_KEPT, KV_GROW,
                                           WINDOW_POINTS_KEPT, WINDOW_SNAPSHOTS_KEPT, ReusePoints, keep_newest,
@@ -102,6 +103,10 @@ class RecurrentState:
         self.block_tokens: int | None = None
         #: length → (conv, ssm) at the prompt block ends reached and not exported yet
         self.block_ends: dict[int, tuple[list, list]] = {}
+        #: a sequence that feeds an MTP draft head (``MlxModelRunner.new_sequence``): length → the main
+        #: model's final-normed hidden row before that captured block end, which the head pairs with the
+        #: block's next token (``qwen35_mtp``); None for a sequence without a head
+        self.end_hidden: dict[int, mx.array] | None = None
 
     @property
     def state_nbytes(self) -> int:
@@ -137,11 +142,14 @@ class RecurrentState:
         self.hidden = None
         self.points.clear()
         self.block_ends.clear()
+        if self.end_hidden is not None:
+            self.end_hidden.clear()
 
     def _drop_after(self, length: int) -> None:
         self.points.drop_after(length)
-        for n in [n for n in self.block_ends if n > length]:
-            del self.block_ends[n]
+        for held in (self.block_ends, self.end_hidden or {}):
+            for n in [n for n in held if n > length]:
+                del held[n]
 
     def add_point(self, length: int, conv: list, ssm: list, prompt: bool = False) -> None:
         """Keep the state at ``length`` as a reuse point (the oldest beyond ``keep`` is dropped); a
@@ -159,6 +167,13 @@ class RecurrentState:
             if length in held:
                 return held[length]
         return None
+
+    def hidden_at(self, length: int) -> mx.array | None:
+        """The main model's hidden row before ``length`` (an MTP head's input there) if this still holds it."""
+        kept = self.hidden
+        if kept is not None and 0 <= length - 1 - kept[0] < kept[1].shape[0]:
+            return kept[1][length - 1 - kept[0]]
+        return (self.end_hidden or {}).get(length)
 
     def due_points(self, start: int, n_new: int) -> list[int]:
         return self.points.due(start, n_new)
@@ -189,6 +204,7 @@ class RecurrentState:
 
     def arrays(self) -> list[mx.array]:
         hidden = [self.hidden[1]] if self.hidden is not None else []
+        hidden += list((self.end_hidden or {}).values())
         return [a for a in self.conv + self.ssm if a is not None] + hidden
 
 
@@ -527,8 +543,11 @@ class SequenceCache:
     @property
     def persist_kind(self) -> str:
         """What this sequence's blocks hold (``kvstore.blockfile.CACHE_KINDS``): "" plain K/V,
-        ``recurrent`` the K/V plus, at captured block ends, the recurrent state there."""
-        return "recurrent" if self.recurrent is not None else ""
+        ``recurrent`` the K/V plus, at captured block ends, the recurrent state there; ``recurrent-mtp``
+        also an MTP head's K/V layer and, at those ends, the hidden row the head reads next."""
+        if self.recurrent is None:
+            return ""
+        return "recurrent" if self.recurrent.end_hidden is None else "recurrent-mtp"
 
     def keep_block_ends(self, block_tokens: int) -> None:
         """Capture the state at every multiple of ``block_tokens`` a prompt's prefill reaches, until that
@@ -543,9 +562,9 @@ class SequenceCache:
 
     def forget_block_ends(self, keep) -> None:
         """Let go of the captured block ends whose length is not in ``keep`` (their blocks are on disk)."""
-        ends = self.block_ends
-        for n in [n for n in ends if n not in keep]:
-            del ends[n]
+        for ends in (self.block_ends, (self.recurrent.end_hidden if self.recurrent is not None else None) or {}):
+            for n in [n for n in ends if n not in keep]:
+                del ends[n]
 
     def _refuse_transfer(self, what: str, start: int, end: int) -> None:
         if self.window is not None:
@@ -571,11 +590,16 @@ class SequenceCache:
                     out.update(self.codec.to_host(name, part))
         rec = self.recurrent
         state = None if rec is None else rec.state_at(end, self._length)
-        if state is not None and all(a is not None for a in (*state[0], *state[1])):
+        hidden = None if rec is None or rec.end_hidden is None else rec.hidden_at(end)
+        if state is not None and all(a is not None for a in (*state[0], *state[1])) \
+                and (hidden is not None or rec.end_hidden is None):  # a head's sequence: all of its end or none
             for j, (conv, ssm) in enumerate(zip(*state)):
                 out[f"{END_STATE_PREFIX}conv.{j}"] = np.array(conv.astype(mx.float32))
                 out[f"{END_STATE_PREFIX}ssm.{j}"] = np.array(ssm.astype(mx.float32))
+            if hidden is not None:
+                out[HIDDEN_STATE] = np.array(hidden.astype(mx.float32))
             rec.block_ends.pop(end, None)
+            (rec.end_hidden or {}).pop(end, None)
         return out
 
     def import_(self, arrays: dict[str, np.ndarray], n_tokens: int) -> None:
@@ -608,16 +632,27 @@ class SequenceCache:
                     rec.points.add(start, (list(rec.conv), list(rec.ssm)))
                 self._awaiting_state = True
             else:
-                rec.conv, rec.ssm = state
-                mx.eval(rec.conv + rec.ssm)
+                rec.conv, rec.ssm, hidden = state
+                if hidden is not None:  # the row before the block's end, which the head reads next
+                    rec.hidden = (self._length - 1, hidden[None])
+                mx.eval(rec.conv + rec.ssm + ([hidden] if hidden is not None else []))
                 rec.points.add(self._length, (list(rec.conv), list(rec.ssm)))
                 self._awaiting_state = False
             self.published_points = self.reuse_points()
 
-    def _imported_state(self, arrays: dict[str, np.ndarray], rec: RecurrentState) -> tuple[list, list] | None:
-        """The recurrent state a block carries (checked against this model's shapes), None if it has none."""
+    def _imported_state(self, arrays: dict[str, np.ndarray], rec: RecurrentState
+                        ) -> tuple[list, list, mx.array | None] | None:
+        """The recurrent state a block carries (checked against this model's shapes) and, for a sequence
+        that feeds an MTP head, the hidden row before its end; None if it has none."""
         if not has_end_state(arrays):
             return None
+        hidden = None
+        if rec.end_hidden is not None:
+            row = arrays.get(HIDDEN_STATE)
+            if row is None or np.ndim(row) != 1:
+                raise ValueError(f"KV block part {HIDDEN_STATE!r} has shape {None if row is None else np.shape(row)}, "
+                                 "expected one hidden row")
+            hidden = mx.array(row).astype(rec.dtype)
         conv, ssm = [], []
         for j in range(rec.n_layers):
             for name, shape, out, dtype in ((f"{END_STATE_PREFIX}conv.{j}", rec.conv_shape, conv, rec.dtype),
@@ -626,7 +661,7 @@ class SequenceCache:
                 if got != shape:
                     raise ValueError(f"recurrent layer {j}: KV block part {name!r} has shape {got}, expected {shape}")
                 out.append(mx.array(arrays[name]).astype(dtype))
-        return conv, ssm
+        return conv, ssm, hidden
 
 
 def _padded(buf, n: int):

@@ -22,6 +22,9 @@ SCALES_SUFFIX = ".scales"
 #: an exported block's tensors holding the state its end needs beside the K/V (a recurrent state,
 #: a compact cache's rows): the persistent store keeps them lossless (``kvstore/blockfile.py``)
 END_STATE_PREFIX = "state."
+#: the end-state tensor of a block of a sequence that feeds an MTP draft head: the main model's
+#: final-normed hidden row before the block's end, the head's input for the next token
+HIDDEN_STATE = END_STATE_PREFIX + "hidden"
 
 
 def has_end_state(names) -> bool:

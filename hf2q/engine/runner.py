@@ -154,7 +154,9 @@ class MlxModelRunner:
         backend = "cuda" if mx.cuda.is_available() else "metal" if mx.metal.is_available() else "cpu"
         ident = f"mlx-{backend}-{dev}-{str(self.dtype).rsplit('.', 1)[-1]}"
         # an 8-bit cache exports its stored rows: blocks of another storage never mix with them
-        return ident if self.kv_cache_type == "f16" else f"{ident}-kv-{self.kv_cache_type}"
+        ident = ident if self.kv_cache_type == "f16" else f"{ident}-kv-{self.kv_cache_type}"
+        # a draft head's blocks carry its K/V layer too: they never share a name with blocks without it
+        return f"{ident}-mtp" if self.drafts else ident
 
     @property
     def trims_prefix(self) -> bool:
@@ -167,9 +169,9 @@ class MlxModelRunner:
     @property
     def persists_kv(self) -> bool:
         """Whether the persistent KV store can keep this model's sequences: plain K/V, a hybrid model's
-        (its blocks carry the recurrent state at their ends) and DeepSeek-V4's compact cache; not a
-        sliding-window model's window layers, nor an MTP head's extra layer (docs/KVSTORE.md)."""
-        return not self.window_layers and not self.drafts
+        (its blocks carry the recurrent state at their ends, and an MTP head's K/V layer and input row)
+        and DeepSeek-V4's compact cache; not a sliding-window model's window layers (docs/KVSTORE.md)."""
+        return not self.window_layers
 
     @property
     def rolls_back_drafts(self) -> bool:
@@ -228,6 +230,8 @@ class MlxModelRunner:
         n_layers, kv_heads, head_dim = self.model.kv_shape
         recurrent = self.model.new_recurrent_state() if hasattr(self.model, "new_recurrent_state") else None
         window = SlidingWindow(*self.window_layers) if self.window_layers else None
+        if recurrent is not None and self.drafts:  # its persisted block ends carry the head's input row
+            recurrent.end_hidden = {}
         return SequenceCache(n_layers, kv_heads, head_dim, self.dtype, recurrent=recurrent, window=window,
                              codec=self.kv_codec)
 

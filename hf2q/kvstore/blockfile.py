@@ -16,7 +16,10 @@ that is not plain per-position K/V (``cache_kind``: ``recurrent`` for a hybrid m
 ``deepseek4`` for DeepSeek-V4's compact cache) is written at ``STATE_FORMAT_VERSION`` (3), with
 ``cache_kind`` in its header and, when its end is a reuse point, the state that point needs as the
 tensors named ``state.*`` (``END_STATE_PREFIX``); a reader that predates them refuses them as
-``wrong-version`` instead of importing K/V without the state it belongs to (docs/KVSTORE.md).
+``wrong-version`` instead of importing K/V without the state it belongs to (docs/KVSTORE.md). A hybrid
+sequence that feeds an MTP draft head (``recurrent-mtp``: the head's K/V layer, and the hidden row the
+head reads next as ``state.hidden``) is written at ``HEAD_FORMAT_VERSION`` (4), so a reader that knows
+version 3 only refuses it as ``wrong-version`` too; each version holds its own cache kinds only.
 
 Everything here is pure byte work with no locking or directory policy, so recovery,
 the store, the CLI and tests share one parser. Any defect raises ``BlockFileError`` with a
@@ -43,6 +46,7 @@ FORMAT_NAME = "hf2q-kv-block"
 FORMAT_VERSION = 1
 CODES_FORMAT_VERSION = 2
 STATE_FORMAT_VERSION = 3
+HEAD_FORMAT_VERSION = 4
 BLOCK_SUFFIX = ".safetensors"
 PAYLOAD_KV = "kv"  # tensors at the engine's own KV dtype
 PAYLOAD_KV_Q8 = "kv-q8"  # int8 rows + float16 scales (hf2q/kvstore/q8.py)
@@ -52,9 +56,13 @@ PAYLOAD_KINDS = (PAYLOAD_KV, PAYLOAD_KV_Q8, PAYLOAD_KV_F16)  # what ``--kv-persi
 PAYLOAD_KV_CODES = "kv-codes"
 #: the payload kinds each readable format version holds
 VERSION_PAYLOADS = {FORMAT_VERSION: PAYLOAD_KINDS, CODES_FORMAT_VERSION: (PAYLOAD_KV_CODES,),
-                    STATE_FORMAT_VERSION: (*PAYLOAD_KINDS, PAYLOAD_KV_CODES)}
-#: the caches whose blocks carry a cache kind (version 3): what their ``export`` produces
-CACHE_KINDS = ("recurrent", "deepseek4")
+                    STATE_FORMAT_VERSION: (*PAYLOAD_KINDS, PAYLOAD_KV_CODES),
+                    HEAD_FORMAT_VERSION: (*PAYLOAD_KINDS, PAYLOAD_KV_CODES)}
+#: the cache kinds each format version holds ("" plain K/V): what the sequences' ``export`` produces
+VERSION_CACHE_KINDS = {FORMAT_VERSION: ("",), CODES_FORMAT_VERSION: ("",),
+                       STATE_FORMAT_VERSION: ("recurrent", "deepseek4"), HEAD_FORMAT_VERSION: ("recurrent-mtp",)}
+#: the caches whose blocks carry a cache kind (versions 3 and 4)
+CACHE_KINDS = tuple(k for kinds in VERSION_CACHE_KINDS.values() for k in kinds if k)
 
 _MAX_HEADER = 1 << 20
 
@@ -99,7 +107,7 @@ class BlockMeta:
     file_bytes: int
     path: Path = attrs.field(eq=False)
     payload_dtypes: Mapping[str, str] = attrs.field(factory=dict, repr=False)  # kv-q8: original dtypes
-    cache_kind: str = ""  # "" for plain K/V (versions 1 and 2), else one of CACHE_KINDS (version 3)
+    cache_kind: str = ""  # "" for plain K/V (versions 1 and 2), else one of CACHE_KINDS (versions 3 and 4)
 
     @property
     def token_count(self) -> int:
@@ -184,7 +192,7 @@ def encode_block(*, block_hash: str, parent_hash: str, fingerprint: str, token_i
 
 def _version(payload_kind: str, cache_kind: str) -> int:
     if cache_kind:
-        return STATE_FORMAT_VERSION
+        return next(v for v, kinds in VERSION_CACHE_KINDS.items() if cache_kind in kinds)
     return CODES_FORMAT_VERSION if payload_kind == PAYLOAD_KV_CODES else FORMAT_VERSION
 
 
@@ -237,7 +245,7 @@ def parse_header(prefix: bytes, file_bytes: int, path: Path) -> BlockMeta:
                                                     f"{md['format_version']} block")
         payload_dtypes = {str(k): str(v) for k, v in json.loads(md.get("payload_dtypes", "{}")).items()}
         cache_kind = str(md.get("cache_kind", ""))
-        if (cache_kind in CACHE_KINDS) != (md["format_version"] == str(STATE_FORMAT_VERSION)):
+        if cache_kind not in VERSION_CACHE_KINDS[int(md["format_version"])]:
             raise BlockFileError("unknown-payload", f"cache kind {cache_kind!r} in a version "
                                                     f"{md['format_version']} block")
         meta = BlockMeta(block_hash=str(md["block_hash"]), parent_hash=str(md["parent_hash"]),

@@ -23,6 +23,8 @@ stands in for the main model's hidden row at the next position; k drafts take k 
 the head alone, one lazy graph whose tokens never leave the device until the last. Their K/V rows go
 into the head's cache layer past the sequence's length, in place and in the cache's storage (float or
 8-bit), where the verify forward writes the real ones over them.
+For the persistent KV store a prompt's forward also keeps the hidden row before each block end it reaches,
+which that block's export carries (``state.hidden``), so a restored sequence's head continues as a cold one's.
 Drafts are the head's greedy tokens: the acceptance rule (``speculative.accept_draft``) keeps the
 target's distribution for any deterministic draft.
 """
@@ -94,6 +96,8 @@ class MtpHead:
         kept = rows if not fb.end_point else rows[:, -2:]
         for b, (c, off) in enumerate(zip(fb.caches, fb.offsets)):
             c.recurrent.hidden = (off - 1 if not fb.end_point else off + T - 2, kept[b])
+            if fb.end_point and T > 1:  # a prompt's forward: the rows its persisted blocks' ends need
+                _keep_block_end_rows(c.recurrent, off, rows[b])
 
     # ---- drafting -------------------------------------------------------------------------
 
@@ -154,13 +158,23 @@ def _rows(take, buf):
     return tuple(take(a) for a in buf) if isinstance(buf, tuple) else take(buf)
 
 
+def _keep_block_end_rows(rec, off: int, rows: mx.array) -> None:
+    """Keep, for the persistent store, the hidden row before each block end of a prompt forward from
+    ``off`` (``rows [T + 1, d]``: positions ``off − 1 …``), while the forward has it: the block exported
+    later carries it (``kv_cache.SequenceCache.export``). Rows of ends no longer captured are let go of."""
+    ends, step = rec.end_hidden, rec.block_tokens
+    if ends is None or not step:
+        return
+    for n in [n for n in ends if n not in rec.block_ends]:
+        del ends[n]
+    for n in range((off // step + 1) * step, off + rows.shape[0], step):
+        ends[n] = rows[n - off] + mx.zeros((), dtype=rows.dtype)  # a copy, not a view of the forward's rows
+
+
 def previous_hidden(seq: SequenceCache, position: int, width: int, dtype) -> mx.array:
-    """The main model's final-normed hidden row at ``position − 1`` as the last forward left it, zeros
-    when it has none (the start of a sequence, or a sequence trimmed back past its last forward's
-    rows: a prefix reused from an earlier request)."""
-    kept = seq.recurrent.hidden if seq.recurrent is not None else None
-    at = position - 1
-    if kept is not None and 0 <= at - kept[0] < kept[1].shape[0] and at >= 0:
-        return kept[1][at - kept[0]]
-    return mx.zeros((width,), dtype=dtype)
+    """The main model's final-normed hidden row at ``position − 1`` as the last forward left it (or as a
+    restored block or a captured block end holds it), zeros when there is none (the start of a sequence,
+    or a sequence trimmed back past its last forward's rows: a prefix reused from an earlier request)."""
+    row = seq.recurrent.hidden_at(position) if seq.recurrent is not None and position > 0 else None
+    return row if row is not None else mx.zeros((width,), dtype=dtype)
 
