@@ -211,6 +211,7 @@ class Deepseek4Model:
     trims_prefix = False
 
     def __init__(self, g: GGUFFile, dtype):
+        self.gguf = g
         self.cfg, self.geo = read_config(g)
         self.dtype = dtype
         self.embed = Linear(g.tensor("token_embd.weight"), dtype)

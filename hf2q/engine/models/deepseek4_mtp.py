@@ -38,6 +38,7 @@ from hf2q.engine.kv_cache import ForwardBatch
 from hf2q.engine.layers import Linear, float_array
 from hf2q.engine.models.deepseek4_cache import LayerState, Rows
 from hf2q.engine.models.deepseek4_hc import HyperHead
+from hf2q.engine.speculative import companion_problem
 from hf2q.errors import InputError
 from hf2q.formats.gguf_file import GGUFFile
 
@@ -66,21 +67,6 @@ class _DraftBatch:
     end_point: bool = True
 
 
-def companion_problem(trunk_cfg, g: GGUFFile) -> str | None:
-    """Why the GGUF ``g`` cannot be the MTP companion of a trunk of config ``trunk_cfg`` (None: it can)."""
-    hp = g.hparams
-    n = trunk_cfg.n_layers
-    if g.arch != "deepseek4":
-        return f"is a {g.arch} file, not a deepseek4 MTP head"
-    if hp.nextn_predict_layers < 1 or f"blk.{n}.nextn.eh_proj.weight" not in g.tensors:
-        return f"has no MTP block {n} (write it with `hf2q convert --mtp` from the same checkpoint)"
-    if hp.n_main_layers != n:
-        return f"is the MTP head of a {hp.n_main_layers}-block trunk, not of this {n}-block one"
-    if hp.hidden != trunk_cfg.hidden or int(g.tensor("token_embd.weight").shape[0]) != trunk_cfg.vocab:
-        return "does not match the trunk's hidden size or vocabulary"
-    return None
-
-
 class Deepseek4MtpHead:
     """The companion file's MTP block over the trunk's embedding and LM head (``model`` is the trunk)."""
 
@@ -88,7 +74,7 @@ class Deepseek4MtpHead:
         from hf2q.engine.models.deepseek4 import Deepseek4Block, read_config
 
         trunk = model.cfg
-        if problem := companion_problem(trunk, g):
+        if problem := companion_problem(model.gguf, g):
             raise InputError(f"{g.path.name}: {problem}")
         cfg, geo = read_config(g)  # its block count includes the head: ratios and clamps reach block n
         i = trunk.n_layers
