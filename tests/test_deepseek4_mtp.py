@@ -309,3 +309,31 @@ def test_cli_checks_the_companion(cli, files):
     assert r.code == 2 and "--speculative mtp" in r.err
     r = cli(*base, "--speculative", "mtp", "--model-draft", trunk)
     assert r.code == 3 and "no MTP block" in r.err
+
+
+def test_memory_plan_and_info_count_the_head(files, runners):
+    """``info`` of the companion names what ``--speculative mtp --model-draft`` adds: at least the weights the
+    engine loads for it, and a per-slot bound on its window layer that a long sequence stays under; the
+    serve memory check and the KV plan count both."""
+    from hf2q.engine.device_probe import probe
+    from hf2q.engine.memory_plan import check_model, kv_need
+    from hf2q.formats.gguf_file import open_gguf
+    from hf2q.info import inspect
+
+    trunk, head = files
+    plain, drafting = runners
+    info = inspect(head, slots=2)
+    assert info["kind"] == "mtp" and info["serve_support"] == "rejected" and "--model-draft" in info["reject_reason"]
+    loaded = drafting.model.weights_nbytes() - plain.model.weights_nbytes()
+    assert 0 < loaded <= info["mtp_weight_bytes"] < 2 * loaded
+    prompt = random_tokens(300, low=3, high=49152, seed=1)
+    with_head, without = drafting.new_sequence(), plain.new_sequence()
+    drafting.prefill(with_head, prompt)
+    plain.prefill(without, prompt)
+    assert 0 < with_head.nbytes - without.nbytes <= info["mtp_kv_bytes_per_slot"]
+    hp, elem = open_gguf(trunk).hparams, probe().activation_bytes()
+    assert (kv_need(hp, elem, mtp=True).slot_bytes(CTX) - kv_need(hp, elem).slot_bytes(CTX)
+            == info["mtp_kv_bytes_per_slot"])
+    args = dict(ctx=CTX, slots=2, kv_budget=1 << 20, limit=1 << 40)
+    assert (check_model(trunk, 1, mtp=True, draft=head, **args).weights - check_model(trunk, 1, **args).weights
+            == info["mtp_weight_bytes"])

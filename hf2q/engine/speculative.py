@@ -111,6 +111,12 @@ def has_mtp_head(g) -> bool:
     return g.arch in ("qwen35", "qwen35moe") and nextn_block(g) is not None
 
 
+def is_mtp_companion(g) -> bool:
+    """Whether ``g`` is a deepseek4 MTP head alone (llama.cpp's ``--mtp`` export: its MTP block, no trunk blocks)."""
+    return (g.arch == "deepseek4" and g.hparams.nextn_predict_layers >= 1
+            and "blk.0.attn_norm.weight" not in g.tensors)
+
+
 def companion_problem(trunk, g) -> str | None:
     """Why the GGUF ``g`` cannot be the MTP companion (llama.cpp's ``--mtp`` export) of the deepseek4 trunk
     ``trunk`` (None: it can), from the headers alone."""
