@@ -337,3 +337,13 @@ def test_memory_plan_and_info_count_the_head(files, runners):
     args = dict(ctx=CTX, slots=2, kv_budget=1 << 20, limit=1 << 40)
     assert (check_model(trunk, 1, mtp=True, draft=head, **args).weights - check_model(trunk, 1, **args).weights
             == info["mtp_weight_bytes"])
+
+
+def test_generate_prints_the_same_text_with_the_head(cli, files):
+    trunk, head = files
+    base = ("generate", "--model", trunk, "--prompt", "The capital of France is", "--raw", "--max-tokens", "10",
+            "--temperature", "0", "--ignore-eos")
+    plain = cli(*base)
+    drafted = cli(*base, "--speculative", "mtp", "--model-draft", head, "--draft-tokens", "2")
+    assert plain.code == 0 and drafted.code == 0, drafted.err
+    assert plain.out and drafted.out == plain.out

@@ -234,12 +234,15 @@ class Deepseek4Model:
     def enable_mtp(self, companion: GGUFFile | None = None) -> None:
         """Draft with the MTP block of ``companion`` (llama.cpp's ``--mtp`` file of the same checkpoint;
         ``models/deepseek4_mtp.py``): call before the first sequence, whose caches then hold its layer too."""
-        from hf2q.engine.models.deepseek4_mtp import Deepseek4MtpHead
+        from hf2q.engine.models.deepseek4_mtp import Deepseek4MtpHead, check_head
 
         if companion is None:
             raise InputError("deepseek4 keeps its MTP head in a file of its own: pass it with --model-draft")
         if self.mtp is None:
-            self.mtp = Deepseek4MtpHead(companion, self, self.dtype)
+            cfg, geo = read_config(companion)
+            check_head(companion, self, cfg)
+            block = Deepseek4Block(cfg, geo, companion, self.cfg.n_layers, self.dtype)
+            self.mtp = Deepseek4MtpHead(companion, self, cfg, block, self.dtype)
 
     def new_sequence_cache(self) -> Deepseek4Cache:
         geo = self.geo

@@ -67,26 +67,30 @@ class _DraftBatch:
     end_point: bool = True
 
 
+def check_head(g: GGUFFile, trunk, cfg) -> None:
+    """``InputError`` unless ``g`` (its config ``cfg``, read as the trunk reads its own) is an MTP head this
+    engine runs for the trunk model ``trunk``: llama.cpp's pairing checks, a window block (ratio 0), routed
+    by score (not hashed), mixing as many streams."""
+    if problem := companion_problem(trunk.gguf, g):
+        raise InputError(f"{g.path.name}: {problem}")
+    i = trunk.cfg.n_layers
+    if cfg.compress_ratios[i] != 0:
+        raise InputError(f"{g.path.name}: MTP block {i} has compress ratio {cfg.compress_ratios[i]}; "
+                         "llama.cpp's deepseek4 runs it as a window layer (ratio 0)")
+    if i < cfg.n_hash_layers or cfg.hc_count != trunk.cfg.hc_count:
+        raise InputError(f"{g.path.name}: MTP block {i} is hash-routed or mixes another number of streams")
+
+
 class Deepseek4MtpHead:
     """The companion file's MTP block over the trunk's embedding and LM head (``model`` is the trunk)."""
 
-    def __init__(self, g: GGUFFile, model, dtype):
-        from hf2q.engine.models.deepseek4 import Deepseek4Block, read_config
-
-        trunk = model.cfg
-        if problem := companion_problem(model.gguf, g):
-            raise InputError(f"{g.path.name}: {problem}")
-        cfg, geo = read_config(g)  # its block count includes the head: ratios and clamps reach block n
-        i = trunk.n_layers
-        if cfg.compress_ratios[i] != 0:
-            raise InputError(f"{g.path.name}: MTP block {i} has compress ratio {cfg.compress_ratios[i]}; "
-                             "llama.cpp's deepseek4 runs it as a window layer (ratio 0)")
-        if i < cfg.n_hash_layers or cfg.hc_count != trunk.hc_count:
-            raise InputError(f"{g.path.name}: MTP block {i} is hash-routed or mixes another number of streams")
+    def __init__(self, g: GGUFFile, model, cfg, block, dtype):
+        """``cfg``: the companion's config (its block count includes the head: ratios and clamps reach it);
+        ``block``: its block ``n`` (a ``Deepseek4Block``), built by the trunk like its own (``check_head`` first)."""
+        i = model.cfg.n_layers
         p = f"blk.{i}.nextn."
         own = lambda name: name in g.tensors  # noqa: E731
-        self.cfg, self.dtype, self.layer = cfg, dtype, i
-        self.block = Deepseek4Block(cfg, geo, g, i, dtype)
+        self.cfg, self.dtype, self.layer, self.block = cfg, dtype, i, block
         self.eh_proj = Linear(g.tensor(p + "eh_proj.weight"), dtype)
         self.enorm = float_array(g.tensor(p + "enorm.weight"), dtype)
         self.hnorm = float_array(g.tensor(p + "hnorm.weight"), dtype)
