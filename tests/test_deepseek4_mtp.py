@@ -21,6 +21,7 @@ from hf2q.engine.runner import MlxModelRunner
 from hf2q.engine.speculative import accept_draft, keep_accepted
 from hf2q.sched.contracts import GenerationRequest, RuntimeConfig, SamplingParams, Token
 from tests.engine_support import random_tokens
+from tests.test_deepseek4_speculative import _greedy
 from tests.test_engine_deepseek4 import deepseek4_gguf
 
 CTX = 512
@@ -239,15 +240,6 @@ def _cold(runner, tokens, nxt):
     s = runner.new_sequence()
     runner.prefill(s, tokens)
     return [s], [nxt]
-
-
-def _greedy(runner, prompt, n):
-    seq = runner.new_sequence()
-    logits, out = runner.prefill(seq, prompt), []
-    for _ in range(n):
-        out.append(int(np.argmax(logits)))
-        logits = runner.decode([seq], [out[-1]])[0]
-    return out
 
 
 N_NEW = 12
