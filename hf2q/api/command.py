@@ -127,7 +127,8 @@ def runner_factory(path: Path, ctx: int | None, tensor_parallel: int = 1, args=N
 
         runner = load()
         if getattr(args, "speculative", "off") == "mtp":
-            runner.enable_mtp(getattr(args, "model_draft", None))  # before any sequence: the head keeps K/V rows of its own
+            # before any sequence: the head keeps K/V rows of its own (deepseek4's from --model-draft)
+            runner.enable_mtp(getattr(args, "model_draft", None))
         if vision is not None:
             from hf2q.engine.vision.qwen3vl import Qwen3VLVisionEncoder
             from hf2q.formats.gguf_file import open_gguf

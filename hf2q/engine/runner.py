@@ -201,7 +201,7 @@ class MlxModelRunner:
 
     def enable_mtp(self, draft_model=None) -> None:
         """Draft with the model's multi-token-prediction head (``--speculative mtp``): call before the
-        first sequence. qwen35's head is in its own file; deepseek4's in the companion GGUF ``draft_model``
+        first sequence. qwen35's head is in the model's own file; deepseek4's in the companion GGUF ``draft_model``
         (a path or an opened ``GGUFFile``: llama.cpp's ``--mtp`` export). ``InputError`` for a file without
         one. The head's K/V layer is stored as the main ones are (an 8-bit cache's too), and counted in
         ``kv_bytes_per_token``."""
