@@ -344,7 +344,7 @@ def test_generate_prints_the_same_text_with_the_head(cli, files):
 def test_llama_server_drafts_with_our_companion_as_we_do(files, runners, tmp_path):
     """Stock ``llama-server -m trunk -md companion --spec-type draft-mtp`` loads the file ``convert --mtp`` wrote
     and drafts with it; at every decode step after the first its first draft token (its debug log's
-    ``draft candidate 0, pos 0``) is ours. (Its first draft after the prompt differs: not explained yet, see
+    ``draft candidate 0, pos 0``) is ours. (Its first draft after this prompt differs: not explained yet, see
     docs/ENGINE.md.)"""
     import json
     import re
