@@ -173,7 +173,11 @@ def _add_kv_cache_type(p) -> None:
 def _add_speculative(p) -> None:
     p.add_argument("--speculative", choices=["ngram", "mtp", "off"], default="off",
                    help="verify several drafted tokens per forward; ngram: drafts from earlier context (prompt "
-                        "lookup); mtp: from the model's multi-token-prediction head (Qwen 3.5 / 3.6)")
+                        "lookup); mtp: from the model's multi-token-prediction head (Qwen 3.5 / 3.6; DeepSeek-V4 "
+                        "with --model-draft)")
+    p.add_argument("--model-draft", default=None, metavar="FILE",
+                   help="with --speculative mtp on DeepSeek-V4: its MTP head, the GGUF `hf2q convert --mtp` writes "
+                        "(llama.cpp's --mtp file)")
     p.add_argument("--draft-tokens", type=_positive_int, default=None, metavar="K",
                    help="with --speculative: most tokens drafted per forward (default 6 for ngram, 3 for mtp)")
 

@@ -67,6 +67,11 @@ def inspect(path, ctx: int | None = None, slots: int = 4, kv_budget: int | None 
     if kind == "mmproj":  # llama.cpp's vision projector: the second file of a vision-language pair
         from hf2q.arch.qwen3vl_mmproj import projector_summary
         reasons = ["a vision projector (mmproj) for its text model, not a model to serve alone"]
+    from hf2q.engine.speculative import is_mtp_companion
+
+    if kind == "chat" and is_mtp_companion(g):  # deepseek4's MTP head alone (llama.cpp's --mtp export)
+        kind, reasons = "mtp", ["a multi-token-prediction head for its trunk (serve the trunk with --speculative "
+                                "mtp --model-draft FILE), not a model to serve alone"]
     elem = kv_dtype_bytes()
     per_token, kv = 0, None
     if not reasons:  # sizes only from hyper-parameters the check passed (a block_count of 10^9 is not one)
@@ -106,7 +111,7 @@ def inspect(path, ctx: int | None = None, slots: int = 4, kv_budget: int | None 
         "kv_window": kv.window if kv is not None else None,
         "kv_window_layers": kv.window_layers if kv is not None else 0, "kv_window_bytes_per_slot": window_bytes,
         **recurrent_state(None if reasons else hp, elem),
-        **mtp_head(None if reasons or kind != "chat" else g, elem, kv_type, ctx),
+        **mtp_head(g if kind == "mtp" or (kind == "chat" and not reasons) else None, elem, kv_type, ctx),
         **compact_cache(hp if not reasons and arch == "deepseek4" else None, elem),
         "serve_support": "rejected" if reasons else "ready",
         "reject_reason": "; ".join(reasons) if reasons else None,
@@ -140,9 +145,14 @@ def mtp_head(g, elem: int, kv_type: str, ctx: int) -> dict[str, int]:
     if not names:
         return {"mtp_weight_bytes": 0, "mtp_kv_bytes_per_token": 0, "mtp_kv_bytes_per_slot": 0}
     scale = probe().scale_bytes()
+    weights = sum(tensor_bytes(g.tensors[n], elem, scale) for n in names)
+    if g.arch == "deepseek4":  # a companion: its block is one more window layer of the trunk's compact cache
+        from hf2q.engine.models.deepseek4_layout import compact_need
+
+        window = compact_need(g.hparams, elem, mtp=True).bounded() - compact_need(g.hparams, elem).bounded()
+        return {"mtp_weight_bytes": weights, "mtp_kv_bytes_per_token": 0, "mtp_kv_bytes_per_slot": window}
     per_token = mtp_position_bytes(g.hparams, elem, kv_type)
-    return {"mtp_weight_bytes": sum(tensor_bytes(g.tensors[n], elem, scale) for n in names),
-            "mtp_kv_bytes_per_token": per_token, "mtp_kv_bytes_per_slot": per_token * ctx}
+    return {"mtp_weight_bytes": weights, "mtp_kv_bytes_per_token": per_token, "mtp_kv_bytes_per_slot": per_token * ctx}
 
 
 def _mtp_line(info: dict) -> str:
@@ -236,6 +246,8 @@ def run(args) -> int:
             lines.append(_recurrent_line(info))
         if info["mtp_weight_bytes"]:
             lines.append(_mtp_line(info))
+    elif info["kind"] == "mtp":
+        lines.append(_mtp_line(info))
     print("\n".join(lines))
     if ready:
         print("Serve support: ready")

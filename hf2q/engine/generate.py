@@ -263,7 +263,7 @@ def run(args) -> int:
     ignore_eos = getattr(args, "ignore_eos", False)
     draft_tokens = _draft_tokens(args, runner)
     if draft_tokens and args.speculative == "mtp":
-        runner.enable_mtp()
+        runner.enable_mtp(getattr(args, "model_draft", None))  # deepseek4: the companion file's head
 
     if not args.benchmark:
         detok = IncrementalDetokenizer(tokenizer)

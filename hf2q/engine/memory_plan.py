@@ -112,7 +112,7 @@ def kv_need(hp, elem: int, *, on_cpu: bool = False, kv_type: str = "f16", mtp: b
     the draft head's attention layer keeps a K/V row of every position too (:func:`mtp_position_bytes`)."""
     from hf2q.formats.gguf_keys import Keys
 
-    if mtp:
+    if mtp and hp.arch != "deepseek4":
         need = kv_need(hp, elem, on_cpu=on_cpu, kv_type=kv_type)
         return attrs.evolve(need, per_token=need.per_token + mtp_position_bytes(hp, elem, kv_type))
 
@@ -124,7 +124,7 @@ def kv_need(hp, elem: int, *, on_cpu: bool = False, kv_type: str = "f16", mtp: b
     if hp.arch == "deepseek4":  # entries grow at 1/ratio, the rest is bounded (models/deepseek4_layout.py)
         from hf2q.engine.models.deepseek4_layout import compact_need
 
-        need = compact_need(hp, elem)
+        need = compact_need(hp, elem, mtp=mtp)  # the MTP head's window layer is bounded too
         return KvNeed(need.per_token, bounded=need.bounded)
     if hp.arch != "gemma4":
         return KvNeed(token_bytes(hp, elem, kv_type))
@@ -162,18 +162,23 @@ def mtp_position_bytes(hp, elem: int, kv_type: str = "f16") -> int:
 
 def head_tensors(g: GGUFFile) -> set[str]:
     """The names of a Qwen 3.5 / 3.6 file's multi-token-prediction block tensors (those after the main
-    blocks), which the engine reads only with ``--speculative mtp``; empty for other files."""
-    from hf2q.engine.speculative import has_mtp_head
+    blocks), which the engine reads only with ``--speculative mtp``; of a deepseek4 MTP companion, what the
+    engine loads of it (the block and its hyper-connection head: the embedding and LM head are the
+    trunk's); empty for other files."""
+    from hf2q.engine.speculative import has_mtp_head, is_mtp_companion
 
     hp = g.hparams
+    if is_mtp_companion(g):
+        return {n for n in g.tensors if n.startswith(f"blk.{hp.n_main_layers}.") or n.startswith("output_hc_")}
     heads = {f"blk.{i}." for i in range(hp.n_main_layers, hp.n_layers)} if has_mtp_head(g) else set()
     return {n for n in g.tensors if any(n.startswith(p) for p in heads)}
 
 
 def rank_need(g: GGUFFile, size: int, kv_budget: int, *, float_bytes: int, scale_bytes: int,
-              mtp: bool = False) -> RankNeed:
+              mtp: bool = False, draft: GGUFFile | None = None) -> RankNeed:
     """What the most loaded of ``size`` ranks holds (``InputError`` when ``g`` cannot split ``size`` ways);
-    the MTP head's weights only with ``mtp`` (the engine loads them only then)."""
+    the MTP head's weights only with ``mtp`` (the engine loads them only then), a deepseek4 companion
+    ``draft``'s (``--model-draft``) on one rank."""
     from hf2q.engine.tensor_parallel import shard_gguf
 
     unread = set() if mtp else head_tensors(g)
@@ -182,6 +187,8 @@ def rank_need(g: GGUFFile, size: int, kv_budget: int, *, float_bytes: int, scale
         view = shard_gguf(g, rank, size)
         worst = max(worst, sum(tensor_bytes(t, float_bytes, scale_bytes) for n, t in view.tensors.items()
                                if n not in unread))
+    if mtp and draft is not None:
+        worst += sum(tensor_bytes(draft.tensors[n], float_bytes, scale_bytes) for n in head_tensors(draft))
     # deepseek4: its one K=V head and compressors are replicated, so every rank holds the whole compact cache
     return RankNeed(size, worst, kv_budget if g.arch == "deepseek4" else -(-kv_budget // size))
 
@@ -196,15 +203,16 @@ def _gib(n: int) -> str:
 
 
 def check_fits(g: GGUFFile, size: int, kv_budget: int, limit: int, *, float_bytes: int, scale_bytes: int,
-               max_size: int = 8, mtp: bool = False) -> RankNeed:
+               max_size: int = 8, mtp: bool = False, draft: GGUFFile | None = None) -> RankNeed:
     """The need of each of ``size`` ranks, or an ``InputError`` that says what would fit."""
-    need = rank_need(g, size, kv_budget, float_bytes=float_bytes, scale_bytes=scale_bytes, mtp=mtp)
+    need = rank_need(g, size, kv_budget, float_bytes=float_bytes, scale_bytes=scale_bytes, mtp=mtp, draft=draft)
     if need.total <= limit:
         return need
     hint = ""
     for bigger in range(size + 1, max_size + 1):
         try:
-            other = rank_need(g, bigger, kv_budget, float_bytes=float_bytes, scale_bytes=scale_bytes, mtp=mtp)
+            other = rank_need(g, bigger, kv_budget, float_bytes=float_bytes, scale_bytes=scale_bytes, mtp=mtp,
+                              draft=draft)
         except InputError:
             continue  # the heads or blocks do not split this many ways
         if other.total <= limit:
@@ -219,14 +227,15 @@ def check_fits(g: GGUFFile, size: int, kv_budget: int, limit: int, *, float_byte
 
 def check_model(path, size: int, *, ctx: int | None, slots: int, kv_budget: int | None,
                 limit: int | None, device: DeviceFacts | None = None, prefill_chunk: int = 2048,
-                kv_type: str = "f16", mtp: bool = False, kv_persist: bool = False) -> RankNeed:
+                kv_type: str = "f16", mtp: bool = False, kv_persist: bool = False, draft=None) -> RankNeed:
     """``check_fits`` for a GGUF (path or opened) with the server's settings, on ``device``
     (default: the one MLX will use, found without importing MLX — ``device_probe``).
 
     The KV budget defaults to the scheduler's (``slots × ctx`` tokens) plus what a slot holds whatever
     its length: a hybrid model's recurrent states, a sliding-window model's window layers (one slot's
     with a ``prefill_chunk`` transaction in flight); the limit to ``DEFAULT_FRACTION`` of the device's
-    memory. ``mtp``: the MTP draft head's weights and K/V layer are counted too. ``kv_persist``: the
+    memory. ``mtp``: the MTP draft head's weights and K/V layer are counted too (a deepseek4 trunk's from its
+    companion ``draft``, path or opened). ``kv_persist``: the
     block-end states a slot keeps for the persistent store until they are written (``BLOCK_ENDS_KEPT``
     more recurrent states, or reuse-point copies of a deepseek4 compact cache).
     """
@@ -245,4 +254,7 @@ def check_model(path, size: int, *, ctx: int | None, slots: int, kv_budget: int 
         kv_budget += kv.window_bytes(prefill_chunk) - kv.window_bytes()  # the one slot prefilling at a time
     if limit is None:
         limit = int(device.memory * DEFAULT_FRACTION)
-    return check_fits(g, size, kv_budget, limit, float_bytes=elem, scale_bytes=device.scale_bytes(), mtp=mtp)
+    if draft is not None and not isinstance(draft, GGUFFile):
+        draft = open_gguf(draft)
+    return check_fits(g, size, kv_budget, limit, float_bytes=elem, scale_bytes=device.scale_bytes(), mtp=mtp,
+                      draft=draft)

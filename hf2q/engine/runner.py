@@ -201,13 +201,20 @@ class MlxModelRunner:
         """Whether any of ``seqs`` has text positions behind its length (an image in its cache)."""
         return self.images is not None and any(shift_at(s) for s in seqs)
 
-    def enable_mtp(self) -> None:
-        """Draft with the model's multi-token-prediction head (``--speculative mtp``, qwen35): call before
-        the first sequence. ``InputError`` for a file without one. The head's K/V layer is stored as the
-        main ones are (an 8-bit cache's too), and counted in ``kv_bytes_per_token``."""
+    def enable_mtp(self, draft_model=None) -> None:
+        """Draft with the model's multi-token-prediction head (``--speculative mtp``): call before the
+        first sequence. qwen35's head is in the model's own file; deepseek4's in the companion GGUF ``draft_model``
+        (a path or an opened ``GGUFFile``: llama.cpp's ``--mtp`` export). ``InputError`` for a file without
+        one. The head's K/V layer is stored as the main ones are (an 8-bit cache's too), and counted in
+        ``kv_bytes_per_token``."""
         if not hasattr(self.model, "enable_mtp"):
             raise InputError(f"{self.gguf.path.name} ({self.arch}) has no multi-token-prediction head")
-        self.model.enable_mtp()
+        if draft_model is None:
+            self.model.enable_mtp()
+        else:
+            from hf2q.formats.gguf_file import GGUFFile, open_gguf
+
+            self.model.enable_mtp(draft_model if isinstance(draft_model, GGUFFile) else open_gguf(draft_model))
         self.kv_bytes_per_token = kv_need(self.kv_hparams, self.dtype.size, on_cpu=self.host_decoder is not None,
                                           kv_type=self.kv_cache_type, mtp=True).per_token
 

@@ -14,9 +14,10 @@ token stands, draw one more from the last row. At temperature 0, ``p`` is one-ho
 token, so this is "accept while the draft equals the greedy token, then take the greedy token":
 the output is the one plain greedy decoding gives.
 
-:class:`MtpDrafter` proposes with the model's multi-token-prediction head instead (qwen35 files with
-a ``nextn`` block, ``--speculative mtp``; ``engine/models/qwen35_mtp.py``): the same interface,
-drafting through ``runner.draft`` in the engine thread.
+:class:`MtpDrafter` proposes with the model's multi-token-prediction head instead (``--speculative mtp``:
+qwen35 files with a ``nextn`` block, ``engine/models/qwen35_mtp.py``; a deepseek4 trunk with its
+``--model-draft`` companion, ``engine/models/deepseek4_mtp.py``): the same interface, drafting through
+``runner.draft`` in the engine thread.
 
 The rest is pure logic on token lists and numpy rows.
 """
@@ -110,15 +111,64 @@ def has_mtp_head(g) -> bool:
     return g.arch in ("qwen35", "qwen35moe") and nextn_block(g) is not None
 
 
+def is_mtp_companion(g) -> bool:
+    """Whether ``g`` is a deepseek4 MTP head alone (llama.cpp's ``--mtp`` export: its MTP block, no trunk blocks)."""
+    return (g.arch == "deepseek4" and g.hparams.nextn_predict_layers >= 1
+            and "blk.0.attn_norm.weight" not in g.tensors)
+
+
+def companion_problem(trunk, g) -> str | None:
+    """Why the GGUF ``g`` cannot be the MTP companion (llama.cpp's ``--mtp`` export) of the deepseek4 trunk
+    ``trunk`` (None: it can), from the headers alone."""
+    thp, hp = trunk.hparams, g.hparams
+    n = thp.n_layers
+    if g.arch != "deepseek4":
+        return f"is a {g.arch} file, not a deepseek4 MTP head"
+    if hp.nextn_predict_layers < 1 or f"blk.{n}.nextn.eh_proj.weight" not in g.tensors:
+        return f"has no MTP block {n} (write it with `hf2q convert --mtp` from the trunk's checkpoint)"
+    if hp.n_main_layers != n:
+        return f"is the MTP head of a {hp.n_main_layers}-block trunk, not of this {n}-block one"
+    if hp.hidden != thp.hidden or g.tensors["token_embd.weight"].shape != trunk.tensors["token_embd.weight"].shape:
+        return "does not match the trunk's hidden size or vocabulary"
+    return None
+
+
+def draft_header(g, args):
+    """The header of ``--model-draft`` (deepseek4's MTP companion) checked against the trunk ``g``, None
+    without the flag (``InputError`` for a file that is not the trunk's head)."""
+    from hf2q.errors import InputError
+    from hf2q.formats.gguf_file import open_gguf
+
+    path = getattr(args, "model_draft", None)
+    if path is None:
+        return None
+    d = open_gguf(path)
+    if problem := companion_problem(g, d):
+        raise InputError(f"{d.path.name}: --model-draft {problem}")
+    return d
+
+
 def check_speculative(g, args) -> None:
     """``--speculative mtp``'s start-up check on the model's header: a qwen35 / qwen35moe file with a
-    ``nextn`` block (``InputError``). Any ``--kv-cache-type`` (the head's K/V layer is stored like the main
+    ``nextn`` block, or a deepseek4 trunk with its ``--model-draft`` companion (``InputError``; the flag
+    elsewhere: ``UsageError``). Any ``--kv-cache-type`` (the head's K/V layer is stored like the main
     ones) and any ``--tensor-parallel`` (the head is split like the main blocks)."""
-    from hf2q.errors import InputError
+    from hf2q.errors import InputError, UsageError
 
-    if getattr(args, "speculative", "off") != "mtp":
+    mtp = getattr(args, "speculative", "off") == "mtp"
+    drafted = getattr(args, "model_draft", None) is not None
+    if drafted and not (mtp and g.arch == "deepseek4"):
+        raise UsageError("--model-draft needs --speculative mtp and a DeepSeek-V4 model (Qwen 3.5 / 3.6 keep "
+                         "their head in the model's own file)")
+    if not mtp:
         return
     name = getattr(g.path, "name", g.path)
+    if g.arch == "deepseek4":
+        if not drafted:
+            raise InputError(f"{name}: --speculative mtp on DeepSeek-V4 needs its MTP head: --model-draft FILE "
+                             "(`hf2q convert --mtp` of the same checkpoint), or use --speculative ngram")
+        draft_header(g, args)
+        return
     if not has_mtp_head(g):
         raise InputError(f"{name}: --speculative mtp needs a Qwen 3.5 / 3.6 GGUF with its multi-token-prediction "
                          "(nextn) block — convert without --no-mtp, or use --speculative ngram")

@@ -217,6 +217,7 @@ class Deepseek4Model:
     trims_prefix = False
 
     def __init__(self, g: GGUFFile, dtype):
+        self.gguf = g
         self.cfg, self.geo = read_config(g)
         self.dtype = dtype
         self.embed = Linear(g.tensor("token_embd.weight"), dtype)
@@ -229,18 +230,34 @@ class Deepseek4Model:
         #: HF2Q_NO_STACKED_DECODE=1 keeps them in buffers of their own (stacked per step), as for the runner's K/V
         self._entry_batch: EntryBatch | None = None
         self.share_entries = not os.environ.get("HF2Q_NO_STACKED_DECODE")
+        #: the multi-token-prediction draft head of a companion file, once enabled (``enable_mtp``)
+        self.mtp = None
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:
         return self.cfg.n_layers, 1, self.geo.head_dim
 
+    def enable_mtp(self, companion: GGUFFile | None = None) -> None:
+        """Draft with the MTP block of ``companion`` (llama.cpp's ``--mtp`` file of the same checkpoint;
+        ``models/deepseek4_mtp.py``): call before the first sequence, whose caches then hold its layer too."""
+        from hf2q.engine.models.deepseek4_mtp import Deepseek4MtpHead, check_head
+
+        if companion is None:
+            raise InputError("deepseek4 keeps its MTP head in a file of its own: pass it with --model-draft")
+        if self.mtp is None:
+            cfg, geo = read_config(companion)
+            check_head(companion, self, cfg)
+            block = Deepseek4Block(cfg, geo, companion, self.cfg.n_layers, self.dtype)
+            self.mtp = Deepseek4MtpHead(companion, self, cfg, block, self.dtype)
+
     def new_sequence_cache(self) -> Deepseek4Cache:
         geo = self.geo
-        return Deepseek4Cache(layer_rows(geo.head_dim, geo.index_dim, self.cfg.compress_ratios), geo.window,
-                              self.dtype)
+        ratios = self.cfg.compress_ratios + ([0] if self.mtp is not None else [])  # the MTP head's window layer
+        return Deepseek4Cache(layer_rows(geo.head_dim, geo.index_dim, ratios), geo.window, self.dtype)
 
     def weights_nbytes(self) -> int:
-        return distinct_nbytes([self.embed, self.lm_head] + [lin for b in self.blocks for lin in b.linears()])
+        head = list(self.mtp.linears()) if self.mtp is not None else []
+        return distinct_nbytes([self.embed, self.lm_head] + [lin for b in self.blocks for lin in b.linears()] + head)
 
     def __call__(self, tokens: mx.array, fb: ForwardBatch, last_only: bool = True) -> mx.array:
         """``tokens [B, T]`` → float32 logits ``[B, vocab]`` of the last position (or all)."""
@@ -251,6 +268,8 @@ class Deepseek4Model:
         streams = mx.broadcast_to(x[:, :, None, :], (B, T, self.cfg.hc_count, D))
         for block in self.blocks:
             streams = block(streams, fb, tokens)
+        if self.mtp is not None:  # the draft head's cache rows of these tokens, from every position's streams
+            self.mtp.store(tokens, streams, fb)
         if last_only:
             streams = streams[:, -1:]
         h = mx.fast.rms_norm(self.head(streams), self.norm, self.cfg.norm_eps)

@@ -191,7 +191,7 @@ class Deepseek4Attention:
         q_res = rms_norm(self.q_a(x), self.q_a_norm, eps)
         q = self.q_b(q_res).reshape(B, T, H, D).transpose(0, 2, 1, 3)
         q = rope_tail(rms_norm(q, None, eps), q_pos, self.inv_freq, r)
-        kv = rope_tail(rms_norm(self.kv(x), self.kv_norm, eps)[:, None], q_pos, self.inv_freq, r)[:, 0]  # [B, T, D]
+        kv = self.kv_rows(x, q_pos)
 
         held = [c.layer(self.layer) for c in fb.caches]  # (rows, entries, indexer keys) as of the last commit
         raw = [st.raw.extended(kv[b]) for b, (st, _, _) in enumerate(held)]
@@ -222,6 +222,12 @@ class Deepseek4Attention:
         grouped = out.transpose(0, 2, 1, 3).reshape(B * T, geo.groups, -1).transpose(1, 0, 2)  # [G, BT, in]
         low = (grouped @ self.o_a).transpose(1, 0, 2).reshape(B, T, -1)
         return self.o_b(low)
+
+    def kv_rows(self, x: mx.array, pos: mx.array) -> mx.array:
+        """The shared K=V rows ``[B, T, D]`` of normed inputs ``x [B, T, hidden]`` at positions ``pos [B, T]``
+        (what the cache keeps; an MTP head's store writes them without running the attention)."""
+        return rope_tail(rms_norm(self.kv(x), self.kv_norm, self.geo.norm_eps)[:, None], pos, self.inv_freq,
+                         self.geo.rope_dims)[:, 0]
 
     def _extend(self, comp: "Compressor", held, part: int, x: mx.array, offsets: np.ndarray, T: int):
         """One compressor's rows extended by this forward's, the entries of every row ``[B, E, dim]``

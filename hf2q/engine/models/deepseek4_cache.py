@@ -263,6 +263,9 @@ class Deepseek4Cache(SequenceCache):
         self.block_tokens: int | None = None
         #: length → rows per layer at the prompt block ends reached and not exported yet
         self._block_ends: dict[int, list[LayerState]] = {}
+        #: an MTP head's pairing rows (``models/deepseek4_mtp.py``): (position of the first, trunk streams
+        #: ``[n, hc, hidden]``), None while the head is off or before the first forward
+        self.mtp_hidden: tuple[int, mx.array] | None = None
 
     def _empty_state(self, s: LayerRows) -> LayerState:
         return LayerState(_empty_rows(s.head_dim, self.dtype),
@@ -400,7 +403,7 @@ class Deepseek4Cache(SequenceCache):
     def keys(self) -> list[mx.array]:
         """Every array the cache holds, the staged forward's included (what a forward's eval must reach)."""
         states = [self._pending[i][0] if i in self._pending else st for i, st in enumerate(self.states)]
-        out = [a for st in states for a in st.arrays()]
+        out = [a for st in states for a in st.arrays()] + ([self.mtp_hidden[1]] if self.mtp_hidden is not None else [])
         return out + [e.buf for e in (*self.entries, *self.index_entries) if e is not None and e.buf is not None]
 
     @property
@@ -484,6 +487,7 @@ class Deepseek4Cache(SequenceCache):
         """Append a block ``export`` gave: its entries, and its end rows as the live ones when it has them."""
         start, end = self._length, self._length + n_tokens
         with_rows = has_end_state(arrays)
+        self.mtp_hidden = None  # rows of another continuation may sit past the length
         rows = []
         for i, spec in enumerate(self.specs):
             raw_first, comp_first = self.raw_first(end), self.comp_first(spec, end) if spec.ratio else 0

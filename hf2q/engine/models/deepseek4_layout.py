@@ -103,10 +103,11 @@ class CompactNeed:
         return self.fixed(new_tokens) + self.COPIES * self.point_copy()
 
 
-def compact_need(hp, elem: int) -> CompactNeed:
-    """The slot figures of the ``GGUFHparams`` ``hp`` of a deepseek4 file at ``elem`` bytes a value."""
-    n = hp.n_layers
-    ratios = [int(r) for r in (hp.stored(ExtraKeys.COMPRESS_RATIOS) or [0] * n)][:n]
+def compact_need(hp, elem: int, mtp: bool = False) -> CompactNeed:
+    """The slot figures of the ``GGUFHparams`` ``hp`` of a deepseek4 file at ``elem`` bytes a value; ``mtp``:
+    with the MTP draft head's layer (``models/deepseek4_mtp.py``: a window layer, ratio 0)."""
+    n = hp.n_main_layers
+    ratios = [int(r) for r in (hp.stored(ExtraKeys.COMPRESS_RATIOS) or [0] * n)][:n] + ([0] if mtp else [])
     layers = tuple(layer_rows(int(hp.stored(Keys.Attention.KEY_LENGTH)),
                               int(hp.stored(Keys.Attention.Indexer.KEY_LENGTH) or 0), ratios))
     growth = sum(lay.entry_width * elem / lay.ratio for lay in layers if lay.ratio)
