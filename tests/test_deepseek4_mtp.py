@@ -301,6 +301,8 @@ def test_cli_checks_the_companion(cli, files):
     assert r.code == 2 and "--speculative mtp" in r.err
     r = cli(*base, "--speculative", "mtp", "--model-draft", trunk)
     assert r.code == 3 and "no MTP block" in r.err
+    r = cli("serve", "--model", trunk, "--speculative", "mtp", "--model-draft", head, "--tensor-parallel", "2")
+    assert r.code == 2 and "--tensor-parallel" in r.err  # refused before any rank starts
 
 
 def test_memory_plan_and_info_count_the_head(files, runners):
