@@ -110,6 +110,11 @@ class ImageStore:
         with self._lock:
             return sum(self._holds.values())
 
+    def held(self, key: int) -> bool:
+        """Whether some request still holds image ``key`` (added and not yet released)."""
+        with self._lock:
+            return key in self._holds
+
     def release(self, keys) -> None:
         """End one hold of each of ``keys`` (one per ``add``)."""
         with self._lock:
