@@ -225,15 +225,15 @@ def _tensor(name: str, rows: int, qtype, seed: int) -> GGUFTensor:
 def test_products_fused_as_read_match_each_part(parts, chunk, seed):
     """Tensors fused as they are read (stored blocks repacked band by band into one MLX buffer, bands of any size):
     the same packed weights, row for row, as each tensor loaded alone, and the same products."""
-    from hf2q.engine import layers
+    from hf2q.engine import quant_repack
     from hf2q.engine.layers import load_products
 
     tensors = [_tensor(f"p{i}", n, qt, seed + i) for i, (qt, n) in enumerate(parts)]
-    kept, layers.REPACK_CHUNK = layers.REPACK_CHUNK, chunk
+    kept, quant_repack.REPACK_CHUNK = quant_repack.REPACK_CHUNK, chunk
     try:
         mine, products = load_products(tensors, mx.float32)
     finally:
-        layers.REPACK_CHUNK = kept
+        quant_repack.REPACK_CHUNK = kept
     alone = [Linear(t, mx.float32) for t in tensors]
     same_run = sum(1 for a, b in zip(parts, parts[1:]) if a[0] == b[0])
     assert len(products) == len(parts) - same_run

@@ -27,7 +27,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from hf2q.engine.device_probe import EXACT_GPU_SCALES  # HF2Q_EXACT_SCALES=1: float32 group scales on GPUs
-from hf2q.engine.quant_repack import FLOAT_TYPES, GROUP, QUANTIZED_TYPES, to_affine
+from hf2q.engine.quant_repack import FLOAT_TYPES, GROUP, QUANTIZED_TYPES, repack_rows
 from hf2q.errors import InputError
 from hf2q.formats.gguf_file import GGUFTensor
 from hf2q.kernels import cuda_qmv
@@ -101,9 +101,6 @@ def _release_dense(nbytes: int) -> None:
 
 
 
-#: weights repacked at a time as a quantized tensor is read (bounds the load's transient host memory)
-REPACK_CHUNK = 1 << 24
-
 _MX_DTYPES = {np.dtype(np.uint32): mx.uint32, np.dtype(np.float32): mx.float32}
 
 
@@ -111,35 +108,26 @@ def _repacked(tensors: "list[GGUFTensor]", shape: tuple[int, ...]):
     """The MLX affine form (packed, scales, biases, bits, exact) of ``tensors``' rows in order, ``shape``'s
     leading dims restored.
 
-    The stored blocks are repacked a band of rows at a time (a row's blocks depend on that row alone) straight
-    into the MLX buffers on the CPU (elsewhere into one host array each, handed to MLX once): the load holds no
-    second whole copy of a weight, and a stack of tensors costs what its parts would apart."""
-    n = shape[-1]
+    The stored blocks are repacked band by band (``quant_repack.repack_rows``) straight into the MLX buffers on
+    the CPU (elsewhere into one host array each, handed to MLX once): the load holds no second whole copy of a
+    weight, and a stack of tensors costs what its parts would apart."""
     total = math.prod(shape[:-1])
-    step = max(1, REPACK_CHUNK // n)
     in_place = on_cpu()
-    outs, views, bits, exact, at = None, None, 0, True, 0
-    for t in tensors:
-        rows = math.prod(t.shape[:-1])
-        raw = np.asarray(t.data).reshape(rows, -1)
-        for a in range(0, rows, step):
-            b = min(rows, a + step)
-            aff = to_affine(raw[a:b], t.qtype, (b - a, n))
-            parts = (aff.packed, aff.scales, aff.biases)
-            if views is None:
-                bits = aff.bits
-                if in_place:
-                    outs = [mx.zeros((total, x.shape[1]), dtype=_MX_DTYPES[x.dtype]) for x in parts]
-                    mx.eval(outs)
-                    views = [np.asarray(memoryview(o)) for o in outs]
-                else:
-                    views = [np.empty((total, x.shape[1]), x.dtype) for x in parts]
-            for v, x in zip(views, parts):
-                v[at:at + b - a] = x
-            exact = exact and aff.exact
-            at += b - a
+    outs: list = []
+
+    def allocate(like) -> list[np.ndarray]:
+        parts = (like.packed, like.scales, like.biases)
+        if not in_place:
+            outs.extend(np.empty((total, x.shape[1]), x.dtype) for x in parts)
+            return outs
+        outs.extend(mx.zeros((total, x.shape[1]), dtype=_MX_DTYPES[x.dtype]) for x in parts)
+        mx.eval(outs)
+        return [np.asarray(memoryview(o)) for o in outs]
+
+    parts = [(np.asarray(t.data), t.qtype, math.prod(t.shape[:-1])) for t in tensors]
+    bits, exact = repack_rows(parts, shape[-1], allocate)
     if not in_place:
-        outs = [mx.array(v) for v in views]
+        outs = [mx.array(v) for v in outs]
     lead = shape[:-1]
     outs = [o.reshape(*lead, -1) if len(lead) > 1 else o for o in outs]
     return (*outs, bits, exact)
