@@ -47,3 +47,18 @@ def test_hf2q_converted_q8_0_logits_match_transformers(converted):
     rows = [min(i + CHUNK, PROMPT) - 1 for i, _ in chunks] + list(range(PROMPT, PROMPT + DECODE))
     err = np.abs(np.stack([out for _, out in chunks] + steps) - ref[rows])
     assert err.max() < TOL_Q8_MAX and err.mean() < TOL_Q8_MEAN
+
+
+def test_the_shared_expert_is_fused_as_read_and_equals_the_unfused_load(converted, monkeypatch):
+    path = converted("q8_0")
+    fused = MlxModelRunner.load(path)
+    shared = fused.model.layers[0].ffn.shared
+    assert len(shared.gate_up) == 1 and shared.gate_up[0][0].parts == [shared.gate, shared.up]
+    monkeypatch.setenv("HF2Q_NO_FUSED_PROJ", "1")
+    alone = MlxModelRunner.load(path)
+    assert len(alone.model.layers[0].ffn.shared.gate_up) == 2
+    tokens = random_tokens(PROMPT + DECODE, seed=6)
+    for (_, a), (_, b) in zip(_run(fused, tokens)[1], _run(alone, tokens)[1]):  # chunks of many rows
+        assert np.array_equal(a, b)
+    for a, b in zip(_run(fused, tokens)[2], _run(alone, tokens)[2]):  # one-row decode steps: the fused product
+        assert np.array_equal(a, b)

@@ -22,7 +22,7 @@ class SharedExpertMoE:
     def __init__(self, g: GGUFFile, i: int, dtype, top_k: int):
         p = f"blk.{i}."
         self.routed = MoEFeedForward(g, i, dtype, top_k, normalize=True)
-        self.shared = GatedMLP(*(Linear(g.tensor(f"{p}ffn_{n}_shexp.weight"), dtype) for n in ("gate", "up", "down")))
+        self.shared = GatedMLP.load(*(g.tensor(f"{p}ffn_{n}_shexp.weight") for n in ("gate", "up", "down")), dtype)
         gate = g.tensor(p + "ffn_gate_inp_shexp.weight")
         self.shared_gate = Linear(attrs.evolve(gate, shape=(1, gate.shape[-1])), dtype)  # [1, hidden]
 
