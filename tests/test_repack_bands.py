@@ -72,3 +72,26 @@ def test_a_stack_of_tensors_bands_each_part_and_joins_them(small_bands):
     for p, t in zip(parts, tensors):
         ref = whole(np.asarray(t.data).reshape(t.shape[0], -1), t.qtype, t.shape[0], N)
         assert np.array_equal(np.array(p.weight), ref.packed) and np.array_equal(np.array(p.scales), ref.scales)
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K], ids=lambda t: t.name)
+def test_a_repack_holds_a_few_bands_beside_its_output(qtype, monkeypatch):
+    """The transient host memory of a repack is the bands in flight, not a second copy of the tensor (bands
+    written and kept until the end, or joined at the end, would double it)."""
+    import tracemalloc
+
+    monkeypatch.setattr(quant_repack, "PARALLEL_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(quant_repack, "REPACK_CHUNK", 16 * 1024)  # 128 bands of 16 rows
+    monkeypatch.setenv("HF2Q_BLAS_THREADS", "4")
+    monkeypatch.setattr(cpu_blas, "_POOL", [])
+    w = (np.random.default_rng(3).standard_normal((2048, 1024)) * 0.05).astype(np.float32)
+    raw = codec.quantize(w, qtype)
+    quant_repack.to_affine(raw[:64], qtype, (64, 1024))  # the pool started outside the measurement
+    tracemalloc.start()
+    try:
+        aff = quant_repack.to_affine(raw, qtype, (2048, 1024))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    out = aff.packed.nbytes + aff.scales.nbytes + aff.biases.nbytes
+    assert peak - out < 0.5 * out, (peak, out)

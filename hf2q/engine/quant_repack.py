@@ -189,12 +189,12 @@ def repack_rows(parts, n: int, allocate) -> tuple[int, bool]:
         jobs += [(flat[a:b], qtype, at + a) for a, b in _bands(rows, n)]
         at += rows
 
-    def one(job) -> AffineWeight:
+    def one(job) -> bool:  # the band's exactness only: its arrays go once written, so bands never pile up
         raw, qtype, start = job
         aff = _to_affine_rows(raw, qtype, raw.shape[0], n)
         for dst, src in zip(dest, (aff.packed, aff.scales, aff.biases)):
             dst[start:start + raw.shape[0]] = src
-        return aff
+        return aff.exact
 
     raw0, qtype0, _ = jobs[0]
     first = _to_affine_rows(raw0, qtype0, raw0.shape[0], n)
@@ -203,7 +203,7 @@ def repack_rows(parts, n: int, allocate) -> tuple[int, bool]:
         dst[:raw0.shape[0]] = src
     workers = pool()
     rest = list(map(one, jobs[1:]) if workers is None else workers.map(one, jobs[1:]))
-    return first.bits, first.exact and all(a.exact for a in rest)
+    return first.bits, first.exact and all(rest)
 
 
 #: a tensor is repacked in one band below this many weights (when the pool has more than one thread)
