@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType as T
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf2q.engine.layers import Linear, fused_products, run_products
+from hf2q.engine.layers import Linear, run_products
 from hf2q.engine.quant_repack import to_affine
 from hf2q.formats.gguf_file import GGUFTensor
 from hf2q.ggml import codec
@@ -184,35 +184,6 @@ def test_imatrix_observer_sees_every_part(quantized, monkeypatch):
 QTYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K, T.Q3_K, T.Q2_K]
 
 
-def _linear(name: str, rows: int, qtype, rng) -> Linear:
-    w = (rng.standard_normal((rows, 256)) * 0.05).astype(np.float32)
-    data = codec.quantize(w, qtype)
-    return Linear(GGUFTensor(name, qtype, (rows, 256), data, data.nbytes), mx.float32)
-
-
-@settings(max_examples=12, deadline=None)
-@given(parts=st.lists(st.tuples(st.sampled_from(QTYPES), st.integers(1, 40)), min_size=2, max_size=4),
-       rows=st.sampled_from([1, 3, 12]), seed=st.integers(0, 2 ** 16))
-def test_fused_products_match_each_part(parts, rows, seed):
-    """Any run of quantized linears (K-quants and odd widths too): the fused products' outputs, split, equal each
-    part's own product on the host kernel, MLX's quantized matmul and the prefill path."""
-    rng = np.random.default_rng(seed)
-    alone = [_linear(f"p{i}", n, qt, np.random.default_rng(seed + i)) for i, (qt, n) in enumerate(parts)]
-    fusable = [_linear(f"p{i}", n, qt, np.random.default_rng(seed + i)) for i, (qt, n) in enumerate(parts)]
-    products = fused_products(fusable)
-    same_run = sum(1 for a, b in zip(parts, parts[1:]) if a[0] == b[0])
-    assert len(products) == len(parts) - same_run
-    x = mx.array(rng.standard_normal((1, rows, 256)).astype(np.float32))
-    got = run_products(products, x)
-    for g, lin in zip(got, alone):
-        assert np.array_equal(np.array(g), np.array(lin(x)))
-    mlx_only = [lin._quantized_product(x) for lin, _ in products]
-    offsets = np.cumsum([0] + [n for _, n in parts])
-    flat = np.concatenate([np.array(y) for y in mlx_only], axis=-1)
-    for i, lin in enumerate(alone):
-        assert np.array_equal(flat[..., offsets[i]:offsets[i + 1]], np.array(lin._quantized_product(x)))
-
-
 def _tensor(name: str, rows: int, qtype, seed: int) -> GGUFTensor:
     w = (np.random.default_rng(seed).standard_normal((rows, 256)) * 0.05).astype(np.float32)
     data = codec.quantize(w, qtype)
@@ -221,19 +192,20 @@ def _tensor(name: str, rows: int, qtype, seed: int) -> GGUFTensor:
 
 @settings(max_examples=10, deadline=None)
 @given(parts=st.lists(st.tuples(st.sampled_from(QTYPES), st.integers(1, 40)), min_size=2, max_size=4),
-       chunk=st.sampled_from([256, 256 * 7, 1 << 24]), seed=st.integers(0, 2 ** 16))
-def test_products_fused_as_read_match_each_part(parts, chunk, seed):
-    """Tensors fused as they are read (stored blocks repacked band by band into one MLX buffer, bands of any size):
-    the same packed weights, row for row, as each tensor loaded alone, and the same products."""
-    from hf2q.engine import layers
+       chunk=st.sampled_from([256, 256 * 7, 1 << 24]), rows=st.sampled_from([1, 3, 12]), seed=st.integers(0, 2 ** 16))
+def test_products_fused_as_read_match_each_part(parts, chunk, rows, seed):
+    """Tensors fused as they are read (stored blocks repacked band by band into one MLX buffer, bands of any size;
+    K-quants and odd widths too): the same packed weights, row for row, as each tensor loaded alone, and the same
+    products on the host kernel, the prefill path and MLX's quantized matmul (a GPU's)."""
+    from hf2q.engine import quant_repack
     from hf2q.engine.layers import load_products
 
     tensors = [_tensor(f"p{i}", n, qt, seed + i) for i, (qt, n) in enumerate(parts)]
-    kept, layers.REPACK_CHUNK = layers.REPACK_CHUNK, chunk
+    kept, quant_repack.REPACK_CHUNK = quant_repack.REPACK_CHUNK, chunk
     try:
         mine, products = load_products(tensors, mx.float32)
     finally:
-        layers.REPACK_CHUNK = kept
+        quant_repack.REPACK_CHUNK = kept
     alone = [Linear(t, mx.float32) for t in tensors]
     same_run = sum(1 for a, b in zip(parts, parts[1:]) if a[0] == b[0])
     assert len(products) == len(parts) - same_run
@@ -242,6 +214,10 @@ def test_products_fused_as_read_match_each_part(parts, chunk, seed):
         ref = to_affine(t.data, t.qtype, t.shape)  # the repack in one piece, no MLX
         for k, want in (("weight", ref.packed), ("scales", ref.scales), ("biases", ref.biases)):
             assert np.array_equal(np.array(getattr(p, k)), want) and np.array_equal(np.array(getattr(a, k)), want)
-    x = mx.array(np.random.default_rng(seed).standard_normal((1, 3, 256)).astype(np.float32))
+    x = mx.array(np.random.default_rng(seed).standard_normal((1, rows, 256)).astype(np.float32))
     for g, a in zip(run_products(products, x), alone):
         assert np.array_equal(np.array(g), np.array(a(x)))
+    flat = np.concatenate([np.array(lin._quantized_product(x)) for lin, _ in products], axis=-1)
+    offsets = np.cumsum([0] + [n for _, n in parts])
+    for i, a in enumerate(alone):
+        assert np.array_equal(flat[..., offsets[i]:offsets[i + 1]], np.array(a._quantized_product(x)))

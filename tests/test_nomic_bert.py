@@ -188,3 +188,23 @@ def test_tensor_parallelism_refuses_nomic_as_an_encoder(nomic_gguf):
 
     with pytest.raises(InputError, match="decoder"):
         plan_split(nomic_gguf("f16"), 2)
+
+
+def test_the_quantized_mlp_is_fused_as_read_and_equals_the_unfused_load(nomic_gguf, monkeypatch):
+    """gate and up are one product built from the stored blocks (``layers.load_products``; the second path that
+    fused linears already built is gone), and the vectors equal an unfused load's bit for bit, for a few rows (the
+    fused product itself) and for many (each part's own product on the host)."""
+    from hf2q.engine import layers
+    from hf2q.engine.runner import MlxModelRunner
+    from tests.engine_support import random_tokens
+
+    path = nomic_gguf("q8_0")
+    fused = MlxModelRunner.load(path)
+    mlp = fused.model.layers[0].mlp
+    assert len(mlp.gate_up) == 1 and mlp.gate_up[0][0].parts == [mlp.gate, mlp.up]
+    monkeypatch.setenv("HF2Q_NO_FUSED_PROJ", "1")
+    alone = MlxModelRunner.load(path)
+    assert len(alone.model.layers[0].mlp.gate_up) == 2
+    for batch in ([random_tokens(5, seed=1)], [random_tokens(n, seed=n) for n in (3, 9, 30)]):
+        assert np.array_equal(np.asarray(fused.embed(batch)), np.asarray(alone.embed(batch)))
+    assert not hasattr(layers, "fused_products") and not hasattr(layers.Linear, "fused")

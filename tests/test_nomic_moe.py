@@ -106,6 +106,52 @@ def test_embeddings_match_the_graph_reference(quant, moe_gguf):
     assert np.abs(_engine(moe_gguf(quant), TEXTS[2:3])[1][0] - got[2]).max() < 1e-5
 
 
+class _CountingNumpy:
+    """numpy, with its ``flatnonzero`` calls (how the MoE blocks read the padding mask back) counted."""
+
+    def __init__(self):
+        self.mask_reads = 0
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    def flatnonzero(self, a):
+        self.mask_reads += 1
+        return np.flatnonzero(a)
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["cpu-grouped", "gather"])
+def test_the_padding_mask_is_read_once_per_forward_and_only_where_used(grouped, moe_gguf, monkeypatch):
+    """Four MoE blocks in one forward read the mask back once when the CPU groups tokens by expert, and not at
+    all on the gather path (a GPU's) that has no use for it; the vectors are the unchanged model's."""
+    from hf2q.engine.models import nomic_bert_moe
+
+    path = moe_gguf("f16")
+    model = _runner(path).model
+    ids = [_tokenizer(path).encode(t) for t in TEXTS]
+    kept = model.layers
+    moe = [layer for layer in kept if isinstance(layer.mlp, nomic_bert_moe.ExpertMLP)]
+    assert len(moe) == 1
+    twice = np.asarray(_runner(path).embed(ids))
+    counting = _CountingNumpy()
+    monkeypatch.setattr(nomic_bert_moe, "np", counting)
+    if not grouped:
+        monkeypatch.setattr(nomic_bert_moe, "on_cpu", lambda: False)
+    try:
+        model.layers = kept * 4  # the same blocks four times over: four MoE blocks in each forward
+        got = np.asarray(_runner(path).embed(ids))
+    finally:
+        model.layers = kept
+    assert counting.mask_reads == (1 if grouped else 0)
+    model.layers = kept * 4
+    try:
+        monkeypatch.undo()
+        want = np.asarray(_runner(path).embed(ids))
+    finally:
+        model.layers = kept
+    assert np.abs(got - want).max() < 1e-5 and np.abs(twice - got).max() > 1e-3  # four times over is another model
+
+
 @pytest.mark.llamacpp
 @pytest.mark.parametrize("quant", ["f16", "q8_0"])
 def test_embeddings_match_llama_embedding(quant, moe_gguf, llama_cpp_bin):

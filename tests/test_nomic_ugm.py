@@ -171,9 +171,25 @@ def test_random_unicode_documents_match_llama_tokenize(llama_cpp_bin, texts):
        st.lists(st.binary(max_size=5), min_size=1, max_size=30))
 def test_the_prefix_index_answers_as_a_scan_does(keys, probes):
     """The remembered answers (kept in a memory small enough to be dropped and refilled here) are the
-    search's."""
+    search's, and the memory never holds more than its limit."""
     from hf2q.text.ugm import _PrefixIndex
 
     index = _PrefixIndex(keys, memo_limit=3)
     for probe in probes + probes:
         assert index.extends(probe) == any(k.startswith(probe) for k in keys), probe
+        assert index.extends.cache_info().currsize <= 3
+    assert not hasattr(index, "_memo")  # the one memory is functools' cache
+
+
+def test_the_prefix_index_keeps_its_recent_answers():
+    """A word asked again after fewer distinct questions than the limit is answered from memory (the hand-rolled
+    memory before it was dropped whole when full, so a document's common words were searched again)."""
+    from hf2q.text.ugm import _PrefixIndex
+
+    index = _PrefixIndex([b"the", b"cat"], memo_limit=4)
+    for probe in (b"th", b"ca", b"x", b"y"):
+        index.extends(probe)
+    index.extends(b"th")  # recently used: stays
+    index.extends(b"z")  # the limit reached: the least recently used answer (b"ca") goes, not all of them
+    hits = index.extends.cache_info().hits
+    assert index.extends(b"th") and index.extends.cache_info().hits == hits + 1

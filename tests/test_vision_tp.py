@@ -1,5 +1,5 @@
 """Images at tensor parallelism 2 on CPU (tiny Qwen3-VL, F32): rank 0 encodes, the followers take the
-features with each prefill command (``hf2q.engine.vision.tp_images``).
+features with the first prefill command that reads them (``hf2q.engine.vision.tp_images``).
 
 The reference is the same GGUF and projector on one rank: a prompt of text, an image and text
 prefilled in chunks that cut the image, then greedy decode steps after it (text behind the cache
@@ -28,7 +28,8 @@ from hf2q.engine import tp_launch
 path, mmproj, out = sys.argv[1], sys.argv[2], sys.argv[3]
 runner = tp_launch.runner_factory(path, 2, {ctx})()
 from tests.test_vision_tp import scenario
-np.savez(out, **scenario(runner, mmproj))
+result = scenario(runner, mmproj)
+np.savez(out, sends=runner._sent_images.sends, **result)
 runner.close()
 """
 
@@ -88,6 +89,7 @@ def test_two_ranks_serve_an_image_as_one_rank(tmp_path, monkeypatch):
         np.testing.assert_allclose(tp[key], ref[key], rtol=0, atol=1e-4 * scale, err_msg=key)
         np.testing.assert_array_equal(tp[key].argmax(-1), ref[key].argmax(-1), err_msg=key)
     np.testing.assert_allclose(tp["moved_tail"], tp["tail"], rtol=0, atol=1e-4 * float(np.abs(tp["tail"]).max()))
+    assert int(tp["sends"]) == 2  # the warm-up image and the prompt's, each once for all the chunks that cut it
 
 
 @pytest.mark.slow

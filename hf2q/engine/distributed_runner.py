@@ -296,6 +296,7 @@ class DistributedRunner:
         self._next_id = 0
         self._released: list[int] = []
         self._keep_ends: list[tuple[int, int]] = []  # (seq id, block tokens) the followers are told next
+        self._sent_images = None  # what the followers hold of rank 0's images (``attach_vision``)
         self._lock = self._control.lock  # one caller thread in practice; keeps commands whole regardless
         # dropped without close(), or alive at interpreter exit: the group still ends cleanly (same close)
         weakref.finalize(self, self._control.close)
@@ -360,6 +361,8 @@ class DistributedRunner:
                     keep_ends.append(self._keep_ends.pop(0))
                 if keep_ends:
                     header = {**header, "keep_ends": keep_ends}
+                if self._sent_images is not None:
+                    header = self._sent_images.with_drops(header, self.local.images)
                 for r, sock in enumerate(self.links, start=1):
                     try:
                         send_message(sock, header, per_rank[r] if per_rank is not None else arrays)
@@ -399,10 +402,8 @@ class DistributedRunner:
     def prefill(self, seq: ShardedSequence, tokens: Sequence[int]) -> np.ndarray:
         toks = np.asarray(list(tokens), dtype=np.int64)
         header, arrays = {"op": "prefill", "seq": seq.seq_id}, {"tokens": toks}
-        if self.local.images is not None:  # rank 0 encodes; the chunk's image features go with it
-            from hf2q.engine.vision.tp_images import chunk_images
-
-            entries, features = chunk_images(self.local.images, self.local.vision, toks)
+        if self._sent_images is not None:  # rank 0 encodes; features the followers lack go with the chunk
+            entries, features = self._sent_images.chunk(self.local.images, self.local.vision, toks)
             if entries:
                 header["images"] = entries
                 arrays.update(features)
@@ -410,7 +411,10 @@ class DistributedRunner:
 
     def attach_vision(self, encoder, store) -> None:
         """Serve images: the encoder runs unsplit on rank 0 (``hf2q.engine.vision.tp_images``)."""
+        from hf2q.engine.vision.tp_images import SentImages
+
         self.local.attach_vision(encoder, store)
+        self._sent_images = SentImages()
 
     @property
     def images(self):
@@ -695,3 +699,7 @@ def follow(runner, sock: socket.socket, group, plan, stopped: threading.Event | 
                 raise RuntimeError(f"unknown tensor-parallel command {op!r}")
         except (InputError, ValueError) as e:  # rank 0 raised the same error before any collective
             log.debug("rank %d: %s rejected: %s", plan.rank, op, e)
+        if "drop_images" in header:  # after the command: it may have read them
+            from hf2q.engine.vision.tp_images import drop_images
+
+            drop_images(runner, header["drop_images"])

@@ -27,7 +27,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from hf2q.engine.device_probe import EXACT_GPU_SCALES  # HF2Q_EXACT_SCALES=1: float32 group scales on GPUs
-from hf2q.engine.quant_repack import FLOAT_TYPES, GROUP, QUANTIZED_TYPES, to_affine
+from hf2q.engine.quant_repack import FLOAT_TYPES, GROUP, QUANTIZED_TYPES, repack_rows
 from hf2q.errors import InputError
 from hf2q.formats.gguf_file import GGUFTensor
 from hf2q.kernels import cuda_qmv
@@ -99,11 +99,6 @@ def _release_dense(nbytes: int) -> None:
     _DENSE_KEPT[0] -= nbytes
 
 
-
-
-#: weights repacked at a time as a quantized tensor is read (bounds the load's transient host memory)
-REPACK_CHUNK = 1 << 24
-
 _MX_DTYPES = {np.dtype(np.uint32): mx.uint32, np.dtype(np.float32): mx.float32}
 
 
@@ -111,48 +106,30 @@ def _repacked(tensors: "list[GGUFTensor]", shape: tuple[int, ...]):
     """The MLX affine form (packed, scales, biases, bits, exact) of ``tensors``' rows in order, ``shape``'s
     leading dims restored.
 
-    The stored blocks are repacked a band of rows at a time (a row's blocks depend on that row alone) straight
-    into the MLX buffers on the CPU (elsewhere into one host array each, handed to MLX once): the load holds no
-    second whole copy of a weight, and a stack of tensors costs what its parts would apart."""
-    n = shape[-1]
+    The stored blocks are repacked band by band (``quant_repack.repack_rows``) straight into the MLX buffers on
+    the CPU (elsewhere into one host array each, handed to MLX once): the load holds no second whole copy of a
+    weight, and a stack of tensors costs what its parts would apart."""
     total = math.prod(shape[:-1])
-    step = max(1, REPACK_CHUNK // n)
     in_place = on_cpu()
-    outs, views, bits, exact, at = None, None, 0, True, 0
-    for t in tensors:
-        rows = math.prod(t.shape[:-1])
-        raw = np.asarray(t.data).reshape(rows, -1)
-        for a in range(0, rows, step):
-            b = min(rows, a + step)
-            aff = to_affine(raw[a:b], t.qtype, (b - a, n))
-            parts = (aff.packed, aff.scales, aff.biases)
-            if views is None:
-                bits = aff.bits
-                if in_place:
-                    outs = [mx.zeros((total, x.shape[1]), dtype=_MX_DTYPES[x.dtype]) for x in parts]
-                    mx.eval(outs)
-                    views = [np.asarray(memoryview(o)) for o in outs]
-                else:
-                    views = [np.empty((total, x.shape[1]), x.dtype) for x in parts]
-            for v, x in zip(views, parts):
-                v[at:at + b - a] = x
-            exact = exact and aff.exact
-            at += b - a
+    outs: list = []
+
+    def allocate(like) -> list[np.ndarray]:
+        parts = (like.packed, like.scales, like.biases)
+        if not in_place:
+            outs.extend(np.empty((total, x.shape[1]), x.dtype) for x in parts)
+            return outs
+        outs.extend(mx.zeros((total, x.shape[1]), dtype=_MX_DTYPES[x.dtype]) for x in parts)
+        mx.eval(outs)
+        return [np.asarray(memoryview(o)) for o in outs]
+
+    parts = [(np.asarray(t.data), t.qtype, math.prod(t.shape[:-1])) for t in tensors]
+    bits, exact = repack_rows(parts, shape[-1], allocate)
     if not in_place:
-        outs = [mx.array(v) for v in views]
+        outs = [mx.array(v) for v in outs]
     lead = shape[:-1]
     outs = [o.reshape(*lead, -1) if len(lead) > 1 else o for o in outs]
     return (*outs, bits, exact)
 
-
-def _stack_on_host(arrays: list[mx.array]) -> mx.array:
-    """Evaluated ``arrays`` stacked along their first axis by numpy (bfloat16 through its bits), as one MLX array."""
-    bf16 = arrays[0].dtype == mx.bfloat16
-    if bf16:
-        arrays = [a.view(mx.uint16) for a in arrays]
-    mx.eval(arrays)
-    out = mx.array(np.concatenate([np.asarray(memoryview(a)) for a in arrays]))
-    return out.view(mx.bfloat16) if bf16 else out
 
 class Linear:
     """``y = x @ W.T (+ b)`` with W either float or MLX-affine quantized (leading expert dims allowed)."""
@@ -182,7 +159,7 @@ class Linear:
         else:
             raise InputError(f"tensor {t.name}: unsupported GGUF type {t.qtype.name}")
         self.observed = tuple(x.name for x in tensors)
-        #: the linears a fused one stands for (``fused``, ``load_products``), None for one tensor's
+        #: the linears a fused one stands for (``load_products``), None for one tensor's
         self.parts: list[Linear] | None = None
         self._ready()
 
@@ -218,42 +195,6 @@ class Linear:
 
         return unpack_bits(packed, self.bits, self.shape[-1]), sc, bi, 8
 
-    def layout(self) -> tuple | None:
-        """What a product over this weight's rows depends on besides the rows themselves, or None when it
-        cannot share one with other weights (float or expert-stacked): linears of one layout and input
-        can be fused into one product whose outputs are theirs side by side, bit for bit."""
-        if not self.quantized or len(self.shape) != 2:
-            return None
-        return (self.qtype, self.bits, self.group_size, self.shape[1], self.weight.dtype, self.scales.dtype,
-                self.biases.dtype, self.dtype, self.bias is None)
-
-    @classmethod
-    def fused(cls, parts: "list[Linear]") -> "Linear":
-        """One linear over the rows of ``parts`` (built already, one :meth:`layout`) stacked in order; each part
-        then reads its rows of the fused buffers (views: no second copy), so code that uses a part alone still
-        works. The stacking is numpy's, over the parts' host buffers: no MLX op, so nothing lazy is left on the
-        device (:func:`load_products` stacks the stored blocks before any part is built, which costs less)."""
-        lay = parts[0].layout()
-        if lay is None or any(p.layout() != lay for p in parts):
-            raise ValueError("only quantized linears of one layout fuse")
-        f = cls.__new__(cls)
-        f._stacked_from(parts[0], parts)
-        f.weight, f.scales, f.biases = (_stack_on_host([getattr(p, k) for p in parts])
-                                        for k in ("weight", "scales", "biases"))
-        f.bias = None if parts[0].bias is None else _stack_on_host([p.bias for p in parts])
-        f._ready()
-        f._split_into(parts)
-        return f
-
-    def _stacked_from(self, like: "Linear", parts: "list[Linear]") -> None:
-        """Name, shape and quantization of the stack of ``parts`` (of ``like``'s layout)."""
-        self.name = "+".join(p.name for p in parts)
-        self.observed = tuple(n for p in parts for n in p.observed)
-        self.parts = list(parts)
-        self.shape = (sum(p.shape[0] for p in parts), like.shape[1])
-        self.qtype, self.dtype, self.quantized = like.qtype, like.dtype, True
-        self.bits, self.group_size, self.exact = like.bits, like.group_size, all(p.exact for p in parts)
-
     def _split_into(self, parts: "list[Linear]") -> None:
         """Point each of ``parts`` at its rows of this (stacked) linear's buffers and C-kernel arrays."""
         row = 0
@@ -261,8 +202,6 @@ class Linear:
         for p in parts:
             rows = slice(row, row + p.shape[0])
             p.weight, p.scales, p.biases = self.weight[rows], self.scales[rows], self.biases[rows]
-            if p.bias is not None:
-                p.bias = self.bias[rows]
             p._ready(host=None if host is None else (host[0][rows], host[1][rows], host[2][rows], host[3]))
             row += p.shape[0]
 
@@ -399,26 +338,6 @@ def fusing() -> bool:
     return bool(os.environ.get("HF2Q_FUSED_PROJ")) or mx.default_device().type != mx.DeviceType.gpu
 
 
-def fused_products(parts: list[Linear]) -> tuple[tuple[Linear, tuple[int, ...]], ...]:
-    """``parts`` (one input, outputs side by side) as the products a forward runs: each run of adjacent parts of
-    one quantized :meth:`Linear.layout` becomes one fused linear, with the widths to split its output by.
-
-    One product instead of three (q, k, v) or two (gate, up) is fewer graph nodes for the host to build and fewer
-    kernels for the device to launch; each output row is the same dot product as before, so results are equal.
-    Where types differ (Q4_K_M's Q6_K attn_v beside Q4_K q/k) only the matching neighbours fuse. For parts not
-    built yet, :func:`load_products` fuses from the stored blocks instead.
-    """
-    groups: list[list[Linear]] = []
-    for p in parts:
-        lay = p.layout() if fusing() and isinstance(p, Linear) else None
-        if groups and lay is not None and groups[-1][0].layout() == lay:
-            groups[-1].append(p)
-        else:
-            groups.append([p])
-    return tuple((g[0], (g[0].shape[0],)) if len(g) == 1 else (Linear.fused(g), tuple(p.shape[0] for p in g))
-                 for g in groups)
-
-
 def _stacks(t: GGUFTensor) -> tuple | None:
     """What tensors must share to load as one stacked linear (type and width), or None when ``t`` cannot."""
     if t.qtype not in QUANTIZED_TYPES or len(t.shape) != 2:
@@ -427,10 +346,14 @@ def _stacks(t: GGUFTensor) -> tuple | None:
 
 
 def load_products(tensors: "list[GGUFTensor]", dtype) -> tuple[list[Linear], tuple[tuple[Linear, tuple[int, ...]], ...]]:
-    """The linears of ``tensors`` (one input, outputs side by side) and the products a forward runs, as
-    :func:`fused_products` gives them, but fused as they are read: a run of adjacent tensors of one quantized
-    type and width is stacked from its stored blocks (numpy) and repacked and handed to MLX once, and each part
-    is a view of its rows. Loading so costs no more time or memory than loading the parts apart, and leaves no
+    """The linears of ``tensors`` (one input, outputs side by side) and the products a forward runs: each run of
+    adjacent tensors of one quantized type and width becomes one linear, with the widths to split its output by.
+
+    One product instead of three (q, k, v) or two (gate, up) is fewer graph nodes for the host to build and fewer
+    kernels for the device to launch; each output row is the same dot product as before, so results are equal.
+    Where types differ (Q4_K_M's Q6_K attn_v beside Q4_K q/k) only the matching neighbours fuse. The fusion is
+    done as the tensors are read: a run's stored blocks are repacked into one MLX buffer and each part is a view
+    of its rows, so loading so costs no more time or memory than loading the parts apart, and leaves no
     device-side concatenation to evaluate."""
     groups: list[list[GGUFTensor]] = []
     for t in tensors:
@@ -457,7 +380,7 @@ def load_products(tensors: "list[GGUFTensor]", dtype) -> tuple[list[Linear], tup
 
 
 def run_products(products, x: mx.array) -> list[mx.array]:
-    """The outputs of :func:`fused_products`' ``products`` on ``x``, one per original part, in order."""
+    """The outputs of :func:`load_products`' ``products`` on ``x``, one per original part, in order."""
     out = []
     for lin, widths in products:
         y = lin(x)
@@ -542,8 +465,8 @@ class GatedMLP:
 
     def __init__(self, gate: Linear, up: Linear, down: Linear, act=silu, gate_up=None):
         self.gate, self.up, self.down, self.act = gate, up, down, act
-        #: gate and up as one product when their layouts match (``fused_products``; ``load`` fuses as it reads)
-        self.gate_up = fused_products([gate, up]) if gate_up is None else gate_up
+        #: gate and up as the products a forward runs: one when ``load`` fused them as it read them, else two
+        self.gate_up = ((gate, (gate.shape[0],)), (up, (up.shape[0],))) if gate_up is None else gate_up
         self._host_capable = act in (silu, gelu_tanh) and on_cpu()
         self._glu = GLU_COMPILED.get(act)
 

@@ -159,34 +159,67 @@ def requantize_8bit(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def to_affine(raw: np.ndarray, qtype: T, shape: tuple[int, ...]) -> AffineWeight:
     """GGUF block bytes of a 2-D (or stacked 3-D) tensor → :class:`AffineWeight`.
 
-    ``shape`` is numpy order; leading dims are flattened into rows and restored by the caller.
-    A big tensor is split into row bands repacked on the shared CPU pool (numpy's element-wise work
-    releases the GIL), so loading a many-gigabyte model uses every core.
-    """
-    from hf2q.kernels.cpu_blas import pool
-
+    ``shape`` is numpy order; leading dims are flattened into rows and restored by the caller."""
     n = shape[-1]
     rows = int(np.prod(shape[:-1]))
-    bands = _bands(rows, n)
-    if len(bands) > 1:  # one band when the pool has a single thread
+    out: list[np.ndarray] = []
+
+    def allocate(like: AffineWeight) -> list[np.ndarray]:
+        out.extend(np.empty((rows, x.shape[1]), x.dtype) for x in (like.packed, like.scales, like.biases))
+        return out
+
+    bits, exact = repack_rows([(raw, qtype, rows)], n, allocate)
+    return AffineWeight(*out, bits, exact)
+
+
+def repack_rows(parts, n: int, allocate) -> tuple[int, bool]:
+    """The rows of ``parts`` (``(GGUF block bytes, type, rows)`` each, of width ``n``) repacked, stacked in order, into
+    the three arrays ``allocate(first band's AffineWeight)`` returns (packed, scales, biases: one row per row of
+    all parts, that band's widths and dtypes); ``(bits, exact)``.
+
+    The one banding of a repack: each part is cut into row bands (:func:`_bands`) repacked on the shared CPU pool
+    (numpy's element-wise work releases the GIL, so loading a many-gigabyte model uses every core) and written
+    straight into the destination, so a load holds one band per worker beside it, never a second whole copy.
+    A row's blocks depend on that row alone: the bands join to the bytes of the tensor repacked in one piece."""
+    from hf2q.kernels.cpu_blas import pool
+
+    jobs, at = [], 0
+    for raw, qtype, rows in parts:
         flat = np.ascontiguousarray(raw).reshape(rows, -1)
-        parts = list(pool().map(lambda b: _to_affine_rows(flat[b[0]:b[1]], qtype, b[1] - b[0], n), bands))
-        return AffineWeight(np.concatenate([p.packed for p in parts]), np.concatenate([p.scales for p in parts]),
-                            np.concatenate([p.biases for p in parts]), parts[0].bits, parts[0].exact)
-    return _to_affine_rows(raw, qtype, rows, n)
+        jobs += [(flat[a:b], qtype, at + a) for a, b in _bands(rows, n)]
+        at += rows
+
+    def one(job) -> bool:  # the band's exactness only: its arrays go once written, so bands never pile up
+        raw, qtype, start = job
+        aff = _to_affine_rows(raw, qtype, raw.shape[0], n)
+        for dst, src in zip(dest, (aff.packed, aff.scales, aff.biases)):
+            dst[start:start + raw.shape[0]] = src
+        return aff.exact
+
+    raw0, qtype0, _ = jobs[0]
+    first = _to_affine_rows(raw0, qtype0, raw0.shape[0], n)
+    dest = allocate(first)
+    for dst, src in zip(dest, (first.packed, first.scales, first.biases)):
+        dst[:raw0.shape[0]] = src
+    workers = pool()
+    rest = list(map(one, jobs[1:]) if workers is None else workers.map(one, jobs[1:]))
+    return first.bits, first.exact and all(rest)
 
 
-PARALLEL_MIN_ELEMENTS = 1 << 22  # below this a tensor is repacked in one piece
+#: a tensor is repacked in one band below this many weights (when the pool has more than one thread)
+PARALLEL_MIN_ELEMENTS = 1 << 22
+#: weights one band holds at most (bounds a load's transient host memory: one band per worker)
+REPACK_CHUNK = 1 << 24
 
 
 def _bands(rows: int, n: int) -> list[tuple[int, int]]:
-    """Row bands for the shared CPU pool (``hf2q.kernels.cpu_blas.pool``; one band when it has one thread)."""
+    """Row bands of a ``rows × n`` repack: a few per worker of the shared CPU pool (``hf2q.kernels.cpu_blas.pool``;
+    one band when it has one thread or the tensor is small), and never more than ``REPACK_CHUNK`` weights each."""
     from hf2q.kernels.cpu_blas import threads
 
     workers = threads()
-    if workers < 2 or rows * n < PARALLEL_MIN_ELEMENTS or rows < 2 * workers:
-        return [(0, rows)]
-    k = min(4 * workers, rows)
+    k = 1 if workers < 2 or rows * n < PARALLEL_MIN_ELEMENTS or rows < 2 * workers else 4 * workers
+    k = min(rows, max(k, -(-rows * n // REPACK_CHUNK)))
     edges = np.linspace(0, rows, k + 1).astype(int)
     return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:]) if b > a]
 

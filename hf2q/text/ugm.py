@@ -21,6 +21,7 @@ ties differently):
 from __future__ import annotations
 
 import bisect
+import functools
 import struct
 from collections.abc import Sequence
 
@@ -96,23 +97,16 @@ class _PrefixIndex:
 
     Answers are remembered: a document repeats its words, so most of a Viterbi pass's questions were
     asked before, and a dictionary answers them faster than a search of 250k sorted pieces. The memory
-    is dropped whole when it reaches ``memo_limit`` entries, so a stream of distinct text cannot grow it."""
+    is a least-recently-used cache of ``memo_limit`` answers, so a stream of distinct text cannot grow it."""
 
     def __init__(self, keys: Sequence[bytes], memo_limit: int = 1 << 18):
         self._sorted = sorted(set(keys))
-        self._memo: dict[bytes, bool] = {}
-        self._memo_limit = memo_limit
+        #: the test, remembered (one cache per index: it answers for this index's keys only)
+        self.extends = functools.lru_cache(maxsize=memo_limit)(self._search)
 
-    def extends(self, prefix: bytes) -> bool:
-        known = self._memo.get(prefix)
-        if known is not None:
-            return known
+    def _search(self, prefix: bytes) -> bool:
         i = bisect.bisect_left(self._sorted, prefix)
-        found = i < len(self._sorted) and self._sorted[i].startswith(prefix)
-        if len(self._memo) >= self._memo_limit:
-            self._memo.clear()
-        self._memo[prefix] = found
-        return found
+        return i < len(self._sorted) and self._sorted[i].startswith(prefix)
 
 
 class UgmEncoder:

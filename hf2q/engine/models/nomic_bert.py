@@ -29,7 +29,7 @@ class NomicBertLayer:
             return Linear(g.tensor(p + name + ".weight"), dtype)
 
         self.qkv, self.o = lin("attn_qkv"), lin("attn_output")
-        self.mlp = GatedMLP(lin("ffn_gate"), lin("ffn_up"), lin("ffn_down"))
+        self.mlp = GatedMLP.load(*(g.tensor(f"{p}ffn_{n}.weight") for n in ("gate", "up", "down")), dtype)
         self.ln1, self.ln2 = norm_pair(g, p + "attn_output_norm", dtype), norm_pair(g, p + "layer_output_norm", dtype)
 
     def __call__(self, x: mx.array, mask: mx.array, cfg: NomicBertConfig) -> mx.array:

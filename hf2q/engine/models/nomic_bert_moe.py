@@ -36,18 +36,19 @@ class ExpertMLP:
     On the CPU a batch of many tokens runs expert by expert: the (token, expert) pairs sorted by expert, one
     host BLAS product per expert over its tokens. MLX's gather-matmul there is a matrix-vector product per pair,
     which reads a whole expert matrix for every token it routes; grouped, each expert is read once per block.
-    Padding positions (``live_rows``, set by the block from its mask) are left out there: they are never a key
+    Padding positions (:class:`LiveRows` of the block's mask) are left out there: they are never a key
     of attention nor part of the pooled mean, so their expert output is never read.
     """
 
-    def __init__(self, g: GGUFFile, p: str, dtype, top_k: int):
+    def __init__(self, g: GGUFFile, p: str, dtype, top_k: int, live: "LiveRows"):
         self.router = Linear(g.tensor(p + "ffn_gate_inp.weight"), dtype)
         self.up = Linear(g.tensor(p + "ffn_up_exps.weight"), dtype)
         self.down = Linear(g.tensor(p + "ffn_down_exps.weight"), dtype)
         self.top_k = top_k
         self.n_experts = int(self.up.shape[0])
-        #: the flattened positions the next call must compute (the rest is padding); None for all
-        self.live_rows: np.ndarray | None = None
+        self.live = live
+        #: the padding mask of the forward the next call is part of (None: every position is live)
+        self.mask: mx.array | None = None
 
     def __call__(self, x: mx.array) -> mx.array:
         shape = x.shape
@@ -66,7 +67,7 @@ class ExpertMLP:
         """``[N, k, hidden]``: every live (token, slot) pair through its expert, the pairs grouped by expert;
         zeros for padding."""
         n, k = idx.shape
-        live = np.arange(n) if self.live_rows is None else self.live_rows
+        live = np.arange(n) if self.mask is None else self.live.of(self.mask)
         kept = (live[:, None] * k + np.arange(k)).reshape(-1)  # pair numbers, token-major
         experts = np.array(idx).reshape(-1)[kept]
         order = kept[np.argsort(experts, kind="stable")]
@@ -101,6 +102,20 @@ def _expert_product(lin: Linear, x: mx.array, e: int) -> mx.array:
     return x @ lin.weight[e].T
 
 
+class LiveRows:
+    """The flattened non-padding positions of a forward's mask, read back from the device once per forward
+    (every MoE block of the forward is handed the same mask) and only by a block that groups by expert."""
+
+    def __init__(self):
+        self._mask: mx.array | None = None
+        self._rows: np.ndarray | None = None
+
+    def of(self, mask: mx.array) -> np.ndarray:
+        if mask is not self._mask:
+            self._mask, self._rows = mask, np.flatnonzero(np.array(mask).reshape(-1))
+        return self._rows
+
+
 class DenseMLP:
     def __init__(self, lin):
         self.up, self.down = lin("ffn_up"), lin("ffn_down")
@@ -112,7 +127,7 @@ class DenseMLP:
 class NomicMoeLayer(NomicBertLayer):
     """The nomic-bert block (its forward) over biased projections and this block's kind of MLP."""
 
-    def __init__(self, g: GGUFFile, i: int, dtype, cfg: NomicMoeConfig):
+    def __init__(self, g: GGUFFile, i: int, dtype, cfg: NomicMoeConfig, live: LiveRows):
         p = f"blk.{i}."
 
         def lin(name):
@@ -120,12 +135,12 @@ class NomicMoeLayer(NomicBertLayer):
             return Linear(g.tensor(p + name + ".weight"), dtype, None if bias is None else float_array(bias, dtype))
 
         self.qkv, self.o = lin("attn_qkv"), lin("attn_output")
-        self.mlp = ExpertMLP(g, p, dtype, cfg.top_k) if moe_block(i, cfg.moe_every) else DenseMLP(lin)
+        self.mlp = ExpertMLP(g, p, dtype, cfg.top_k, live) if moe_block(i, cfg.moe_every) else DenseMLP(lin)
         self.ln1, self.ln2 = norm_pair(g, p + "attn_output_norm", dtype), norm_pair(g, p + "layer_output_norm", dtype)
 
     def __call__(self, x: mx.array, mask: mx.array, cfg: NomicMoeConfig) -> mx.array:
-        if isinstance(self.mlp, ExpertMLP):  # the padding mask [B, 1, 1, L] → the positions worth routing
-            self.mlp.live_rows = np.flatnonzero(np.array(mask).reshape(-1))
+        if isinstance(self.mlp, ExpertMLP):  # the padding mask [B, 1, 1, L]: which positions are worth routing
+            self.mlp.mask = mask
         return super().__call__(x, mask, cfg)
 
 
@@ -137,4 +152,5 @@ def build(g: GGUFFile, dtype) -> EncoderModel:
                          vocab=int(g.tensor("token_embd.weight").shape[0]), n_ctx_train=hp.n_ctx_train,
                          eps=hp.norm_eps, rope_base=hp.rope_base, pooling=check_pooling(g),
                          top_k=hp.expert_used_count, moe_every=every)
-    return EncoderModel(cfg, g, dtype, [NomicMoeLayer(g, i, dtype, cfg) for i in range(cfg.n_layers)])
+    live = LiveRows()  # shared by the blocks: one read of the mask per forward
+    return EncoderModel(cfg, g, dtype, [NomicMoeLayer(g, i, dtype, cfg, live) for i in range(cfg.n_layers)])

@@ -2,11 +2,14 @@
 
 Each block's feed-forward is the Qwen3-MoE router (softmax over ``ffn_gate_inp``, top
 ``expert_used_count``, weights renormalised to sum to one) plus a shared expert, a SwiGLU of its
-own size whose output is scaled per token by ``σ(ffn_gate_inp_shexp · x)``.
+own size whose output is scaled per token by ``σ(ffn_gate_inp_shexp · x)``. That gate is one row, stored
+``[hidden]`` (as llama.cpp's loader takes it, and hf2q's converter writes it) or ``[1, hidden]`` (llama.cpp's
+converter): read as the latter either way, so it gives one value per token, ``[..., 1]``.
 """
 
 from __future__ import annotations
 
+import attrs
 import mlx.core as mx
 
 from hf2q.engine.layers import GatedMLP, Linear
@@ -19,8 +22,9 @@ class SharedExpertMoE:
     def __init__(self, g: GGUFFile, i: int, dtype, top_k: int):
         p = f"blk.{i}."
         self.routed = MoEFeedForward(g, i, dtype, top_k, normalize=True)
-        self.shared = GatedMLP(*(Linear(g.tensor(f"{p}ffn_{n}_shexp.weight"), dtype) for n in ("gate", "up", "down")))
-        self.shared_gate = Linear(g.tensor(p + "ffn_gate_inp_shexp.weight"), dtype)  # [1, hidden]
+        self.shared = GatedMLP.load(*(g.tensor(f"{p}ffn_{n}_shexp.weight") for n in ("gate", "up", "down")), dtype)
+        gate = g.tensor(p + "ffn_gate_inp_shexp.weight")
+        self.shared_gate = Linear(attrs.evolve(gate, shape=(1, gate.shape[-1])), dtype)  # [1, hidden]
 
     def linears(self):
         r, s = self.routed, self.shared

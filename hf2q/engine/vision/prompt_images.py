@@ -91,6 +91,7 @@ class ImageStore:
         self._holds: collections.Counter[int] = collections.Counter()
         self._features: collections.OrderedDict[int, object] = collections.OrderedDict()
         self._capacity, self._feature_bytes = capacity, feature_bytes
+        self._features_held = 0  # bytes of ``_features``, kept as sets come and go (a put costs no sum)
         self._lock = threading.Lock()
         self.encodes = self.feature_hits = 0
 
@@ -108,6 +109,11 @@ class ImageStore:
         """Holds not yet released (requests that may still prefill their images)."""
         with self._lock:
             return sum(self._holds.values())
+
+    def held(self, key: int) -> bool:
+        """Whether some request still holds image ``key`` (added and not yet released)."""
+        with self._lock:
+            return key in self._holds
 
     def release(self, keys) -> None:
         """End one hold of each of ``keys`` (one per ``add``)."""
@@ -137,7 +143,12 @@ class ImageStore:
         with self._lock:
             self._images.pop(key, None)
             self._holds.pop(key, None)
-            self._features.pop(key, None)
+            self._drop_features(key)
+
+    def _drop_features(self, key: int) -> None:
+        feats = self._features.pop(key, None)
+        if feats is not None:
+            self._features_held -= _nbytes(feats)
 
     def cached_features(self, key: int, hit: bool = False):
         """The features of image ``key`` if the cache has them, else None; ``hit``: an encode they
@@ -158,11 +169,17 @@ class ImageStore:
         the cache is over its bytes (the newest set stays even alone above them: its prefill reads it)."""
         with self._lock:
             self.encodes += int(counted)
+            self._drop_features(key)
             self._features[key] = feats
-            self._features.move_to_end(key)
-            total = sum(_nbytes(f) for f in self._features.values())
-            while total > self._feature_bytes and len(self._features) > 1:
-                total -= _nbytes(self._features.popitem(last=False)[1])
+            self._features_held += _nbytes(feats)
+            while self._features_held > self._feature_bytes and len(self._features) > 1:
+                self._features_held -= _nbytes(self._features.popitem(last=False)[1])
+
+    @property
+    def feature_bytes(self) -> int:
+        """Bytes of the encoded features the cache holds now."""
+        with self._lock:
+            return self._features_held
 
     def features(self, key: int, encode):
         """The encoder's features of image ``key`` (``encode(patches, grid)`` on a miss); engine thread only.
