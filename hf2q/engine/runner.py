@@ -167,9 +167,10 @@ class MlxModelRunner:
     @property
     def persists_kv(self) -> bool:
         """Whether the persistent KV store can keep this model's sequences: plain K/V, a hybrid model's
-        (its blocks carry the recurrent state at their ends) and DeepSeek-V4's compact cache; not a
-        sliding-window model's window layers, nor an MTP head's extra layer (docs/KVSTORE.md)."""
-        return not self.window_layers and not self.drafts
+        (its blocks carry the recurrent state at their ends), DeepSeek-V4's compact cache and a
+        sliding-window model's (its blocks carry the window layers' rows at their ends); not an MTP
+        head's extra layer (docs/KVSTORE.md)."""
+        return not self.drafts
 
     @property
     def rolls_back_drafts(self) -> bool:

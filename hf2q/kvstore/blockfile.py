@@ -13,7 +13,7 @@ and scales (payload ``kv-codes``), written at ``CODES_FORMAT_VERSION`` (2) — a
 those blocks refuses them as ``wrong-version`` rather than misreading the codes as K/V values, while
 every version-1 store stays readable. A version goes with its payload kinds only. A block of a cache
 that is not plain per-position K/V (``cache_kind``: ``recurrent`` for a hybrid model's DeltaNet state,
-``deepseek4`` for DeepSeek-V4's compact cache) is written at ``STATE_FORMAT_VERSION`` (3), with
+``deepseek4`` for DeepSeek-V4's compact cache, ``window`` for a sliding-window model's) is written at ``STATE_FORMAT_VERSION`` (3), with
 ``cache_kind`` in its header and, when its end is a reuse point, the state that point needs as the
 tensors named ``state.*`` (``END_STATE_PREFIX``); a reader that predates them refuses them as
 ``wrong-version`` instead of importing K/V without the state it belongs to (docs/KVSTORE.md).
@@ -54,7 +54,7 @@ PAYLOAD_KV_CODES = "kv-codes"
 VERSION_PAYLOADS = {FORMAT_VERSION: PAYLOAD_KINDS, CODES_FORMAT_VERSION: (PAYLOAD_KV_CODES,),
                     STATE_FORMAT_VERSION: (*PAYLOAD_KINDS, PAYLOAD_KV_CODES)}
 #: the caches whose blocks carry a cache kind (version 3): what their ``export`` produces
-CACHE_KINDS = ("recurrent", "deepseek4")
+CACHE_KINDS = ("recurrent", "deepseek4", "window")
 
 _MAX_HEADER = 1 << 20
 
