@@ -27,7 +27,7 @@ SPLIT_TOL = 1e-4
 N_BLOCKS = 3
 
 
-@pytest.fixture(scope="module", params=["gemma3", "gemma4"])
+@pytest.fixture(scope="module", params=["gemma3", "gemma4", "gemma4_e2b"])
 def runner(request, tiny_checkpoint, tmp_path_factory):
     src = tiny_checkpoint(request.param)
     gguf = convert_f32(src, tmp_path_factory.mktemp(request.param) / "f32.gguf")
@@ -172,3 +172,46 @@ async def test_the_prefix_actor_saves_and_restores_through_the_store(runner, tmp
     cold = runner.new_sequence()
     runner.prefill(cold, prompt[:2 * B])
     assert float(np.abs(got - runner.prefill(cold, tail)).max()) <= TOL
+
+
+def test_an_8bit_cache_saves_its_window_rows_as_codes(runner):
+    """``--kv-cache-type q8``: the window rows at a block end are the cache's own codes and scales, which a
+    restore puts back as they are."""
+    from hf2q.engine.runner import MlxModelRunner
+
+    if runner.arch != "gemma4":
+        pytest.skip("one family is enough for the codec path")
+    q8 = MlxModelRunner.load(runner.gguf.path, kv_cache_type="q8")
+    prompt = random_tokens(B + 30, seed=7)
+    live = q8.new_sequence()
+    live.keep_block_ends(B)
+    q8.prefill(live, prompt[:B])
+    want = q8.prefill(live, prompt[B:])
+    block = q8.export_kv(live, 0, B)
+    layer = min(q8.window_layers[1])
+    assert block[f"state.k.{layer}"].dtype == np.uint8 and f"state.k.{layer}.scales" in block
+    restored = q8.new_sequence()
+    q8.import_kv(restored, block, B)
+    assert float(np.abs(q8.prefill(restored, prompt[B:]) - want).max()) <= TOL
+
+
+def test_the_memory_plan_counts_the_captured_block_ends(runner):
+    """``serve --kv-persist`` budgets each slot's captured block ends: ``BLOCK_ENDS_KEPT`` of what one
+    capture adds to a sequence's window bytes in the engine."""
+    from hf2q.engine.device_probe import DeviceFacts
+    from hf2q.engine.memory_plan import check_model
+    from hf2q.engine.recurrent_policy import BLOCK_ENDS_KEPT
+
+    if runner.arch != "gemma4":
+        pytest.skip("gemma3's window layers keep every position in the CPU plan (the host decode step)")
+    seq = runner.new_sequence()
+    seq.keep_block_ends(B)
+    runner.prefill(seq, random_tokens(B, seed=9))
+    before = seq.window_nbytes
+    seq.forget_block_ends(())
+    one_end = before - seq.window_nbytes
+    assert one_end > 0
+    device = DeviceFacts("cpu", "cpu", 1 << 40)
+    plan = {persist: check_model(runner.gguf.path, 1, ctx=1024, slots=2, kv_budget=None, limit=None, device=device,
+                                 kv_persist=persist).kv for persist in (False, True)}
+    assert plan[True] - plan[False] == 2 * BLOCK_ENDS_KEPT * one_end
