@@ -215,3 +215,31 @@ def test_the_memory_plan_counts_the_captured_block_ends(runner):
     plan = {persist: check_model(runner.gguf.path, 1, ctx=1024, slots=2, kv_budget=None, limit=None, device=device,
                                  kv_persist=persist).kv for persist in (False, True)}
     assert plan[True] - plan[False] == 2 * BLOCK_ENDS_KEPT * one_end
+
+
+def test_a_window_wider_than_a_block_saves_every_row_it_needs():
+    """Real Gemma windows (512, 1024) span several blocks: an end inside the first window saves the whole
+    prefix, a later one its last ``window`` rows; a restore makes exactly them the window buffer."""
+    import mlx.core as mx
+
+    from hf2q.engine.kv_cache import ForwardBatch, SequenceCache, SlidingWindow
+
+    window, n = 300, 2 * B + 20
+    rng = np.random.default_rng(0)
+    rows = {name: rng.standard_normal((1, 1, n, 4)).astype(np.float32) for name in ("k0", "v0", "k1", "v1")}
+    seq = SequenceCache(2, 1, 4, mx.float32, window=SlidingWindow(window, frozenset({0})))
+    seq.keep_block_ends(B)
+    batch = ForwardBatch([seq], n)
+    for layer in (0, 1):
+        batch.update(layer, mx.array(rows[f"k{layer}"]), mx.array(rows[f"v{layer}"]))
+    batch.finish()
+    first, second = seq.export(0, B), seq.export(B, 2 * B)
+    np.testing.assert_array_equal(first["state.k.0"], rows["k0"][0, :, :B])  # the whole prefix
+    np.testing.assert_array_equal(second["state.v.0"], rows["v0"][0, :, 2 * B - window:2 * B])
+    np.testing.assert_array_equal(second["k.1"], rows["k1"][0, :, B:2 * B])
+    restored = SequenceCache(2, 1, 4, mx.float32, window=SlidingWindow(window, frozenset({0})))
+    restored.import_({k: v for k, v in first.items() if not k.startswith("state.")}, B)
+    restored.import_(second, B)
+    assert restored.window.base == 2 * B - window and restored.reuse_points() == (0, 2 * B)
+    np.testing.assert_array_equal(np.array(restored.keys[0][:, :window]), rows["k0"][0, :, 2 * B - window:2 * B])
+    np.testing.assert_array_equal(np.array(restored.keys[1][:, :2 * B]), rows["k1"][0, :, :2 * B])
