@@ -32,7 +32,10 @@ export carries it: its K/V plus, where its end was captured, ``state.conv.{j}`` 
 Sliding-window models (gemma4, gemma3's local layers off the CPU host step) give each sequence a :class:`SlidingWindow`: its window layers keep
 only the positions a later query or a kept reuse point can see, so their K/V stays bounded. The
 points are placed by the same :class:`~hf2q.engine.recurrent_policy.ReusePoints`; a prompt end that
-ages out of them keeps a copy of its window (docs/ENGINE.md, "Sliding-window layers").
+ages out of them keeps a copy of its window (docs/ENGINE.md, "Sliding-window layers"). For the persistent
+store the same ``keep_block_ends`` captures the window layers' last rows at each block end a prompt's
+prefill reaches, and a block's export carries the full layers' K/V plus, where captured, ``state.k.{i}`` /
+``state.v.{i}``.
 """
 
 from __future__ import annotations
