@@ -113,65 +113,40 @@ def test_a_block_without_its_end_rows_is_never_the_last_one_restored(runner, ser
         runner.import_kv(runner.new_sequence(), bad, B)
 
 
-def test_capture_is_off_by_default_and_a_trim_drops_later_block_ends(runner):
+def test_capture_is_off_by_default_and_follows_the_history(runner):
     prompt = random_tokens(2 * B + 10, seed=3)
-    plain = runner.new_sequence()
-    runner.prefill(plain, prompt)
-    assert not plain.block_ends
-    seq = runner.new_sequence()
+    plain, seq = runner.new_sequence(), runner.new_sequence()
     seq.keep_block_ends(B)
-    held = seq.window_nbytes
-    runner.prefill(seq, prompt)
-    assert sorted(seq.block_ends) == [B, 2 * B]
-    assert seq.window_nbytes > plain.window_nbytes >= held  # the copies are counted in the slot's bytes
-    seq.forget_block_ends({B})  # what the KV prefix actor does once a block is on disk
-    assert sorted(seq.block_ends) == [B]
-    seq.trim(0)
-    assert not seq.block_ends
+    for s in (plain, seq):
+        runner.prefill(s, prompt)
+    assert not plain.block_ends and sorted(seq.block_ends) == [B, 2 * B]
+    assert seq.window_nbytes > plain.window_nbytes  # the copies count in the slot's bytes
+    seq.trim(B)  # the ends of a history the sequence no longer has go with it
+    assert list(seq.block_ends) == [B]
+    seq.forget_block_ends(())  # what the KV prefix actor does once a block is on disk
+    assert not seq.block_ends and seq.window_nbytes <= plain.window_nbytes
 
 
 async def test_the_prefix_actor_saves_and_restores_through_the_store(runner, tmp_path):
     """Through the KV prefix actor and the writer: a prompt's blocks saved with their end rows, then a
-    restore into a fresh sequence (which turns its capture on) continues like the live one."""
-    import trio
-
-    from hf2q.actors.kv_prefix import KvPrefixActor
-    from hf2q.actors.kv_writer import open_kv_writer
-    from hf2q.actors.messages import Persist, Restore
+    restore into a fresh sequence continues like a cold prefill split there."""
     from hf2q.kvstore import BlockStore
+    from tests.kvstore_support import persist_then_restore
 
     prompt = random_tokens(2 * B + 20, seed=5)
-
-    async def transact(fn, what):
-        return fn(runner)
-
+    seq, fresh = runner.new_sequence(), runner.new_sequence()
+    seq.keep_block_ends(B)
+    for part in (prompt[:2 * B], prompt[2 * B:]):  # the cold prompt's split below
+        runner.prefill(seq, part)
+    runner.decode([seq], [7])
     with BlockStore.open(tmp_path / "kv", "fp-" + runner.arch) as store:
-        actor = KvPrefixActor(transact, store)
-        async with open_kv_writer(store, capacity=8) as writer, trio.open_nursery() as nursery:
-            actor.writer = writer
-            nursery.start_soon(actor.run)
-            seq = runner.new_sequence()
-            seq.keep_block_ends(B)
-            for part in (prompt[:2 * B], prompt[2 * B:]):  # the cold prompt's split below
-                runner.prefill(seq, part)
-            runner.decode([seq], [7])
-            persist = Persist(seq, tuple(prompt))
-            actor.inbox_send.send_nowait(persist)
-            await persist.reply.ready.wait()
-            await actor.wait_flushed()
-            assert not seq.block_ends and store.stats().written == 2
-            assert [(m.cache_kind, m.has_end_state) for m in store.longest_prefix(prompt)] == [("window", True)] * 2
-            fresh = runner.new_sequence()
-            restore = Restore(fresh, tuple(prompt), 0)
-            actor.inbox_send.send_nowait(restore)
-            await restore.reply.ready.wait()
-            assert restore.reply.result == 2 * B
-            nursery.cancel_scope.cancel()
-    tail = prompt[2 * B:]
-    got = runner.prefill(fresh, tail)
+        assert await persist_then_restore(runner, store, seq, prompt, fresh) == 2 * B
+        assert not seq.block_ends and store.stats().written == 2
+        assert [(m.cache_kind, m.has_end_state) for m in store.longest_prefix(prompt)] == [("window", True)] * 2
+    got = runner.prefill(fresh, prompt[2 * B:])
     cold = runner.new_sequence()
     runner.prefill(cold, prompt[:2 * B])
-    assert float(np.abs(got - runner.prefill(cold, tail)).max()) <= TOL
+    assert float(np.abs(got - runner.prefill(cold, prompt[2 * B:])).max()) <= TOL
 
 
 def test_an_8bit_cache_saves_its_window_rows_as_codes(runner):
