@@ -218,3 +218,26 @@ def test_a_window_wider_than_a_block_saves_every_row_it_needs():
     assert restored.window.base == 2 * B - window and restored.reuse_points() == (0, 2 * B)
     np.testing.assert_array_equal(np.array(restored.keys[0][:, :window]), rows["k0"][0, :, 2 * B - window:2 * B])
     np.testing.assert_array_equal(np.array(restored.keys[1][:, :2 * B]), rows["k1"][0, :, :2 * B])
+
+
+def test_a_slot_holding_the_first_block_imports_only_the_rest(runner, served, tmp_path):
+    """A slot whose own cache covers the first block and some more (another request's): the restore plan
+    trims it to its block-aligned reuse point and imports the block after it, which brings the end rows."""
+    from hf2q.kvstore import BlockStore, KVBlock
+    from hf2q.kvstore.hydrate import plan_restore
+
+    prompt, _, blocks = served
+    text = prompt[:2 * B] + random_tokens(30, seed=8)
+    slot = runner.new_sequence()
+    runner.prefill(slot, prompt[:B])
+    runner.prefill(slot, random_tokens(60, seed=9))  # diverges from the prompt after its first block
+    with BlockStore.open(tmp_path / "kv", "fp-" + runner.arch) as store:
+        for span, block in zip(store.spans(text), blocks):
+            store.write(KVBlock.from_span(span, text, block, slot.persist_kind))
+        plan = plan_restore(store, text, B, slot.published_points, slot.persist_kind)
+        assert (plan.keep_tokens, len(plan.imports), plan.cached_tokens) == (B, 1, 2 * B)
+        slot.trim(plan.keep_tokens)
+        runner.import_kv(slot, store.read(plan.imports[0].meta), B)
+    cold = runner.new_sequence()
+    runner.prefill(cold, text[:2 * B])
+    assert float(np.abs(runner.prefill(slot, text[2 * B:]) - runner.prefill(cold, text[2 * B:])).max()) <= TOL
