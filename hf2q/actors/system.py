@@ -76,9 +76,11 @@ class ActorSystem:
                         self.admission.configure(facts)
                         if not getattr(runner, "persists_kv", facts.trims_prefix) \
                                 and (self.kv_store is not None or self._kv_store_opener):
-                            # its blocks cannot rebuild an MTP head's layer (docs/KVSTORE.md)
-                            log.warning("persistent KV store disabled: this model keeps a draft head whose "
-                                        "layer saved blocks cannot restore")
+                            # its blocks cannot rebuild an MTP head's layer, nor a window across ranks
+                            # (docs/KVSTORE.md)
+                            log.warning("persistent KV store disabled: saved blocks cannot restore this model's "
+                                        "cache here (a draft head's layer, or sliding-window layers at "
+                                        "--tensor-parallel)")
                             self.kv_prefix.store, self._kv_store_opener = None, None
                         if self._kv_store_opener is not None:
                             opened_store = await self._open_kv_store()
