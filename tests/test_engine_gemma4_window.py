@@ -159,8 +159,8 @@ def test_trim_before_the_kept_window_is_refused(shape):
     assert seq.window.base > 0 and 100 not in seq.reuse_points()
     with pytest.raises(PrefixNotReusable, match="keep positions from"):
         seq.trim(100)
-    with pytest.raises(PrefixNotReusable, match="sliding-window sequence"):
-        runner.export_kv(seq, 0, 16)
+    # a block before the kept window still exports its full layers, but not the window rows its end needs
+    assert not any(name.startswith("state.") for name in runner.export_kv(seq, 0, 16))
     seq.trim(0)  # back to empty is always possible
     assert seq.length == 0 and seq.window_nbytes == 0 and seq.reuse_points() == (0,)
 

@@ -122,45 +122,24 @@ async def test_the_prefix_actor_saves_what_is_missing_and_lets_go_of_the_rest(ru
     slot wrote it) has its other blocks saved with their end states, and the captured state of the one it
     does not export is let go of at once; a restore into a fresh sequence (which turns its capture on)
     then continues like the live one."""
-    import trio
-
-    from hf2q.actors.kv_prefix import KvPrefixActor
-    from hf2q.actors.kv_writer import open_kv_writer
-    from hf2q.actors.messages import Persist, Restore
     from hf2q.kvstore import BlockStore, KVBlock
+    from tests.kvstore_support import persist_then_restore
 
     prompt = _text(3 * B + 20, seed=5)
     other = runner.new_sequence()
     other.keep_block_ends(B)
     runner.prefill(other, prompt[:B + 3])
-
-    async def transact(fn, what):
-        return fn(runner)
-
     with BlockStore.open(tmp_path / "kv", "fp-" + runner.arch) as store:
         first = store.spans(prompt)[0]
         store.write(KVBlock.from_span(first, prompt, runner.export_kv(other, 0, B), other.persist_kind))
-        actor = KvPrefixActor(transact, store)
-        async with open_kv_writer(store, capacity=8) as writer, trio.open_nursery() as nursery:
-            actor.writer = writer
-            nursery.start_soon(actor.run)
-            seq = runner.new_sequence()
-            seq.keep_block_ends(B)
-            runner.prefill(seq, prompt)
-            assert sorted(seq.block_ends) == [B, 2 * B, 3 * B]
-            persist = Persist(seq, tuple(prompt))
-            actor.inbox_send.send_nowait(persist)
-            await persist.reply.ready.wait()
-            await actor.wait_flushed()
-            assert not seq.block_ends  # two exported, the one already on disk let go of
-            assert store.stats().written == 3
-            assert [m.has_end_state for m in store.longest_prefix(prompt)] == [True, True, True]
-            fresh = runner.new_sequence()
-            restore = Restore(fresh, tuple(prompt), 0)
-            actor.inbox_send.send_nowait(restore)
-            await restore.reply.ready.wait()
-            assert restore.reply.result == 3 * B
-            nursery.cancel_scope.cancel()
+        seq, fresh = runner.new_sequence(), runner.new_sequence()
+        seq.keep_block_ends(B)
+        runner.prefill(seq, prompt)
+        assert sorted(seq.block_ends) == [B, 2 * B, 3 * B]
+        assert await persist_then_restore(runner, store, seq, prompt, fresh) == 3 * B
+        assert not seq.block_ends  # two exported, the one already on disk let go of
+        assert store.stats().written == 3
+        assert [m.has_end_state for m in store.longest_prefix(prompt)] == [True, True, True]
     tail = prompt[3 * B:] + _text(250, seed=6)
     got = runner.prefill(fresh, tail)
     assert sorted(fresh.block_ends) == [4 * B]  # the restore turned the capture on

@@ -76,9 +76,10 @@ class ActorSystem:
                         self.admission.configure(facts)
                         if not getattr(runner, "persists_kv", facts.trims_prefix) \
                                 and (self.kv_store is not None or self._kv_store_opener):
-                            # its blocks cannot rebuild a sliding window (docs/KVSTORE.md)
-                            log.warning("persistent KV store disabled: this model keeps sliding-window layers "
-                                        "that saved blocks cannot restore")
+                            # its blocks cannot rebuild this cache across ranks (docs/KVSTORE.md)
+                            log.warning("persistent KV store disabled: saved blocks cannot restore this model's "
+                                        "cache at --tensor-parallel (sliding-window layers, or DeepSeek-V4's "
+                                        "compact cache)")
                             self.kv_prefix.store, self._kv_store_opener = None, None
                         if self._kv_store_opener is not None:
                             opened_store = await self._open_kv_store()

@@ -33,7 +33,10 @@ sequence that feeds an MTP draft head, ``state.hidden``: the main model's hidden
 Sliding-window models (gemma4, gemma3's local layers off the CPU host step) give each sequence a :class:`SlidingWindow`: its window layers keep
 only the positions a later query or a kept reuse point can see, so their K/V stays bounded. The
 points are placed by the same :class:`~hf2q.engine.recurrent_policy.ReusePoints`; a prompt end that
-ages out of them keeps a copy of its window (docs/ENGINE.md, "Sliding-window layers").
+ages out of them keeps a copy of its window (docs/ENGINE.md, "Sliding-window layers"). For the persistent
+store the same ``keep_block_ends`` captures the window layers' last rows at each block end a prompt's
+prefill reaches, and a block's export carries the full layers' K/V plus, where captured, ``state.k.{i}`` /
+``state.v.{i}``.
 """
 
 from __future__ import annotations
@@ -222,6 +225,11 @@ class SlidingWindow:
     A transaction end (a prompt's end) that ages out of ``points`` is kept as a *snapshot*: a copy of
     the window before it, ``snapshots[length] = (first position, keys, values)`` per window layer, the
     newest ``snapshots_kept``; ``trim`` to it puts the copy back as the buffer.
+
+    For the persistent store (``block_tokens`` set, ``SequenceCache.keep_block_ends``) a prompt's prefill
+    also copies the last ``size`` rows before every block end it reaches (``block_ends``, the same form
+    as a snapshot): after the request the buffer has let go of them, and a block restored without them
+    could not continue.
     """
 
     #: the payload marking a point that ends a prefill transaction
@@ -236,10 +244,20 @@ class SlidingWindow:
         self.points = ReusePoints(interval, keep)
         self.snapshots: dict[int, tuple[int, dict[int, mx.array], dict[int, mx.array]]] = {}
         self.snapshots_kept = snapshots_kept
+        #: the persistent store's block size (``SequenceCache.keep_block_ends``), None when off
+        self.block_tokens: int | None = None
+        #: length → (first position, keys, values) at the prompt block ends reached and not exported yet
+        self.block_ends: dict[int, tuple[int, dict[int, mx.array], dict[int, mx.array]]] = {}
 
     @property
     def snapshot_positions(self) -> int:
-        return sum(n - first for n, (first, _, _) in self.snapshots.items())
+        """Positions held in copies beside the buffer: the snapshots and the captured block ends."""
+        return sum(n - first for held in (self.snapshots, self.block_ends) for n, (first, _, _) in held.items())
+
+    def block_ends_in(self, start: int, n_new: int) -> list[int]:
+        """The block ends a prompt forward of ``n_new`` tokens from ``start`` reaches (its last included)."""
+        bt = self.block_tokens
+        return list(range((start // bt + 1) * bt, start + n_new + 1, bt)) if bt else []
 
     def first_needed(self, length: int) -> int:
         """The first position the buffer must keep at ``length``: the window of ``length − 1`` (the
@@ -370,10 +388,10 @@ class SequenceCache:
         """Make room for at least ``n_tokens`` positions (keeps the contents); a window's buffer first
         lets go of the positions no query or kept point needs any more."""
         if self._awaiting_state and not importing:
-            raise PrefixNotReusable("this hybrid-recurrent sequence was restored up to a block without its "
-                                    "recurrent state; import up to a block with one, or trim it first")
+            raise PrefixNotReusable(f"this {self.persist_kind} sequence was restored up to a block without its "
+                                    "end state; import up to a block with one, or trim it first")
         self.unstack()
-        if self.window is not None:
+        if self.window is not None and not importing:  # an import puts its window rows in itself
             self._reserve_window(n_tokens)
         if n_tokens <= self.capacity:
             return
@@ -416,7 +434,7 @@ class SequenceCache:
             self.unstack()  # the window buffer itself changes (emptied, or a snapshot put back)
         if self.recurrent is not None:
             self._trim_recurrent(n_tokens)
-            self._awaiting_state = self._awaiting_state and n_tokens == self._length
+        self._awaiting_state = self._awaiting_state and n_tokens == self._length
         self._length = n_tokens
         if self.window is not None:
             self._trim_window(n_tokens)
@@ -435,8 +453,9 @@ class SequenceCache:
     def _trim_window(self, n_tokens: int) -> None:
         w = self.window
         w.points.drop_after(n_tokens)
-        for p in [p for p in w.snapshots if p > n_tokens or not n_tokens]:
-            del w.snapshots[p]
+        for held in (w.snapshots, w.block_ends):
+            for p in [p for p in held if p > n_tokens or not n_tokens]:
+                del held[p]
         if n_tokens == 0:
             w.points.clear()
             w.base = 0
@@ -505,22 +524,26 @@ class SequenceCache:
                                     lambda _, end: SlidingWindow.TRANSACTION_END if end else None)
         for p, kind in aged.items():
             if kind == SlidingWindow.TRANSACTION_END and w.reachable(p):
-                self._snapshot_window(p)
+                w.snapshots[p] = self._window_copy(max(0, p - w.size + 1), p)
+                keep_newest(w.snapshots, w.snapshots_kept)
+        if n_new > 1 and transaction:
+            for end in w.block_ends_in(start, n_new):
+                w.block_ends[end] = self._window_copy(max(0, end - w.size), end)
+            keep_newest(w.block_ends, BLOCK_ENDS_KEPT)
 
-    def _snapshot_window(self, length: int) -> None:
-        """Copy the window before ``length`` out of the buffers (still there: the first position moves
-        only at the next ``reserve``) as the snapshot ``trim`` can return to."""
+    def _window_copy(self, first: int, end: int) -> tuple[int, dict, dict]:
+        """Positions ``[first, end)`` of every window layer copied out of the buffers (still there: the
+        first position moves only at the next ``reserve``): a snapshot ``trim`` can return to, or a
+        block end's rows."""
         self.unstack()
         w = self.window
-        first = max(0, length - w.size + 1)
-        cut = slice(first - w.base, length - w.base)
+        cut = slice(first - w.base, end - w.base)
         # "+ 0": a copy, not a view that would keep the whole buffer
         copy = lambda a: a[:, cut, :] + mx.zeros((), dtype=a.dtype)  # noqa: E731
         keys = {i: _each(copy, self._keys[i]) for i in w.layers}
         values = {i: _each(copy, self._values[i]) for i in w.layers}
         mx.eval([a for buf in (*keys.values(), *values.values()) for a in _planes(buf)])
-        w.snapshots[length] = (first, keys, values)
-        keep_newest(w.snapshots, w.snapshots_kept)
+        return first, keys, values
 
     def advance(self, n: int) -> None:
         self._length += n
@@ -544,21 +567,26 @@ class SequenceCache:
     def persist_kind(self) -> str:
         """What this sequence's blocks hold (``kvstore.blockfile.CACHE_KINDS``): "" plain K/V,
         ``recurrent`` the K/V plus, at captured block ends, the recurrent state there; ``recurrent-mtp``
-        also an MTP head's K/V layer and, at those ends, the hidden row the head reads next."""
-        if self.recurrent is None:
-            return ""
-        return "recurrent" if self.recurrent.end_hidden is None else "recurrent-mtp"
+        also an MTP head's K/V layer and, at those ends, the hidden row the head reads next; ``window`` the
+        full-attention layers' K/V plus, at captured block ends, the window layers' rows there."""
+        if self.recurrent is not None:
+            return "recurrent" if self.recurrent.end_hidden is None else "recurrent-mtp"
+        return "window" if self.window is not None else ""
 
     def keep_block_ends(self, block_tokens: int) -> None:
         """Capture the state at every multiple of ``block_tokens`` a prompt's prefill reaches, until that
         block is exported (the persistent store turns this on for every slot's sequence)."""
         if self.recurrent is not None:
             self.recurrent.block_tokens = block_tokens
+        elif self.window is not None:
+            self.window.block_tokens = block_tokens
 
     @property
     def block_ends(self) -> dict:
         """The captured block ends (length → state) not exported yet; empty for plain K/V."""
-        return self.recurrent.block_ends if self.recurrent is not None else {}
+        if self.recurrent is not None:
+            return self.recurrent.block_ends
+        return self.window.block_ends if self.window is not None else {}
 
     def forget_block_ends(self, keep) -> None:
         """Let go of the captured block ends whose length is not in ``keep`` (their blocks are on disk)."""
@@ -567,27 +595,23 @@ class SequenceCache:
                 del ends[n]
 
     def _refuse_transfer(self, what: str, start: int, end: int) -> None:
-        if self.window is not None:
-            raise PrefixNotReusable(f"KV {what} of a sliding-window sequence is not supported: its window layers "
-                                    "keep only the last positions, so the K/V blocks of a prefix are incomplete")
         rec = self.recurrent
         if rec is not None and (not rec.block_tokens or start % rec.block_tokens or end % rec.block_tokens):
             raise PrefixNotReusable(f"KV {what} of a hybrid-recurrent sequence moves whole persistent-store blocks "
                                     f"only (block ends kept: {rec.block_tokens}); got [{start}, {end})")
 
     def export(self, start: int, end: int) -> dict[str, np.ndarray]:
-        """Host copies of positions ``[start, end)`` of every layer's K and V; a hybrid sequence's block
-        also carries the recurrent state at ``end`` when it still holds it (``state.*``), which the
+        """Host copies of positions ``[start, end)`` of every layer's K and V (a sliding-window sequence:
+        of the layers that keep every position); the block also carries the state at ``end`` when this
+        still holds it (``state.*``: a hybrid's recurrent state, the window layers' last rows), which the
         export then lets go of (the block has it)."""
         self._refuse_transfer("export", start, end)
         out = {}
-        for i in range(self.n_layers):
+        for i in self._full_layers():
             for name, buf in ((f"k.{i}", self.keys[i]), (f"v.{i}", self.values[i])):
-                part = _each(lambda a: a[:, start:end, :], buf)
-                if self.codec is None:
-                    out[name] = np.array(part.astype(mx.float32))
-                else:  # the codes and scales themselves: a block restores them bit for bit
-                    out.update(self.codec.to_host(name, part))
+                out.update(self._host_rows(name, _each(lambda a: a[:, start:end, :], buf)))
+        if self.window is not None:
+            self._export_window_end(end, out)
         rec = self.recurrent
         state = None if rec is None else rec.state_at(end, self._length)
         hidden = None if rec is None or rec.end_hidden is None else rec.hidden_at(end)
@@ -602,27 +626,50 @@ class SequenceCache:
             (rec.end_hidden or {}).pop(end, None)
         return out
 
+    def _host_rows(self, name: str, part) -> dict[str, np.ndarray]:
+        if self.codec is None:
+            return {name: np.array(part.astype(mx.float32))}
+        return self.codec.to_host(name, part)  # the codes and scales themselves: restored bit for bit
+
+    def _export_window_end(self, end: int, out: dict) -> None:
+        """``state.k.{i}`` / ``state.v.{i}``: the window layers' rows ``[end − size, end)`` (what a query at
+        ``end`` and the one-position rollback before it attend over), from the captured block end or from
+        the buffer while it still holds them."""
+        w = self.window
+        first = max(0, end - w.size)
+        if end in w.block_ends:
+            first, keys, values = w.block_ends.pop(end)
+        elif end <= self._length and first >= w.base:
+            cut = lambda a: a[:, first - w.base:end - w.base, :]  # noqa: E731
+            keys = {i: _each(cut, self.keys[i]) for i in w.layers}
+            values = {i: _each(cut, self.values[i]) for i in w.layers}
+        else:
+            return
+        for i in sorted(w.layers):
+            out.update(self._host_rows(f"{END_STATE_PREFIX}k.{i}", keys[i]))
+            out.update(self._host_rows(f"{END_STATE_PREFIX}v.{i}", values[i]))
+
     def import_(self, arrays: dict[str, np.ndarray], n_tokens: int) -> None:
-        """Append ``n_tokens`` positions ``export`` gave. A hybrid sequence takes the recurrent state from
-        a block that carries it; after one that does not, it cannot run a forward until a later block
-        brings the state (a restore imports up to a block with one, in one transaction)."""
+        """Append ``n_tokens`` positions ``export`` gave. A hybrid or sliding-window sequence takes the state
+        at the block's end from a block that carries it; after one that does not, it cannot run a forward
+        until a later block brings the state (a restore imports up to a block with one, in one transaction)."""
         start = self._length
         self._refuse_transfer("import", start, start + n_tokens)
         rec = self.recurrent
         if rec is not None:
             state = self._imported_state(arrays, rec)
+        elif self.window is not None:
+            state = self._imported_window(arrays, start + n_tokens) if has_end_state(arrays) else None
         self.reserve(start + n_tokens, importing=True)
-        for i in range(self.n_layers):
+        for i in self._full_layers():
             k, v = arrays[f"k.{i}"], arrays[f"v.{i}"]
             if k.shape != (self.kv_heads, n_tokens, self.head_dim) or v.shape[1] != n_tokens:
                 raise ValueError(f"layer {i}: KV block has shape {k.shape}, expected "
                                  f"{(self.kv_heads, n_tokens, self.head_dim)}")
             for buf, name, width in ((self.keys[i], f"k.{i}", self.head_dim),
                                      (self.values[i], f"v.{i}", self.v_head_dim)):
-                # an 8-bit cache takes its exported codes and scales back as they are (``KvCodec.from_host``)
-                rows = self.codec.from_host(arrays, name, width) if self.codec else mx.array(arrays[name])
-                _write(buf, start, rows if self.codec else rows.astype(self.dtype))
-        mx.eval([a for buf in self.keys + self.values for a in _planes(buf)])
+                _write(buf, start, self._device_rows(arrays, name, width))
+        mx.eval([a for i in self._full_layers() for buf in (self.keys[i], self.values[i]) for a in _planes(buf)])
         self._length += n_tokens
         self.version = next(_VERSIONS)
         if rec is not None:
@@ -639,6 +686,46 @@ class SequenceCache:
                 rec.points.add(self._length, (list(rec.conv), list(rec.ssm)))
                 self._awaiting_state = False
             self.published_points = self.reuse_points()
+        elif self.window is not None:
+            if state is None:
+                self._awaiting_state = True  # the window buffer still ends at a point a failed restore trims to
+            else:
+                self._put_window(self._length, *state)
+                self._awaiting_state = False
+            self.published_points = self.reuse_points()
+
+    def _device_rows(self, arrays: dict[str, np.ndarray], name: str, width: int):
+        # an 8-bit cache takes its exported codes and scales back as they are (``KvCodec.from_host``)
+        return self.codec.from_host(arrays, name, width) if self.codec else mx.array(arrays[name]).astype(self.dtype)
+
+    def _imported_window(self, arrays: dict[str, np.ndarray], end: int) -> tuple[dict, dict]:
+        """The window layers' rows before ``end`` a block carries (checked against this cache's shapes)."""
+        rows = min(self.window.size, end)
+        keys, values = {}, {}
+        for i in sorted(self.window.layers):
+            for kind, out, width in (("k", keys, self.head_dim), ("v", values, self.v_head_dim)):
+                name = f"{END_STATE_PREFIX}{kind}.{i}"
+                got = None if name not in arrays else tuple(np.shape(arrays[name]))
+                if got != (self.kv_heads, rows, width):
+                    raise ValueError(f"window layer {i}: KV block part {name!r} has shape {got}, expected "
+                                     f"{(self.kv_heads, rows, width)}")
+                out[i] = self._device_rows(arrays, name, width)
+        return keys, values
+
+    def _put_window(self, end: int, keys: dict, values: dict) -> None:
+        """The window layers' buffers become ``keys`` / ``values`` (their rows before ``end``), and ``end``
+        their one reuse point."""
+        w = self.window
+        rows = _planes(keys[min(w.layers)])[0].shape[1]
+        w.base, w.capacity = end - rows, room_for(rows + 1)
+        for store, saved, d in ((self._keys, keys, self.head_dim), (self._values, values, self.v_head_dim)):
+            for i in w.layers:
+                buf = self.empty((self.kv_heads,), w.capacity, d)
+                _write(buf, 0, saved[i])
+                store[i] = buf
+        mx.eval([a for i in w.layers for buf in (self._keys[i], self._values[i]) for a in _planes(buf)])
+        w.points.clear()
+        w.points.add(end, SlidingWindow.TRANSACTION_END)
 
     def _imported_state(self, arrays: dict[str, np.ndarray], rec: RecurrentState
                         ) -> tuple[list, list, mx.array | None] | None:

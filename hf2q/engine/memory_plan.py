@@ -73,6 +73,11 @@ class KvNeed:
             return held
         return held + self.window_layers * window_positions(self.window, new_tokens) * self.window_position
 
+    def block_end_bytes(self) -> int:
+        """One captured block end of the window layers (their last ``window`` rows, kept for the
+        persistent store until the block is exported); 0 without a window."""
+        return self.window_layers * (self.window or 0) * self.window_position
+
     def slot_bytes(self, ctx: int) -> int:
         """One slot at ``ctx`` tokens, decoding."""
         return ctx * self.per_token + self.window_bytes()
@@ -237,7 +242,7 @@ def check_model(path, size: int, *, ctx: int | None, slots: int, kv_budget: int 
     memory. ``mtp``: the MTP draft head's weights and K/V layer are counted too (a deepseek4 trunk's from its
     companion ``draft``, path or opened). ``kv_persist``: the
     block-end states a slot keeps for the persistent store until they are written (``BLOCK_ENDS_KEPT``
-    more recurrent states, or reuse-point copies of a deepseek4 compact cache).
+    more recurrent states, reuse-point copies of a deepseek4 compact cache, or window layers' rows).
     """
     from hf2q.formats.gguf_file import open_gguf
 
@@ -250,7 +255,8 @@ def check_model(path, size: int, *, ctx: int | None, slots: int, kv_budget: int 
         # hybrid models: each slot's recurrent state, its rollback copy and its reuse points (docs/ENGINE.md)
         states = STATES_PER_SEQUENCE + (BLOCK_ENDS_KEPT if kv_persist else 0)
         kv_budget = slots * (kv.slot_bytes(ctx or hp.n_ctx_train) + states * hp.recurrent_state_bytes(elem)
-                             + (BLOCK_ENDS_KEPT * block_end_copy(hp, elem) if kv_persist else 0))
+                             + (BLOCK_ENDS_KEPT * (block_end_copy(hp, elem) + kv.block_end_bytes())
+                                if kv_persist else 0))
         kv_budget += kv.window_bytes(prefill_chunk) - kv.window_bytes()  # the one slot prefilling at a time
     if limit is None:
         limit = int(device.memory * DEFAULT_FRACTION)

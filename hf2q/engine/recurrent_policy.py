@@ -22,7 +22,8 @@ CHECKPOINTS_KEPT = 16
 #: copies of the recurrent state one sequence may hold at once: live, rollback, reuse points
 STATES_PER_SEQUENCE = 2 + CHECKPOINTS_KEPT
 #: block-end states a sequence keeps for the persistent store until they are exported (the newest);
-#: with ``--kv-persist`` each may be one more copy beside the reuse points
+#: with ``--kv-persist`` each may be one more copy beside the reuse points (a recurrent state, or the
+#: window layers' last ``window`` rows)
 BLOCK_ENDS_KEPT = 16
 #: most reuse points a sliding-window sequence keeps: each holds the positions since it in every
 #: window layer, so fewer than the recurrent state's (whose points cost one state each)
@@ -36,9 +37,8 @@ KV_GROW = 256
 
 
 def swa_full() -> bool:
-    """``HF2Q_SWA_FULL=1``: sliding layers keep every position (and the model the persistent KV store
-    that windowed caches cannot feed), at the memory cost of a full cache; read by the runner, the
-    memory plan and ``info`` alike."""
+    """``HF2Q_SWA_FULL=1``: sliding layers keep every position (prefix reuse anywhere), at the memory
+    cost of a full cache; read by the runner, the memory plan and ``info`` alike."""
     return os.environ.get("HF2Q_SWA_FULL", "") not in ("", "0")
 
 

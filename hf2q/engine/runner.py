@@ -169,9 +169,10 @@ class MlxModelRunner:
     @property
     def persists_kv(self) -> bool:
         """Whether the persistent KV store can keep this model's sequences: plain K/V, a hybrid model's
-        (its blocks carry the recurrent state at their ends, and an MTP head's K/V layer and input row)
-        and DeepSeek-V4's compact cache; not a sliding-window model's window layers (docs/KVSTORE.md)."""
-        return not self.window_layers
+        (its blocks carry the recurrent state at their ends, and an MTP head's K/V layer and input row),
+        DeepSeek-V4's compact cache and a sliding-window model's (its blocks carry the window layers' rows
+        at their ends): every cache this runner builds (docs/KVSTORE.md)."""
+        return True
 
     @property
     def rolls_back_drafts(self) -> bool:
