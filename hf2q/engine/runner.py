@@ -171,8 +171,9 @@ class MlxModelRunner:
         """Whether the persistent KV store can keep this model's sequences: plain K/V, a hybrid model's
         (its blocks carry the recurrent state at their ends, and an MTP head's K/V layer and input row),
         DeepSeek-V4's compact cache and a sliding-window model's (its blocks carry the window layers' rows
-        at their ends): every cache this runner builds (docs/KVSTORE.md)."""
-        return True
+        at their ends); not yet DeepSeek-V4 with its MTP head, whose draft layer the compact cache's blocks
+        do not carry (docs/KVSTORE.md)."""
+        return not (self.drafts and self.arch == "deepseek4")
 
     @property
     def rolls_back_drafts(self) -> bool:
