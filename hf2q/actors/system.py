@@ -76,7 +76,7 @@ class ActorSystem:
                         self.admission.configure(facts)
                         if not getattr(runner, "persists_kv", facts.trims_prefix) \
                                 and (self.kv_store is not None or self._kv_store_opener):
-                            # its blocks cannot rebuild this cache across ranks (docs/KVSTORE.md)
+                            # its blocks cannot rebuild this cache (docs/KVSTORE.md)
                             log.warning("persistent KV store disabled: saved blocks cannot restore this model's "
                                         "cache here (sliding-window layers or DeepSeek-V4 at --tensor-parallel, "
                                         "DeepSeek-V4 with its MTP head)")
