@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 from gguf import quants
 
-from hf2q.engine.tensor_parallel import head_plan, shard_gguf, slice_tensor
+from hf2q.engine.tensor_parallel import head_plan, shard_gguf
+from hf2q.engine.tp_shards import slice_tensor
 from hf2q.errors import InputError
 from hf2q.formats.gguf_file import open_gguf
 

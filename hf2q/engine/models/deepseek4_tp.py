@@ -61,7 +61,7 @@ def output_group_plan(n_heads: int, groups: int, head_dim: int, q_start: int, q_
 def shard_attention(g, plan, meta: dict, tensors: dict) -> None:
     """Cut every layer's attention tensors of ``tensors`` to rank ``plan``'s heads (``HeadPlan``), and
     record the rank's output group count in ``meta`` (the view's model reads it as its own)."""
-    from hf2q.engine.tensor_parallel import slice_tensor
+    from hf2q.engine.tp_shards import slice_tensor
 
     hp = g.hparams
     head_dim, groups, o_lora = hp.key_length, int(hp.require(ExtraKeys.OUTPUT_GROUP_COUNT)), \
@@ -120,7 +120,7 @@ def parallelize(model, group) -> None:
 def parallelize_block(block, group) -> None:
     """A ``Deepseek4Block`` built from a shard computing the whole block: ``attn_output_b`` row-parallel and
     the MoE reduced once (two all-reduces a block)."""
-    from hf2q.engine.tensor_parallel import RowParallel
+    from hf2q.engine.tp_shards import RowParallel
 
     block.attn.o_b = RowParallel(block.attn.o_b, group)
     block.moe = ExpertShareMoE(block.moe, group.rank(), group)
