@@ -85,6 +85,17 @@ def scored(path: Path, args, eval_file: Path, base: Path) -> dict:
     return {"bytes": path.stat().st_size, "mib": path.stat().st_size / 2**20, **{k: kl[k] for k in FIGURES}}
 
 
+def plan_summary(report: Path) -> dict:
+    """What bounded the tier's plan (the llama.cpp mix, or for APEX its table when that is smaller) and its
+    type counts, from the conversion's report."""
+    tier = json.loads(report.read_text())["tier"]
+    counts: dict[str, int] = {}
+    for t in tier["tensors"]:
+        counts[t["type"]] = counts.get(t["type"], 0) + 1
+    return {"bounded_by": tier["reference_mix"] or "apex table", "budget_bytes": tier["budget_bytes"],
+            "types": dict(sorted(counts.items()))}
+
+
 def f16_reference(name: str, args, work: Path, eval_file: Path):
     """(the model's work folder, its HF source, its F16 GGUF, llama-perplexity's base file, the F16's figures)."""
     from tests.tools import llama_perplexity
@@ -128,6 +139,7 @@ def bench_model(name: str, args, work: Path, eval_file: Path) -> dict:
                 hf2q(*argv, *(["--imatrix", imatrix] if weighted else []))
                 row["convert_s"] = time.perf_counter() - t0
                 row["hf2q"] = scored(ours, args, eval_file, base)
+                row["plan"] = plan_summary(Path(f"{ours}.report.json"))
                 ours.unlink()
                 Path(f"{ours}.report.json").unlink(missing_ok=True)
                 row["kl_ratio"] = row["llama_cpp"]["kld_mean"] / max(row["hf2q"]["kld_mean"], 1e-12)

@@ -58,7 +58,9 @@ def test_plan_is_no_worse_than_its_table_and_no_larger(apex_compact):
         ours += e["importance"] * e["errors"][e["type"]]
         theirs += e["importance"] * e["errors"][want.name]
         moved += e["type"] != want.name
-    assert ours_bytes <= table_bytes
+    assert ours_bytes <= table_bytes  # the budget is the smaller of the table's bytes and q3_k_m's
+    # a table that fits its budget is the fallback; this one does not fit q3_k_m (tests/test_tiers_budget.py),
+    # and the search still ends below it in measured distortion on this model
     assert ours <= theirs
     assert moved > 0  # the measurement changed something on this model
 

@@ -40,7 +40,7 @@ class TierEntry:
 class TierPlan:
     tier: str
     kind: str  # "dynamic" / "apex"
-    reference: str | None  # the llama.cpp mix whose bytes a dynamic tier spends
+    reference: str | None  # the llama.cpp mix whose bytes bound the tier (None: an APEX table's own, smaller)
     budget_bytes: int | None
     imatrix_weighted: bool
     entries: tuple[TierEntry, ...]  # the planned (quantizable) tensors
@@ -69,7 +69,7 @@ class TierPlan:
 
 
 def reference_mix(quant: QuantName) -> QuantName:
-    """The fixed llama.cpp mix a dynamic tier is sized against: the one with its file type."""
+    """The fixed llama.cpp mix a tier is sized against: the one with its file type."""
     for q in GGUF_QUANTS.values():
         if q.ftype == quant.ftype and not q.needs_imatrix:
             return q
@@ -83,22 +83,28 @@ def plan_tier(quant: QuantName, facts: ModelFacts, tensors: Sequence[PlannedTens
     types = [export_type(quant, f) for f in tfacts]
     planned = [i for i, f in enumerate(tfacts) if allows_quantization(f)]
     tied = all(t.name != "output.weight" for t in tensors)
+    ref = reference_mix(quant)
+    ref_types = plan_types(ref, facts, tfacts, has_imatrix=imatrix is not None)
+    mix_bytes = sum(tiers.tensor_bytes(ref_types[i], tensors[i].n_elements) for i in planned)
+    ref_name: str | None = ref.name
+    table_types: dict[int, T] = {}
     if quant.tier == "apex":
         tiers.check_apex_model(quant.name, facts.arch, facts.n_expert)
         table = tiers.APEX_TABLES[tiers.apex_level(quant.name)]
         table_types = {i: fallback_type(int(tensors[i].ne[0]),
                                         tiers.apex_type(table, tensors[i].name, facts.n_layer, tied))
                        for i in planned}
-        budget = sum(tiers.tensor_bytes(table_types[i], tensors[i].n_elements) for i in planned)
-        ref_name = None
+        table_bytes = sum(tiers.tensor_bytes(table_types[i], tensors[i].n_elements) for i in planned)
+        # at most the llama.cpp mix of the tier's size class, so a comparison with it is at equal size;
+        # the table is the starting point and the budget only where it is the smaller of the two
+        budget = min(table_bytes, mix_bytes)
+        if table_bytes < mix_bytes:
+            ref_name = None
 
         def cands_of(i: int, t: PlannedTensor) -> tuple[T, ...]:
             return tiers.apex_candidates(table_types[i], t.name, int(t.ne[0]), tied)
     else:
-        ref = reference_mix(quant)
-        ref_name = ref.name
-        ref_types = plan_types(ref, facts, tfacts, has_imatrix=imatrix is not None)
-        budget = sum(tiers.tensor_bytes(ref_types[i], tensors[i].n_elements) for i in planned)
+        budget = mix_bytes
 
         def cands_of(i: int, t: PlannedTensor) -> tuple[T, ...]:
             return tiers.candidates(t.name, int(t.ne[0]), tied)
@@ -119,9 +125,11 @@ def plan_tier(quant: QuantName, facts: ModelFacts, tensors: Sequence[PlannedTens
                 chosen.append(i)
             bar.advance(t.n_elements)
     picks = tiers.allocate(choices, budget)
-    if quant.tier == "apex":  # the table itself fits the budget: the search must not end up worse than it
+    if table_types:  # where the table itself fits the budget, the search must not end up worse than it
         table_picks = [table_types[i] for i in chosen]
-        if sum(map(tiers.Choice.distortion, choices, table_picks)) < sum(map(tiers.Choice.distortion, choices, picks)):
+        if (sum(map(tiers.Choice.cost, choices, table_picks)) <= budget
+                and sum(map(tiers.Choice.distortion, choices, table_picks))
+                < sum(map(tiers.Choice.distortion, choices, picks))):
             picks = table_picks
     for i, q in zip(chosen, picks):
         types[i] = q
@@ -131,7 +139,7 @@ def plan_tier(quant: QuantName, facts: ModelFacts, tensors: Sequence[PlannedTens
                               tensors[i].n_elements, by_index[i].importance if i in by_index else None,
                               dict(by_index[i].errors) if i in by_index else None) for i in planned)
     spent = sum(tiers.tensor_bytes(types[i], tensors[i].n_elements) for i in chosen)
-    against = ref_name or "its table"
+    against = ref_name or "its APEX table"
     log.info("%s: %d tensors planned in %d bytes (budget %d, %s's)", quant.name, len(chosen), spent, budget, against)
     if spent > budget:  # even the smallest candidates do not fit
         log.warning("%s: the smallest types this model's rows allow take %d bytes, over the %d of %s",
