@@ -93,7 +93,7 @@ def test_writer_blocks_decode_to_the_fitted_values_in_gguf_row_order(tiny_runs, 
     teacher = {k: np.asarray(v) for k, v in t_mx.items()}
     plan = build_plan(src, GGUF_QUANTS["q4_1"])
     try:
-        student = _Student(plan, teacher, T.Q4_1, 1)
+        student = _Student(plan, tiny_runs["plain"], teacher, T.Q4_1)
     finally:
         plan.checkpoint.close()
     assert any(order is not None for _, order in student.fitted.values())  # llama's Q/K permutation is covered
@@ -173,7 +173,9 @@ def test_tiny_dwq_file_runs_in_llama_cpp_and_our_engine(tiny_runs, llama_cpp_bin
     (["-q", "dwq-q8_0"], 3, "dwq-q4_1, dwq-q5_1"),
     (["--format", "mlx", "-q", "dwq-q4_1"], 2, "writes GGUF"),
     (["--format", "gguf", "-q", "dwq-4"], 3, "dwq-q4_1 or dwq-q5_1"),
-    (["-q", "dwq-q5_1", "--imatrix-corpus", "calibration"], 2, "importance matrix"),
+    (["-q", "dwq-q5_1", "--imatrix-n-ctx", "64"], 2, "needs --imatrix-corpus"),
+    (["-q", "dwq-q5_1", "--imatrix", "no-such.imatrix"], 3, "no-such.imatrix"),
+    (["-q", "dwq-q5_1", "--imatrix-corpus", "no-such-corpus"], 3, "no corpus file"),
     (["-q", "dwq-q4_1", "--dwq-corpus", "no-such-corpus"], 3, "no corpus file"),
     (["-q", "dwq-q4_1", "--quality"], 2, "hf2q quality OUT"),
 ])
