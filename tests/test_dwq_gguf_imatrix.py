@@ -17,15 +17,16 @@ from hf2q.convert import dwq_blocks
 T = gguf.GGMLQuantizationType
 
 
-def _synthetic_imatrix(plain: gguf.GGUFReader, path):
+def _synthetic_imatrix(plain, path):
     """Heavy-tailed column weights for every ``blk.*`` matrix of the tiny model (as llama-imatrix's sums)."""
+    from hf2q.formats.gguf_file import open_gguf
     from hf2q.sources.imatrix import write_imatrix
 
     rng = np.random.default_rng(7)
     entries = {}
-    for t in plain.tensors:
+    for t in open_gguf(plain).tensors.values():
         if t.name.startswith("blk.") and len(t.shape) == 2:
-            ncols = int(t.shape[0])
+            ncols = int(t.shape[1])
             entries[t.name] = (rng.gamma(0.5, 30.0, (1, ncols)).astype(np.float32), np.array([500.0], np.float32))
     return write_imatrix(path, entries, datasets=("synthetic.txt",), chunk_count=3, chunk_size=512)
 
@@ -45,7 +46,7 @@ def staged(tiny_checkpoint, tmp_path_factory):
     q = GGUF_QUANTS["q4_1"]
     plain = d / "plain.gguf"
     convert_gguf(src, plain, q, 1, False, report_path=d / "plain.json")
-    im = read_imatrix(_synthetic_imatrix(gguf.GGUFReader(plain), d / "syn.imatrix.gguf"))
+    im = read_imatrix(_synthetic_imatrix(plain, d / "syn.imatrix.gguf"))
     weighted = d / "weighted.gguf"
     convert_gguf(src, weighted, q, 1, False, report_path=d / "weighted.json", imatrix=im, imatrix_arg="syn")
     cfg, t_mx = _teacher(src, mlx_policy.MlxQuant("mlx-4", 4), 32)
@@ -136,6 +137,8 @@ def test_imatrix_corpus_writes_the_weighted_plain_file_with_fitted_blocks(staged
     """``--imatrix-corpus`` (kept with ``--imatrix-out``): the output has the same tensors, offsets and
     metadata (``quantize.imatrix.*`` included) as ``--quant q4_1 --imatrix`` of that matrix; only Q4_1 blocks
     differ, and the report says where the fit started."""
+    from hf2q.formats.gguf_file import open_gguf
+    from hf2q.formats.gguf_parse import parse
     from hf2q.quality.corpus import load_corpus
 
     d = staged["dir"]
@@ -147,14 +150,13 @@ def test_imatrix_corpus_writes_the_weighted_plain_file_with_fitted_blocks(staged
             "--imatrix-n-ctx", "128", "--imatrix-out", im)
     assert r.code == 0, r.err
     assert cli("convert", staged["src"], "-q", "q4_1", "-o", plain, "--no-integrity", "--imatrix", im).code == 0
-    rp, rd = gguf.GGUFReader(plain), gguf.GGUFReader(dwq)
-    fields = {f.name: f.contents() for f in rp.fields.values() if not f.name.startswith("GGUF.")}
-    assert fields == {f.name: f.contents() for f in rd.fields.values() if not f.name.startswith("GGUF.")}
-    assert fields["quantize.imatrix.file"] == str(im)
-    a = {t.name: (t.tensor_type, int(t.data_offset), np.array(t.data)) for t in rp.tensors}
-    b = {t.name: (t.tensor_type, int(t.data_offset), np.array(t.data)) for t in rd.tensors}
-    assert {k: v[:2] for k, v in a.items()} == {k: v[:2] for k, v in b.items()}
-    changed = {k for k in a if not np.array_equal(a[k][2], b[k][2])}
-    assert changed and changed <= {k for k, v in a.items() if v[0] == T.Q4_1}
+    (meta_p, infos_p, _, mm_p), (meta_d, infos_d, _, mm_d) = parse(plain), parse(dwq)
+    assert meta_p == meta_d and meta_p[gguf.Keys.General.FILE_TYPE] == gguf.LlamaFileType.MOSTLY_Q4_1
+    assert meta_p["quantize.imatrix.file"] == str(im)
+    assert infos_p == infos_d and plain.stat().st_size == dwq.stat().st_size
+    a, b = open_gguf(plain).tensors, open_gguf(dwq).tensors
+    changed = {k for k in a if not np.array_equal(a[k].data, b[k].data)}
+    assert changed and changed <= {k for k, t in a.items() if t.qtype == T.Q4_1}
+    del mm_p, mm_d
     rep = json.loads((d / "dwq.gguf.report.json").read_text())
     assert rep["dwq"]["start"] == "q4_1, imatrix-weighted" and rep["imatrix"]["file"] == str(im)

@@ -166,19 +166,23 @@ class _Student:
 
 
 def _file_tensors(path: Path) -> dict[str, tuple[gguf.GGMLQuantizationType, np.ndarray]]:
-    """GGUF name → (type, a copy of its data as stored): the reader's memory map is closed on return."""
-    reader = gguf.GGUFReader(path)
-    try:
-        return {t.name: (T(t.tensor_type), np.array(t.data)) for t in reader.tensors}
-    finally:
-        del reader
+    """GGUF name → (type, a copy of its data as stored), read with hf2q's header parser (gguf-py's reader
+    spends most of a minute on a large vocabulary's metadata)."""
+    from hf2q.formats.gguf_file import open_gguf
+
+    f = open_gguf(path)
+    return {t.name: (t.qtype, np.array(t.data)) for t in f.tensors.values()}
 
 
 def _patch(path: Path, student: _Student, blocks: dict[str, dwq_blocks.AffineBlocks]) -> None:
     """Overwrite each fitted tensor's data in the GGUF at ``path`` with its new blocks (GGUF row order)."""
-    reader = gguf.GGUFReader(path)
-    where = {t.name: (int(t.data_offset), int(t.n_bytes)) for t in reader.tensors}
-    del reader  # its memory map must close before the file is written
+    from hf2q.formats.gguf_file import open_gguf
+    from hf2q.formats.gguf_parse import parse
+
+    sizes = {t.name: t.nbytes for t in open_gguf(path).tensors.values()}
+    _, infos, _, mm = parse(path)
+    del mm  # its memory map must close before the file is written
+    where = {name: (offset, sizes[name]) for name, _, _, offset in infos}
     with open(path, "r+b") as f:
         for module, b in blocks.items():
             name, order = student.fitted[module]
