@@ -136,7 +136,8 @@ def test_fit_from_the_imatrix_start_lowers_its_training_loss(staged):
 def test_imatrix_corpus_writes_the_weighted_plain_file_with_fitted_blocks(staged, cli):
     """``--imatrix-corpus`` (kept with ``--imatrix-out``): the output has the same tensors, offsets and
     metadata (``quantize.imatrix.*`` included) as ``--quant q4_1 --imatrix`` of that matrix; only Q4_1 blocks
-    differ, and the report says where the fit started."""
+    differ — none where the start's held-out KL beat the fit's, as it does here — and the report says where
+    the fit started and which blocks it wrote."""
     from hf2q.formats.gguf_file import open_gguf
     from hf2q.formats.gguf_parse import parse
     from hf2q.quality.corpus import load_corpus
@@ -156,7 +157,14 @@ def test_imatrix_corpus_writes_the_weighted_plain_file_with_fitted_blocks(staged
     assert infos_p == infos_d and plain.stat().st_size == dwq.stat().st_size
     a, b = open_gguf(plain).tensors, open_gguf(dwq).tensors
     changed = {k for k in a if not np.array_equal(a[k].data, b[k].data)}
-    assert changed and changed <= {k for k, t in a.items() if t.qtype == T.Q4_1}
     del mm_p, mm_d
     rep = json.loads((d / "dwq.gguf.report.json").read_text())
+    w = rep["dwq"]
+    kl = {c: w[k]["kl_mean"] for c, k in (("trained", "heldout_after"), ("re-rounded", "heldout_rerounded"),
+                                           ("start", "heldout_before"))}
+    assert w["heldout_written"]["kl_mean"] == min(kl.values()) == kl[w["codes"]]
+    if w["codes"] == "start":
+        assert changed == set() and plain.read_bytes() == dwq.read_bytes()
+    else:
+        assert changed and changed <= {k for k, t in a.items() if t.qtype == T.Q4_1}
     assert rep["dwq"]["start"] == "q4_1, imatrix-weighted" and rep["imatrix"]["file"] == str(im)

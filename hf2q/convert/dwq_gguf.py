@@ -10,7 +10,8 @@ the codes frozen. Two files are then possible: the fitted pairs over the codes t
 or over the source's codes re-rounded against them (``dwq_blocks.reround``, the nearest code for each
 weight); both are scored on the held-out text and the lower KL is written, as the blocks' ``d``/``m``
 and codes, in place over the staging file's tensor data — same types, same offsets, same metadata —
-which is then moved onto the output.
+which is then moved onto the output. Where neither beats the start's held-out KL the plain file is
+written as it is.
 
 Why only these two types: docs/QUALITY.md, "DWQ" (the other GGUF types have no float16 min, or store
 their per-32 scales too coarsely to hold the fit).
@@ -194,13 +195,29 @@ def _patch(path: Path, student: _Student, blocks: dict[str, dwq_blocks.AffineBlo
             f.write(raw.tobytes())
 
 
+#: which blocks are written → the held-out scores they had
+WRITTEN_SCORES = {"trained": "heldout_after", "re-rounded": "heldout_rerounded", "start": "heldout_before"}
+
+
+def _written_codes(section: dict, keep_better_start: bool = True) -> str:
+    """The blocks with the lowest held-out KL: the fitted pairs over the codes they were trained with, over
+    re-rounded codes, or — when neither beats it — the plain file's own blocks, left as they are (an
+    imatrix-weighted start can already be closer to the teacher than a short fit gets)."""
+    kl = {codes: section[key]["kl_mean"] for codes, key in WRITTEN_SCORES.items()}
+    choices = ("trained", "re-rounded", "start") if keep_better_start else ("trained", "re-rounded")
+    return min(choices, key=lambda c: (kl[c], c != "start"))
+
+
 def write_dwq_gguf(src: Path, out: Path, name: str, settings: DwqSettings, corpus: str | None = None,
                    threads: int | None = None, integrity: bool = True, report_path: Path | None = None,
-                   make_linear=None, imatrix=None, imatrix_arg: str | None = None) -> dict:
+                   make_linear=None, imatrix=None, imatrix_arg: str | None = None,
+                   keep_better_start: bool = True) -> dict:
     """Write the DWQ-fitted GGUF ``out``; returns the report (also written to disk).
 
     ``imatrix`` (an ``ImatrixFile``, named ``imatrix_arg`` in the metadata) weights the plain conversion the
-    fit starts from, as ``--quant q4_1 --imatrix`` does; the fit itself still learns from calibration text."""
+    fit starts from, as ``--quant q4_1 --imatrix`` does; the fit itself still learns from calibration text.
+    ``keep_better_start=False`` writes the better fitted variant even where the start scored better on the
+    held-out text (to see what the fit did)."""
     from hf2q.engine.factory import prepare_mlx
 
     prepare_mlx()  # OpenBLAS for the fit's products, loaded before MLX (docs/ENGINE.md, "CPU backend")
@@ -244,13 +261,11 @@ def write_dwq_gguf(src: Path, out: Path, name: str, settings: DwqSettings, corpu
             dec, teacher_mx, student.mx_arrays(), layout, tokens, settings, make_linear or default_linear,
             _progress_logger(settings.steps), variants={"rerounded": rerounded_student})
         dwq_s = time.perf_counter() - t0
-        # the codes the fit trained with, unless re-rounding them against the fitted pairs scores better
-        rerounded = section["heldout_rerounded"]["kl_mean"] < section["heldout_after"]["kl_mean"]
-        blocks = rerounded_blocks if rerounded else student.trained(fitted)
+        codes = _written_codes(section, keep_better_start)
+        blocks = {"trained": student.trained(fitted), "re-rounded": rerounded_blocks, "start": {}}[codes]
         _patch(staging, student, blocks)
-        section.update(corpus=corpus_name, codes="re-rounded" if rerounded else "trained",
-                       heldout_written=section["heldout_rerounded" if rerounded else "heldout_after"],
-                       fitted_tensors=len(blocks), block_type=qtype.name,
+        section.update(corpus=corpus_name, codes=codes, heldout_written=section[WRITTEN_SCORES[codes]],
+                       fitted_tensors=len(student.fitted), block_type=qtype.name,
                        start=f"{plain_name}, imatrix-weighted" if imatrix is not None else plain_name)
         by_gguf = {student.fitted[m][0]: b for m, b in blocks.items()}
         for r in rep["tensors"]:
