@@ -168,7 +168,7 @@ class _Student:
 
 def _file_tensors(path: Path) -> dict[str, tuple[gguf.GGMLQuantizationType, np.ndarray]]:
     """GGUF name → (type, a copy of its data as stored), read with hf2q's header parser (gguf-py's reader
-    spends most of a minute on a large vocabulary's metadata)."""
+    decodes every vocabulary entry into Python objects first)."""
     from hf2q.formats.gguf_file import open_gguf
 
     f = open_gguf(path)
