@@ -1,15 +1,17 @@
 """``hf2q convert --quant dwq-q4_1|dwq-q5_1``: a plain Q4_1 / Q5_1 GGUF whose block scales and mins are distilled.
 
-The plain conversion (``--quant q4_1`` / ``q5_1``, llama-quantize's bytes) is written first to a staging
-file beside the output. The student is that file's model, in the HF tensor names and row order the DWQ
-forward (``dwq_forward``) runs: every tensor of the target type that the forward multiplies by becomes
-an affine module (codes, float16 ``d`` as scales, float16 ``m`` as biases, group 32), every other tensor
-its decoded GGUF value, frozen. ``dwq_fit`` trains the scales and biases against the float32 teacher with
+The plain conversion (``--quant q4_1`` / ``q5_1``, llama-quantize's bytes; with ``--imatrix`` or
+``--imatrix-corpus`` its imatrix-weighted bytes) is written first to a staging file beside the output.
+The student is read back from that file's blocks, in the HF tensor names and row order the DWQ forward
+(``dwq_forward``) runs: every tensor of the target type that the forward multiplies by becomes an affine
+module (codes, float16 ``d`` as scales, float16 ``m`` as biases, group 32), every other tensor its decoded
+GGUF value, frozen. ``dwq_fit`` trains the scales and biases against the float32 teacher with
 the codes frozen. Two files are then possible: the fitted pairs over the codes they were trained with,
 or over the source's codes re-rounded against them (``dwq_blocks.reround``, the nearest code for each
 weight); both are scored on the held-out text and the lower KL is written, as the blocks' ``d``/``m``
 and codes, in place over the staging file's tensor data — same types, same offsets, same metadata —
-which is then moved onto the output.
+which is then moved onto the output. Where neither beats the start's held-out KL the plain file is
+written as it is.
 
 Why only these two types: docs/QUALITY.md, "DWQ" (the other GGUF types have no float16 min, or store
 their per-32 scales too coarsely to hold the fit).
@@ -59,9 +61,6 @@ def convert_dwq_gguf(args: argparse.Namespace, default_output) -> int:
     from hf2q.convert.quant_names import GGUF_QUANTS
 
     name = parse_gguf_dwq(args.quant)
-    if getattr(args, "imatrix", None) or getattr(args, "imatrix_corpus", None):
-        raise UsageError(f"--quant {name} does not take an importance matrix (the fit uses calibration text: "
-                         "--dwq-corpus)")
     if getattr(args, "quality", False):
         raise UsageError(f"--quality is not run by --quant {name}: score the output with "
                          "hf2q quality OUT --reference SRC")
@@ -70,44 +69,67 @@ def convert_dwq_gguf(args: argparse.Namespace, default_output) -> int:
     settings = settings_from_args(args)
     src = Path(args.src)
     plain = GGUF_QUANTS[GGUF_DWQ[name][0]]
+    imatrix, imatrix_arg = None, getattr(args, "imatrix", None)
+    if imatrix_arg:
+        from hf2q.sources.imatrix import read_imatrix
+        imatrix = read_imatrix(imatrix_arg)  # a bad file stops here (exit 3), before any work
+    elif getattr(args, "imatrix_corpus", None):
+        from hf2q.quality.corpus import load_corpus
+        load_corpus(args.imatrix_corpus)  # a missing corpus stops here, before any work
     if getattr(args, "dry_run", False):
-        for line in dry_run(src, plain):
+        wants = imatrix is not None or bool(getattr(args, "imatrix_corpus", None))
+        for line in dry_run(src, plain, has_imatrix=wants, imatrix=imatrix):
             print(line)
         return 0
     out = Path(args.output) if args.output else default_output(src, name)
+    if getattr(args, "imatrix_corpus", None):
+        from hf2q.convert.command import _computed_imatrix
+        if not out.parent.is_dir():
+            raise InputError(f"output directory {out.parent} does not exist")
+        imatrix, imatrix_arg = _computed_imatrix(src, args, out)
     rep = write_dwq_gguf(src, out, name, settings, getattr(args, "dwq_corpus", None), threads=args.threads,
-                         integrity=not getattr(args, "no_integrity", False), report_path=report_arg(args))
+                         integrity=not getattr(args, "no_integrity", False), report_path=report_arg(args),
+                         imatrix=imatrix, imatrix_arg=imatrix_arg)
     print(summary(str(out), rep))
     return 0
 
 
 class _Student:
-    """The plain conversion's model as DWQ arrays (HF names and row order), and how to write a fit back."""
+    """The plain conversion's model as DWQ arrays (HF names and row order), and how to write a fit back.
 
-    def __init__(self, plan, teacher: dict, qtype, threads: int):
+    Every array is read back from the staging file's blocks rather than quantized again, so the start is
+    whatever that file holds — with ``--imatrix``, llama-quantize's imatrix-weighted blocks.
+    """
+
+    def __init__(self, plan, staging: Path, teacher: dict, qtype):
         from hf2q.arch.base import Direct
-        from hf2q.convert.pipeline import decode, encode, round_like_export
+        from hf2q.convert.pipeline import decode
 
         self.qtype = qtype
         self.arrays: dict[str, np.ndarray] = {}
         self.fitted: dict[str, tuple[str, np.ndarray | None]] = {}  # HF module → (GGUF name, row order)
+        held = _file_tensors(staging)
         for t, qt in zip(plan.tensors, plan.types):
             src = t.source
             if not isinstance(src, Direct) or src.add or src.name not in teacher:
                 raise InputError(f"DWQ for GGUF cannot follow {t.name}: it is not a plain copy of one HF tensor")
-            x = np.asarray(teacher[src.name], dtype=np.float32)
-            if x.ndim == 1 or qt == T.F32:
-                self.arrays[src.name] = x
-                continue
-            raw = encode(round_like_export(x, qt), qt, threads)
+            shape = tuple(np.shape(teacher[src.name]))
+            file_type, raw = held[t.name]
+            if file_type != qt:
+                raise ConversionError(f"internal error: {t.name} is {file_type.name} in the staging file, "
+                                      f"{qt.name} in the plan")
+            # GGUF row r is HF row row_order[r]: the inverse permutation puts the rows back in HF order
+            back = None if src.row_order is None or len(shape) < 2 else np.argsort(src.row_order)
             if qt == qtype and src.name != EMBED and src.name.endswith(".weight"):
                 module = src.name.removesuffix(".weight")
-                b = dwq_blocks.unpack(raw, qt, x.shape)
+                b = dwq_blocks.unpack(raw, qt, shape)
+                b = b if back is None else b.take_rows(back)
                 self.arrays[src.name] = b.q
                 self.arrays[f"{module}.scales"], self.arrays[f"{module}.biases"] = b.d, b.m
                 self.fitted[module] = (t.name, src.row_order)
             else:
-                self.arrays[src.name] = decode(raw, qt, x.shape)
+                x = decode(raw, qt, shape).astype(np.float32)
+                self.arrays[src.name] = x if back is None else x[back]
         if not self.fitted:
             raise InputError(f"no tensor of this model is planned as {qtype.name}: nothing for DWQ to fit")
 
@@ -144,11 +166,24 @@ class _Student:
         return {k: mx.array(v) for k, v in arrays.items()}
 
 
+def _file_tensors(path: Path) -> dict[str, tuple[gguf.GGMLQuantizationType, np.ndarray]]:
+    """GGUF name → (type, a copy of its data as stored), read with hf2q's header parser (gguf-py's reader
+    decodes every vocabulary entry into Python objects first)."""
+    from hf2q.formats.gguf_file import open_gguf
+
+    f = open_gguf(path)
+    return {t.name: (t.qtype, np.array(t.data)) for t in f.tensors.values()}
+
+
 def _patch(path: Path, student: _Student, blocks: dict[str, dwq_blocks.AffineBlocks]) -> None:
     """Overwrite each fitted tensor's data in the GGUF at ``path`` with its new blocks (GGUF row order)."""
-    reader = gguf.GGUFReader(path)
-    where = {t.name: (int(t.data_offset), int(t.n_bytes)) for t in reader.tensors}
-    del reader  # its memory map must close before the file is written
+    from hf2q.formats.gguf_file import open_gguf
+    from hf2q.formats.gguf_parse import parse
+
+    sizes = {t.name: t.nbytes for t in open_gguf(path).tensors.values()}
+    _, infos, _, mm = parse(path)
+    del mm  # its memory map must close before the file is written
+    where = {name: (offset, sizes[name]) for name, _, _, offset in infos}
     with open(path, "r+b") as f:
         for module, b in blocks.items():
             name, order = student.fitted[module]
@@ -160,10 +195,29 @@ def _patch(path: Path, student: _Student, blocks: dict[str, dwq_blocks.AffineBlo
             f.write(raw.tobytes())
 
 
+#: which blocks are written → the held-out scores they had
+WRITTEN_SCORES = {"trained": "heldout_after", "re-rounded": "heldout_rerounded", "start": "heldout_before"}
+
+
+def _written_codes(section: dict, keep_better_start: bool = True) -> str:
+    """The blocks with the lowest held-out KL: the fitted pairs over the codes they were trained with, over
+    re-rounded codes, or — when neither beats it — the plain file's own blocks, left as they are (an
+    imatrix-weighted start can already be closer to the teacher than a short fit gets)."""
+    kl = {codes: section[key]["kl_mean"] for codes, key in WRITTEN_SCORES.items()}
+    choices = ("trained", "re-rounded", "start") if keep_better_start else ("trained", "re-rounded")
+    return min(choices, key=lambda c: (kl[c], c != "start"))
+
+
 def write_dwq_gguf(src: Path, out: Path, name: str, settings: DwqSettings, corpus: str | None = None,
                    threads: int | None = None, integrity: bool = True, report_path: Path | None = None,
-                   make_linear=None) -> dict:
-    """Write the DWQ-fitted GGUF ``out``; returns the report (also written to disk)."""
+                   make_linear=None, imatrix=None, imatrix_arg: str | None = None,
+                   keep_better_start: bool = True) -> dict:
+    """Write the DWQ-fitted GGUF ``out``; returns the report (also written to disk).
+
+    ``imatrix`` (an ``ImatrixFile``, named ``imatrix_arg`` in the metadata) weights the plain conversion the
+    fit starts from, as ``--quant q4_1 --imatrix`` does; the fit itself still learns from calibration text.
+    ``keep_better_start=False`` writes the better fitted variant even where the start scored better on the
+    held-out text (to see what the fit did)."""
     from hf2q.engine.factory import prepare_mlx
 
     prepare_mlx()  # OpenBLAS for the fit's products, loaded before MLX (docs/ENGINE.md, "CPU backend")
@@ -185,13 +239,14 @@ def write_dwq_gguf(src: Path, out: Path, name: str, settings: DwqSettings, corpu
     staging = out.with_name(out.name + ".dwq-base")
     base_report = out.with_name(out.name + ".dwq-base.report.json")
     try:
-        rep = convert_gguf(src, staging, GGUF_QUANTS[plain_name], threads, integrity, report_path=base_report)
+        rep = convert_gguf(src, staging, GGUF_QUANTS[plain_name], threads, integrity, report_path=base_report,
+                           imatrix=imatrix, imatrix_arg=imatrix_arg)
         base_report.unlink(missing_ok=True)
         _, teacher_mx = _teacher(src, mlx_policy.MlxQuant("mlx-4", 4), GROUP)
         teacher = {k: np.asarray(v) for k, v in teacher_mx.items()}
-        plan = build_plan(src, GGUF_QUANTS[plain_name])
+        plan = build_plan(src, GGUF_QUANTS[plain_name], has_imatrix=imatrix is not None, imatrix=imatrix)
         try:
-            student = _Student(plan, teacher, qtype, threads)
+            student = _Student(plan, staging, teacher, qtype)
         finally:
             plan.checkpoint.close()
         layout = QuantLayout(dwq_blocks.BITS[qtype], GROUP)
@@ -206,13 +261,12 @@ def write_dwq_gguf(src: Path, out: Path, name: str, settings: DwqSettings, corpu
             dec, teacher_mx, student.mx_arrays(), layout, tokens, settings, make_linear or default_linear,
             _progress_logger(settings.steps), variants={"rerounded": rerounded_student})
         dwq_s = time.perf_counter() - t0
-        # the codes the fit trained with, unless re-rounding them against the fitted pairs scores better
-        rerounded = section["heldout_rerounded"]["kl_mean"] < section["heldout_after"]["kl_mean"]
-        blocks = rerounded_blocks if rerounded else student.trained(fitted)
+        codes = _written_codes(section, keep_better_start)
+        blocks = {"trained": student.trained(fitted), "re-rounded": rerounded_blocks, "start": {}}[codes]
         _patch(staging, student, blocks)
-        section.update(corpus=corpus_name, codes="re-rounded" if rerounded else "trained",
-                       heldout_written=section["heldout_rerounded" if rerounded else "heldout_after"],
-                       fitted_tensors=len(blocks), block_type=qtype.name)
+        section.update(corpus=corpus_name, codes=codes, heldout_written=section[WRITTEN_SCORES[codes]],
+                       fitted_tensors=len(student.fitted), block_type=qtype.name,
+                       start=f"{plain_name}, imatrix-weighted" if imatrix is not None else plain_name)
         by_gguf = {student.fitted[m][0]: b for m, b in blocks.items()}
         for r in rep["tensors"]:
             if r["name"] in by_gguf:
