@@ -39,31 +39,6 @@ def _check_imatrix_flags(args: argparse.Namespace) -> None:
         raise UsageError("--imatrix-corpus applies to a single GGUF conversion (not --format mlx or --batch)")
 
 
-def _computed_imatrix(src: Path, args: argparse.Namespace, output: Path):
-    """``--imatrix-corpus``: compute the matrix from ``src`` with our engine (kept at --imatrix-out,
-    else in a temporary file beside the output) and read it back as ``--imatrix FILE`` would be."""
-    import dataclasses
-    import tempfile
-
-    from hf2q.quality.corpus import load_corpus
-    from hf2q.quality.imatrix_run import DEFAULT_N_CTX, compute_imatrix
-    from hf2q.sources.imatrix import read_imatrix
-
-    corpus = load_corpus(args.imatrix_corpus)
-    n_ctx = args.imatrix_n_ctx or DEFAULT_N_CTX
-    with tempfile.TemporaryDirectory(prefix=".hf2q-imatrix-", dir=output.parent) as tmp:
-        out = Path(args.imatrix_out) if args.imatrix_out else Path(tmp) / f"{src.name}.imatrix.gguf"
-        summary = compute_imatrix(src, corpus, out, n_ctx=n_ctx, chunks=getattr(args, "imatrix_chunks", None),
-                                  threads=args.threads)
-        imatrix = read_imatrix(out)
-    log.info("computed imatrix over %s: %d entries, %d chunks of %d tokens", corpus.name, summary.entries,
-             summary.chunks, n_ctx)
-    if args.imatrix_out:
-        return imatrix, str(out)
-    # the temporary file is gone: the report and metadata name the corpus it came from instead
-    return dataclasses.replace(imatrix, path=Path(corpus.name)), corpus.name
-
-
 def run(args: argparse.Namespace) -> int:
     _check_imatrix_flags(args)
     if getattr(args, "mmproj_output", None) and not getattr(args, "mmproj", False):
@@ -147,7 +122,9 @@ def run(args: argparse.Namespace) -> int:
     if wants_corpus:
         if not output.parent.is_dir():
             raise InputError(f"output directory {output.parent} does not exist")
-        imatrix, imatrix_arg = _computed_imatrix(src, args, output)
+        from hf2q.convert.imatrix_corpus import computed_imatrix
+
+        imatrix, imatrix_arg = computed_imatrix(src, args, output)
     rep = convert_gguf(src, output, q, threads=args.threads, integrity=not args.no_integrity,
                        report_path=Path(args.json_report) if args.json_report else None,
                        imatrix=imatrix, imatrix_arg=imatrix_arg, mtp=mtp)

@@ -83,10 +83,10 @@ def convert_dwq_gguf(args: argparse.Namespace, default_output) -> int:
         return 0
     out = Path(args.output) if args.output else default_output(src, name)
     if getattr(args, "imatrix_corpus", None):
-        from hf2q.convert.command import _computed_imatrix
+        from hf2q.convert.imatrix_corpus import computed_imatrix
         if not out.parent.is_dir():
             raise InputError(f"output directory {out.parent} does not exist")
-        imatrix, imatrix_arg = _computed_imatrix(src, args, out)
+        imatrix, imatrix_arg = computed_imatrix(src, args, out)
     rep = write_dwq_gguf(src, out, name, settings, getattr(args, "dwq_corpus", None), threads=args.threads,
                          integrity=not getattr(args, "no_integrity", False), report_path=report_arg(args),
                          imatrix=imatrix, imatrix_arg=imatrix_arg)
