@@ -36,7 +36,8 @@ def small_bands(monkeypatch):
     real = quant_repack._to_affine_rows
 
     def counted(raw, qtype, rows, n):
-        calls.append(rows)
+        if rows > 1:  # not the one-row probe that sizes the destination (no band here is one row)
+            calls.append(rows)
         return real(raw, qtype, rows, n)
 
     monkeypatch.setattr(quant_repack, "_to_affine_rows", counted)

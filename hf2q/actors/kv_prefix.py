@@ -16,8 +16,8 @@ those give up exactly the recorded blocks beyond what the slot keeps (counted
 ``not_written``). ``wait_flushed`` is the drain: it returns once every record has been
 written or given up.
 
-A cache that is not plain per-position K/V (a hybrid model's recurrent state, DeepSeek-V4's compact
-cache) no longer holds, after a request, the state at most of its prompt's block ends; so on
+A cache that is not plain per-position K/V (a hybrid model's recurrent state and its MTP head's input
+row, DeepSeek-V4's compact cache, a sliding-window model's window layers) no longer holds, after a request, the state at most of its prompt's block ends; so on
 ``Restore`` the actor turns on the sequence's ``keep_block_ends``, which captures that state at each
 block end while the prompt's prefill has it, and a block exported later carries it. A restore of such a
 cache starts at one of the slot's reuse points and stops at the deepest block whose end state is saved

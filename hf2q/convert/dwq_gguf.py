@@ -263,9 +263,10 @@ def write_dwq_gguf(src: Path, out: Path, name: str, settings: DwqSettings, corpu
         dwq_s = time.perf_counter() - t0
         codes = _written_codes(section, keep_better_start)
         blocks = {"trained": student.trained(fitted), "re-rounded": rerounded_blocks, "start": {}}[codes]
-        _patch(staging, student, blocks)
+        if blocks:  # "start": the staging file is the plain file, as it stands
+            _patch(staging, student, blocks)
         section.update(corpus=corpus_name, codes=codes, heldout_written=section[WRITTEN_SCORES[codes]],
-                       fitted_tensors=len(student.fitted), block_type=qtype.name,
+                       fitted_tensors=len(blocks), block_type=qtype.name,
                        start=f"{plain_name}, imatrix-weighted" if imatrix is not None else plain_name)
         by_gguf = {student.fitted[m][0]: b for m, b in blocks.items()}
         for r in rep["tensors"]:

@@ -308,12 +308,16 @@ class DistributedRunner:
         self.tensor_parallel = self.size
         # prefix reuse: a recurrent or sliding-window model trims only at its reuse points, at any TP
         self.trims_prefix = bool(getattr(local, "trims_prefix", True))
-        # plain K/V persists across ranks, and a hybrid model's blocks with every rank's recurrent state
-        # share (``gather_kv``); not yet a cache of a family's own (deepseek4)
-        hybrid = hasattr(getattr(local, "model", None), "new_recurrent_state")
-        self.persists_kv = bool(getattr(local, "persists_kv", True)) and (self.trims_prefix or hybrid)
         self.kv_bytes_per_slot = getattr(local, "kv_bytes_per_slot", 0)
         self.kv_cache_type = getattr(local, "kv_cache_type", "f16")  # every rank's (tp_launch tells the followers)
+
+    @property
+    def persists_kv(self) -> bool:
+        """Plain K/V persists across ranks, and a hybrid model's blocks with every rank's recurrent state
+        share (``gather_kv``, ``gather_state``); not yet a window or DeepSeek-V4's compact cache. Read when
+        asked: the local runner's answer changes once its MTP head is on."""
+        hybrid = hasattr(getattr(self.local, "model", None), "new_recurrent_state")
+        return bool(getattr(self.local, "persists_kv", True)) and (self.trims_prefix or hybrid)
 
     @property
     def kv_identity(self) -> str:

@@ -51,8 +51,8 @@ import numpy as np
 from hf2q.engine.kv_layout import END_STATE_PREFIX, HIDDEN_STATE, has_end_state
 from hf2q.engine.kv_quant import KvCodec
 from hf2q.engine.recurrent_policy import (BLOCK_ENDS_KEPT, CHECKPOINT_INTERVAL, CHECKPOINTS_KEPT, KV_GROW,
-                                          WINDOW_POINTS_KEPT, WINDOW_SNAPSHOTS_KEPT, ReusePoints, keep_newest,
-                                          room_for)
+                                          WINDOW_POINTS_KEPT, WINDOW_SNAPSHOTS_KEPT, ReusePoints, block_ends_reached,
+                                          keep_newest, room_for)
 
 GROW = KV_GROW
 
@@ -253,11 +253,6 @@ class SlidingWindow:
     def snapshot_positions(self) -> int:
         """Positions held in copies beside the buffer: the snapshots and the captured block ends."""
         return sum(n - first for held in (self.snapshots, self.block_ends) for n, (first, _, _) in held.items())
-
-    def block_ends_in(self, start: int, n_new: int) -> list[int]:
-        """The block ends a prompt forward of ``n_new`` tokens from ``start`` reaches (its last included)."""
-        bt = self.block_tokens
-        return list(range((start // bt + 1) * bt, start + n_new + 1, bt)) if bt else []
 
     def first_needed(self, length: int) -> int:
         """The first position the buffer must keep at ``length``: the window of ``length − 1`` (the
@@ -527,7 +522,7 @@ class SequenceCache:
                 w.snapshots[p] = self._window_copy(max(0, p - w.size + 1), p)
                 keep_newest(w.snapshots, w.snapshots_kept)
         if n_new > 1 and transaction:
-            for end in w.block_ends_in(start, n_new):
+            for end in block_ends_reached(start, n_new, w.block_tokens):
                 w.block_ends[end] = self._window_copy(max(0, end - w.size), end)
             keep_newest(w.block_ends, BLOCK_ENDS_KEPT)
 

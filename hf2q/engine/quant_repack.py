@@ -174,8 +174,8 @@ def to_affine(raw: np.ndarray, qtype: T, shape: tuple[int, ...]) -> AffineWeight
 
 def repack_rows(parts, n: int, allocate) -> tuple[int, bool]:
     """The rows of ``parts`` (``(GGUF block bytes, type, rows)`` each, of width ``n``) repacked, stacked in order, into
-    the three arrays ``allocate(first band's AffineWeight)`` returns (packed, scales, biases: one row per row of
-    all parts, that band's widths and dtypes); ``(bits, exact)``.
+    the three arrays ``allocate(an AffineWeight of the first row)`` returns (packed, scales, biases: one row per row
+    of all parts, that row's widths and dtypes); ``(bits, exact)``.
 
     The one banding of a repack: each part is cut into row bands (:func:`_bands`) repacked on the shared CPU pool
     (numpy's element-wise work releases the GIL, so loading a many-gigabyte model uses every core) and written
@@ -197,13 +197,11 @@ def repack_rows(parts, n: int, allocate) -> tuple[int, bool]:
         return aff.exact
 
     raw0, qtype0, _ = jobs[0]
-    first = _to_affine_rows(raw0, qtype0, raw0.shape[0], n)
-    dest = allocate(first)
-    for dst, src in zip(dest, (first.packed, first.scales, first.biases)):
-        dst[:raw0.shape[0]] = src
+    probe = _to_affine_rows(raw0[:1], qtype0, 1, n)  # one row gives the widths and dtypes: every band goes to the pool
+    dest = allocate(probe)
     workers = pool()
-    rest = list(map(one, jobs[1:]) if workers is None else workers.map(one, jobs[1:]))
-    return first.bits, first.exact and all(rest)
+    exact = list(map(one, jobs) if workers is None else workers.map(one, jobs))
+    return probe.bits, all(exact)
 
 
 #: a tensor is repacked in one band below this many weights (when the pool has more than one thread)

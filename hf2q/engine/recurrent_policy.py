@@ -55,6 +55,14 @@ def window_positions(window: int, new_tokens: int = 1) -> int:
     return live + WINDOW_SNAPSHOTS_KEPT * window
 
 
+def block_ends_reached(start: int, n_new: int, block_tokens: int | None) -> range:
+    """The persistent store's block ends (multiples of ``block_tokens``) a forward of ``n_new`` tokens from
+    ``start`` reaches, its last position included; none when the store captures nothing."""
+    if not block_tokens:
+        return range(0)
+    return range((start // block_tokens + 1) * block_tokens, start + n_new + 1, block_tokens)
+
+
 def keep_newest(held: dict, kept: int) -> None:
     """Drop the lowest lengths of ``held`` (length → state) until at most ``kept`` remain."""
     while len(held) > kept:

@@ -43,7 +43,8 @@ from hf2q.engine.kv_cache import PrefixNotReusable, SequenceCache, StackedDecode
 from hf2q.engine.kv_layout import END_STATE_PREFIX, has_end_state
 from hf2q.engine.models.deepseek4_layout import LayerRows
 from hf2q.engine.recurrent_policy import (BLOCK_ENDS_KEPT, CHECKPOINT_INTERVAL, KV_GROW, WINDOW_POINTS_KEPT,
-                                          WINDOW_SNAPSHOTS_KEPT, ReusePoints, keep_newest, room_for)
+                                          WINDOW_SNAPSHOTS_KEPT, ReusePoints, block_ends_reached, keep_newest,
+                                          room_for)
 
 
 def _copy(a: mx.array) -> mx.array:
@@ -443,8 +444,7 @@ class Deepseek4Cache(SequenceCache):
         rows, which hold every length inside the last forward."""
         if not self.block_tokens or n <= 1 or not transaction:
             return
-        first = (start // self.block_tokens + 1) * self.block_tokens
-        for p in range(first, start + n + 1, self.block_tokens):
+        for p in block_ends_reached(start, n, self.block_tokens):
             self._block_ends[p] = self.points[p][1] if p in self.points else self._snapshot(p)
         keep_newest(self._block_ends, BLOCK_ENDS_KEPT)
 

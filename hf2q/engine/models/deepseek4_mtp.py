@@ -48,7 +48,6 @@ class _DraftLane:
     """What a draft step's attention reads and stages in place of a sequence cache: the head's rows,
     extended by each drafted position and never committed."""
 
-    layer_index: int
     raw: Rows
 
     def layer(self, i: int):
@@ -158,7 +157,7 @@ class Deepseek4MtpHead:
         if not k:
             return mx.zeros((0,), dtype=mx.int32), mx.zeros((0, c.vocab), dtype=mx.float32)
         start = seq.length
-        lane = _DraftLane(self.layer, seq.layer(self.layer)[0].raw)
+        lane = _DraftLane(seq.layer(self.layer)[0].raw)
         hidden = previous_hidden(seq, start, (c.hc_count, c.hidden), self.dtype)[None, None]
         token = mx.array([[pending]], dtype=mx.int32)
         toks, rows = [], []

@@ -37,6 +37,7 @@ import numpy as np
 from hf2q.engine.kv_cache import ForwardBatch, SequenceCache
 from hf2q.engine.layers import Linear, rms_norm
 from hf2q.engine.models.decoder import DecoderConfig, _norm
+from hf2q.engine.recurrent_policy import block_ends_reached
 from hf2q.formats.gguf_file import GGUFFile
 
 
@@ -167,7 +168,7 @@ def _keep_block_end_rows(rec, off: int, rows: mx.array) -> None:
         return
     for n in [n for n in ends if n not in rec.block_ends]:
         del ends[n]
-    for n in range((off // step + 1) * step, off + rows.shape[0], step):
+    for n in block_ends_reached(off, rows.shape[0] - 1, step):
         ends[n] = rows[n - off] + mx.zeros((), dtype=rows.dtype)  # a copy, not a view of the forward's rows
 
 
