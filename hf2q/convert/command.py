@@ -86,21 +86,17 @@ def run(args: argparse.Namespace) -> int:
     else:
         raise UsageError("convert needs SRC (an HF model directory) or --repo ID")
     q = parse_gguf_quant(args.quant)
-    imatrix = None
-    if args.imatrix:
-        from hf2q.sources.imatrix import read_imatrix
-        imatrix = read_imatrix(args.imatrix)  # read once; bad files stop here with exit 3
-        log.info("imatrix %s: %d entries, %d chunks", args.imatrix, len(imatrix.weights), imatrix.chunk_count)
-    elif getattr(args, "imatrix_corpus", None):  # computed once the output's directory is known
-        from hf2q.quality.corpus import load_corpus
-        load_corpus(args.imatrix_corpus)  # a missing corpus stops here, before any work
-    elif q.needs_imatrix and args.dry_run:  # llama-quantize --dry-run also only warns
+    from hf2q.convert.imatrix_corpus import early_imatrix, final_imatrix
+
+    imatrix = early_imatrix(args)  # read once; a bad file or a missing corpus stops here with exit 3
+    wants_corpus = bool(getattr(args, "imatrix_corpus", None))  # computed once the output's directory is known
+    if imatrix is None and not wants_corpus and q.needs_imatrix:
+        if not args.dry_run:
+            raise InputError(f"{q.name} needs an importance matrix (--imatrix FILE); {q.no_imatrix_hint}")
+        # llama-quantize --dry-run also only warns
         log.warning("%s will need an importance matrix (--imatrix FILE) to actually convert", q.name)
-    elif q.needs_imatrix:
-        raise InputError(f"{q.name} needs an importance matrix (--imatrix FILE); {q.no_imatrix_hint}")
 
     mtp = "drop" if getattr(args, "no_mtp", False) else "only" if getattr(args, "mtp", False) else "keep"
-    wants_corpus = bool(getattr(args, "imatrix_corpus", None))
     if args.mmproj:  # a checkpoint without a vision tower stops here, before the text conversion
         from hf2q.convert import mmproj
         mmproj.build_plan(src, mmproj.mmproj_type(q.name)).checkpoint.close()
@@ -115,16 +111,10 @@ def run(args: argparse.Namespace) -> int:
         kind = mmproj.mmproj_type(q.name)
         mmproj_path = Path(args.mmproj_output) if args.mmproj_output else mmproj.default_path(output, src, kind)
         mmproj.check_destination(mmproj_path)
-    imatrix_arg = args.imatrix
     if getattr(args, "quality", False):  # a bad corpus stops here, before the conversion
         from hf2q.quality.corpus import load_corpus
         load_corpus(args.quality_corpus)
-    if wants_corpus:
-        if not output.parent.is_dir():
-            raise InputError(f"output directory {output.parent} does not exist")
-        from hf2q.convert.imatrix_corpus import computed_imatrix
-
-        imatrix, imatrix_arg = computed_imatrix(src, args, output)
+    imatrix, imatrix_arg = final_imatrix(src, args, output, imatrix)
     rep = convert_gguf(src, output, q, threads=args.threads, integrity=not args.no_integrity,
                        report_path=Path(args.json_report) if args.json_report else None,
                        imatrix=imatrix, imatrix_arg=imatrix_arg, mtp=mtp)

@@ -69,24 +69,16 @@ def convert_dwq_gguf(args: argparse.Namespace, default_output) -> int:
     settings = settings_from_args(args)
     src = Path(args.src)
     plain = GGUF_QUANTS[GGUF_DWQ[name][0]]
-    imatrix, imatrix_arg = None, getattr(args, "imatrix", None)
-    if imatrix_arg:
-        from hf2q.sources.imatrix import read_imatrix
-        imatrix = read_imatrix(imatrix_arg)  # a bad file stops here (exit 3), before any work
-    elif getattr(args, "imatrix_corpus", None):
-        from hf2q.quality.corpus import load_corpus
-        load_corpus(args.imatrix_corpus)  # a missing corpus stops here, before any work
+    from hf2q.convert.imatrix_corpus import early_imatrix, final_imatrix
+
+    imatrix = early_imatrix(args)  # a bad file or a missing corpus stops here (exit 3), before any work
     if getattr(args, "dry_run", False):
         wants = imatrix is not None or bool(getattr(args, "imatrix_corpus", None))
         for line in dry_run(src, plain, has_imatrix=wants, imatrix=imatrix):
             print(line)
         return 0
     out = Path(args.output) if args.output else default_output(src, name)
-    if getattr(args, "imatrix_corpus", None):
-        from hf2q.convert.imatrix_corpus import computed_imatrix
-        if not out.parent.is_dir():
-            raise InputError(f"output directory {out.parent} does not exist")
-        imatrix, imatrix_arg = computed_imatrix(src, args, out)
+    imatrix, imatrix_arg = final_imatrix(src, args, out, imatrix)
     rep = write_dwq_gguf(src, out, name, settings, getattr(args, "dwq_corpus", None), threads=args.threads,
                          integrity=not getattr(args, "no_integrity", False), report_path=report_arg(args),
                          imatrix=imatrix, imatrix_arg=imatrix_arg)

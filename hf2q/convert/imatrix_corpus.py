@@ -1,6 +1,7 @@
-"""``convert --imatrix-corpus``: the importance matrix a conversion computes for itself, with our engine over
-a calibration corpus, then read back exactly as ``--imatrix FILE`` would be. One step for every GGUF writer
-that takes a matrix (the plain pipeline and GGUF DWQ)."""
+"""The importance matrix a GGUF conversion takes: ``--imatrix FILE`` read before any work, or
+``--imatrix-corpus`` computed by our engine over a calibration corpus once the output's directory is known,
+then read back exactly as a file would be. One pair of steps for every GGUF writer that takes a matrix (the
+plain pipeline and GGUF DWQ), so a bad file or a missing corpus stops both the same way."""
 
 from __future__ import annotations
 
@@ -9,6 +10,35 @@ import logging
 from pathlib import Path
 
 log = logging.getLogger("hf2q.convert")
+
+
+def early_imatrix(args: argparse.Namespace):
+    """Before any work: ``--imatrix FILE`` read (a bad file is exit 3 here), None otherwise; a missing
+    ``--imatrix-corpus`` stops here too."""
+    path = getattr(args, "imatrix", None)
+    if path:
+        from hf2q.sources.imatrix import read_imatrix
+
+        imatrix = read_imatrix(path)
+        log.info("imatrix %s: %d entries, %d chunks", path, len(imatrix.weights), imatrix.chunk_count)
+        return imatrix
+    if getattr(args, "imatrix_corpus", None):
+        from hf2q.quality.corpus import load_corpus
+
+        load_corpus(args.imatrix_corpus)
+    return None
+
+
+def final_imatrix(src: Path, args: argparse.Namespace, output: Path, imatrix):
+    """``(matrix, the name its metadata records)`` the conversion to ``output`` uses: ``early_imatrix``'s,
+    or with ``--imatrix-corpus`` the one computed now (``computed_imatrix``)."""
+    if not getattr(args, "imatrix_corpus", None):
+        return imatrix, getattr(args, "imatrix", None)
+    from hf2q.errors import InputError
+
+    if not output.parent.is_dir():
+        raise InputError(f"output directory {output.parent} does not exist")
+    return computed_imatrix(src, args, output)
 
 
 def computed_imatrix(src: Path, args: argparse.Namespace, output: Path):
