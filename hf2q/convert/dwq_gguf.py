@@ -159,12 +159,12 @@ class _Student:
 
 
 def _file_tensors(path: Path) -> dict[str, tuple[gguf.GGMLQuantizationType, np.ndarray]]:
-    """GGUF name → (type, a copy of its data as stored), read with hf2q's header parser (gguf-py's reader
-    decodes every vocabulary entry into Python objects first)."""
+    """GGUF name → (type, its data as stored: a view of the file's memory map, no copy), read with hf2q's
+    header parser (gguf-py's reader decodes every vocabulary entry into Python objects first). The map
+    closes once the views are dropped, before ``_patch`` writes the file."""
     from hf2q.formats.gguf_file import open_gguf
 
-    f = open_gguf(path)
-    return {t.name: (t.qtype, np.array(t.data)) for t in f.tensors.values()}
+    return {t.name: (t.qtype, t.data) for t in open_gguf(path).tensors.values()}
 
 
 def _patch(path: Path, student: _Student, blocks: dict[str, dwq_blocks.AffineBlocks]) -> None:
