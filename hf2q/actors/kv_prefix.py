@@ -17,9 +17,10 @@ those give up exactly the recorded blocks beyond what the slot keeps (counted
 written or given up.
 
 A cache that is not plain per-position K/V (a hybrid model's recurrent state and its MTP head's input
-row, DeepSeek-V4's compact cache, a sliding-window model's window layers) no longer holds, after a request, the state at most of its prompt's block ends; so on
-``Restore`` the actor turns on the sequence's ``keep_block_ends``, which captures that state at each
-block end while the prompt's prefill has it, and a block exported later carries it. A restore of such a
+row, DeepSeek-V4's compact cache, a sliding-window model's window layers) no longer holds, after a
+request, the state at most of its prompt's block ends; so on ``Restore`` the actor turns on the
+sequence's ``keep_block_ends``, which captures that state at each block end while the prompt's prefill
+has it, and a block exported later carries it. A restore of such a
 cache starts at one of the slot's reuse points and stops at the deepest block whose end state is saved
 (``kvstore.hydrate``).
 """
@@ -186,23 +187,23 @@ class KvPrefixActor:
             self._deferred.append(DeferredBlocks(msg.seq, msg.prompt, collections.deque(spans)))
             self._note_deferred(len(spans))
 
-    def _ends_to_let_go(self, held, take, skipped) -> list[tuple[Any, Callable[[Any], set]]]:
+    def _ends_to_let_go(self, held, take, skipped) -> list[tuple[Any, set[int]]]:
         """The sequences holding captured block-end states that no export needs (each can be a recurrent
-        state's worth of device memory), with what each keeps of its ends: a ``Persist``'s (``held``) only
-        those of its recorded blocks and of the ones exported now (``take``); any other sequence just loses
-        those of its recorded blocks another request wrote meanwhile (``skipped``), since its slot may be
-        capturing a newer prompt's."""
+        state's worth of device memory), with the ends each lets go of: a ``Persist``'s (``held``, which
+        runs no forward until its reply) all but those of its recorded blocks and of the ones exported now
+        (``take``); any other sequence only those of its recorded blocks another request wrote meanwhile
+        (``skipped``), since its slot may be capturing a newer prompt's."""
         out = []
         for seq in held:
-            ends = getattr(seq, "block_ends", None)
             keep = {sp.end for rec in self._deferred if rec.seq is seq for sp in rec.spans}
             keep |= {sp.end for rec, sp in take if rec.seq is seq}
-            if ends and set(ends) - keep:
-                out.append((seq, lambda ends, keep=keep: keep))
+            drop = set(getattr(seq, "block_ends", None) or ()) - keep
+            if drop:
+                out.append((seq, drop))
         for seq in {id(s): s for s, _ in skipped if not any(s is h for h in held)}.values():
-            gone = {end for s, end in skipped if s is seq}
-            if gone & set(getattr(seq, "block_ends", None) or ()):
-                out.append((seq, lambda ends, gone=gone: set(ends) - gone))
+            drop = {end for s, end in skipped if s is seq} & set(getattr(seq, "block_ends", None) or ())
+            if drop:
+                out.append((seq, drop))
         return out
 
     def _give_up(self, seq, keep: int) -> None:
@@ -246,8 +247,8 @@ class KvPrefixActor:
             def export(runner):  # a record is only kept while its sequence holds it; checked again here
                 out = [runner.export_kv(rec.seq, sp.start, sp.end) if sp.end <= rec.seq.length else None
                        for rec, sp in take]
-                for seq, keep in let_go:  # after the exports, which needed the ends they took
-                    seq.forget_block_ends(keep(seq.block_ends))
+                for seq, drop in let_go:  # after the exports, which needed the ends they took
+                    seq.forget_block_ends(set(seq.block_ends) - drop)
                 return out
 
             exported = await self._transact(export, "kv export")
