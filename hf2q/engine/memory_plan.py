@@ -65,6 +65,8 @@ class KvNeed:
     window_position: int = 0  # bytes of one position in one of those layers
     #: a family's own bounded part (deepseek4: ``new_tokens`` → bytes, ``models/deepseek4_layout.py``)
     bounded: Callable[[int], int] | None = None
+    #: a family's own copy held per captured block end (deepseek4: a reuse point's rows)
+    end_copy: int = 0
 
     def window_bytes(self, new_tokens: int = 1) -> int:
         """Most bytes the window layers of one slot hold while a forward of ``new_tokens`` runs."""
@@ -74,9 +76,9 @@ class KvNeed:
         return held + self.window_layers * window_positions(self.window, new_tokens) * self.window_position
 
     def block_end_bytes(self) -> int:
-        """One captured block end of the window layers (their last ``window`` rows, kept for the
-        persistent store until the block is exported); 0 without a window."""
-        return self.window_layers * (self.window or 0) * self.window_position
+        """One block end captured for the persistent store until the block is exported, beside any
+        recurrent state: the window layers' last ``window`` rows, or a compact cache's reuse-point copy."""
+        return self.window_layers * (self.window or 0) * self.window_position + self.end_copy
 
     def slot_bytes(self, ctx: int) -> int:
         """One slot at ``ctx`` tokens, decoding."""
@@ -130,7 +132,7 @@ def kv_need(hp, elem: int, *, on_cpu: bool = False, kv_type: str = "f16", mtp: b
         from hf2q.engine.models.deepseek4_layout import compact_need
 
         need = compact_need(hp, elem, mtp=mtp)  # the MTP head's window layer is bounded too
-        return KvNeed(need.per_token, bounded=need.bounded)
+        return KvNeed(need.per_token, bounded=need.bounded, end_copy=need.point_copy())
     if hp.arch != "gemma4":
         return KvNeed(token_bytes(hp, elem, kv_type))
     a = Keys.Attention
@@ -144,16 +146,6 @@ def kv_need(hp, elem: int, *, on_cpu: bool = False, kv_type: str = "f16", mtp: b
     window = hp.sliding_window
     n_window = sum(sliding[i] for i in owners) if windowed else 0
     return KvNeed((len(owners) - n_window) * position, window if n_window else None, n_window, position)
-
-
-def block_end_copy(hp, elem: int) -> int:
-    """Bytes of one captured block end beside the recurrent state: a deepseek4 compact cache's rows
-    (a reuse-point copy, ``models/deepseek4_layout.py``); 0 for other families."""
-    if hp.arch != "deepseek4":
-        return 0
-    from hf2q.engine.models.deepseek4_layout import compact_need
-
-    return compact_need(hp, elem).point_copy()
 
 
 def mtp_position_bytes(hp, elem: int, kv_type: str = "f16") -> int:
@@ -255,8 +247,7 @@ def check_model(path, size: int, *, ctx: int | None, slots: int, kv_budget: int 
         # hybrid models: each slot's recurrent state, its rollback copy and its reuse points (docs/ENGINE.md)
         states = STATES_PER_SEQUENCE + (BLOCK_ENDS_KEPT if kv_persist else 0)
         kv_budget = slots * (kv.slot_bytes(ctx or hp.n_ctx_train) + states * hp.recurrent_state_bytes(elem)
-                             + (BLOCK_ENDS_KEPT * (block_end_copy(hp, elem) + kv.block_end_bytes())
-                                if kv_persist else 0))
+                             + (BLOCK_ENDS_KEPT * kv.block_end_bytes() if kv_persist else 0))
         kv_budget += kv.window_bytes(prefill_chunk) - kv.window_bytes()  # the one slot prefilling at a time
     if limit is None:
         limit = int(device.memory * DEFAULT_FRACTION)
