@@ -36,7 +36,7 @@ from typing import Any
 
 import attrs
 
-from hf2q.engine.tp_shards import RowParallel, gather_ranges, slice_tensor
+from hf2q.engine.tp_shards import RowParallel, gather_ranges, own_experts, slice_tensor
 from hf2q.errors import InputError
 from hf2q.formats.gguf_file import GGUFFile
 from hf2q.formats.gguf_keys import ExtraKeys, Keys
@@ -295,10 +295,7 @@ class ExpertParallelMoE:
         weights = mx.take_along_axis(probs, idx, axis=-1)
         if f.normalize:
             weights = weights / weights.sum(axis=-1, keepdims=True)
-        local = idx - self.first
-        mine = (local >= 0) & (local < self.n_local)
-        local = mx.where(mine, local, 0).astype(idx.dtype)
-        weights = mx.where(mine, weights, 0.0)
+        local, weights = own_experts(idx, weights, self.first, self.n_local)
         xe = flat[:, None, None, :]
         h = silu(f.gate_exps.gather(xe, local)) * f.up_exps.gather(xe, local)  # [N, k, 1, ff]
         out = f.down_exps.gather(h, local)[:, :, 0, :]  # [N, k, hidden]
@@ -335,22 +332,20 @@ def parallelize(model, group) -> Any:
     """Make a model built from a :func:`shard_gguf` view compute the full model across ``group``.
 
     Every ``attn.o`` and dense ``ffn.down`` becomes :class:`RowParallel`; a routed MoE
-    feed-forward becomes :class:`ExpertParallelMoE` (:func:`parallelize_block`). Any other
-    feed-forward is refused rather than silently computing a wrong sum. The model keeps the group
+    feed-forward becomes :class:`ExpertParallelMoE` (:func:`parallelize_block`); a model with a
+    ``tp_parallelize(group)`` of its own does its blocks itself. Any other feed-forward is refused rather than silently computing a wrong sum. The model keeps the group
     (``tp_group``) for a block it builds later (Qwen 3.5's MTP draft head).
     """
     if group.size() == 1:
         return model
     if getattr(model, "is_embedding_model", False):
         raise InputError("tensor parallelism serves decoder (chat) models only")
-    if type(model).__name__ == "Deepseek4Model":  # its blocks' own layers (models/deepseek4_tp.py)
-        from hf2q.engine.models import deepseek4_tp
-
-        deepseek4_tp.parallelize(model, group)
-        model.tp_group = group
-        return model
-    for layer in getattr(model, "layers", None) or model.blocks:  # blocks: gemma4
-        parallelize_block(layer, group)
+    own = getattr(model, "tp_parallelize", None)  # a family whose blocks split their own way (DeepSeek-V4)
+    if own is not None:
+        own(group)
+    else:
+        for layer in getattr(model, "layers", None) or model.blocks:  # blocks: gemma4
+            parallelize_block(layer, group)
     model.tp_group = group
     return model
 

@@ -1,5 +1,6 @@
 """The cuts every tensor-parallel split is made of: a GGUF tensor sliced along one axis in its stored block
-form, and the row-parallel layer that ends a split product in one all-reduce. Apart from
+form, the row-parallel layer that ends a split product in one all-reduce, and a rank's share of a routed
+MoE's choices. Apart from
 ``tensor_parallel`` so that a family's own split (``models/deepseek4_tp.py``) uses them without importing
 the module that dispatches to it."""
 
@@ -86,3 +87,14 @@ class RowParallel:
 
     def __call__(self, x):
         return self._mx.distributed.all_sum(self.inner(x), group=self.group)
+
+
+def own_experts(idx, weights, first: int, n_local: int):
+    """A rank's share of a routed MoE's choices ``idx`` / ``weights`` ``[N, k]`` (every rank routes alike):
+    its experts ``[first, first + n_local)`` renumbered from 0, the others' weight 0 (and index 0, a valid one),
+    so the ranks' weighted sums add up to the model's."""
+    import mlx.core as mx
+
+    local = idx - first
+    mine = (local >= 0) & (local < n_local)
+    return mx.where(mine, local, 0).astype(idx.dtype), mx.where(mine, weights, 0.0)

@@ -250,6 +250,13 @@ class Deepseek4Model:
             block = Deepseek4Block(cfg, geo, companion, self.cfg.n_layers, self.dtype)
             self.mtp = Deepseek4MtpHead(companion, self, cfg, block, self.dtype)
 
+    def tp_parallelize(self, group) -> None:
+        """Over tensor-parallel ranks (``tensor_parallel.parallelize``): each block's own split, two
+        all-reduces a block (``models/deepseek4_tp.py``)."""
+        from hf2q.engine.models.deepseek4_tp import parallelize
+
+        parallelize(self, group)
+
     def new_sequence_cache(self) -> Deepseek4Cache:
         geo = self.geo
         ratios = self.cfg.compress_ratios + ([0] if self.mtp is not None else [])  # the MTP head's window layer

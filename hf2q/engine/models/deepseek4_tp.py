@@ -103,13 +103,12 @@ class ExpertShareMoE:
         return self.moe.linears()
 
     def __call__(self, x, tokens):
-        mx, moe = self._mx, self.moe
+        from hf2q.engine.tp_shards import own_experts
+
         flat = x.reshape(-1, x.shape[-1])
-        idx, weights = moe.route(flat, tokens)
-        local = idx - self.first
-        mine = (local >= 0) & (local < self.n_local)
-        y = moe.experts(flat, mx.where(mine, local, 0).astype(idx.dtype), mx.where(mine, weights, 0.0))
-        return mx.distributed.all_sum(y, group=self.group).reshape(x.shape)
+        idx, weights = self.moe.route(flat, tokens)
+        y = self.moe.experts(flat, *own_experts(idx, weights, self.first, self.n_local))
+        return self._mx.distributed.all_sum(y, group=self.group).reshape(x.shape)
 
 
 def parallelize(model, group) -> None:
