@@ -173,10 +173,8 @@ class RecurrentState:
 
     def hidden_at(self, length: int) -> mx.array | None:
         """The main model's hidden row before ``length`` (an MTP head's input there) if this still holds it."""
-        kept = self.hidden
-        if kept is not None and 0 <= length - 1 - kept[0] < kept[1].shape[0]:
-            return kept[1][length - 1 - kept[0]]
-        return (self.end_hidden or {}).get(length)
+        row = row_before(self.hidden, length)
+        return row if row is not None else (self.end_hidden or {}).get(length)
 
     def due_points(self, start: int, n_new: int) -> list[int]:
         return self.points.due(start, n_new)
@@ -209,6 +207,14 @@ class RecurrentState:
         hidden = [self.hidden[1]] if self.hidden is not None else []
         hidden += list((self.end_hidden or {}).values())
         return [a for a in self.conv + self.ssm if a is not None] + hidden
+
+
+def row_before(kept: tuple[int, mx.array] | None, position: int) -> mx.array | None:
+    """The row of position ``position − 1`` in ``kept`` (the position of its first row, rows ``[n, …]``: the
+    hidden rows the last forward left for an MTP head), None where it holds none."""
+    if kept is None or position < 1 or not 0 <= position - 1 - kept[0] < kept[1].shape[0]:
+        return None
+    return kept[1][position - 1 - kept[0]]
 
 
 class SlidingWindow:

@@ -34,7 +34,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from hf2q.engine.kv_cache import ForwardBatch
+from hf2q.engine.kv_cache import ForwardBatch, row_before
 from hf2q.engine.layers import Linear, float_array
 from hf2q.engine.models.deepseek4_cache import LayerState, Rows
 from hf2q.engine.models.deepseek4_hc import HyperHead
@@ -175,8 +175,5 @@ def previous_hidden(seq, position: int, shape: tuple[int, int], dtype) -> mx.arr
     """The trunk's final streams ``[hc, d]`` at ``position − 1`` as the last forward left them; zeros
     where it kept none (the start of a sequence, or a return past its last forward's rows: a prefix
     reused from an earlier request)."""
-    kept = getattr(seq, "mtp_hidden", None)
-    at = position - 1
-    if kept is not None and at >= 0 and 0 <= at - kept[0] < kept[1].shape[0]:
-        return kept[1][at - kept[0]]
-    return mx.zeros(shape, dtype=dtype)
+    row = row_before(getattr(seq, "mtp_hidden", None), position)
+    return row if row is not None else mx.zeros(shape, dtype=dtype)
