@@ -333,8 +333,9 @@ def parallelize(model, group) -> Any:
 
     Every ``attn.o`` and dense ``ffn.down`` becomes :class:`RowParallel`; a routed MoE
     feed-forward becomes :class:`ExpertParallelMoE` (:func:`parallelize_block`); a model with a
-    ``tp_parallelize(group)`` of its own does its blocks itself. Any other feed-forward is refused rather than silently computing a wrong sum. The model keeps the group
-    (``tp_group``) for a block it builds later (Qwen 3.5's MTP draft head).
+    ``tp_parallelize(group)`` of its own does its blocks itself. Any other feed-forward is refused
+    rather than silently computing a wrong sum. The model keeps the group (``tp_group``) for a block
+    it builds later (Qwen 3.5's MTP draft head).
     """
     if group.size() == 1:
         return model

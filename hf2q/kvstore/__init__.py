@@ -12,7 +12,7 @@ Runtime integration (stable API)::
     store.recovery                                       # RecoveryReport (log it, export it)
     async with open_kv_writer(store, capacity=8) as writer:   # hf2q.actors.kv_writer
         # hydrate: when the disk holds more of the prompt than the chosen slot
-        seq.keep_block_ends(BLOCK_TOKENS)                # a hybrid / DeepSeek-V4 / windowed cache: capture block-end state
+        seq.keep_block_ends(BLOCK_TOKENS)                # a hybrid / V4 / windowed cache: capture end states
         plan = plan_restore(store, tokens, slot_cached,  # cheap, index only; None = nothing to do
                             seq.published_points, seq.persist_kind)  # (None, "" for plain K/V)
         seq.trim(plan.keep_tokens)                       # on the GPU thread

@@ -15,8 +15,9 @@ every version-1 store stays readable. A version goes with its payload kinds only
 that is not plain per-position K/V (``cache_kind``: ``recurrent`` for a hybrid model's DeltaNet state,
 ``deepseek4`` for DeepSeek-V4's compact cache, ``window`` for a sliding-window model's) is written at
 ``STATE_FORMAT_VERSION`` (3), with ``cache_kind`` in its header and, when its end is a reuse point, the
-state that point needs as the tensors named ``state.*`` (``END_STATE_PREFIX``); a reader that predates them refuses them as
-``wrong-version`` instead of importing K/V without the state it belongs to (docs/KVSTORE.md). A hybrid
+state that point needs as the tensors named ``state.*`` (``END_STATE_PREFIX``); a reader that predates
+them refuses them as ``wrong-version`` instead of importing K/V without the state it belongs to
+(docs/KVSTORE.md). A hybrid
 sequence that feeds an MTP draft head (``recurrent-mtp``: the head's K/V layer, and the hidden row the
 head reads next as ``state.hidden``) is written at ``HEAD_FORMAT_VERSION`` (4), so a reader that knows
 version 3 only refuses it as ``wrong-version`` too; each version holds its own cache kinds only.
@@ -60,7 +61,8 @@ VERSION_PAYLOADS = {FORMAT_VERSION: PAYLOAD_KINDS, CODES_FORMAT_VERSION: (PAYLOA
                     HEAD_FORMAT_VERSION: (*PAYLOAD_KINDS, PAYLOAD_KV_CODES)}
 #: the cache kinds each format version holds ("" plain K/V): what the sequences' ``export`` produces
 VERSION_CACHE_KINDS = {FORMAT_VERSION: ("",), CODES_FORMAT_VERSION: ("",),
-                       STATE_FORMAT_VERSION: ("recurrent", "deepseek4", "window"), HEAD_FORMAT_VERSION: ("recurrent-mtp",)}
+                       STATE_FORMAT_VERSION: ("recurrent", "deepseek4", "window"),
+                       HEAD_FORMAT_VERSION: ("recurrent-mtp",)}
 #: the caches whose blocks carry a cache kind (versions 3 and 4)
 CACHE_KINDS = tuple(k for kinds in VERSION_CACHE_KINDS.values() for k in kinds if k)
 

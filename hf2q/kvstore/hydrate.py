@@ -9,9 +9,9 @@ first sampled token comes from — and only whole blocks are imported (the engin
 a block boundary recomputes its last block.
 
 A cache that is not plain per-position K/V (``points`` given: a hybrid model's recurrent state,
-DeepSeek-V4's compact cache, a sliding-window model's window layers) can only be trimmed to its reuse points, and a restore can only stop
-at a block that carries the state its end needs (``BlockMeta.has_end_state``): the slot is trimmed
-to its deepest block-aligned point within what it holds, and the blocks after it are imported up
+DeepSeek-V4's compact cache, a sliding-window model's window layers) can only be trimmed to its reuse
+points, and a restore can only stop at a block that carries the state its end needs
+(``BlockMeta.has_end_state``): the slot is trimmed to its deepest block-aligned point within what it holds, and the blocks after it are imported up
 to the deepest one with an end state (the blocks before that one give their K/V or compressed
 entries only).
 """

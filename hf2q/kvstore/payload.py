@@ -13,8 +13,9 @@ block, not the store): an 8-bit cache's export — uint8 codes and their scales
 restore gives back the very codes, whatever ``--kv-persist-payload`` says. In every case
 ``payload_dtypes`` in the header records the dtype each narrowed tensor is restored to, so
 readers get back exactly the exported dtype. A block's end state (``state.*``: a recurrent state,
-DeepSeek-V4's open compressor rows, or a sliding-window layer's last rows) is always stored losslessly: a rounded recurrent state would carry its
-error into every later token, where rounded K/V rows only touch attention over them.
+DeepSeek-V4's open compressor rows, or a sliding-window layer's last rows) is always stored losslessly:
+a rounded recurrent state would carry its error into every later token, where rounded K/V rows only
+touch attention over them.
 """
 
 from __future__ import annotations
