@@ -125,7 +125,7 @@ def start_hf2q(model: Path, slots: int, ctx: int, speculative: str, log) -> tupl
     port = free_port()
     cmd = [sys.executable, "-m", "hf2q", "serve", "--model", str(model), "--port", str(port), "--slots", str(slots),
            "--ctx", str(ctx), "--operator-ui", "plain", "--speculative", speculative]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=log, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.Popen(cmd, stdout=log, stderr=log, cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)})
     url = f"http://127.0.0.1:{port}"
     wait_http_ready(url, proc, "/readyz", 900)
     return proc, url
