@@ -127,11 +127,16 @@ def test_capture_is_off_by_default_and_follows_the_history(runner):
     assert not seq.block_ends and seq.window_nbytes <= plain.window_nbytes
 
 
-async def test_the_prefix_actor_saves_and_restores_through_the_store(runner, tmp_path):
+async def test_the_prefix_actor_saves_and_restores_through_the_store(runner, tmp_path, monkeypatch):
     """Through the KV prefix actor and the writer: a prompt's blocks saved with their end rows, then a
-    restore into a fresh sequence continues like a cold prefill split there."""
+    restore into a fresh sequence continues like a cold prefill split there. Both blocks carry rows, and
+    the window buffers are built once, from the last one's (the first's would be replaced at once)."""
+    from hf2q.engine.kv_cache import SequenceCache
     from hf2q.kvstore import BlockStore
     from tests.kvstore_support import persist_then_restore
+
+    rebuilds, put = [], SequenceCache._put_window
+    monkeypatch.setattr(SequenceCache, "_put_window", lambda self, *a: (rebuilds.append(a[0]), put(self, *a))[1])
 
     prompt = random_tokens(2 * B + 20, seed=5)
     seq, fresh = runner.new_sequence(), runner.new_sequence()
@@ -143,6 +148,7 @@ async def test_the_prefix_actor_saves_and_restores_through_the_store(runner, tmp
         assert await persist_then_restore(runner, store, seq, prompt, fresh) == 2 * B
         assert not seq.block_ends and store.stats().written == 2
         assert [(m.cache_kind, m.has_end_state) for m in store.longest_prefix(prompt)] == [("window", True)] * 2
+    assert rebuilds == [2 * B]
     got = runner.prefill(fresh, prompt[2 * B:])
     cold = runner.new_sequence()
     runner.prefill(cold, prompt[:2 * B])

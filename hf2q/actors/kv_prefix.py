@@ -134,7 +134,7 @@ class KvPrefixActor:
         """Import the blocks the store holds beyond ``msg.cached`` tokens; returns the prompt tokens
         now cached. A block that vanished or fails verification ends the restore at the blocks before it."""
         from hf2q.kvstore.fingerprint import BLOCK_TOKENS
-        from hf2q.kvstore.hydrate import plan_restore
+        from hf2q.kvstore.hydrate import end_rows_last_only, plan_restore
 
         seq = msg.seq
         keep_ends = getattr(seq, "keep_block_ends", None)
@@ -158,10 +158,12 @@ class KvPrefixActor:
         if covered <= msg.cached:
             return msg.cached
 
+        parts = end_rows_last_only([arrays for arrays, _ in blocks], getattr(seq, "persist_kind", ""))
+
         def import_blocks(runner):
             seq.trim(keep)
             try:
-                for arrays, n in blocks:
+                for arrays, (_, n) in zip(parts, blocks):
                     runner.import_kv(seq, arrays, n)
             except BaseException:
                 seq.trim(keep)  # never a half-restored slot (a block without its end state last)

@@ -313,11 +313,13 @@ class DistributedRunner:
 
     @property
     def persists_kv(self) -> bool:
-        """Plain K/V persists across ranks, and a hybrid model's blocks with every rank's recurrent state
-        share (``gather_kv``, ``gather_state``); not yet a window or DeepSeek-V4's compact cache. Read when
-        asked: the local runner's answer changes once its MTP head is on."""
+        """Plain K/V persists across ranks, a hybrid model's blocks with every rank's recurrent state share
+        (``gather_kv``, ``gather_state``), and a sliding-window model's with every rank's window rows (by KV
+        head, as the K/V); not yet DeepSeek-V4's compact cache. Read when asked: the local runner's answer
+        changes once its MTP head is on."""
         hybrid = hasattr(getattr(self.local, "model", None), "new_recurrent_state")
-        return bool(getattr(self.local, "persists_kv", True)) and (self.trims_prefix or hybrid)
+        windowed = bool(getattr(self.local, "window_layers", None))
+        return bool(getattr(self.local, "persists_kv", True)) and (self.trims_prefix or hybrid or windowed)
 
     @property
     def kv_identity(self) -> str:
@@ -510,7 +512,8 @@ class DistributedRunner:
 
     def import_kv(self, seq: ShardedSequence, arrays: dict[str, np.ndarray], n_tokens: int) -> None:
         """Each rank receives (and keeps) the KV heads it owns, and its share of a block's end state."""
-        per_rank = {r: {**head_slice(arrays, self.plans[r]), **state_share(arrays, r, self.size)}
+        heads = seq.local.kv_heads  # every rank's cache has as many heads (its own)
+        per_rank = {r: {**head_slice(arrays, r, self.size, heads), **state_share(arrays, r, self.size)}
                     for r in range(self.size)}
         self._run({"op": "import", "seq": seq.seq_id, "n": int(n_tokens)},
                   lambda: self.local.import_kv(seq.local, per_rank[0], n_tokens), per_rank=per_rank)
@@ -531,10 +534,30 @@ class DistributedRunner:
         self._control.close()
 
 
-def head_slice(arrays: dict[str, np.ndarray], plan) -> dict[str, np.ndarray]:
-    """The KV heads ``plan`` owns out of full-model ``k.{i}`` / ``v.{i}`` arrays ``[kv_heads, n, d]``."""
-    a, b = plan.kv_start, plan.kv_start + plan.kv_count
-    return {k: np.ascontiguousarray(v[a:b]) for k, v in arrays.items() if not k.startswith(END_STATE_PREFIX)}
+#: end-state tensors whose rows are KV heads, like the K/V's: a window layer's last rows ``state.k.{i}`` /
+#: ``state.v.{i}`` ``[kv_heads, rows, head_dim]`` (an 8-bit cache's codes and their ``.scales``)
+HEAD_STATES = ("k", "v")
+
+
+def _by_head(name: str) -> bool:
+    return not name.startswith(END_STATE_PREFIX) or name[len(END_STATE_PREFIX):].split(".", 1)[0] in HEAD_STATES
+
+
+def head_slice(arrays: dict[str, np.ndarray], rank: int, size: int, heads: int) -> dict[str, np.ndarray]:
+    """Rank ``rank``'s ``heads`` cache heads out of gathered ``k.{i}`` / ``v.{i}`` (and window rows)
+    ``[groups · heads, n, d]``: :func:`gather_kv` laid out each group of ranks that hold the same heads once,
+    in rank order, so ``groups`` is ``size`` / the KV heads' replicas."""
+    out = {}
+    for k, v in arrays.items():
+        if not _by_head(k):
+            continue
+        groups = len(v) // heads
+        if len(v) % heads or not groups or size % groups:
+            raise ValueError(f"KV block part {k!r} has {len(v)} heads, not a share of {heads} for each of "
+                             f"{size} ranks")
+        at = rank // (size // groups) * heads
+        out[k] = np.ascontiguousarray(v[at:at + heads])
+    return out
 
 
 #: the axis of each end-state tensor (``state.{kind}.{layer}``) along which the ranks' shares lie side by
@@ -552,7 +575,7 @@ def state_share(arrays: dict[str, np.ndarray], rank: int, size: int) -> dict[str
     rank order, equal parts, so a block of a ``size``-rank group restores to one of the same split)."""
     out = {}
     for name, a in arrays.items():
-        if name.startswith(END_STATE_PREFIX):
+        if not _by_head(name):
             axis = _share_axis(name)
             out[name] = a if axis is None else np.ascontiguousarray(np.split(a, size, axis=axis)[rank])
     return out
@@ -565,8 +588,7 @@ def gather_state(mine: dict[str, np.ndarray], group) -> dict[str, np.ndarray]:
     store keys a group's blocks by its size (``kv_identity``)."""
     import mlx.core as mx
 
-    held = np.array(mx.distributed.all_gather(mx.array([int(bool(mine))], dtype=mx.int32), group=group))
-    if not held.all():
+    if not held_by_every_rank(mine, group):
         return {}
     names = sorted(mine)
     packed = np.concatenate([np.ascontiguousarray(mine[k]).reshape(-1).view(np.uint8) for k in names])
@@ -581,27 +603,42 @@ def gather_state(mine: dict[str, np.ndarray], group) -> dict[str, np.ndarray]:
     return out
 
 
+def held_by_every_rank(mine: dict, group) -> bool:
+    """Collective: whether every rank holds an end state for this block (``mine`` not empty on each)."""
+    import mlx.core as mx
+
+    return bool(np.array(mx.distributed.all_gather(mx.array([int(bool(mine))], dtype=mx.int32), group=group)).all())
+
+
 def gather_kv(local, seq, start: int, end: int, group, plan) -> dict[str, np.ndarray]:
     """Collective: this rank's exported heads, all-gathered into full-model arrays (every rank gets them),
+    with a sliding-window sequence's window rows at the block end (by head, when every rank holds them),
     and for a hybrid sequence the block's end state (:func:`gather_state`)."""
     import mlx.core as mx
 
     mine = local.export_kv(seq, start, end)
     state = {k: mine.pop(k) for k in [k for k in mine if k.startswith(END_STATE_PREFIX)]}
+    kind = getattr(seq, "persist_kind", "")  # every rank's sequence alike: the same collectives on each
+    if kind == "window" and held_by_every_rank(state, group):
+        mine.update(state)
     names = sorted(mine)
-    # one collective whatever the arrays' widths and dtypes (an 8-bit cache's codes and scales): each
-    # KV head's bytes of every array side by side
+    if not names:  # a model of window layers only, at a block end whose rows are gone (on every rank)
+        return {}
+    # one collective whatever the arrays' widths and dtypes (an 8-bit cache's codes and scales, a window's
+    # rows): each KV head's bytes of every array side by side
     packed = np.concatenate([np.ascontiguousarray(mine[k]).reshape(len(mine[k]), -1).view(np.uint8)
                              for k in names], axis=1)  # [kv_local, bytes]
-    full = np.array(mx.distributed.all_gather(mx.array(packed), group=group))
-    full = full[:: plan.kv_replicas]  # replicated KV heads appear once
+    full = np.array(mx.distributed.all_gather(mx.array(packed), group=group))  # [ranks · kv_local, bytes]
+    # the ranks that replicate a KV head appear once (a rank's heads stay together: a gemma4 cache head
+    # is a piece of a KV head)
+    full = full.reshape(-1, *packed.shape)[:: plan.kv_replicas].reshape(-1, packed.shape[1])
     out, at = {}, 0
     for k in names:
         a = mine[k]
         n = a[:1].nbytes
         out[k] = np.ascontiguousarray(full[:, at:at + n]).view(a.dtype).reshape(len(full), *a.shape[1:])
         at += n
-    if getattr(seq, "persist_kind", ""):  # every rank's sequence alike: the same collectives on each
+    if kind and kind != "window":
         out.update(gather_state(state, group))
     return out
 

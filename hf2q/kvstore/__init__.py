@@ -16,8 +16,8 @@ Runtime integration (stable API)::
         plan = plan_restore(store, tokens, slot_cached,  # cheap, index only; None = nothing to do
                             seq.published_points, seq.persist_kind)  # (None, "" for plain K/V)
         seq.trim(plan.keep_tokens)                       # on the GPU thread
-        for imp in plan.imports:
-            arrays = store.read(imp.meta)                # blocking, verified; BlockUnavailable → stop there
+        blocks = [store.read(imp.meta) for imp in plan.imports]  # blocking, verified; BlockUnavailable → stop
+        for arrays, imp in zip(end_rows_last_only(blocks, seq.persist_kind), plan.imports):  # window rows once
             runner.import_kv(seq, arrays, imp.n_tokens)  # on the GPU thread
         # report plan.cached_tokens (minus any blocks that failed to read) as cached_tokens
         # persist: after prefill, for blocks not yet on disk
@@ -34,14 +34,14 @@ involved) or before the event loop starts.
 
 from hf2q.kvstore.blockfile import FORMAT_VERSION, BlockFileError, BlockMeta
 from hf2q.kvstore.fingerprint import BLOCK_TOKENS, block_hashes, model_fingerprint
-from hf2q.kvstore.hydrate import BlockImport, RestorePlan, plan_restore
+from hf2q.kvstore.hydrate import BlockImport, RestorePlan, end_rows_last_only, plan_restore
 from hf2q.kvstore.recovery import RecoveryReport
 from hf2q.kvstore.store import BlockSpan, BlockStore, BlockUnavailable, KVBlock, StoreStats
 
 __all__ = [
     "BLOCK_TOKENS", "FORMAT_VERSION", "BlockFileError", "BlockImport", "BlockMeta", "BlockSpan", "BlockStore",
     "BlockUnavailable", "KVBlock", "RecoveryReport", "RestorePlan", "StoreStats", "block_hashes",
-    "model_fingerprint", "open_kv_writer", "plan_restore",
+    "model_fingerprint", "open_kv_writer", "plan_restore", "end_rows_last_only",
 ]
 
 

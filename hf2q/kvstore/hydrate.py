@@ -13,7 +13,9 @@ DeepSeek-V4's compact cache, a sliding-window model's window layers) can only be
 points, and a restore can only stop at a block that carries the state its end needs
 (``BlockMeta.has_end_state``): the slot is trimmed to its deepest block-aligned point within what it holds, and the blocks after it are imported up
 to the deepest one with an end state (the blocks before that one give their K/V or compressed
-entries only).
+entries only). A sliding-window model's window rows serve only at the block the restore stops at
+(each import of rows rebuilds the window buffers, and the next one replaces them): the blocks before it
+are imported without theirs (:func:`end_rows_last_only`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Sequence
 
 import attrs
 
+from hf2q.engine.kv_layout import END_STATE_PREFIX
 from hf2q.kvstore.blockfile import BlockMeta
 from hf2q.kvstore.fingerprint import BLOCK_TOKENS
 
@@ -78,3 +81,14 @@ def plan_restore(store, prompt: Sequence[int], slot_cached: int = 0, points: Seq
         return None
     return plan
 
+
+
+def end_rows_last_only(blocks: Sequence[dict], cache_kind: str) -> list[dict]:
+    """The arrays of the blocks a restore imports, in order, a ``window`` sequence's without the window
+    rows (``state.*``) but the last block's: only the last end's rows become the window buffers. A hybrid's
+    or a compact cache's end states are kept (each is a reuse point of the restored sequence)."""
+    if cache_kind != "window":
+        return list(blocks)
+    last = len(blocks) - 1
+    return [b if i == last else {k: v for k, v in b.items() if not k.startswith(END_STATE_PREFIX)}
+            for i, b in enumerate(blocks)]
