@@ -188,7 +188,9 @@ class RecurrentState:
     def hidden_at(self, length: int) -> mx.array | None:
         """The main model's hidden row before ``length`` (an MTP head's input there) if this still holds it."""
         row = row_before(self.hidden, length)
-        return row if row is not None or length not in self.block_ends else self.block_ends[length].hidden
+        if row is None and length in self.block_ends:
+            row = self.block_ends[length].hidden
+        return row
 
     def due_points(self, start: int, n_new: int) -> list[int]:
         return self.points.due(start, n_new)
@@ -604,7 +606,7 @@ class SequenceCache:
 
     def forget_block_ends(self, keep) -> None:
         """Let go of the captured block ends whose length is not in ``keep`` (their blocks are on disk)."""
-        ends = self.block_ends
+        ends = self.block_ends  # the recurrent state's or the window's
         for n in [n for n in ends if n not in keep]:
             del ends[n]
 
