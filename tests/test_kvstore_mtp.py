@@ -65,7 +65,7 @@ def test_restored_sequence_drafts_and_continues_like_a_cold_one(runner, served, 
     prompt, blocks = served
     tail = random_tokens(30, seed=4)
     text = prompt[:BLOCKS * B] + tail
-    # through the store, as a restarted server reads them: version 4, cache kind recurrent-mtp
+    # through the store, as a restarted server reads them: version 3, cache kind recurrent-mtp
     with BlockStore.open(tmp_path / "kv", "mtp-fingerprint") as store:
         for span, arrays in zip(store.spans(text), blocks):
             store.write(KVBlock.from_span(span, text, arrays, "recurrent-mtp"))

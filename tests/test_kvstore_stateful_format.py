@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from hf2q.kvstore import BLOCK_TOKENS, BlockStore, KVBlock, plan_restore
 from hf2q.kvstore.blockfile import (CACHE_KINDS, FORMAT_VERSION, HEAD_FORMAT_VERSION, PAYLOAD_KINDS,
-                                    STATE_FORMAT_VERSION, BlockFileError, encode_block_bytes, read_block, read_meta)
+                                    STATE_FORMAT_VERSION, BlockFileError, _version, encode_block_bytes, read_block,
+                                    read_meta)
 from hf2q.kvstore.fingerprint import ROOT_PARENT, chain_hash
 from hf2q.kvstore.payload import block_kind, decode_payload, encode_payload
 
@@ -57,8 +58,7 @@ def test_payload_round_trip_keeps_the_end_state_bit_for_bit(tmp_path, seed, n_to
     arrays = _arrays(rng, n_tokens, narrow, with_state)
     meta, got = _round_trip(tmp_path, arrays, kind, cache_kind)
     assert meta.cache_kind == cache_kind and meta.has_end_state == with_state
-    version = HEAD_FORMAT_VERSION if cache_kind == "recurrent-mtp" else STATE_FORMAT_VERSION
-    assert _header(meta.path)["__metadata__"]["format_version"] == str(version)
+    assert _header(meta.path)["__metadata__"]["format_version"] == str(STATE_FORMAT_VERSION)  # every cache kind
     assert got.keys() == arrays.keys()
     for name, want in arrays.items():
         assert got[name].dtype == want.dtype and got[name].shape == want.shape
@@ -120,10 +120,24 @@ def test_header_says_the_cache_kind_and_the_version_rule_holds(tmp_path):
     with pytest.raises(BlockFileError) as e:
         read_meta(rewritten(plain.path, cache_kind="recurrent"))  # a state claimed by a version-1 block
     assert e.value.reason == "unknown-payload"
-    for version, kind in (("3", "recurrent-mtp"), ("4", "recurrent"), ("4", None)):  # each version its own kinds
+    for version, kind in (("3", "mamba"), ("4", "recurrent"), ("4", None)):  # each version its own kinds
         with pytest.raises(BlockFileError) as e:
             read_meta(rewritten(stateful.path, format_version=version, cache_kind=kind))
         assert e.value.reason == "unknown-payload", (version, kind)
+    # an MTP head's block written at version 4 before that kind joined version 3 still reads
+    old = read_meta(rewritten(stateful.path, format_version=str(HEAD_FORMAT_VERSION), cache_kind="recurrent-mtp"))
+    assert (old.cache_kind, old.has_end_state, old.token_ids) == ("recurrent-mtp", True, stateful.token_ids)
+
+
+def test_a_block_of_an_unknown_cache_kind_is_refused_with_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="unknown cache kind 'mamba'"):
+        _version("kv", "mamba")
+    tokens = _tokens(1)
+    with BlockStore.open(tmp_path / "kv", FP) as store:
+        with pytest.raises(ValueError, match="unknown cache kind 'mamba'"):
+            _store_block(store, tokens, 0, _arrays(np.random.default_rng(3), BLOCK_TOKENS, True, True), "mamba")
+        assert not store.contains(store.spans(tokens)[0].block_hash)
+    assert not list((tmp_path / "kv").rglob("*.safetensors*"))  # no block and no temp file left behind
 
 
 def test_restore_plan_stops_at_the_deepest_block_with_an_end_state(tmp_path):

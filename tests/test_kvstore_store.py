@@ -114,6 +114,35 @@ def test_recovery_quarantines_bad_blocks_and_removes_dead_temps(tmp_path):
             verify_file(p)
 
 
+def test_recovery_starting_while_a_temp_is_created_leaves_it_to_its_writer(tmp_path, monkeypatch):
+    """Another process's start-up recovery that runs between a writer creating its temp and locking it must
+    not take the temp for a dead writer's (two servers sharing a directory, one starting up)."""
+    import threading
+
+    from hf2q.kvstore import store as store_module
+    from hf2q.kvstore.recovery import recover
+
+    toks = prompt(4, 1)
+    real_open, other = os.open, []
+
+    def open_then_recover(path, flags, *mode):
+        fd = real_open(path, flags, *mode)
+        if str(path).endswith(".tmp") and not other:  # the temp exists; its writer has not locked it yet
+            other.append(threading.Thread(target=lambda: other.append(recover(tmp_path, FP)[1])))
+            other[0].start()
+            other[0].join(0.5)  # a recovery free to run is done well within this
+        return fd
+
+    with BlockStore.open(tmp_path, FP) as store:
+        monkeypatch.setattr(store_module.os, "open", open_then_recover)
+        metas = fill(store, toks)  # FileNotFoundError at the rename when recovery removed the temp
+        monkeypatch.undo()
+        other[0].join(10)
+        assert not other[0].is_alive() and other[1].temps_in_use == 1 and other[1].temps_removed == 0
+        assert [m.block_hash for m in store.longest_prefix(toks)] == [metas[0].block_hash]
+        verify_file(metas[0].path)
+
+
 def test_corruption_after_start_is_caught_on_read(tmp_path):
     toks = prompt(4, 2)
     with BlockStore.open(tmp_path, FP) as store:

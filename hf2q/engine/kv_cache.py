@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -66,6 +66,16 @@ class PrefixNotReusable(ValueError):
 
 
 
+
+
+class BlockEnd(NamedTuple):
+    """What a recurrent sequence keeps at a captured block end until that block is exported: the state there
+    and, for a sequence that feeds an MTP draft head, the main model's final-normed hidden row before the
+    end, which the head pairs with the block's next token (``qwen35_mtp``); None for a sequence without."""
+
+    conv: list
+    ssm: list
+    hidden: mx.array | None = None
 
 
 class RecurrentState:
@@ -104,12 +114,14 @@ class RecurrentState:
         self.hidden: tuple[int, mx.array] | None = None
         #: the persistent store's block size (``SequenceCache.keep_block_ends``), None when off
         self.block_tokens: int | None = None
-        #: length → (conv, ssm) at the prompt block ends reached and not exported yet
-        self.block_ends: dict[int, tuple[list, list]] = {}
-        #: a sequence that feeds an MTP draft head (``MlxModelRunner.new_sequence``): length → the main
-        #: model's final-normed hidden row before that captured block end, which the head pairs with the
-        #: block's next token (``qwen35_mtp``); None for a sequence without a head
-        self.end_hidden: dict[int, mx.array] | None = None
+        #: length → what the prompt block ends reached and not exported yet keep (:class:`BlockEnd`)
+        self.block_ends: dict[int, BlockEnd] = {}
+        #: a sequence that feeds an MTP draft head (``MlxModelRunner.new_sequence``): its block ends keep
+        #: the head's input row too, and its blocks are ``recurrent-mtp``
+        self.feeds_head = False
+        #: ``(first position, rows)``: every hidden row of the prompt forward in progress (the head's
+        #: ``store``), which its block-end captures take their row from; None outside such a forward
+        self.prompt_rows: tuple[int, mx.array] | None = None
 
     @property
     def state_nbytes(self) -> int:
@@ -145,36 +157,40 @@ class RecurrentState:
         self.hidden = None
         self.points.clear()
         self.block_ends.clear()
-        if self.end_hidden is not None:
-            self.end_hidden.clear()
+        self.prompt_rows = None
 
     def _drop_after(self, length: int) -> None:
         self.points.drop_after(length)
-        for held in (self.block_ends, self.end_hidden or {}):
-            for n in [n for n in held if n > length]:
-                del held[n]
+        for n in [n for n in self.block_ends if n > length]:
+            del self.block_ends[n]
 
     def add_point(self, length: int, conv: list, ssm: list, prompt: bool = False) -> None:
         """Keep the state at ``length`` as a reuse point (the oldest beyond ``keep`` is dropped); a
-        ``prompt`` forward's point at a block end is also captured for the persistent store."""
+        ``prompt`` forward's point at a block end is also captured for the persistent store (with the head's
+        input row there, copied out of the forward's rows)."""
         self.points.add(length, (list(conv), list(ssm)))
         if prompt and self.block_tokens and length % self.block_tokens == 0:
-            self.block_ends[length] = (list(conv), list(ssm))
+            hidden = row_before(self.prompt_rows, length) if self.feeds_head else None
+            if hidden is not None:
+                hidden = hidden + mx.zeros((), dtype=hidden.dtype)  # a copy, not a view of the forward's rows
+                mx.eval(hidden)
+            self.block_ends[length] = BlockEnd(list(conv), list(ssm), hidden)
             keep_newest(self.block_ends, BLOCK_ENDS_KEPT)
 
     def state_at(self, length: int, current: int) -> tuple[list, list] | None:
         """(conv, ssm) at ``length`` if this still holds it (``current`` is the sequence's length)."""
         if length == current:
             return self.conv, self.ssm
-        for held in (self.block_ends, self.points):
-            if length in held:
-                return held[length]
-        return None
+        if length in self.block_ends:
+            return self.block_ends[length][:2]
+        return self.points[length] if length in self.points else None
 
     def hidden_at(self, length: int) -> mx.array | None:
         """The main model's hidden row before ``length`` (an MTP head's input there) if this still holds it."""
         row = row_before(self.hidden, length)
-        return row if row is not None else (self.end_hidden or {}).get(length)
+        if row is None and length in self.block_ends:
+            row = self.block_ends[length].hidden
+        return row
 
     def due_points(self, start: int, n_new: int) -> list[int]:
         return self.points.due(start, n_new)
@@ -205,7 +221,6 @@ class RecurrentState:
 
     def arrays(self) -> list[mx.array]:
         hidden = [self.hidden[1]] if self.hidden is not None else []
-        hidden += list((self.end_hidden or {}).values())
         return [a for a in self.conv + self.ssm if a is not None] + hidden
 
 
@@ -571,7 +586,7 @@ class SequenceCache:
         also an MTP head's K/V layer and, at those ends, the hidden row the head reads next; ``window`` the
         full-attention layers' K/V plus, at captured block ends, the window layers' rows there."""
         if self.recurrent is not None:
-            return "recurrent" if self.recurrent.end_hidden is None else "recurrent-mtp"
+            return "recurrent-mtp" if self.recurrent.feeds_head else "recurrent"
         return "window" if self.window is not None else ""
 
     def keep_block_ends(self, block_tokens: int) -> None:
@@ -591,9 +606,9 @@ class SequenceCache:
 
     def forget_block_ends(self, keep) -> None:
         """Let go of the captured block ends whose length is not in ``keep`` (their blocks are on disk)."""
-        for ends in (self.block_ends, (self.recurrent.end_hidden if self.recurrent is not None else None) or {}):
-            for n in [n for n in ends if n not in keep]:
-                del ends[n]
+        ends = self.block_ends  # the recurrent state's or the window's
+        for n in [n for n in ends if n not in keep]:
+            del ends[n]
 
     def _refuse_transfer(self, what: str, start: int, end: int) -> None:
         rec = self.recurrent
@@ -615,16 +630,15 @@ class SequenceCache:
             self._export_window_end(end, out)
         rec = self.recurrent
         state = None if rec is None else rec.state_at(end, self._length)
-        hidden = None if rec is None or rec.end_hidden is None else rec.hidden_at(end)
+        hidden = rec.hidden_at(end) if rec is not None and rec.feeds_head else None
         if state is not None and all(a is not None for a in (*state[0], *state[1])) \
-                and (hidden is not None or rec.end_hidden is None):  # a head's sequence: all of its end or none
+                and (hidden is not None or not rec.feeds_head):  # a head's sequence: all of its end or none
             for j, (conv, ssm) in enumerate(zip(*state)):
                 out[f"{END_STATE_PREFIX}conv.{j}"] = np.array(conv.astype(mx.float32))
                 out[f"{END_STATE_PREFIX}ssm.{j}"] = np.array(ssm.astype(mx.float32))
             if hidden is not None:
                 out[HIDDEN_STATE] = np.array(hidden.astype(mx.float32))
             rec.block_ends.pop(end, None)
-            (rec.end_hidden or {}).pop(end, None)
         return out
 
     def _host_rows(self, name: str, part) -> dict[str, np.ndarray]:
@@ -735,7 +749,7 @@ class SequenceCache:
         if not has_end_state(arrays):
             return None
         hidden = None
-        if rec.end_hidden is not None:
+        if rec.feeds_head:
             row = arrays.get(HIDDEN_STATE)
             if row is None or np.ndim(row) != 1:
                 raise ValueError(f"KV block part {HIDDEN_STATE!r} has shape {None if row is None else np.shape(row)}, "
@@ -1092,6 +1106,7 @@ class ForwardBatch:
                     rec.conv[layer], rec.ssm[layer] = conv[b], ssm[b]
                 if rec.points.ends_at(c.length + self.n_new, self.n_new, self.end_point):
                     rec.add_point(c.length + self.n_new, rec.conv, rec.ssm, prompt=self.n_new > 1 and self.end_point)
+                rec.prompt_rows = None  # the block ends it reached took their rows
             if c.window is not None:
                 c.add_window_points(c.length, self.n_new, self.end_point)
             c.advance(self.n_new)

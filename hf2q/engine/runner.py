@@ -240,7 +240,7 @@ class MlxModelRunner:
         recurrent = self.model.new_recurrent_state() if hasattr(self.model, "new_recurrent_state") else None
         window = SlidingWindow(*self.window_layers) if self.window_layers else None
         if recurrent is not None and self.drafts:  # its persisted block ends carry the head's input row
-            recurrent.end_hidden = {}
+            recurrent.feeds_head = True
         return SequenceCache(n_layers, kv_heads, head_dim, self.dtype, recurrent=recurrent, window=window,
                              codec=self.kv_codec)
 

@@ -17,10 +17,12 @@ that is not plain per-position K/V (``cache_kind``: ``recurrent`` for a hybrid m
 ``STATE_FORMAT_VERSION`` (3), with ``cache_kind`` in its header and, when its end is a reuse point, the
 state that point needs as the tensors named ``state.*`` (``END_STATE_PREFIX``); a reader that predates
 them refuses them as ``wrong-version`` instead of importing K/V without the state it belongs to
-(docs/KVSTORE.md). A hybrid
-sequence that feeds an MTP draft head (``recurrent-mtp``: the head's K/V layer, and the hidden row the
-head reads next as ``state.hidden``) is written at ``HEAD_FORMAT_VERSION`` (4), so a reader that knows
-version 3 only refuses it as ``wrong-version`` too; each version holds its own cache kinds only.
+(docs/KVSTORE.md). A hybrid sequence that feeds an MTP draft head (``recurrent-mtp``: the head's K/V
+layer, and the hidden row the head reads next as ``state.hidden``) is a version-3 cache kind like the
+others: a reader that predates a cache kind refuses it at version 3 already (``unknown-payload``), and
+the engine identity's ``-mtp`` keeps its blocks under a fingerprint of their own. Its blocks written at
+``HEAD_FORMAT_VERSION`` (4) stay readable; nothing writes that version any more. Each version holds its
+own cache kinds only.
 
 Everything here is pure byte work with no locking or directory policy, so recovery,
 the store, the CLI and tests share one parser. Any defect raises ``BlockFileError`` with a
@@ -61,10 +63,10 @@ VERSION_PAYLOADS = {FORMAT_VERSION: PAYLOAD_KINDS, CODES_FORMAT_VERSION: (PAYLOA
                     HEAD_FORMAT_VERSION: (*PAYLOAD_KINDS, PAYLOAD_KV_CODES)}
 #: the cache kinds each format version holds ("" plain K/V): what the sequences' ``export`` produces
 VERSION_CACHE_KINDS = {FORMAT_VERSION: ("",), CODES_FORMAT_VERSION: ("",),
-                       STATE_FORMAT_VERSION: ("recurrent", "deepseek4", "window"),
-                       HEAD_FORMAT_VERSION: ("recurrent-mtp",)}
-#: the caches whose blocks carry a cache kind (versions 3 and 4)
-CACHE_KINDS = tuple(k for kinds in VERSION_CACHE_KINDS.values() for k in kinds if k)
+                       STATE_FORMAT_VERSION: ("recurrent", "recurrent-mtp", "deepseek4", "window"),
+                       HEAD_FORMAT_VERSION: ("recurrent-mtp",)}  # read only: recurrent-mtp blocks once written at 4
+#: the caches whose blocks carry a cache kind (written at version 3)
+CACHE_KINDS = VERSION_CACHE_KINDS[STATE_FORMAT_VERSION]
 
 _MAX_HEADER = 1 << 20
 
@@ -109,7 +111,7 @@ class BlockMeta:
     file_bytes: int
     path: Path = attrs.field(eq=False)
     payload_dtypes: Mapping[str, str] = attrs.field(factory=dict, repr=False)  # kv-q8: original dtypes
-    cache_kind: str = ""  # "" for plain K/V (versions 1 and 2), else one of CACHE_KINDS (versions 3 and 4)
+    cache_kind: str = ""  # "" for plain K/V (versions 1 and 2), else one of CACHE_KINDS (version 3; 4 read)
 
     @property
     def token_count(self) -> int:
@@ -145,8 +147,7 @@ def encode_block(*, block_hash: str, parent_hash: str, fingerprint: str, token_i
     names = sorted(arrays)
     if not names:
         raise ValueError("a KV block needs at least one tensor")
-    if cache_kind and cache_kind not in CACHE_KINDS:
-        raise ValueError(f"unknown cache kind {cache_kind!r}")
+    version = _version(payload_kind, cache_kind)
     parts: list[memoryview] = []
     entries: dict[str, dict] = {}
     summary: dict[str, list] = {}
@@ -172,7 +173,7 @@ def encode_block(*, block_hash: str, parent_hash: str, fingerprint: str, token_i
         offset += view.nbytes
     metadata = {
         "format": FORMAT_NAME,
-        "format_version": str(_version(payload_kind, cache_kind)),
+        "format_version": str(version),
         "fingerprint": fingerprint,
         "block_hash": block_hash,
         "parent_hash": parent_hash,
@@ -193,8 +194,12 @@ def encode_block(*, block_hash: str, parent_hash: str, fingerprint: str, token_i
 
 
 def _version(payload_kind: str, cache_kind: str) -> int:
+    """The version a block is written at; ``ValueError`` (the store refuses the block) for a cache kind
+    no version holds."""
     if cache_kind:
-        return next(v for v, kinds in VERSION_CACHE_KINDS.items() if cache_kind in kinds)
+        if cache_kind not in CACHE_KINDS:
+            raise ValueError(f"unknown cache kind {cache_kind!r}")
+        return STATE_FORMAT_VERSION
     return CODES_FORMAT_VERSION if payload_kind == PAYLOAD_KV_CODES else FORMAT_VERSION
 
 

@@ -6,7 +6,8 @@ Three locks, all ``flock`` (released by the kernel when a process dies, even by
 * ``DIR/.lock`` — every open store holds it *shared* for its lifetime; ``hf2q cache
   clear`` needs it *exclusive*, so it refuses to wipe a directory a server is using.
 * ``DIR/.recovery.lock`` — held *exclusive* while a store runs start-up recovery, so two
-  servers starting together do not quarantine or delete under each other.
+  servers starting together do not quarantine or delete under each other; a writer holds it
+  *shared* while it creates and locks a temp, so recovery never sees a live writer's temp unlocked.
 * each temp file — its writer holds it *exclusive* until the rename; recovery removes a
   temp only if it can take that lock, i.e. its writer is gone.
 """

@@ -36,7 +36,7 @@ from hf2q.kvstore import payload
 from hf2q.kvstore.blockfile import (PAYLOAD_KINDS, PAYLOAD_KV, BlockFileError, BlockMeta, block_file_name,
                                     encode_block, parse_header, read_block, read_meta)
 from hf2q.kvstore.fingerprint import BLOCK_TOKENS, ROOT_PARENT, block_hashes, chain_hash
-from hf2q.kvstore.locks import USE_LOCK, FileLock
+from hf2q.kvstore.locks import RECOVERY_LOCK, USE_LOCK, FileLock
 from hf2q.kvstore.recovery import BLOCKS_DIR, RecoveryReport, quarantine, recover
 
 log = logging.getLogger("hf2q.kvstore")
@@ -271,9 +271,12 @@ class BlockStore:
                                      cache_kind=block.cache_kind)
         final = self.blocks_dir / block_file_name(block.block_hash)
         tmp = self.blocks_dir / f".{block.block_hash}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        # created and locked under recovery's lock, shared: recovery in another process leaves a locked temp
+        # alone, and never finds this one between its creation and its lock (it would take it for a dead one)
+        with FileLock(self.root / RECOVERY_LOCK, exclusive=False):
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # recovery in another process leaves a locked temp alone
             for chunk in (prefix, *parts):
                 view = memoryview(chunk)
                 while view:

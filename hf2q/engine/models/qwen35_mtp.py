@@ -23,8 +23,9 @@ stands in for the main model's hidden row at the next position; k drafts take k 
 the head alone, one lazy graph whose tokens never leave the device until the last. Their K/V rows go
 into the head's cache layer past the sequence's length, in place and in the cache's storage (float or
 8-bit), where the verify forward writes the real ones over them.
-For the persistent KV store a prompt's forward also keeps the hidden row before each block end it reaches,
-which that block's export carries (``state.hidden``), so a restored sequence's head continues as a cold one's.
+For the persistent KV store a prompt's forward also hands its hidden rows to the sequence's recurrent state,
+whose block-end capture keeps the row before each block end it reaches (``kv_cache.BlockEnd``); that block's
+export carries it (``state.hidden``), so a restored sequence's head continues as a cold one's.
 Drafts are the head's greedy tokens: the acceptance rule (``speculative.accept_draft``) keeps the
 target's distribution for any deterministic draft.
 """
@@ -37,7 +38,6 @@ import numpy as np
 from hf2q.engine.kv_cache import ForwardBatch, SequenceCache
 from hf2q.engine.layers import Linear, rms_norm
 from hf2q.engine.models.decoder import DecoderConfig, _norm
-from hf2q.engine.recurrent_policy import block_ends_reached
 from hf2q.formats.gguf_file import GGUFFile
 
 
@@ -97,8 +97,8 @@ class MtpHead:
         kept = rows if not fb.end_point else rows[:, -2:]
         for b, (c, off) in enumerate(zip(fb.caches, fb.offsets)):
             c.recurrent.hidden = (off - 1 if not fb.end_point else off + T - 2, kept[b])
-            if fb.end_point and T > 1:  # a prompt's forward: the rows its persisted blocks' ends need
-                _keep_block_end_rows(c.recurrent, off, rows[b])
+            if fb.end_point and T > 1:  # a prompt's forward: its block-end captures take their rows from these
+                c.recurrent.prompt_rows = (off - 1, rows[b])
 
     # ---- drafting -------------------------------------------------------------------------
 
@@ -157,19 +157,6 @@ class MtpHead:
 def _rows(take, buf):
     """``take`` applied to a cache layer's buffer: the array, or each plane of an 8-bit one (codes, scales)."""
     return tuple(take(a) for a in buf) if isinstance(buf, tuple) else take(buf)
-
-
-def _keep_block_end_rows(rec, off: int, rows: mx.array) -> None:
-    """Keep, for the persistent store, the hidden row before each block end of a prompt forward from
-    ``off`` (``rows [T + 1, d]``: positions ``off − 1 …``), while the forward has it: the block exported
-    later carries it (``kv_cache.SequenceCache.export``). Rows of ends no longer captured are let go of."""
-    ends, step = rec.end_hidden, rec.block_tokens
-    if ends is None or not step:
-        return
-    for n in [n for n in ends if n not in rec.block_ends]:
-        del ends[n]
-    for n in block_ends_reached(off, rows.shape[0] - 1, step):
-        ends[n] = rows[n - off] + mx.zeros((), dtype=rows.dtype)  # a copy, not a view of the forward's rows
 
 
 def previous_hidden(seq: SequenceCache, position: int, width: int, dtype) -> mx.array:
