@@ -18,6 +18,10 @@
      clients (``bench/serve.py``).
 
 The JSON is rewritten after every part, so a run cut short still leaves what it measured.
+
+``--fused-proj both`` runs hf2q's parts twice per file, with the load-time fusion of q|k|v and gate|up off and on
+(keys ``engine@fused-off``, ``engine@fused-on``, …, and each load's seconds), llama.cpp once: the same-run comparison
+that decides fusion's default on a GPU.
 """
 
 from __future__ import annotations
@@ -101,23 +105,35 @@ def ratios(ours: dict, peer: dict) -> dict:
     return {k: round(ours[k] / v, 3) for k, v in peer.items() if k in ours and isinstance(v, (int, float)) and v}
 
 
-def part_engine(r, gguf: Path, reps: int) -> dict:
+def part_engine(r, gguf: Path, reps: int, peer: dict | None = None) -> dict:
+    """``peer``: llama.cpp's figures already measured on this file in this run (the second fusion setting)."""
     from bench.decode import bench_llama_cpp, bench_runner
 
     ours = {k: round(v, 1) for k, v in bench_runner(r, [512, 2048], 128, reps, 2048).items()}
-    peer = bench_llama_cpp(gguf, [512, 2048], 128, reps, os.cpu_count() or 4, ["-ngl", "99", "-fa", "1"]) or {}
-    peer = {k: round(v, 1) for k, v in peer.items()}
+    if peer is None:
+        peer = bench_llama_cpp(gguf, [512, 2048], 128, reps, os.cpu_count() or 4, ["-ngl", "99", "-fa", "1"]) or {}
+        peer = {k: round(v, 1) for k, v in peer.items()}
     return {"hf2q": ours, "llama.cpp": peer, "ratio": ratios(ours, peer)}
 
 
-def part_batch(r, gguf: Path, steps: int) -> dict:
+def part_batch(r, gguf: Path, steps: int, peer: dict | None = None) -> dict:
     from bench.gpu_batch import aggregate_decode
 
     rows = aggregate_decode(r, cases=tuple((b, True) for b in BATCHES), steps=steps)
     ours = {k: v["pipelined_tok_s"] for k, v in rows.items()}
-    peer = llama_batched(gguf, steps)
+    if peer is None:
+        peer = llama_batched(gguf, steps)
     return {"hf2q": ours, "hf2q_build_ms": {k: v["build_ms"] for k, v in rows.items()}, "llama-batched-bench": peer,
             "ratio": ratios(ours, peer)}
+
+
+def set_fused_proj(setting: str | None) -> None:
+    """``on`` / ``off`` force the load-time fusion of adjacent projections; ``None`` leaves the environment as given."""
+    if setting is None:
+        return
+    os.environ.pop("HF2Q_FUSED_PROJ", None)
+    os.environ.pop("HF2Q_NO_FUSED_PROJ", None)
+    os.environ["HF2Q_FUSED_PROJ" if setting == "on" else "HF2Q_NO_FUSED_PROJ"] = "1"
 
 
 def part_serve(gguf: Path, max_tokens: int) -> dict:
@@ -154,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--steps", type=int, default=128, help="generated tokens per sequence in the batch part")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens per request in the serve part")
+    ap.add_argument("--fused-proj", choices=["default", "on", "off", "both"], default="default",
+                    help="hf2q's fused q|k|v and gate|up products (HF2Q_FUSED_PROJ); both: each part once per setting "
+                         "on the same file, llama.cpp measured once")
     ap.add_argument("--out", default="gpu-peer.json")
     a = ap.parse_args(argv)
 
@@ -174,30 +193,40 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     parts = [p for p in a.parts.split(",") if p]
+    settings = {"default": [None], "on": ["on"], "off": ["off"], "both": ["off", "on"]}[a.fused_proj]
     for mix in [m for m in a.mixes.split(",") if m]:
         gguf = synth(a.shape, mix, work, a.vocab_gguf, a.chat_template if "serve" in parts else None)
         row = report["runs"].setdefault(mix, {"bytes": gguf.stat().st_size})
-        runner = None  # one load serves the engine and batch parts; dropped before the servers start
-        for part in parts:
-            t0 = time.time()
-            if part in ("engine", "batch") and runner is None:
-                from hf2q.engine.runner import MlxModelRunner
+        peers: dict[str, dict] = {}  # llama.cpp's figures per part, measured once per file
+        for setting in settings:
+            set_fused_proj(setting)  # read at load, by this process's runner and by the served child
+            suffix = "" if setting is None else f"@fused-{setting}"
+            runner = None  # one load serves the engine and batch parts; dropped before the servers start
+            for part in parts:
+                t0 = time.time()
+                if part in ("engine", "batch") and runner is None:
+                    from hf2q.engine.runner import MlxModelRunner, warm_up
 
-                from hf2q.engine.runner import warm_up
-
-                runner = MlxModelRunner.load(gguf, ctx=4096)
-                warm_up(runner)  # as serve does before ready (bench_runner warms its shapes again)
-            elif part == "serve":
-                runner = None
-            fn = {"engine": lambda: part_engine(runner, gguf, a.reps), "batch": lambda: part_batch(runner, gguf, a.steps),
-                  "serve": lambda: part_serve(gguf, a.max_tokens)}[part]
-            try:
-                row[part] = fn()
-            except Exception as e:  # one failed part must not lose the others' figures
-                row[part] = {"error": f"{type(e).__name__}: {e}"[:400]}
-            row[part]["seconds"] = round(time.time() - t0, 1)
-            print(json.dumps({"mix": mix, part: row[part]}), flush=True)
-            save()
+                    runner = MlxModelRunner.load(gguf, ctx=4096)
+                    warm_up(runner)  # as serve does before ready (bench_runner warms its shapes again)
+                    row["load" + suffix] = {"seconds": round(time.time() - t0, 1)}  # a first use compiles kernels
+                    t0 = time.time()
+                elif part == "serve":
+                    runner = None
+                fn = {"engine": lambda: part_engine(runner, gguf, a.reps, peers.get("engine")),
+                      "batch": lambda: part_batch(runner, gguf, a.steps, peers.get("batch")),
+                      "serve": lambda: part_serve(gguf, a.max_tokens)}[part]
+                key = part + suffix
+                try:
+                    row[key] = fn()
+                    peer_key = {"engine": "llama.cpp", "batch": "llama-batched-bench"}.get(part)
+                    if peer_key and row[key].get(peer_key) and "error" not in row[key][peer_key]:
+                        peers.setdefault(part, row[key][peer_key])
+                except Exception as e:  # one failed part must not lose the others' figures
+                    row[key] = {"error": f"{type(e).__name__}: {e}"[:400]}
+                row[key]["seconds"] = round(time.time() - t0, 1)
+                print(json.dumps({"mix": mix, key: row[key]}), flush=True)
+                save()
     return emit(report, None)  # the file is already written; print it as every bench does
 
 
