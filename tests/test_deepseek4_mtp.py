@@ -301,8 +301,19 @@ def test_cli_checks_the_companion(cli, files):
     assert r.code == 2 and "--speculative mtp" in r.err
     r = cli(*base, "--speculative", "mtp", "--model-draft", trunk)
     assert r.code == 3 and "no MTP block" in r.err
-    r = cli("serve", "--model", trunk, "--speculative", "mtp", "--model-draft", head, "--tensor-parallel", "2")
-    assert r.code == 2 and "--tensor-parallel" in r.err  # refused before any rank starts
+    r = cli("serve", "--model", trunk, "--speculative", "mtp", "--model-draft", head, "--tensor-parallel", "3")
+    assert r.code == 3 and "do not split over 3 ranks" in r.err  # refused before any rank starts
+
+
+def test_tensor_parallel_start_up_check_cuts_the_companion(files):
+    """At ``--tensor-parallel`` the companion's block must split as the trunk's does (header views only)."""
+    from argparse import Namespace
+
+    from hf2q.engine.speculative import check_speculative
+    from hf2q.formats.gguf_file import open_gguf
+
+    trunk, head = files
+    check_speculative(open_gguf(trunk), Namespace(speculative="mtp", model_draft=head, tensor_parallel=2))
 
 
 def test_memory_plan_and_info_count_the_head(files, runners):

@@ -450,9 +450,11 @@ class DistributedRunner:
         """Rank 0's answer (every rank holds the same model): whether a verify can be cut back anywhere."""
         return bool(self.local.rolls_back_drafts)
 
-    def enable_mtp(self) -> None:
-        """Every rank loads its share of the MTP draft head (``--speculative mtp``), before any sequence."""
-        self._run({"op": "enable_mtp"}, self.local.enable_mtp)
+    def enable_mtp(self, draft_model=None) -> None:
+        """Every rank loads its share of the MTP draft head (``--speculative mtp``), before any sequence;
+        DeepSeek-V4's from the companion file ``draft_model`` (a path or ``GGUFFile``), which every rank opens."""
+        path = None if draft_model is None else str(getattr(draft_model, "path", draft_model))
+        self._run({"op": "enable_mtp", "draft": path}, lambda: self.local.enable_mtp(path))
         self.kv_bytes_per_token = self.local.kv_bytes_per_token
 
     @property
@@ -465,6 +467,11 @@ class DistributedRunner:
         (every rank's are the same: the head's output is all-reduced, its LM head replicated)."""
         return self._run({"op": "draft", "seq": seq.seq_id, "pending": int(pending), "k": int(k)},
                          lambda: self.local.draft(seq.local, pending, k))
+
+    def draft_logits(self, seq: ShardedSequence, pending: int, k: int) -> tuple[list[int], np.ndarray]:
+        """:meth:`draft` with rank 0's float32 logits of the drafted positions."""
+        return self._run({"op": "draft", "seq": seq.seq_id, "pending": int(pending), "k": int(k), "logits": True},
+                         lambda: self.local.draft_logits(seq.local, pending, k))
 
     @property
     def pipelines_decode(self) -> bool:
@@ -686,9 +693,10 @@ def follow(runner, sock: socket.socket, group, plan, stopped: threading.Event | 
             elif op == "verify":
                 runner.verify(seqs[header["seq"]], arrays["tokens"].tolist())
             elif op == "enable_mtp":
-                runner.enable_mtp()
+                runner.enable_mtp(header.get("draft"))
             elif op == "draft":
-                runner.draft(seqs[header["seq"]], header["pending"], header["k"])
+                (runner.draft_logits if header.get("logits") else runner.draft)(seqs[header["seq"]], header["pending"],
+                                                                                 header["k"])
             elif op == "trim":
                 seqs[header["seq"]].trim(header["n"])
             elif op == "export":

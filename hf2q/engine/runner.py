@@ -229,6 +229,10 @@ class MlxModelRunner:
         """Up to ``k`` tokens the model's MTP head drafts after ``pending`` (sampled, not yet in ``seq``)."""
         return self.model.mtp.draft(seq, pending, k) if k > 0 else []
 
+    def draft_logits(self, seq: SequenceCache, pending: int, k: int) -> tuple[list[int], np.ndarray]:
+        """:meth:`draft` and the head's float32 logits ``[k, vocab]`` its tokens were read from."""
+        return self.model.mtp.draft_logits(seq, pending, k)
+
     # ---- sequences -----------------------------------------------------------------
 
     def new_sequence(self) -> SequenceCache:

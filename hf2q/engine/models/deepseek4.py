@@ -239,16 +239,27 @@ class Deepseek4Model:
 
     def enable_mtp(self, companion: GGUFFile | None = None) -> None:
         """Draft with the MTP block of ``companion`` (llama.cpp's ``--mtp`` file of the same checkpoint;
-        ``models/deepseek4_mtp.py``): call before the first sequence, whose caches then hold its layer too."""
+        ``models/deepseek4_mtp.py``): call before the first sequence, whose caches then hold its layer too. On a
+        tensor-parallel shard (``tp_group``) the head's block takes this rank's share of the whole companion."""
         from hf2q.engine.models.deepseek4_mtp import Deepseek4MtpHead, check_head
 
         if companion is None:
             raise InputError("deepseek4 keeps its MTP head in a file of its own: pass it with --model-draft")
-        if self.mtp is None:
-            cfg, geo = read_config(companion)
-            check_head(companion, self, cfg)
-            block = Deepseek4Block(cfg, geo, companion, self.cfg.n_layers, self.dtype)
-            self.mtp = Deepseek4MtpHead(companion, self, cfg, block, self.dtype)
+        if self.mtp is not None:
+            return
+        check_head(companion, self, read_config(companion)[0])
+        group = getattr(self, "tp_group", None)  # a tensor-parallel shard: the head's block is cut like the trunk's
+        if group is not None:
+            from hf2q.engine.tensor_parallel import shard_gguf
+
+            companion = shard_gguf(companion, group.rank(), group.size())
+        cfg, geo = read_config(companion)
+        block = Deepseek4Block(cfg, geo, companion, self.cfg.n_layers, self.dtype)
+        if group is not None:
+            from hf2q.engine.models.deepseek4_tp import parallelize_block
+
+            parallelize_block(block, group)
+        self.mtp = Deepseek4MtpHead(companion, self, cfg, block, self.dtype)
 
     def tp_parallelize(self, group) -> None:
         """Over tensor-parallel ranks (``tensor_parallel.parallelize``): each block's own split, two
