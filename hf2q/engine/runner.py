@@ -170,10 +170,10 @@ class MlxModelRunner:
     def persists_kv(self) -> bool:
         """Whether the persistent KV store can keep this model's sequences: plain K/V, a hybrid model's
         (its blocks carry the recurrent state at their ends, and an MTP head's K/V layer and input row),
-        DeepSeek-V4's compact cache and a sliding-window model's (its blocks carry the window layers' rows
-        at their ends); not yet DeepSeek-V4 with its MTP head, whose draft layer the compact cache's blocks
-        do not carry (docs/KVSTORE.md)."""
-        return not (self.drafts and self.arch == "deepseek4")
+        DeepSeek-V4's compact cache (with an MTP head: its window layer and, at block ends, the trunk streams
+        the head pairs with next) and a sliding-window model's (its blocks carry the window layers' rows at
+        their ends) (docs/KVSTORE.md)."""
+        return True
 
     @property
     def rolls_back_drafts(self) -> bool:

@@ -19,7 +19,9 @@ state that point needs as the tensors named ``state.*`` (``END_STATE_PREFIX``); 
 them refuses them as ``wrong-version`` instead of importing K/V without the state it belongs to
 (docs/KVSTORE.md). A hybrid
 sequence that feeds an MTP draft head (``recurrent-mtp``: the head's K/V layer, and the hidden row the
-head reads next as ``state.hidden``) is written at ``HEAD_FORMAT_VERSION`` (4), so a reader that knows
+head reads next as ``state.hidden``), and DeepSeek-V4's compact cache with its MTP head's window layer
+(``deepseek4-mtp``: the trunk streams the head pairs with next as ``state.hidden``), are written at
+``HEAD_FORMAT_VERSION`` (4), so a reader that knows
 version 3 only refuses it as ``wrong-version`` too; each version holds its own cache kinds only.
 
 Everything here is pure byte work with no locking or directory policy, so recovery,
@@ -62,7 +64,7 @@ VERSION_PAYLOADS = {FORMAT_VERSION: PAYLOAD_KINDS, CODES_FORMAT_VERSION: (PAYLOA
 #: the cache kinds each format version holds ("" plain K/V): what the sequences' ``export`` produces
 VERSION_CACHE_KINDS = {FORMAT_VERSION: ("",), CODES_FORMAT_VERSION: ("",),
                        STATE_FORMAT_VERSION: ("recurrent", "deepseek4", "window"),
-                       HEAD_FORMAT_VERSION: ("recurrent-mtp",)}
+                       HEAD_FORMAT_VERSION: ("recurrent-mtp", "deepseek4-mtp")}
 #: the caches whose blocks carry a cache kind (versions 3 and 4)
 CACHE_KINDS = tuple(k for kinds in VERSION_CACHE_KINDS.values() for k in kinds if k)
 

@@ -271,7 +271,9 @@ class Deepseek4Model:
     def new_sequence_cache(self) -> Deepseek4Cache:
         geo = self.geo
         ratios = self.cfg.compress_ratios + ([0] if self.mtp is not None else [])  # the MTP head's window layer
-        return Deepseek4Cache(layer_rows(geo.head_dim, geo.index_dim, ratios), geo.window, self.dtype)
+        streams = (self.cfg.hc_count, self.cfg.hidden) if self.mtp is not None else None
+        return Deepseek4Cache(layer_rows(geo.head_dim, geo.index_dim, ratios), geo.window, self.dtype,
+                              mtp_streams=streams)
 
     def weights_nbytes(self) -> int:
         head = list(self.mtp.linears()) if self.mtp is not None else []

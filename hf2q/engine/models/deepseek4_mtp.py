@@ -20,7 +20,9 @@ trunk forward writes that layer's row of each of its tokens (paired with the str
 before, as llama.cpp's MTP driver pairs them): only the pre-attention mix and the K=V projection run
 there, not the block's attention or MoE. The streams the next forward and the drafts pair with stay
 with the sequence (:attr:`Deepseek4Cache.mtp_hidden`): every row of a verify (it may stop at any of
-its tokens), the last two of any other forward (the decode pipeline's one-position undo).
+its tokens), the last two of any other forward (the decode pipeline's one-position undo); with the
+persistent store on, also those before each block end a prompt forward reaches, which its blocks carry
+(``state.hidden``, cache kind ``deepseek4-mtp``).
 
 **Drafting** chains the block on its own output streams (they stand in for the trunk's at the next
 position), k lazy steps whose greedy tokens leave the device once. Its rows of the drafted positions
@@ -136,6 +138,8 @@ class Deepseek4MtpHead:
             state = c.layer(self.layer)[0]
             c.stage(self.layer, LayerState(state.raw.extended(kv[b])), 0, 0, fb.end_point)
             c.mtp_hidden = (off - 1 if not fb.end_point else off + T - 2, kept[b])
+            if fb.end_point and T > 1:  # a prompt transaction: the persistent store's block ends inside it
+                c.keep_end_hidden(off, rows[b])
 
     # ---- drafting ----------------------------------------------------------------------------
 
