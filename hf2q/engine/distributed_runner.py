@@ -314,10 +314,12 @@ class DistributedRunner:
     @property
     def persists_kv(self) -> bool:
         """Plain K/V persists across ranks, and a hybrid model's blocks with every rank's recurrent state
-        share (``gather_kv``, ``gather_state``); not yet a window or DeepSeek-V4's compact cache. Read when
+        share (``gather_kv``, ``gather_state``), and DeepSeek-V4's compact cache, whole on every rank (one
+        rank's export is the block); not yet a window cache. Read when
         asked: the local runner's answer changes once its MTP head is on."""
         hybrid = hasattr(getattr(self.local, "model", None), "new_recurrent_state")
-        return bool(getattr(self.local, "persists_kv", True)) and (self.trims_prefix or hybrid)
+        return bool(getattr(self.local, "persists_kv", True)) and (self.trims_prefix or hybrid
+                                                                    or _same_cache_on_every_rank(self.local))
 
     @property
     def kv_identity(self) -> str:
@@ -516,9 +518,11 @@ class DistributedRunner:
                          lambda: gather_kv(self.local, seq.local, start, end, self.group, self.plans[0]))
 
     def import_kv(self, seq: ShardedSequence, arrays: dict[str, np.ndarray], n_tokens: int) -> None:
-        """Each rank receives (and keeps) the KV heads it owns, and its share of a block's end state."""
+        """Each rank receives (and keeps) the KV heads it owns, and its share of a block's end state (the whole
+        block where every rank holds the whole cache: DeepSeek-V4's)."""
         per_rank = {r: {**head_slice(arrays, self.plans[r]), **state_share(arrays, r, self.size)}
-                    for r in range(self.size)}
+                    for r in range(self.size)} if not _same_cache_on_every_rank(self.local) else \
+            {r: arrays for r in range(self.size)}
         self._run({"op": "import", "seq": seq.seq_id, "n": int(n_tokens)},
                   lambda: self.local.import_kv(seq.local, per_rank[0], n_tokens), per_rank=per_rank)
 
@@ -536,6 +540,12 @@ class DistributedRunner:
     def close(self) -> None:
         """End the group cleanly (:meth:`ControlLinks.close`); idempotent, the runner is unusable afterwards."""
         self._control.close()
+
+
+def _same_cache_on_every_rank(local) -> bool:
+    """Whether every rank's sequence cache is the same whole one (DeepSeek-V4's compact cache): its blocks
+    are then one rank's export, and every rank imports all of a block."""
+    return bool(getattr(getattr(local, "model", None), "same_cache_on_every_rank", False))
 
 
 def head_slice(arrays: dict[str, np.ndarray], plan) -> dict[str, np.ndarray]:
@@ -594,6 +604,8 @@ def gather_kv(local, seq, start: int, end: int, group, plan) -> dict[str, np.nda
     import mlx.core as mx
 
     mine = local.export_kv(seq, start, end)
+    if _same_cache_on_every_rank(local):  # each rank exported (and let go of) the same block: no collective
+        return mine
     state = {k: mine.pop(k) for k in [k for k in mine if k.startswith(END_STATE_PREFIX)]}
     names = sorted(mine)
     # one collective whatever the arrays' widths and dtypes (an 8-bit cache's codes and scales): each

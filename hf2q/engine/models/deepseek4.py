@@ -215,6 +215,9 @@ class Deepseek4Model:
 
     is_embedding_model = False
     trims_prefix = False
+    #: over tensor-parallel ranks every rank holds the same whole compact cache (its K=V head, compressors
+    #: and indexer are replicated, ``models/deepseek4_tp.py``): a persistent-store block is any rank's export
+    same_cache_on_every_rank = True
 
     def __init__(self, g: GGUFFile, dtype):
         self.gguf = g

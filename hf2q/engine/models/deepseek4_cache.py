@@ -448,6 +448,12 @@ class Deepseek4Cache(SequenceCache):
         block is exported (the persistent store turns this on for every slot's sequence)."""
         self.block_tokens = block_tokens
 
+    def forget_block_ends(self, keep) -> None:
+        """Let go of the captured block ends whose length is not in ``keep`` (their blocks are on disk)."""
+        for p in [p for p in self._block_ends if p not in keep]:
+            del self._block_ends[p]
+        self._forget_end_hidden()
+
     def _capture_block_ends(self, start: int, n: int, transaction: bool) -> None:
         """The rows at the block ends a prompt forward of ``n`` tokens from ``start`` reached: the copy its
         reuse point there made, or (a point already aged out within this forward) a copy of the live
