@@ -145,7 +145,14 @@ def draft_header(g, args):
     d = open_gguf(path)
     if problem := companion_problem(g, d):
         raise InputError(f"{d.path.name}: --model-draft {problem}")
+    args.model_draft_header = d  # what the memory plan and the engine read next (:func:`draft_model`)
     return d
+
+
+def draft_model(args):
+    """What the memory plan and ``enable_mtp`` read for ``--model-draft``: the header :func:`check_speculative`
+    opened and checked (opened once), else the path; None without the flag."""
+    return getattr(args, "model_draft_header", None) or getattr(args, "model_draft", None)
 
 
 def check_speculative(g, args) -> None:

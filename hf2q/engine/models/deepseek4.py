@@ -292,7 +292,7 @@ class Deepseek4Model:
         for block in self.blocks:
             streams = block(streams, fb, tokens)
         if self.mtp is not None:  # the draft head's cache rows of these tokens, from every position's streams
-            self.mtp.store(tokens, streams, fb)
+            self.mtp.store(tokens, streams, fb, x)
         if last_only:
             streams = streams[:, -1:]
         h = mx.fast.rms_norm(self.head(streams), self.norm, self.cfg.norm_eps)
