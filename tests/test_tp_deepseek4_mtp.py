@@ -56,19 +56,50 @@ def scenario(runner, companion) -> dict[str, np.ndarray]:
     return out
 
 
+async def served(factory, head, prompts: list[list[int]]) -> dict:
+    """The prompts concurrently through the actor runtime at T=0 with the head drafting, then the first alone
+    (it drafts and verifies: ``serve_prompts``), and the drafted-token count."""
+    from hf2q.actors.runtime import open_runtime
+    from hf2q.sched.contracts import RuntimeConfig
+    from tests.test_tensor_parallel import serve_prompts
+
+    def load():
+        runner = factory()
+        runner.enable_mtp(head)
+        return runner
+
+    async with open_runtime(load, RuntimeConfig(slots=2, ctx=CTX, draft_tokens=K, gpu_deadline_s=120)) as rt:
+        assert await rt.wait_ready(), rt.readiness()
+        tokens = await serve_prompts(rt, prompts, max_tokens=N_NEW)
+        return {"tokens": tokens, "drafted": rt.snapshot().counters["drafted_tokens"]}
+
+
 DRIVER = r"""
-import sys
+import json, sys
 import numpy as np
 sys.path.insert(0, {root!r})
 from tests import test_tp_deepseek4_mtp as t
 from hf2q.engine import tp_launch
-trunk, head, out = sys.argv[1], sys.argv[2], sys.argv[3]
-runner = tp_launch.runner_factory(trunk, 2, t.CTX)()
-result = t.scenario(runner, head)
-runner.close()
-with open(out, "wb") as f:
-    np.savez(f, **result)
+mode, trunk, head, out = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+if mode == "engine":
+    runner = tp_launch.runner_factory(trunk, 2, t.CTX)()
+    result = t.scenario(runner, head)
+    runner.close()
+    with open(out, "wb") as f:
+        np.savez(f, **result)
+else:
+    import trio
+    got = trio.run(t.served, tp_launch.runner_factory(trunk, 2, t.CTX), head, json.loads(sys.argv[5]))
+    open(out, "w").write(json.dumps(got))
 """
+
+
+def run_group(tmp_path, *args: str) -> None:
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER.format(root=str(ROOT)))
+    run = subprocess.run([sys.executable, str(script), *args], cwd=ROOT, capture_output=True, text=True,
+                         timeout=GROUP_TIMEOUT_S)
+    assert run.returncode == 0, run.stderr[-3000:]
 
 
 @pytest.mark.slow
@@ -78,11 +109,7 @@ def test_two_ranks_draft_and_verify_as_one_process(tmp_path):
     from tests.test_engine_deepseek4 import deepseek4_gguf
 
     trunk, head = deepseek4_gguf(), companion_gguf()
-    script = tmp_path / "driver.py"
-    script.write_text(DRIVER.format(root=str(ROOT)))
-    run = subprocess.run([sys.executable, str(script), str(trunk), str(head), str(tmp_path / "out")], cwd=ROOT,
-                         capture_output=True, text=True, timeout=GROUP_TIMEOUT_S)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_group(tmp_path, "engine", str(trunk), str(head), str(tmp_path / "out"))
     with np.load(tmp_path / "out") as z:
         tp = {k: z[k] for k in z.files}
     ref = scenario(MlxModelRunner.load(trunk, ctx=CTX), head)
@@ -95,3 +122,25 @@ def test_two_ranks_draft_and_verify_as_one_process(tmp_path):
     for key in ("first_logits", "verify_rows"):
         scale = float(np.abs(ref[key]).max())
         np.testing.assert_allclose(tp[key], ref[key], rtol=0, atol=TOL * scale, err_msg=key)
+
+
+@pytest.mark.slow
+def test_runtime_on_two_ranks_drafts_and_serves_what_one_rank_serves(tmp_path):
+    """Two concurrent T=0 requests (batched decode), then the first alone, drafting with the head and verifying
+    on both ranks: the tokens one process serves without the head."""
+    import json
+
+    import trio
+
+    from hf2q.engine.tp_launch import runner_factory
+    from tests.test_deepseek4_mtp import companion_gguf
+    from tests.test_engine_deepseek4 import deepseek4_gguf
+    from tests.test_tp_deepseek4 import served_tokens
+
+    trunk, head = deepseek4_gguf(), companion_gguf()
+    prompts = [random_tokens(PROMPT, low=3, high=49152, seed=5), random_tokens(30, low=3, high=49152, seed=6)]
+    run_group(tmp_path, "runtime", str(trunk), str(head), str(tmp_path / "out"), json.dumps(prompts))
+    got = json.loads((tmp_path / "out").read_text())
+    want = trio.run(served_tokens, runner_factory(trunk, 1, CTX), prompts)
+    assert got["drafted"] > 0  # the request alone drafted
+    assert [t[:8] for t in got["tokens"]] == want, (got, want)
