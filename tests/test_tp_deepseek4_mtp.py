@@ -74,6 +74,23 @@ async def served(factory, head, prompts: list[list[int]]) -> dict:
         return {"tokens": tokens, "drafted": rt.snapshot().counters["drafted_tokens"]}
 
 
+def test_memory_plan_counts_a_ranks_share_of_the_head():
+    """At TP = 2 each rank's plan holds its share of the companion's block, not the whole of it."""
+    from hf2q.engine.memory_plan import rank_need
+    from hf2q.formats.gguf_file import open_gguf
+    from tests.test_deepseek4_mtp import companion_gguf
+    from tests.test_engine_deepseek4 import deepseek4_gguf
+
+    trunk, head = open_gguf(deepseek4_gguf()), open_gguf(companion_gguf())
+
+    def head_bytes(size: int) -> int:
+        plan = dict(float_bytes=4, scale_bytes=2)
+        return (rank_need(trunk, size, 0, mtp=True, draft=head, **plan).weights
+                - rank_need(trunk, size, 0, mtp=True, **plan).weights)
+    one, share = head_bytes(1), head_bytes(2)
+    assert 0.4 * one < share < 0.75 * one, (share, one)
+
+
 DRIVER = r"""
 import json, sys
 import numpy as np
