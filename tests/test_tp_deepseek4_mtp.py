@@ -105,6 +105,8 @@ if mode == "engine":
     with open(out, "wb") as f:
         np.savez(f, **result)
 else:
+    import os
+    os.environ["HF2Q_TP_PIPELINE"] = "1"  # queue decode steps ahead, as over NCCL (GPUs)
     import trio
     got = trio.run(t.served, tp_launch.runner_factory(trunk, 2, t.CTX), head, json.loads(sys.argv[5]))
     open(out, "w").write(json.dumps(got))
