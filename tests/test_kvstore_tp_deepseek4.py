@@ -111,3 +111,32 @@ def test_two_ranks_restore_the_whole_cache_like_a_cold_prefill(tmp_path, mtp):
     for name in blocks:
         assert tp[name].shape == want[name].shape, name
         assert _close(tp[name], want[name]) <= TOL, name
+
+
+@pytest.mark.parametrize("mtp", [False, True], ids=["deepseek4", "deepseek4-mtp"])
+def test_restarted_two_rank_server_resumes_the_prefix(tmp_path, mtp):
+    """``serve --tensor-parallel 2 --kv-persist`` (with the head: ``--speculative mtp --model-draft``): a restarted
+    group restores the prompt's two blocks and answers with the cold group's greedy tokens and top-5
+    log-probabilities."""
+    from hf2q.kvstore.blockfile import read_meta
+    from tests.models.deepseek4_chat import deepseek4_chat_gguf
+    from tests.test_deepseek4_mtp import companion_gguf
+    from tests.test_kvstore_stateful_serve import _top_logprobs, serve_requests
+
+    model, kv_dir = deepseek4_chat_gguf(), tmp_path / "kv"
+    flags = ("--tensor-parallel", "2") + (("--speculative", "mtp", "--model-draft", str(companion_gguf())) if mtp
+                                          else ())
+    words = " ".join(f"w{(i * 7) % 89}" for i in range(210))
+    body = {"temperature": 0, "max_tokens": 4, "logprobs": True, "top_logprobs": 5,
+            "messages": [{"role": "user", "content": words}]}
+    (cold,), log = serve_requests(model, kv_dir, body, 1, *flags)
+    assert not [r for r in log if "persistent KV store disabled" in str(r.get("msg"))], log[-5:]
+    metas = [read_meta(p) for p in sorted((kv_dir / "blocks").glob("*.safetensors"))]
+    kind = "deepseek4-mtp" if mtp else "deepseek4"
+    assert len(metas) == BLOCKS and all(m.cache_kind == kind and m.has_end_state for m in metas)
+    (warm,), _ = serve_requests(model, kv_dir, body, 1, *flags)
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == BLOCKS * B
+    assert warm["choices"][0]["message"] == cold["choices"][0]["message"]
+    for j, (got, want) in enumerate(zip(_top_logprobs(warm), _top_logprobs(cold), strict=True)):
+        assert got.keys() == want.keys(), j
+        assert max(abs(got[t] - want[t]) for t in want) <= TOL, (j, got, want)
