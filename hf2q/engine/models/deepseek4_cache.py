@@ -413,6 +413,7 @@ class Deepseek4Cache(SequenceCache):
         """Every array the cache holds, the staged forward's included (what a forward's eval must reach)."""
         states = [self._pending[i][0] if i in self._pending else st for i, st in enumerate(self.states)]
         out = [a for st in states for a in st.arrays()] + ([self.mtp_hidden[1]] if self.mtp_hidden is not None else [])
+        out += list((self.end_hidden or {}).values())  # evaluated with the forward that captured them
         return out + [e.buf for e in (*self.entries, *self.index_entries) if e is not None and e.buf is not None]
 
     @property
