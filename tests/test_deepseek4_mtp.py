@@ -211,6 +211,21 @@ def test_drafts_match_the_torch_reference(files, runners):
     assert float(np.abs(logits - want).max()) < 1e-3 * max(1.0, float(np.abs(want).max()))
 
 
+def test_a_forward_looks_up_its_embedding_rows_once(runners, monkeypatch):
+    """The head's cache rows of a trunk forward reuse the trunk's embedding rows (the companion shares them)."""
+    _, drafting = runners
+    embed, calls = drafting.model.embed, []
+    real = embed.rows
+
+    def counted(tokens):
+        calls.append(tokens.shape)
+        return real(tokens)
+    monkeypatch.setattr(embed, "rows", counted)
+    assert drafting.model.mtp.embed is embed
+    drafting.prefill(drafting.new_sequence(), random_tokens(20, low=3, high=49152, seed=2))
+    assert len(calls) == 1, calls
+
+
 def test_a_partial_accept_rolls_the_head_back(runners):
     """After a verify trimmed to its accepted length the head drafts what it drafts after a cold prefill
     of the same text: its rows and streams inside the verify are the ones kept."""
@@ -301,8 +316,19 @@ def test_cli_checks_the_companion(cli, files):
     assert r.code == 2 and "--speculative mtp" in r.err
     r = cli(*base, "--speculative", "mtp", "--model-draft", trunk)
     assert r.code == 3 and "no MTP block" in r.err
-    r = cli("serve", "--model", trunk, "--speculative", "mtp", "--model-draft", head, "--tensor-parallel", "2")
-    assert r.code == 2 and "--tensor-parallel" in r.err  # refused before any rank starts
+    r = cli("serve", "--model", trunk, "--speculative", "mtp", "--model-draft", head, "--tensor-parallel", "3")
+    assert r.code == 3 and "do not split over 3 ranks" in r.err  # refused before any rank starts
+
+
+def test_tensor_parallel_start_up_check_cuts_the_companion(files):
+    """At ``--tensor-parallel`` the companion's block must split as the trunk's does (header views only)."""
+    from argparse import Namespace
+
+    from hf2q.engine.speculative import check_speculative
+    from hf2q.formats.gguf_file import open_gguf
+
+    trunk, head = files
+    check_speculative(open_gguf(trunk), Namespace(speculative="mtp", model_draft=head, tensor_parallel=2))
 
 
 def test_memory_plan_and_info_count_the_head(files, runners):
@@ -331,6 +357,25 @@ def test_memory_plan_and_info_count_the_head(files, runners):
     args = dict(ctx=CTX, slots=2, kv_budget=1 << 20, limit=1 << 40)
     assert (check_model(trunk, 1, mtp=True, draft=head, **args).weights - check_model(trunk, 1, **args).weights
             == info["mtp_weight_bytes"])
+
+
+def test_the_companion_is_opened_once(cli, files, monkeypatch):
+    """``generate --speculative mtp --model-draft``: the start-up check's header is the one the engine loads."""
+    from pathlib import Path
+
+    import hf2q.formats.gguf_file as gguf_file
+
+    trunk, head = files
+    real, opened = gguf_file.open_gguf, []
+
+    def counting(path, *a, **kw):
+        opened.append(Path(path).resolve())
+        return real(path, *a, **kw)
+    monkeypatch.setattr(gguf_file, "open_gguf", counting)
+    r = cli("generate", "--model", trunk, "--prompt", "hi", "--raw", "--max-tokens", "2", "--speculative", "mtp",
+            "--model-draft", head)
+    assert r.code == 0, r.err
+    assert opened.count(Path(head).resolve()) == 1, opened
 
 
 def test_generate_prints_the_same_text_with_the_head(cli, files):

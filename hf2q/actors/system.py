@@ -78,7 +78,7 @@ class ActorSystem:
                                 and (self.kv_store is not None or self._kv_store_opener):
                             # its blocks cannot rebuild this cache (docs/KVSTORE.md)
                             log.warning("persistent KV store disabled: saved blocks cannot restore this model's "
-                                        "cache here (DeepSeek-V4 at --tensor-parallel or with its MTP head)")
+                                        "cache here")
                             self.kv_prefix.store, self._kv_store_opener = None, None
                         if self._kv_store_opener is not None:
                             opened_store = await self._open_kv_store()

@@ -95,12 +95,13 @@ def _size_hint(n: int) -> str:
 def check_memory(model, args):
     """Refuse (exit 3) a model whose weights + KV budget exceed what one rank may use."""
     from hf2q.engine.memory_plan import check_model
+    from hf2q.engine.speculative import draft_model
     from hf2q.sched.transactions import transaction_tokens
 
     return check_model(model, args.tensor_parallel, ctx=args.ctx, slots=args.slots, kv_budget=args.kv_cache_budget,
                        limit=args.memory_limit, prefill_chunk=transaction_tokens(model.arch, args.prefill_chunk),
                        kv_type=getattr(args, "kv_cache_type", "f16"), mtp=getattr(args, "speculative", "off") == "mtp",
-                       kv_persist=bool(getattr(args, "kv_persist", None)), draft=getattr(args, "model_draft", None))
+                       kv_persist=bool(getattr(args, "kv_persist", None)), draft=draft_model(args))
 
 
 def runner_factory(path: Path, ctx: int | None, tensor_parallel: int = 1, args=None, vision=None):
@@ -128,7 +129,9 @@ def runner_factory(path: Path, ctx: int | None, tensor_parallel: int = 1, args=N
         runner = load()
         if getattr(args, "speculative", "off") == "mtp":
             # before any sequence: the head keeps K/V rows of its own (deepseek4's from --model-draft)
-            runner.enable_mtp(getattr(args, "model_draft", None))
+            from hf2q.engine.speculative import draft_model
+
+            runner.enable_mtp(draft_model(args))
         if vision is not None:
             from hf2q.engine.vision.qwen3vl import Qwen3VLVisionEncoder
             from hf2q.formats.gguf_file import open_gguf

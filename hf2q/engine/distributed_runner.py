@@ -314,12 +314,13 @@ class DistributedRunner:
     @property
     def persists_kv(self) -> bool:
         """Plain K/V persists across ranks, a hybrid model's blocks with every rank's recurrent state share
-        (``gather_kv``, ``gather_state``), and a sliding-window model's with every rank's window rows (by KV
-        head, as the K/V); not yet DeepSeek-V4's compact cache. Read when asked: the local runner's answer
-        changes once its MTP head is on."""
+        (``gather_kv``, ``gather_state``), a sliding-window model's with every rank's window rows (by KV head,
+        as the K/V), and DeepSeek-V4's compact cache, whole on every rank (one rank's export is the block).
+        Read when asked: the local runner's answer changes once its MTP head is on."""
         hybrid = hasattr(getattr(self.local, "model", None), "new_recurrent_state")
         windowed = bool(getattr(self.local, "window_layers", None))
-        return bool(getattr(self.local, "persists_kv", True)) and (self.trims_prefix or hybrid or windowed)
+        return bool(getattr(self.local, "persists_kv", True)) and (
+            self.trims_prefix or hybrid or windowed or _same_cache_on_every_rank(self.local))
 
     @property
     def kv_identity(self) -> str:
@@ -452,9 +453,11 @@ class DistributedRunner:
         """Rank 0's answer (every rank holds the same model): whether a verify can be cut back anywhere."""
         return bool(self.local.rolls_back_drafts)
 
-    def enable_mtp(self) -> None:
-        """Every rank loads its share of the MTP draft head (``--speculative mtp``), before any sequence."""
-        self._run({"op": "enable_mtp"}, self.local.enable_mtp)
+    def enable_mtp(self, draft_model=None) -> None:
+        """Every rank loads its share of the MTP draft head (``--speculative mtp``), before any sequence;
+        DeepSeek-V4's from the companion file ``draft_model`` (a path or ``GGUFFile``), which every rank opens."""
+        path = None if draft_model is None else str(getattr(draft_model, "path", draft_model))
+        self._run({"op": "enable_mtp", "draft": path}, lambda: self.local.enable_mtp(path))
         self.kv_bytes_per_token = self.local.kv_bytes_per_token
 
     @property
@@ -467,6 +470,11 @@ class DistributedRunner:
         (every rank's are the same: the head's output is all-reduced, its LM head replicated)."""
         return self._run({"op": "draft", "seq": seq.seq_id, "pending": int(pending), "k": int(k)},
                          lambda: self.local.draft(seq.local, pending, k))
+
+    def draft_logits(self, seq: ShardedSequence, pending: int, k: int) -> tuple[list[int], np.ndarray]:
+        """:meth:`draft` with rank 0's float32 logits of the drafted positions."""
+        return self._run({"op": "draft", "seq": seq.seq_id, "pending": int(pending), "k": int(k), "logits": True},
+                         lambda: self.local.draft_logits(seq.local, pending, k))
 
     @property
     def pipelines_decode(self) -> bool:
@@ -511,10 +519,14 @@ class DistributedRunner:
                          lambda: gather_kv(self.local, seq.local, start, end, self.group, self.plans[0]))
 
     def import_kv(self, seq: ShardedSequence, arrays: dict[str, np.ndarray], n_tokens: int) -> None:
-        """Each rank receives (and keeps) the KV heads it owns, and its share of a block's end state."""
-        heads = seq.local.kv_heads  # every rank's cache has as many heads (its own)
-        per_rank = {r: {**head_slice(arrays, r, self.size, heads), **state_share(arrays, r, self.size)}
-                    for r in range(self.size)}
+        """Each rank receives (and keeps) the KV heads it owns, and its share of a block's end state (the whole
+        block where every rank holds the whole cache: DeepSeek-V4's)."""
+        if _same_cache_on_every_rank(self.local):
+            per_rank = {r: arrays for r in range(self.size)}
+        else:
+            heads = seq.local.kv_heads  # every rank's cache has as many heads (its own)
+            per_rank = {r: {**head_slice(arrays, r, self.size, heads), **state_share(arrays, r, self.size)}
+                        for r in range(self.size)}
         self._run({"op": "import", "seq": seq.seq_id, "n": int(n_tokens)},
                   lambda: self.local.import_kv(seq.local, per_rank[0], n_tokens), per_rank=per_rank)
 
@@ -532,6 +544,12 @@ class DistributedRunner:
     def close(self) -> None:
         """End the group cleanly (:meth:`ControlLinks.close`); idempotent, the runner is unusable afterwards."""
         self._control.close()
+
+
+def _same_cache_on_every_rank(local) -> bool:
+    """Whether every rank's sequence cache is the same whole one (DeepSeek-V4's compact cache): its blocks
+    are then one rank's export, and every rank imports all of a block."""
+    return bool(getattr(getattr(local, "model", None), "same_cache_on_every_rank", False))
 
 
 #: end-state tensors whose rows are KV heads, like the K/V's: a window layer's last rows ``state.k.{i}`` /
@@ -617,6 +635,8 @@ def gather_kv(local, seq, start: int, end: int, group, plan) -> dict[str, np.nda
     import mlx.core as mx
 
     mine = local.export_kv(seq, start, end)
+    if _same_cache_on_every_rank(local):  # each rank exported (and let go of) the same block: no collective
+        return mine
     state = {k: mine.pop(k) for k in [k for k in mine if k.startswith(END_STATE_PREFIX)]}
     kind = getattr(seq, "persist_kind", "")  # every rank's sequence alike: the same collectives on each
     if kind == "window" and held_by_every_rank(state, group):
@@ -723,9 +743,10 @@ def follow(runner, sock: socket.socket, group, plan, stopped: threading.Event | 
             elif op == "verify":
                 runner.verify(seqs[header["seq"]], arrays["tokens"].tolist())
             elif op == "enable_mtp":
-                runner.enable_mtp()
+                runner.enable_mtp(header.get("draft"))
             elif op == "draft":
-                runner.draft(seqs[header["seq"]], header["pending"], header["k"])
+                (runner.draft_logits if header.get("logits") else runner.draft)(seqs[header["seq"]], header["pending"],
+                                                                                 header["k"])
             elif op == "trim":
                 seqs[header["seq"]].trim(header["n"])
             elif op == "export":

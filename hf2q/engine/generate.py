@@ -263,7 +263,9 @@ def run(args) -> int:
     ignore_eos = getattr(args, "ignore_eos", False)
     draft_tokens = _draft_tokens(args, runner)
     if draft_tokens and args.speculative == "mtp":
-        runner.enable_mtp(getattr(args, "model_draft", None))  # deepseek4: the companion file's head
+        from hf2q.engine.speculative import draft_model
+
+        runner.enable_mtp(draft_model(args))  # deepseek4: the companion file's head, as the start-up check opened it
 
     if not args.benchmark:
         detok = IncrementalDetokenizer(tokenizer)

@@ -175,17 +175,19 @@ def rank_need(g: GGUFFile, size: int, kv_budget: int, *, float_bytes: int, scale
               mtp: bool = False, draft: GGUFFile | None = None) -> RankNeed:
     """What the most loaded of ``size`` ranks holds (``InputError`` when ``g`` cannot split ``size`` ways);
     the MTP head's weights only with ``mtp`` (the engine loads them only then), a deepseek4 companion
-    ``draft``'s (``--model-draft``) on one rank."""
+    ``draft``'s (``--model-draft``) too, each rank its share (the companion's block is cut like the trunk's)."""
     from hf2q.engine.tensor_parallel import shard_gguf
 
     unread = set() if mtp else head_tensors(g)
+    companion = head_tensors(draft) if mtp and draft is not None else ()
     worst = 0
     for rank in range(size):
         view = shard_gguf(g, rank, size)
-        worst = max(worst, sum(tensor_bytes(t, float_bytes, scale_bytes) for n, t in view.tensors.items()
-                               if n not in unread))
-    if mtp and draft is not None:
-        worst += sum(tensor_bytes(draft.tensors[n], float_bytes, scale_bytes) for n in head_tensors(draft))
+        held = sum(tensor_bytes(t, float_bytes, scale_bytes) for n, t in view.tensors.items() if n not in unread)
+        if companion:
+            share = shard_gguf(draft, rank, size)
+            held += sum(tensor_bytes(share.tensors[n], float_bytes, scale_bytes) for n in companion)
+        worst = max(worst, held)
     # deepseek4: its one K=V head and compressors are replicated, so every rank holds the whole compact cache
     return RankNeed(size, worst, kv_budget if g.arch == "deepseek4" else -(-kv_budget // size))
 

@@ -170,10 +170,10 @@ class MlxModelRunner:
     def persists_kv(self) -> bool:
         """Whether the persistent KV store can keep this model's sequences: plain K/V, a hybrid model's
         (its blocks carry the recurrent state at their ends, and an MTP head's K/V layer and input row),
-        DeepSeek-V4's compact cache and a sliding-window model's (its blocks carry the window layers' rows
-        at their ends); not yet DeepSeek-V4 with its MTP head, whose draft layer the compact cache's blocks
-        do not carry (docs/KVSTORE.md)."""
-        return not (self.drafts and self.arch == "deepseek4")
+        DeepSeek-V4's compact cache (with an MTP head: its window layer and, at block ends, the trunk streams
+        the head pairs with next) and a sliding-window model's (its blocks carry the window layers' rows at
+        their ends) (docs/KVSTORE.md)."""
+        return True
 
     @property
     def rolls_back_drafts(self) -> bool:
@@ -228,6 +228,10 @@ class MlxModelRunner:
     def draft(self, seq: SequenceCache, pending: int, k: int) -> list[int]:
         """Up to ``k`` tokens the model's MTP head drafts after ``pending`` (sampled, not yet in ``seq``)."""
         return self.model.mtp.draft(seq, pending, k) if k > 0 else []
+
+    def draft_logits(self, seq: SequenceCache, pending: int, k: int) -> tuple[list[int], np.ndarray]:
+        """:meth:`draft` and the head's float32 logits ``[k, vocab]`` its tokens were read from."""
+        return self.model.mtp.draft_logits(seq, pending, k)
 
     # ---- sequences -----------------------------------------------------------------
 

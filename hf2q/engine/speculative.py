@@ -145,15 +145,22 @@ def draft_header(g, args):
     d = open_gguf(path)
     if problem := companion_problem(g, d):
         raise InputError(f"{d.path.name}: --model-draft {problem}")
+    args.model_draft_header = d  # what the memory plan and the engine read next (:func:`draft_model`)
     return d
+
+
+def draft_model(args):
+    """What the memory plan and ``enable_mtp`` read for ``--model-draft``: the header :func:`check_speculative`
+    opened and checked (opened once), else the path; None without the flag."""
+    return getattr(args, "model_draft_header", None) or getattr(args, "model_draft", None)
 
 
 def check_speculative(g, args) -> None:
     """``--speculative mtp``'s start-up check on the model's header: a qwen35 / qwen35moe file with a
     ``nextn`` block, or a deepseek4 trunk with its ``--model-draft`` companion (``InputError``; the flag
     elsewhere: ``UsageError``). Any ``--kv-cache-type`` (the head's K/V layer is stored like the main
-    ones); any ``--tensor-parallel`` for Qwen 3.5 / 3.6 (the head is split like the main blocks), none yet for
-    DeepSeek-V4's companion head (``UsageError``)."""
+    ones); any ``--tensor-parallel`` the model splits over (each head's block is split like the main ones:
+    DeepSeek-V4's companion must split the same way, ``InputError``)."""
     from hf2q.errors import InputError, UsageError
 
     mtp = getattr(args, "speculative", "off") == "mtp"
@@ -168,10 +175,12 @@ def check_speculative(g, args) -> None:
         if not drafted:
             raise InputError(f"{name}: --speculative mtp on DeepSeek-V4 needs its MTP head: --model-draft FILE "
                              "(`hf2q convert --mtp` of the same checkpoint), or use --speculative ngram")
-        if (getattr(args, "tensor_parallel", 1) or 1) > 1:
-            raise UsageError("--speculative mtp on DeepSeek-V4 does not run with --tensor-parallel yet (its head is "
-                             "not split over the ranks); use --speculative ngram")
-        draft_header(g, args)
+        d = draft_header(g, args)
+        if (size := getattr(args, "tensor_parallel", 1) or 1) > 1:
+            from hf2q.engine.tensor_parallel import shard_gguf
+
+            for r in range(size):  # views only: the head's block is cut like the trunk's, before a rank starts
+                shard_gguf(d, r, size)
         return
     if not has_mtp_head(g):
         raise InputError(f"{name}: --speculative mtp needs a Qwen 3.5 / 3.6 GGUF with its multi-token-prediction "

@@ -18,11 +18,12 @@ that is not plain per-position K/V (``cache_kind``: ``recurrent`` for a hybrid m
 state that point needs as the tensors named ``state.*`` (``END_STATE_PREFIX``); a reader that predates
 them refuses them as ``wrong-version`` instead of importing K/V without the state it belongs to
 (docs/KVSTORE.md). A hybrid sequence that feeds an MTP draft head (``recurrent-mtp``: the head's K/V
-layer, and the hidden row the head reads next as ``state.hidden``) is a version-3 cache kind like the
-others: a reader that predates a cache kind refuses it at version 3 already (``unknown-payload``), and
-the engine identity's ``-mtp`` keeps its blocks under a fingerprint of their own. Its blocks written at
-``HEAD_FORMAT_VERSION`` (4) stay readable; nothing writes that version any more. Each version holds its
-own cache kinds only.
+layer, and the hidden row the head reads next as ``state.hidden``) and DeepSeek-V4's compact cache with its MTP
+head's window layer (``deepseek4-mtp``: the trunk streams the head pairs with next as ``state.hidden``) are
+version-3 cache kinds like the others: a reader that predates a cache kind refuses it at version 3 already
+(``unknown-payload``), and the engine identity's ``-mtp`` keeps their blocks under a fingerprint of their own.
+``recurrent-mtp`` blocks written at ``HEAD_FORMAT_VERSION`` (4) stay readable; nothing writes that version any
+more. Each version holds its own cache kinds only.
 
 Everything here is pure byte work with no locking or directory policy, so recovery,
 the store, the CLI and tests share one parser. Any defect raises ``BlockFileError`` with a
@@ -63,7 +64,8 @@ VERSION_PAYLOADS = {FORMAT_VERSION: PAYLOAD_KINDS, CODES_FORMAT_VERSION: (PAYLOA
                     HEAD_FORMAT_VERSION: (*PAYLOAD_KINDS, PAYLOAD_KV_CODES)}
 #: the cache kinds each format version holds ("" plain K/V): what the sequences' ``export`` produces
 VERSION_CACHE_KINDS = {FORMAT_VERSION: ("",), CODES_FORMAT_VERSION: ("",),
-                       STATE_FORMAT_VERSION: ("recurrent", "recurrent-mtp", "deepseek4", "window"),
+                       STATE_FORMAT_VERSION: ("recurrent", "recurrent-mtp", "deepseek4", "deepseek4-mtp",
+                                              "window"),
                        HEAD_FORMAT_VERSION: ("recurrent-mtp",)}  # read only: recurrent-mtp blocks once written at 4
 #: the caches whose blocks carry a cache kind (written at version 3)
 CACHE_KINDS = VERSION_CACHE_KINDS[STATE_FORMAT_VERSION]

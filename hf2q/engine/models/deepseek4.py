@@ -215,6 +215,9 @@ class Deepseek4Model:
 
     is_embedding_model = False
     trims_prefix = False
+    #: over tensor-parallel ranks every rank holds the same whole compact cache (its K=V head, compressors
+    #: and indexer are replicated, ``models/deepseek4_tp.py``): a persistent-store block is any rank's export
+    same_cache_on_every_rank = True
 
     def __init__(self, g: GGUFFile, dtype):
         self.gguf = g
@@ -239,16 +242,27 @@ class Deepseek4Model:
 
     def enable_mtp(self, companion: GGUFFile | None = None) -> None:
         """Draft with the MTP block of ``companion`` (llama.cpp's ``--mtp`` file of the same checkpoint;
-        ``models/deepseek4_mtp.py``): call before the first sequence, whose caches then hold its layer too."""
+        ``models/deepseek4_mtp.py``): call before the first sequence, whose caches then hold its layer too. On a
+        tensor-parallel shard (``tp_group``) the head's block takes this rank's share of the whole companion."""
         from hf2q.engine.models.deepseek4_mtp import Deepseek4MtpHead, check_head
 
         if companion is None:
             raise InputError("deepseek4 keeps its MTP head in a file of its own: pass it with --model-draft")
-        if self.mtp is None:
-            cfg, geo = read_config(companion)
-            check_head(companion, self, cfg)
-            block = Deepseek4Block(cfg, geo, companion, self.cfg.n_layers, self.dtype)
-            self.mtp = Deepseek4MtpHead(companion, self, cfg, block, self.dtype)
+        if self.mtp is not None:
+            return
+        check_head(companion, self, read_config(companion)[0])
+        group = getattr(self, "tp_group", None)  # a tensor-parallel shard: the head's block is cut like the trunk's
+        if group is not None:
+            from hf2q.engine.tensor_parallel import shard_gguf
+
+            companion = shard_gguf(companion, group.rank(), group.size())
+        cfg, geo = read_config(companion)
+        block = Deepseek4Block(cfg, geo, companion, self.cfg.n_layers, self.dtype)
+        if group is not None:
+            from hf2q.engine.models.deepseek4_tp import parallelize_block
+
+            parallelize_block(block, group)
+        self.mtp = Deepseek4MtpHead(companion, self, cfg, block, self.dtype)
 
     def tp_parallelize(self, group) -> None:
         """Over tensor-parallel ranks (``tensor_parallel.parallelize``): each block's own split, two
@@ -260,7 +274,9 @@ class Deepseek4Model:
     def new_sequence_cache(self) -> Deepseek4Cache:
         geo = self.geo
         ratios = self.cfg.compress_ratios + ([0] if self.mtp is not None else [])  # the MTP head's window layer
-        return Deepseek4Cache(layer_rows(geo.head_dim, geo.index_dim, ratios), geo.window, self.dtype)
+        streams = (self.cfg.hc_count, self.cfg.hidden) if self.mtp is not None else None
+        return Deepseek4Cache(layer_rows(geo.head_dim, geo.index_dim, ratios), geo.window, self.dtype,
+                              mtp_streams=streams)
 
     def weights_nbytes(self) -> int:
         head = list(self.mtp.linears()) if self.mtp is not None else []
@@ -276,7 +292,7 @@ class Deepseek4Model:
         for block in self.blocks:
             streams = block(streams, fb, tokens)
         if self.mtp is not None:  # the draft head's cache rows of these tokens, from every position's streams
-            self.mtp.store(tokens, streams, fb)
+            self.mtp.store(tokens, streams, fb, x)
         if last_only:
             streams = streams[:, -1:]
         h = mx.fast.rms_norm(self.head(streams), self.norm, self.cfg.norm_eps)

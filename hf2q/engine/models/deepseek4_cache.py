@@ -39,8 +39,8 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from hf2q.engine.kv_cache import PrefixNotReusable, SequenceCache, StackedDecode
-from hf2q.engine.kv_layout import END_STATE_PREFIX, has_end_state
+from hf2q.engine.kv_cache import PrefixNotReusable, SequenceCache, StackedDecode, row_before
+from hf2q.engine.kv_layout import END_STATE_PREFIX, HIDDEN_STATE, has_end_state
 from hf2q.engine.models.deepseek4_layout import LayerRows
 from hf2q.engine.recurrent_policy import (BLOCK_ENDS_KEPT, CHECKPOINT_INTERVAL, KV_GROW, WINDOW_POINTS_KEPT,
                                           WINDOW_SNAPSHOTS_KEPT, ReusePoints, block_ends_reached, keep_newest,
@@ -242,7 +242,10 @@ class Deepseek4Cache(SequenceCache):
     TRANSACTION_END = "end"
 
     def __init__(self, layers: list[LayerRows], window: int, dtype, interval: int = CHECKPOINT_INTERVAL,
-                 keep: int = WINDOW_POINTS_KEPT, ends_kept: int = WINDOW_SNAPSHOTS_KEPT):
+                 keep: int = WINDOW_POINTS_KEPT, ends_kept: int = WINDOW_SNAPSHOTS_KEPT,
+                 mtp_streams: tuple[int, int] | None = None):
+        """``mtp_streams``: ``(hc, hidden)``, the shape of the trunk streams an MTP head pairs with (its last
+        layer in ``layers``); None without a head."""
         super().__init__(len(layers), 1, layers[0].head_dim, dtype)
         self.specs, self.size = list(layers), window
         self.states = [self._empty_state(s) for s in self.specs]
@@ -267,6 +270,10 @@ class Deepseek4Cache(SequenceCache):
         #: an MTP head's pairing rows (``models/deepseek4_mtp.py``): (position of the first, trunk streams
         #: ``[n, hc, hidden]``), None while the head is off or before the first forward
         self.mtp_hidden: tuple[int, mx.array] | None = None
+        self.mtp_streams = mtp_streams
+        #: with a head: length → the trunk streams ``[hc, hidden]`` before each captured block end (what the
+        #: head pairs with the block's next token; its blocks carry them as ``state.hidden``)
+        self.end_hidden: dict[int, mx.array] | None = {} if mtp_streams is not None else None
 
     def _empty_state(self, s: LayerRows) -> LayerState:
         return LayerState(_empty_rows(s.head_dim, self.dtype),
@@ -370,6 +377,7 @@ class Deepseek4Cache(SequenceCache):
         self._awaiting_state = False
         for p in [p for p in self._block_ends if p > n_tokens]:
             del self._block_ends[p]
+        self._forget_end_hidden()
         if n_tokens == 0:
             self.states = [self._empty_state(s) for s in self.specs]
             self.points.clear()
@@ -405,6 +413,7 @@ class Deepseek4Cache(SequenceCache):
         """Every array the cache holds, the staged forward's included (what a forward's eval must reach)."""
         states = [self._pending[i][0] if i in self._pending else st for i, st in enumerate(self.states)]
         out = [a for st in states for a in st.arrays()] + ([self.mtp_hidden[1]] if self.mtp_hidden is not None else [])
+        out += list((self.end_hidden or {}).values())  # evaluated with the forward that captured them
         return out + [e.buf for e in (*self.entries, *self.index_entries) if e is not None and e.buf is not None]
 
     @property
@@ -427,7 +436,9 @@ class Deepseek4Cache(SequenceCache):
 
     @property
     def persist_kind(self) -> str:
-        return "deepseek4"
+        """``deepseek4``; ``deepseek4-mtp`` with an MTP head (its blocks carry the head's window layer like
+        the trunk's, and the streams it pairs with next)."""
+        return "deepseek4" if self.end_hidden is None else "deepseek4-mtp"
 
     @property
     def block_ends(self) -> dict[int, list[LayerState]]:
@@ -438,6 +449,12 @@ class Deepseek4Cache(SequenceCache):
         block is exported (the persistent store turns this on for every slot's sequence)."""
         self.block_tokens = block_tokens
 
+    def forget_block_ends(self, keep) -> None:
+        """Let go of the captured block ends whose length is not in ``keep`` (their blocks are on disk)."""
+        for p in [p for p in self._block_ends if p not in keep]:
+            del self._block_ends[p]
+        self._forget_end_hidden()
+
     def _capture_block_ends(self, start: int, n: int, transaction: bool) -> None:
         """The rows at the block ends a prompt forward of ``n`` tokens from ``start`` reached: the copy its
         reuse point there made, or (a point already aged out within this forward) a copy of the live
@@ -447,6 +464,20 @@ class Deepseek4Cache(SequenceCache):
         for p in block_ends_reached(start, n, self.block_tokens):
             self._block_ends[p] = self.points[p][1] if p in self.points else self._snapshot(p)
         keep_newest(self._block_ends, BLOCK_ENDS_KEPT)
+        self._forget_end_hidden()
+
+    def keep_end_hidden(self, off: int, rows: mx.array) -> None:
+        """Keep the trunk streams before each block end a prompt forward from ``off`` reaches (``rows
+        [T + 1, hc, hidden]``: positions ``off − 1 …``), while the forward has them (the MTP head's ``store``)."""
+        if self.end_hidden is None or not self.block_tokens:
+            return
+        for p in block_ends_reached(off, rows.shape[0] - 1, self.block_tokens):
+            self.end_hidden[p] = rows[p - off] + mx.zeros((), dtype=rows.dtype)  # a copy, not a view
+
+    def _forget_end_hidden(self) -> None:
+        """Let go of the streams of block ends no longer captured (exported, aged out or trimmed away)."""
+        for p in [p for p in self.end_hidden or {} if p not in self._block_ends]:
+            del self.end_hidden[p]
 
     def _rows_at(self, end: int) -> list[LayerState] | None:
         if end == self._length or self._held(end):
@@ -463,6 +494,9 @@ class Deepseek4Cache(SequenceCache):
         if not 0 <= start <= end <= self._length:
             raise ValueError(f"export range [{start}, {end}) outside 0..{self._length}")
         rows = self._rows_at(end)
+        hidden = self._hidden_at(end) if rows is not None else None
+        if self.end_hidden is not None and hidden is None:  # a head's sequence: all of its end state or none
+            rows = None
         host = lambda a: np.array(a.astype(mx.float32))  # noqa: E731
         out = {}
         for i, spec in enumerate(self.specs):
@@ -477,16 +511,38 @@ class Deepseek4Cache(SequenceCache):
                 if spec.overlap:
                     out[f"{END_STATE_PREFIX}index.{i}"] = host(rows[i].index.data)
         if rows is not None:
+            if hidden is not None:
+                out[HIDDEN_STATE] = host(hidden)
             self._block_ends.pop(end, None)
+            self._forget_end_hidden()
         elif not out:  # a model of window layers only: a block is its end rows or nothing
             raise PrefixNotReusable(f"cannot export a deepseek4 cache of {self._length} tokens up to {end}: its "
                                     f"rows there are no longer held (it can: {self.reuse_points()})")
         return out
 
+    def _hidden_at(self, end: int) -> mx.array | None:
+        """The trunk streams before ``end`` an MTP head pairs with next, where this still holds them."""
+        if self.end_hidden is None:
+            return None
+        row = row_before(self.mtp_hidden, end) if end == self._length else None
+        return row if row is not None else self.end_hidden.get(end)
+
+    def _imported_hidden(self, arrays: dict[str, np.ndarray]) -> mx.array | None:
+        """A head's sequence: the streams a block with end rows carries (checked), else None."""
+        if self.end_hidden is None or not has_end_state(arrays):
+            return None
+        got = None if HIDDEN_STATE not in arrays else tuple(np.shape(arrays[HIDDEN_STATE]))
+        if got != tuple(self.mtp_streams):
+            raise ValueError(f"KV block part {HIDDEN_STATE!r} has shape {got}, expected the MTP head's trunk streams "
+                             f"{tuple(self.mtp_streams)}")
+        return self._put(arrays, HIDDEN_STATE)
+
     def import_(self, arrays: dict[str, np.ndarray], n_tokens: int) -> None:
-        """Append a block ``export`` gave: its entries, and its end rows as the live ones when it has them."""
+        """Append a block ``export`` gave: its entries, and its end rows as the live ones when it has them
+        (with an MTP head, also the trunk streams it pairs with next)."""
         start, end = self._length, self._length + n_tokens
         with_rows = has_end_state(arrays)
+        hidden = self._imported_hidden(arrays)
         self.mtp_hidden = None  # rows of another continuation may sit past the length
         rows = []
         for i, spec in enumerate(self.specs):
@@ -518,6 +574,8 @@ class Deepseek4Cache(SequenceCache):
                 self.index_entries[i].count = self.index_entries[i].write(self._put(arrays, f"index_entries.{i}"))
         if with_rows:
             self.states = rows
+            if hidden is not None:
+                self.mtp_hidden = (end - 1, hidden[None])
         elif start and not self._awaiting_state:  # where a failed restore can be trimmed back to
             self.points.add(start, (None, self._snapshot(start)))
         self._awaiting_state = not with_rows

@@ -20,7 +20,9 @@ trunk forward writes that layer's row of each of its tokens (paired with the str
 before, as llama.cpp's MTP driver pairs them): only the pre-attention mix and the K=V projection run
 there, not the block's attention or MoE. The streams the next forward and the drafts pair with stay
 with the sequence (:attr:`Deepseek4Cache.mtp_hidden`): every row of a verify (it may stop at any of
-its tokens), the last two of any other forward (the decode pipeline's one-position undo).
+its tokens), the last two of any other forward (the decode pipeline's one-position undo); with the
+persistent store on, also those before each block end a prompt forward reaches, which its blocks carry
+(``state.hidden``, cache kind ``deepseek4-mtp``).
 
 **Drafting** chains the block on its own output streams (they stand in for the trunk's at the next
 position), k lazy steps whose greedy tokens leave the device once. Its rows of the drafted positions
@@ -98,6 +100,8 @@ class Deepseek4MtpHead:
         # the companion's embedding and LM head are copies of the trunk's: share those unless it has its own
         self.embed = Linear(g.tensor(p + "embed_tokens.weight"), dtype) if own(p + "embed_tokens.weight") \
             else model.embed
+        #: whether the trunk's embedding rows of a forward are the head's too (``store`` then reuses them)
+        self.shares_embed = self.embed is model.embed
         self.lm_head = Linear(g.tensor(p + "shared_head_head.weight"), dtype) if own(p + "shared_head_head.weight") \
             else model.lm_head
         self.head = HyperHead(g, cfg.hc_count, cfg.hc_eps, cfg.norm_eps)
@@ -108,25 +112,26 @@ class Deepseek4MtpHead:
 
     # ---- the head's input and its cache rows -----------------------------------------------
 
-    def fused(self, tokens: mx.array, hidden: mx.array) -> mx.array:
-        """The block's input streams ``[B, T, hc, d]`` of ``tokens [B, T]`` paired with trunk (or head)
-        streams ``hidden [B, T, hc, d]``."""
+    def fused(self, tokens: mx.array, hidden: mx.array, embedded: mx.array | None = None) -> mx.array:
+        """The block's input streams ``[B, T, hc, d]`` of ``tokens [B, T]`` (their embedding rows ``embedded``
+        where the caller has them) paired with trunk (or head) streams ``hidden [B, T, hc, d]``."""
         eps = self.cfg.norm_eps
-        e = mx.fast.rms_norm(self.embed.rows(tokens).astype(self.dtype), self.enorm, eps)
+        e = self.embed.rows(tokens) if embedded is None else embedded
+        e = mx.fast.rms_norm(e.astype(self.dtype), self.enorm, eps)
         h = mx.fast.rms_norm(hidden.astype(self.dtype), self.hnorm, eps)
         e = mx.broadcast_to(e[:, :, None, :], h.shape)
         return self.eh_proj(mx.concatenate([e, h], axis=-1))
 
-    def store(self, tokens: mx.array, streams: mx.array, fb: ForwardBatch) -> None:
+    def store(self, tokens: mx.array, streams: mx.array, fb: ForwardBatch, embedded: mx.array) -> None:
         """Stage the head's cache row of each of a trunk forward's ``tokens [B, T]`` (whose final streams
-        are ``streams [B, T, hc, d]``; each token pairs with the streams before it) and keep the streams
-        the next forward and the drafts read."""
+        are ``streams [B, T, hc, d]``; each token pairs with the streams before it; ``embedded``: the trunk's
+        embedding rows of them) and keep the streams the next forward and the drafts read."""
         B, T = tokens.shape
         hc, d = streams.shape[-2:]
         before = mx.stack([previous_hidden(c, off, (hc, d), streams.dtype)
                            for c, off in zip(fb.caches, fb.offsets)])[:, None]
         rows = mx.concatenate([before, streams], axis=1)  # positions off − 1 … off + T − 1
-        u = self.fused(tokens, rows[:, :-1])
+        u = self.fused(tokens, rows[:, :-1], embedded if self.shares_embed else None)
         pre, _, _ = self.block.attn_hc.weights(u)
         x = mx.fast.rms_norm((pre[..., None] * u).sum(axis=2).astype(u.dtype), self.block.attn_norm, self.cfg.norm_eps)
         pos = mx.array(np.asarray(fb.offsets)[:, None] + np.arange(T)[None, :])
@@ -136,6 +141,8 @@ class Deepseek4MtpHead:
             state = c.layer(self.layer)[0]
             c.stage(self.layer, LayerState(state.raw.extended(kv[b])), 0, 0, fb.end_point)
             c.mtp_hidden = (off - 1 if not fb.end_point else off + T - 2, kept[b])
+            if fb.end_point and T > 1:  # a prompt transaction: the persistent store's block ends inside it
+                c.keep_end_hidden(off, rows[b])
 
     # ---- drafting ----------------------------------------------------------------------------
 
