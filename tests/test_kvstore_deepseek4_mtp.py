@@ -53,6 +53,15 @@ def test_blocks_carry_the_heads_window_rows_and_the_streams_it_pairs_with(runner
         assert {f"state.raw.{head}", HIDDEN_STATE, "state.raw.0"} <= b.keys()
         assert b[f"state.raw.{head}"].shape == b["state.raw.0"].shape  # a window layer's rows like the trunk's
         assert b[HIDDEN_STATE].shape == (cfg.hc_count, cfg.hidden)
+    # the memory plan counts those streams for every captured end it budgets (``--kv-persist``)
+    from hf2q.engine.memory_plan import end_hidden_bytes, kv_need
+    from hf2q.engine.models.deepseek4_layout import compact_need
+
+    hp, elem = runner.gguf.hparams, runner.dtype.size
+    streams = blocks[0][HIDDEN_STATE].nbytes
+    assert end_hidden_bytes(hp, elem) == streams
+    assert kv_need(hp, elem, mtp=True).end_copy == compact_need(hp, elem, mtp=True).point_copy() + streams
+    assert kv_need(hp, elem).end_copy == compact_need(hp, elem).point_copy()  # no streams without the head
 
 
 def _draft(runner, seq, pending: int):

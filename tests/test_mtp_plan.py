@@ -41,6 +41,25 @@ def _held_kv(seq) -> int:
 # ---------------------------------------------------------------------------- the plan vs a real slot
 
 
+def test_planned_block_end_bytes_equal_the_hidden_rows_a_sequence_keeps(gguf):
+    """With the head, each captured block end also keeps the main model's hidden row before it (the head
+    pairs it with the block's next token): the plan's per-end bytes are those rows."""
+    from hf2q.engine.memory_plan import end_hidden_bytes
+    from hf2q.kvstore import BLOCK_TOKENS
+
+    hp = open_gguf(gguf).hparams
+    runner = _runner(gguf, True, "f16")
+    seq = runner.new_sequence()
+    seq.keep_block_ends(BLOCK_TOKENS)
+    runner.prefill(seq, random_tokens(2 * BLOCK_TOKENS + 20, seed=2))
+    ends = seq.block_ends
+    assert sorted(ends) == [BLOCK_TOKENS, 2 * BLOCK_TOKENS]
+    held = {n: np.array(e.hidden).nbytes for n, e in ends.items()}
+    need = kv_need(hp, runner.dtype.size, mtp=True)
+    assert set(held.values()) == {end_hidden_bytes(hp, runner.dtype.size)} == {need.block_end_bytes()}
+    assert kv_need(hp, runner.dtype.size).block_end_bytes() == 0  # without the head nothing beside the state
+
+
 @pytest.mark.parametrize("kv_type", ["f16", "q8"])
 def test_planned_kv_bytes_equal_a_real_slots_with_the_head(gguf, kv_type):
     hp = open_gguf(gguf).hparams

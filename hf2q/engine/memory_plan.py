@@ -26,6 +26,7 @@ from hf2q.engine.kv_layout import row_nbytes
 from hf2q.engine.recurrent_policy import BLOCK_ENDS_KEPT, STATES_PER_SEQUENCE, swa_full, window_positions
 from hf2q.errors import InputError
 from hf2q.formats.gguf_file import GGUFFile, GGUFTensor
+from hf2q.formats.gguf_keys import ExtraKeys
 
 #: bits per weight of the affine form each GGUF type is loaded as (``quant_repack.to_affine``)
 AFFINE_BITS = {T.Q4_0: 4, T.Q4_1: 4, T.Q4_K: 4, T.Q5_0: 5, T.Q5_1: 5, T.Q5_K: 5, T.Q8_0: 8,
@@ -121,7 +122,8 @@ def kv_need(hp, elem: int, *, on_cpu: bool = False, kv_type: str = "f16", mtp: b
 
     if mtp and hp.arch != "deepseek4":
         need = kv_need(hp, elem, on_cpu=on_cpu, kv_type=kv_type)
-        return attrs.evolve(need, per_token=need.per_token + mtp_position_bytes(hp, elem, kv_type))
+        return attrs.evolve(need, per_token=need.per_token + mtp_position_bytes(hp, elem, kv_type),
+                            end_copy=need.end_copy + end_hidden_bytes(hp, elem))
 
     windowed = hp.sliding_window and not swa_full()
     if hp.arch == "gemma3" and windowed and not on_cpu:
@@ -132,7 +134,8 @@ def kv_need(hp, elem: int, *, on_cpu: bool = False, kv_type: str = "f16", mtp: b
         from hf2q.engine.models.deepseek4_layout import compact_need
 
         need = compact_need(hp, elem, mtp=mtp)  # the MTP head's window layer is bounded too
-        return KvNeed(need.per_token, bounded=need.bounded, end_copy=need.point_copy())
+        return KvNeed(need.per_token, bounded=need.bounded,
+                      end_copy=need.point_copy() + (end_hidden_bytes(hp, elem) if mtp else 0))
     if hp.arch != "gemma4":
         return KvNeed(token_bytes(hp, elem, kv_type))
     a = Keys.Attention
@@ -146,6 +149,14 @@ def kv_need(hp, elem: int, *, on_cpu: bool = False, kv_type: str = "f16", mtp: b
     window = hp.sliding_window
     n_window = sum(sliding[i] for i in owners) if windowed else 0
     return KvNeed((len(owners) - n_window) * position, window if n_window else None, n_window, position)
+
+
+def end_hidden_bytes(hp, elem: int) -> int:
+    """What a captured block end keeps for an MTP head beside the cache rows: the main model's hidden row
+    before the end (qwen35's ``state.hidden``), or DeepSeek-V4's trunk streams there, one hidden row per
+    hyper-connection stream."""
+    streams = int(hp.stored(ExtraKeys.HYPER_CONNECTION_COUNT) or 1) if hp.arch == "deepseek4" else 1
+    return streams * hp.hidden * elem
 
 
 def mtp_position_bytes(hp, elem: int, kv_type: str = "f16") -> int:
