@@ -132,24 +132,9 @@ def test_restarted_server_with_the_head_resumes_the_prefix(tmp_path):
     """``serve --speculative mtp --model-draft --kv-persist``: a cold server saves the prompt's two blocks
     (``deepseek4-mtp``, each with its end state); a restarted one restores them and answers with the cold
     greedy tokens and top-5 log-probabilities."""
-    from hf2q.kvstore.blockfile import read_meta
     from tests.models.deepseek4_chat import deepseek4_chat_gguf
     from tests.test_deepseek4_mtp import companion_gguf
-    from tests.test_kvstore_stateful_serve import _top_logprobs, serve_requests
+    from tests.test_kvstore_stateful_serve import check_restart_resumes
 
-    model, kv_dir = deepseek4_chat_gguf(), tmp_path / "kv"
-    flags = ("--speculative", "mtp", "--model-draft", str(companion_gguf()))
-    words = " ".join(f"w{(i * 7) % 89}" for i in range(210))
-    body = {"temperature": 0, "max_tokens": 4, "logprobs": True, "top_logprobs": 5,
-            "messages": [{"role": "user", "content": words}]}
-    (cold,), log = serve_requests(model, kv_dir, body, 1, *flags)
-    assert (cold["usage"]["prompt_tokens"] - 1) // B == BLOCKS
-    assert not [r for r in log if "persistent KV store disabled" in str(r.get("msg"))], log[-5:]
-    metas = [read_meta(p) for p in sorted((kv_dir / "blocks").glob("*.safetensors"))]
-    assert len(metas) == BLOCKS and all(m.cache_kind == "deepseek4-mtp" and m.has_end_state for m in metas)
-    (warm,), _ = serve_requests(model, kv_dir, body, 1, *flags)
-    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == BLOCKS * B
-    assert warm["choices"][0]["message"] == cold["choices"][0]["message"]
-    for j, (got, want) in enumerate(zip(_top_logprobs(warm), _top_logprobs(cold), strict=True)):
-        assert got.keys() == want.keys(), j
-        assert max(abs(got[t] - want[t]) for t in want) <= TOL, (j, got, want)
+    check_restart_resumes(deepseek4_chat_gguf(), tmp_path / "kv", "deepseek4-mtp", 210, TOL,
+                          "--speculative", "mtp", "--model-draft", str(companion_gguf()))

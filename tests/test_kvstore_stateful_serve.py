@@ -25,9 +25,9 @@ TOL = 1e-5
 BLOCKS = 2
 
 
-def _ask(model: Path, kv_dir: Path, body: dict) -> tuple[dict, list[dict]]:
+def _ask(model: Path, kv_dir: Path, body: dict, *flags: str) -> tuple[dict, list[dict]]:
     """Start a server on ``kv_dir``, answer ``body``, SIGTERM; → (reply, its JSON log records)."""
-    (reply,), records = serve_requests(model, kv_dir, body, 1)
+    (reply,), records = serve_requests(model, kv_dir, body, 1, *flags)
     return reply, records
 
 
@@ -74,13 +74,16 @@ def test_restarted_server_resumes_the_prefix_like_a_cold_prefill(family, cache_k
     check_restart_resumes(_gguf(family), tmp_path / "kv", cache_kind, n_words=210, tol=TOL)
 
 
-def check_restart_resumes(model: Path, kv_dir: Path, cache_kind: str, n_words: int, tol: float) -> None:
-    """A cold server saves a prompt's two full blocks of ``cache_kind`` with their end states; a second
-    server on ``kv_dir`` restores them and answers with the cold greedy tokens and top-5 logprobs."""
+def check_restart_resumes(model: Path, kv_dir: Path, cache_kind: str, n_words: int, tol: float,
+                          *flags: str) -> None:
+    """A cold server (more serve ``flags``) saves a prompt's two full blocks of ``cache_kind`` with their end
+    states; a second server on ``kv_dir`` restores them and answers with the cold greedy tokens and top-5
+    logprobs."""
     words = " ".join(f"w{(i * 7) % 89}" for i in range(n_words))
     body = {"temperature": 0, "max_tokens": 4, "logprobs": True, "top_logprobs": 5,
             "messages": [{"role": "user", "content": words}]}
-    cold, log1 = _ask(model, kv_dir, body)
+    cold, log1 = _ask(model, kv_dir, body, *flags)
+    assert not [r for r in log1 if "persistent KV store disabled" in str(r.get("msg"))], log1[-5:]
     n_prompt = cold["usage"]["prompt_tokens"]
     assert (n_prompt - 1) // BLOCK_TOKENS == BLOCKS, n_prompt  # two full blocks, the tail recomputed
     assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
@@ -90,7 +93,7 @@ def check_restart_resumes(model: Path, kv_dir: Path, cache_kind: str, n_words: i
     assert len(metas) == BLOCKS
     assert all(m.cache_kind == cache_kind and m.has_end_state for m in metas)  # each end's state, saved there
 
-    warm, _ = _ask(model, kv_dir, body)
+    warm, _ = _ask(model, kv_dir, body, *flags)
     assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == BLOCKS * BLOCK_TOKENS
     assert warm["choices"][0]["message"] == cold["choices"][0]["message"]
     for j, (got, want) in enumerate(zip(_top_logprobs(warm), _top_logprobs(cold), strict=True)):

@@ -16,8 +16,6 @@ import sys
 import numpy as np
 import pytest
 
-from hf2q.kvstore import BLOCK_TOKENS as B
-from tests.engine_support import random_tokens
 from tests.test_tp_multihost import ROOT
 
 pytestmark = pytest.mark.slow  # two ranks in a subprocess
@@ -41,32 +39,11 @@ runner.close()
 
 
 def scenario(runner) -> dict[str, np.ndarray]:
-    """Blocks exported after a request, restored into a fresh sequence; a cold sequence beside it."""
-    from tests.test_kvstore_stateful_engine import serve_and_export
+    """The hybrid models' TP scenario (restored beside cold) over V4's vocabulary, with the draft logits and
+    every exported block."""
+    from tests.test_kvstore_tp_hybrid import scenario as restored_beside_cold
 
-    prompt = random_tokens(BLOCKS * B + 20, low=3, high=49152, seed=11)
-    tail = random_tokens(30, low=3, high=49152, seed=12)
-    seq, blocks = serve_and_export(runner, prompt, BLOCKS, 2)
-    seq.forget_block_ends(())
-    restored = runner.new_sequence()
-    restored.keep_block_ends(B)
-    for block in blocks:
-        runner.import_kv(restored, block, B)
-    cold = runner.new_sequence()
-    runner.prefill(cold, prompt[:BLOCKS * B])
-    out = {"restored": runner.prefill(restored, tail), "cold": runner.prefill(cold, tail),
-           "ends_left": np.asarray(len(seq.block_ends)), "kind": np.asarray(restored.persist_kind),
-           "persists": np.asarray(runner.persists_kv), "identity": np.asarray(runner.kv_identity)}
-    pending = int(np.argmax(out["cold"]))
-    if runner.drafts:
-        out["restored_draft"], out["restored_draft_logits"] = runner.draft_logits(restored, pending, 3)
-        out["cold_draft"], out["cold_draft_logits"] = runner.draft_logits(cold, pending, 3)
-    out["restored_step"] = runner.decode([restored], [pending])[0]
-    out["cold_step"] = runner.decode([cold], [pending])[0]
-    for i, block in enumerate(blocks):
-        for name, a in block.items():
-            out[f"block{i}:{name}"] = a
-    return out
+    return restored_beside_cold(runner, vocab=(3, 49152), draft_logits=True, every_block=True)
 
 
 def _run_ranks(path, head, tmp_path) -> dict[str, np.ndarray]:
@@ -118,25 +95,11 @@ def test_restarted_two_rank_server_resumes_the_prefix(tmp_path, mtp):
     """``serve --tensor-parallel 2 --kv-persist`` (with the head: ``--speculative mtp --model-draft``): a restarted
     group restores the prompt's two blocks and answers with the cold group's greedy tokens and top-5
     log-probabilities."""
-    from hf2q.kvstore.blockfile import read_meta
     from tests.models.deepseek4_chat import deepseek4_chat_gguf
     from tests.test_deepseek4_mtp import companion_gguf
-    from tests.test_kvstore_stateful_serve import _top_logprobs, serve_requests
+    from tests.test_kvstore_stateful_serve import check_restart_resumes
 
-    model, kv_dir = deepseek4_chat_gguf(), tmp_path / "kv"
     flags = ("--tensor-parallel", "2") + (("--speculative", "mtp", "--model-draft", str(companion_gguf())) if mtp
                                           else ())
-    words = " ".join(f"w{(i * 7) % 89}" for i in range(210))
-    body = {"temperature": 0, "max_tokens": 4, "logprobs": True, "top_logprobs": 5,
-            "messages": [{"role": "user", "content": words}]}
-    (cold,), log = serve_requests(model, kv_dir, body, 1, *flags)
-    assert not [r for r in log if "persistent KV store disabled" in str(r.get("msg"))], log[-5:]
-    metas = [read_meta(p) for p in sorted((kv_dir / "blocks").glob("*.safetensors"))]
-    kind = "deepseek4-mtp" if mtp else "deepseek4"
-    assert len(metas) == BLOCKS and all(m.cache_kind == kind and m.has_end_state for m in metas)
-    (warm,), _ = serve_requests(model, kv_dir, body, 1, *flags)
-    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == BLOCKS * B
-    assert warm["choices"][0]["message"] == cold["choices"][0]["message"]
-    for j, (got, want) in enumerate(zip(_top_logprobs(warm), _top_logprobs(cold), strict=True)):
-        assert got.keys() == want.keys(), j
-        assert max(abs(got[t] - want[t]) for t in want) <= TOL, (j, got, want)
+    check_restart_resumes(deepseek4_chat_gguf(), tmp_path / "kv", "deepseek4-mtp" if mtp else "deepseek4", 210, TOL,
+                          *flags)

@@ -40,12 +40,16 @@ runner.close()
 """
 
 
-def scenario(runner) -> dict[str, np.ndarray]:
-    """Blocks exported after a request, restored into a fresh sequence; a cold sequence beside it."""
+def scenario(runner, vocab: tuple[int, int] = (5, 1000), draft_logits: bool = False,
+             every_block: bool = False) -> dict[str, np.ndarray]:
+    """Blocks exported after a request, restored into a fresh sequence; a cold sequence beside it. ``vocab``:
+    the token ids' range; ``draft_logits``: the head's logits beside its drafts; ``every_block``: the exported
+    blocks' arrays too (DeepSeek-V4's TP test reuses this scenario)."""
     from tests.test_kvstore_stateful_engine import serve_and_export
 
-    prompt = random_tokens(BLOCKS * B + 20, seed=11)
-    tail = random_tokens(30, seed=12)
+    low, high = vocab
+    prompt = random_tokens(BLOCKS * B + 20, low=low, high=high, seed=11)
+    tail = random_tokens(30, low=low, high=high, seed=12)
     seq, blocks = serve_and_export(runner, prompt, BLOCKS, 2)
     seq.forget_block_ends(())
     restored = runner.new_sequence()
@@ -58,13 +62,20 @@ def scenario(runner) -> dict[str, np.ndarray]:
            "ends_left": np.asarray(len(seq.block_ends)), "kind": np.asarray(restored.persist_kind),
            "persists": np.asarray(runner.persists_kv), "identity": np.asarray(runner.kv_identity)}
     pending = int(np.argmax(out["cold"]))
-    if runner.drafts:
+    if runner.drafts and draft_logits:
+        out["restored_draft"], out["restored_draft_logits"] = runner.draft_logits(restored, pending, 3)
+        out["cold_draft"], out["cold_draft_logits"] = runner.draft_logits(cold, pending, 3)
+    elif runner.drafts:
         out["restored_draft"] = np.asarray(runner.draft(restored, pending, 3))
         out["cold_draft"] = np.asarray(runner.draft(cold, pending, 3))
     out["restored_step"] = runner.decode([restored], [pending])[0]
     out["cold_step"] = runner.decode([cold], [pending])[0]
     for name, a in blocks[-1].items():
         out[f"shape:{name}"] = np.asarray(a.shape)
+    if every_block:
+        for i, block in enumerate(blocks):
+            for name, a in block.items():
+                out[f"block{i}:{name}"] = a
     return out
 
 
