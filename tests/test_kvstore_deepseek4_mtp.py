@@ -15,8 +15,8 @@ import pytest
 
 from hf2q.engine.kv_layout import HIDDEN_STATE
 from hf2q.kvstore import BLOCK_TOKENS as B
-from hf2q.kvstore import BlockStore, KVBlock, plan_restore
 from tests.engine_support import random_tokens
+from tests.test_kvstore_stateful_engine import restore_through_store
 
 #: the same text in the same two transactions: only the order of float32 sums differs
 TOL = 1e-5
@@ -83,17 +83,7 @@ def test_restored_sequence_drafts_and_continues_like_a_cold_one(runner, served, 
     tail = random_tokens(30, low=3, high=49152, seed=4)
     text = prompt[:BLOCKS * B] + tail
     # through the store, as a restarted server reads them: version 3, cache kind deepseek4-mtp
-    with BlockStore.open(tmp_path / "kv", "v4-mtp-fingerprint") as store:
-        for span, arrays in zip(store.spans(text), blocks):
-            store.write(KVBlock.from_span(span, text, arrays, "deepseek4-mtp"))
-        restored = runner.new_sequence()
-        restored.keep_block_ends(B)
-        assert restored.persist_kind == "deepseek4-mtp"
-        plan = plan_restore(store, text, 0, restored.published_points, restored.persist_kind)
-        assert plan.cached_tokens == BLOCKS * B
-        for imp in plan.imports:
-            runner.import_kv(restored, store.read(imp.meta), imp.n_tokens)
-        assert plan_restore(store, text, 0, (0,), "deepseek4") is None  # a sequence without a head takes none
+    restored = restore_through_store(runner, tmp_path / "kv", text, blocks, "deepseek4-mtp", "deepseek4")
     got = runner.prefill(restored, tail)
     cold, want = _cold(runner, text[:BLOCKS * B], tail)
     assert _close(got, want) <= TOL

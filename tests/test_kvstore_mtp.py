@@ -14,8 +14,8 @@ import pytest
 
 from hf2q.engine.kv_layout import HIDDEN_STATE
 from hf2q.kvstore import BLOCK_TOKENS as B
-from hf2q.kvstore import BlockStore, KVBlock, plan_restore
 from tests.engine_support import random_tokens
+from tests.test_kvstore_stateful_engine import restore_through_store
 
 TOL = 1e-5
 BLOCKS = 2
@@ -66,18 +66,7 @@ def test_restored_sequence_drafts_and_continues_like_a_cold_one(runner, served, 
     tail = random_tokens(30, seed=4)
     text = prompt[:BLOCKS * B] + tail
     # through the store, as a restarted server reads them: version 3, cache kind recurrent-mtp
-    with BlockStore.open(tmp_path / "kv", "mtp-fingerprint") as store:
-        for span, arrays in zip(store.spans(text), blocks):
-            store.write(KVBlock.from_span(span, text, arrays, "recurrent-mtp"))
-        restored = runner.new_sequence()
-        restored.keep_block_ends(B)
-        assert restored.persist_kind == "recurrent-mtp"
-        plan = plan_restore(store, text, 0, restored.published_points, restored.persist_kind)
-        assert plan.cached_tokens == BLOCKS * B
-        for imp in plan.imports:
-            runner.import_kv(restored, store.read(imp.meta), imp.n_tokens)
-        # a sequence without a head takes none of them
-        assert plan_restore(store, text, 0, (0,), "recurrent") is None
+    restored = restore_through_store(runner, tmp_path / "kv", text, blocks, "recurrent-mtp", "recurrent")
     got = runner.prefill(restored, tail)
     cold = runner.new_sequence()
     runner.prefill(cold, text[:BLOCKS * B])

@@ -47,6 +47,26 @@ def serve_and_export(runner, prompt: list[int], n_blocks: int, steps: int):
     return seq, [runner.export_kv(seq, i * B, (i + 1) * B) for i in range(n_blocks)]
 
 
+def restore_through_store(runner, kv_dir, text: list[int], blocks, cache_kind: str, headless_kind: str):
+    """``blocks`` of ``text`` written to a real store and read back as a restarted server reads them, into a
+    fresh sequence with block-end capture on (returned); a sequence of ``headless_kind`` (the same model
+    without its draft head) finds none of them."""
+    from hf2q.kvstore import BlockStore, KVBlock, plan_restore
+
+    with BlockStore.open(kv_dir, f"{cache_kind}-fingerprint") as store:
+        for span, arrays in zip(store.spans(text), blocks):
+            store.write(KVBlock.from_span(span, text, arrays, cache_kind))
+        restored = runner.new_sequence()
+        restored.keep_block_ends(B)
+        assert restored.persist_kind == cache_kind
+        plan = plan_restore(store, text, 0, restored.published_points, restored.persist_kind)
+        assert plan.cached_tokens == len(blocks) * B
+        for imp in plan.imports:
+            runner.import_kv(restored, store.read(imp.meta), imp.n_tokens)
+        assert plan_restore(store, text, 0, (0,), headless_kind) is None
+    return restored
+
+
 @pytest.fixture(scope="module")
 def served(runner):
     """A prompt of five blocks and more, and every full block exported after its request."""
