@@ -115,3 +115,13 @@ def test_two_ranks_restore_their_state_shares_like_a_cold_prefill(tiny_checkpoin
     assert {k[len("shape:"):] for k in tp if k.startswith("shape:")} == set(whole) | extra
     for name in whole:
         assert tuple(tp[f"shape:{name}"]) == whole[name].shape, name
+
+
+def test_restarted_two_rank_server_resumes_a_hybrid_prefix(tmp_path):
+    """``serve --tensor-parallel 2 --kv-persist`` on the tiny Qwen 3.5 chat GGUF: a restarted group restores the
+    prompt's two blocks (each rank's state share) and answers with the cold group's greedy tokens and top-5
+    log-probabilities."""
+    from tests.models.qwen35_chat import qwen35_chat_gguf
+    from tests.test_kvstore_stateful_serve import check_restart_resumes
+
+    check_restart_resumes(qwen35_chat_gguf(), tmp_path / "kv", "recurrent", 210, TOL, "--tensor-parallel", "2")
