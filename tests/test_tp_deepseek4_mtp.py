@@ -104,6 +104,24 @@ if mode == "engine":
     runner.close()
     with open(out, "wb") as f:
         np.savez(f, **result)
+elif mode == "missing":  # rank 0 holds the companion open; the follower finds no file at its path
+    import os, shutil
+    from hf2q.errors import InputError
+    from hf2q.formats.gguf_file import open_gguf
+    runner = tp_launch.runner_factory(trunk, 2, t.CTX)()
+    copy = out + ".companion.gguf"
+    shutil.copy(head, copy)
+    draft = open_gguf(copy)
+    os.remove(copy)
+    try:
+        runner.enable_mtp(draft)
+        got = dict(error=None)
+    except InputError as e:
+        got = dict(error=str(e))
+    seq = runner.new_sequence()  # the group is still in step: the same collectives ran on both ranks
+    got["logits"] = runner.prefill(seq, [5, 6, 7]).tolist()
+    runner.close()
+    open(out, "w").write(json.dumps(got))
 else:
     import os
     os.environ["HF2Q_TP_PIPELINE"] = "1"  # queue decode steps ahead, as over NCCL (GPUs)
@@ -163,3 +181,22 @@ def test_runtime_on_two_ranks_drafts_and_serves_what_one_rank_serves(tmp_path):
     want = trio.run(served_tokens, runner_factory(trunk, 1, CTX), prompts)
     assert got["drafted"] > 0  # the request alone drafted
     assert [t[:8] for t in got["tokens"]] == want, (got, want)
+
+
+@pytest.mark.slow
+def test_a_rank_that_cannot_load_the_head_fails_the_start_on_every_rank(tmp_path):
+    """A follower whose companion path holds no file (another host's disk) makes ``enable_mtp`` raise one
+    line on rank 0 naming that rank, instead of the group breaking at the first draft; the group stays in step."""
+    from hf2q.engine.runner import MlxModelRunner
+    from tests.test_deepseek4_mtp import companion_gguf
+    from tests.test_engine_deepseek4 import deepseek4_gguf
+
+    import json
+
+    trunk = deepseek4_gguf()
+    run_group(tmp_path, "missing", str(trunk), str(companion_gguf()), str(tmp_path / "out"))
+    got = json.loads((tmp_path / "out").read_text())
+    assert got["error"] is not None and "rank 1" in got["error"] and "draft head" in got["error"], got["error"]
+    ref = MlxModelRunner.load(trunk, ctx=CTX)
+    want = ref.prefill(ref.new_sequence(), [5, 6, 7])
+    np.testing.assert_allclose(np.asarray(got["logits"]), want, rtol=0, atol=1e-4 * float(np.abs(want).max()))

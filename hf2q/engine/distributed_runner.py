@@ -457,7 +457,8 @@ class DistributedRunner:
         """Every rank loads its share of the MTP draft head (``--speculative mtp``), before any sequence;
         DeepSeek-V4's from the companion file ``draft_model`` (a path or ``GGUFFile``), which every rank opens."""
         path = None if draft_model is None else str(getattr(draft_model, "path", draft_model))
-        self._run({"op": "enable_mtp", "draft": path}, lambda: self.local.enable_mtp(path))
+        self._run({"op": "enable_mtp", "draft": path},
+                  lambda: loaded_on_every_rank(lambda: self.local.enable_mtp(draft_model), self.group, 0))
         self.kv_bytes_per_token = self.local.kv_bytes_per_token
 
     @property
@@ -663,6 +664,28 @@ def gather_kv(local, seq, start: int, end: int, group, plan) -> dict[str, np.nda
     return out
 
 
+def loaded_on_every_rank(load: Callable[[], object], group, rank: int) -> None:
+    """Collective: run this rank's ``load`` (the MTP head: a rank's own file may be missing or differ), then
+    agree; if any rank failed, every rank raises one ``InputError`` naming the ranks, so rank 0 refuses at
+    start-up instead of a follower without the head breaking the group at the first draft."""
+    import mlx.core as mx
+
+    err: Exception | None = None
+    try:
+        load()
+    except (InputError, ValueError) as e:
+        err = e
+    ok = np.array(mx.distributed.all_gather(mx.array([int(err is None)], dtype=mx.int32), group=group)).reshape(-1)
+    if err is not None:
+        if rank:  # rank 0 reports its own; a follower's reason is only in its log
+            log.error("rank %d: the draft head did not load: %s", rank, err)
+        raise err
+    failed = [r for r, good in enumerate(ok.tolist()) if not good]
+    if failed:
+        raise InputError(f"tensor-parallel rank {', '.join(map(str, failed))} could not load the draft head "
+                         "(the rank's log says why)")
+
+
 def all_sum_times(group, shape: Sequence[int], reps: int) -> list[float]:
     """Collective: ``reps`` timed ``all_sum``s of a float32 array of ``shape``, each evaluated alone."""
     import mlx.core as mx
@@ -743,7 +766,7 @@ def follow(runner, sock: socket.socket, group, plan, stopped: threading.Event | 
             elif op == "verify":
                 runner.verify(seqs[header["seq"]], arrays["tokens"].tolist())
             elif op == "enable_mtp":
-                runner.enable_mtp(header.get("draft"))
+                loaded_on_every_rank(lambda: runner.enable_mtp(header.get("draft")), group, plan.rank)
             elif op == "draft":
                 (runner.draft_logits if header.get("logits") else runner.draft)(seqs[header["seq"]], header["pending"],
                                                                                  header["k"])
