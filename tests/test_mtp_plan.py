@@ -58,6 +58,12 @@ def test_planned_block_end_bytes_equal_the_hidden_rows_a_sequence_keeps(gguf):
     need = kv_need(hp, runner.dtype.size, mtp=True)
     assert set(held.values()) == {end_hidden_bytes(hp, runner.dtype.size)} == {need.block_end_bytes()}
     assert kv_need(hp, runner.dtype.size).block_end_bytes() == 0  # without the head nothing beside the state
+    # the sequence's own account holds them too: letting the ends go frees those rows (their states are also
+    # reuse points at these lengths, so they stay)
+    assert all(n in seq.recurrent.points for n in ends)
+    before = seq.recurrent.nbytes
+    seq.forget_block_ends(())
+    assert before - seq.recurrent.nbytes == sum(held.values())
 
 
 @pytest.mark.parametrize("kv_type", ["f16", "q8"])

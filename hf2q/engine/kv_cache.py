@@ -131,10 +131,11 @@ class RecurrentState:
 
     @property
     def nbytes(self) -> int:
-        """The live state plus the reuse points and block ends held (the rollback state shares arrays
-        with them or lives one forward only)."""
+        """The live state plus the reuse points and block ends held, with the head's input rows kept at those
+        ends (the rollback state shares arrays with them or lives one forward only)."""
         extra = sum(1 for n in self.block_ends if n not in self.points)
-        return (1 + len(self.points) + extra) * self.state_nbytes
+        rows = sum(e.hidden.nbytes for e in self.block_ends.values() if e.hidden is not None)
+        return (1 + len(self.points) + extra) * self.state_nbytes + rows
 
     def checkpoint(self, length: int) -> None:
         """Remember the state at ``length`` tokens (called before each forward)."""
@@ -499,6 +500,7 @@ class SequenceCache:
         """Bring the recurrent state to ``n_tokens``: unchanged at the current length, zero at 0, the
         checkpoint at the last forward's start; any other position cannot be reconstructed."""
         rec = self.recurrent
+        rec.prompt_rows = None  # no forward runs during a trim: a failed prompt forward's rows go
         if n_tokens == self._length:
             return
         if n_tokens == 0:
