@@ -123,7 +123,7 @@ def test_recovery_starting_while_a_temp_is_created_leaves_it_to_its_writer(tmp_p
     from hf2q.kvstore.recovery import recover
 
     toks = prompt(4, 1)
-    real_open, other = os.open, []
+    real_open, real_replace, other = os.open, os.replace, []
 
     def open_then_recover(path, flags, *mode):
         fd = real_open(path, flags, *mode)
@@ -133,8 +133,14 @@ def test_recovery_starting_while_a_temp_is_created_leaves_it_to_its_writer(tmp_p
             other[0].join(0.5)  # a recovery free to run is done well within this
         return fd
 
+    def replace_after_recovery(src, dst):  # the temp still exists while recovery scans, however slow it runs
+        if other and threading.current_thread() is not other[0]:
+            other[0].join(10)
+        return real_replace(src, dst)
+
     with BlockStore.open(tmp_path, FP) as store:
         monkeypatch.setattr(store_module.os, "open", open_then_recover)
+        monkeypatch.setattr(store_module.os, "replace", replace_after_recovery)
         metas = fill(store, toks)  # FileNotFoundError at the rename when recovery removed the temp
         monkeypatch.undo()
         other[0].join(10)

@@ -275,7 +275,13 @@ class BlockStore:
         # alone, and never finds this one between its creation and its lock (it would take it for a dead one)
         with FileLock(self.root / RECOVERY_LOCK, exclusive=False):
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except BaseException:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+                raise
         try:
             for chunk in (prefix, *parts):
                 view = memoryview(chunk)
