@@ -42,6 +42,8 @@ from bench.common import emit  # noqa: E402
 
 LLAMA_TOOLS = ("llama-bench", "llama-batched-bench", "llama-server", "llama-completion")
 BATCHES = (1, 2, 4, 8)
+#: where each part's report keeps the peer's figures (measured once per file, reused by a second setting)
+PEER_KEYS = {"engine": "llama.cpp", "batch": "llama-batched-bench", "serve": "llama-server"}
 
 
 def build_llama(src: Path, build: Path, cuda_arch: str) -> dict:
@@ -136,15 +138,18 @@ def set_fused_proj(setting: str | None) -> None:
     os.environ["HF2Q_FUSED_PROJ" if setting == "on" else "HF2Q_NO_FUSED_PROJ"] = "1"
 
 
-def part_serve(gguf: Path, max_tokens: int) -> dict:
+def part_serve(gguf: Path, max_tokens: int, peer: dict | None = None) -> dict:
+    """``peer``: llama-server's figures already measured on this file in this run (the second fusion setting)."""
     from bench import serve
 
     args = argparse.Namespace(requests=2, max_tokens=max_tokens, skip_cached=True)
-    out = {}
+    out = {} if peer is None else {"llama-server": peer}
+    servers = [("hf2q", lambda: serve.start_hf2q(gguf, 4, 4096, log))]
+    if peer is None:
+        servers.append(("llama-server", lambda: serve.start_llama_server(gguf, 4, 4096, os.cpu_count() or 4, log,
+                                                                          gpu_layers=99)))
     with open(os.devnull, "ab") as log:
-        for name, start in (("hf2q", lambda: serve.start_hf2q(gguf, 4, 4096, log)),
-                            ("llama-server", lambda: serve.start_llama_server(gguf, 4, 4096, os.cpu_count() or 4,
-                                                                               log, gpu_layers=99))):
+        for name, start in servers:
             proc, url = start()
             try:
                 m = serve.measure(url, args, proc.pid)
@@ -215,11 +220,11 @@ def main(argv: list[str] | None = None) -> int:
                     runner = None
                 fn = {"engine": lambda: part_engine(runner, gguf, a.reps, peers.get("engine")),
                       "batch": lambda: part_batch(runner, gguf, a.steps, peers.get("batch")),
-                      "serve": lambda: part_serve(gguf, a.max_tokens)}[part]
+                      "serve": lambda: part_serve(gguf, a.max_tokens, peers.get("serve"))}[part]
                 key = part + suffix
                 try:
                     row[key] = fn()
-                    peer_key = {"engine": "llama.cpp", "batch": "llama-batched-bench"}.get(part)
+                    peer_key = PEER_KEYS.get(part)
                     if peer_key and row[key].get(peer_key) and "error" not in row[key][peer_key]:
                         peers.setdefault(part, row[key][peer_key])
                 except Exception as e:  # one failed part must not lose the others' figures
