@@ -16,7 +16,14 @@ Runtime integration (stable API)::
         plan = plan_restore(store, tokens, slot_cached,  # cheap, index only; None = nothing to do
                             seq.published_points, seq.persist_kind)  # (None, "" for plain K/V)
         seq.trim(plan.keep_tokens)                       # on the GPU thread
-        blocks = [store.read(imp.meta) for imp in plan.imports]  # blocking, verified; BlockUnavailable → stop
+        blocks = []
+        for imp in plan.imports:
+            try:
+                blocks.append(store.read(imp.meta))      # blocking, verified
+            except BlockUnavailable:
+                break                                    # keep the blocks read so far
+        while blocks and not plan.imports[len(blocks) - 1].meta.has_end_state:
+            blocks.pop()                                 # stop only where the end's state is saved
         for arrays, imp in zip(end_rows_last_only(blocks, seq.persist_kind), plan.imports):  # window rows once
             runner.import_kv(seq, arrays, imp.n_tokens)  # on the GPU thread
         # report plan.cached_tokens (minus any blocks that failed to read) as cached_tokens
