@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import attrs
 import mlx.core as mx
+from typing import NamedTuple
+
 import numpy as np
 
 from hf2q.engine.kv_cache import PrefixNotReusable, SequenceCache, StackedDecode, row_before
@@ -50,6 +52,15 @@ from hf2q.engine.recurrent_policy import (BLOCK_ENDS_KEPT, CHECKPOINT_INTERVAL, 
 def _copy(a: mx.array) -> mx.array:
     """``a`` in a buffer of its own (a slice would keep its whole source alive)."""
     return a + mx.zeros((), dtype=a.dtype)
+
+
+class BlockEnd(NamedTuple):
+    """What a sequence keeps at a captured block end until that block is exported: every layer's rows there
+    and, for a sequence that feeds an MTP head, the trunk streams ``[hc, hidden]`` before the end, which the
+    head pairs with the block's next token (``deepseek4_mtp``); None for a sequence without."""
+
+    rows: list[LayerState]
+    hidden: mx.array | None = None
 
 
 @attrs.frozen
@@ -265,15 +276,15 @@ class Deepseek4Cache(SequenceCache):
         self.published_points = (0,)
         #: the persistent store's block size (``keep_block_ends``), None when off
         self.block_tokens: int | None = None
-        #: length → rows per layer at the prompt block ends reached and not exported yet
-        self._block_ends: dict[int, list[LayerState]] = {}
+        #: length → what the prompt block ends reached and not exported yet keep (:class:`BlockEnd`)
+        self._block_ends: dict[int, BlockEnd] = {}
         #: an MTP head's pairing rows (``models/deepseek4_mtp.py``): (position of the first, trunk streams
         #: ``[n, hc, hidden]``), None while the head is off or before the first forward
         self.mtp_hidden: tuple[int, mx.array] | None = None
         self.mtp_streams = mtp_streams
-        #: with a head: length → the trunk streams ``[hc, hidden]`` before each captured block end (what the
-        #: head pairs with the block's next token; its blocks carry them as ``state.hidden``)
-        self.end_hidden: dict[int, mx.array] | None = {} if mtp_streams is not None else None
+        #: ``(first position, trunk streams [n, hc, hidden])``: every row of the prompt forward in progress
+        #: (the head's ``store``), which its block-end captures take their streams from; None outside one
+        self.prompt_rows: tuple[int, mx.array] | None = None
 
     def _empty_state(self, s: LayerRows) -> LayerState:
         return LayerState(_empty_rows(s.head_dim, self.dtype),
@@ -315,6 +326,7 @@ class Deepseek4Cache(SequenceCache):
             raise PrefixNotReusable("this deepseek4 cache was restored up to a block without its rows")
         self._pending = {}
         self._verified = range(0)
+        self.prompt_rows = None
         if self._length and self._held(self._length - 1):  # (not after a return to a point: already minimal)
             self.states = self._state_at(self._length - 1, self._length)
 
@@ -372,12 +384,12 @@ class Deepseek4Cache(SequenceCache):
         if n_tokens < 0 or n_tokens > self._length:
             raise ValueError(f"cannot trim a cache of {self._length} tokens to {n_tokens}")
         self._pending = {}
+        self.prompt_rows = None
         if n_tokens == self._length:
             return
         self._awaiting_state = False
         for p in [p for p in self._block_ends if p > n_tokens]:
             del self._block_ends[p]
-        self._forget_end_hidden()
         if n_tokens == 0:
             self.states = [self._empty_state(s) for s in self.specs]
             self.points.clear()
@@ -413,7 +425,7 @@ class Deepseek4Cache(SequenceCache):
         """Every array the cache holds, the staged forward's included (what a forward's eval must reach)."""
         states = [self._pending[i][0] if i in self._pending else st for i, st in enumerate(self.states)]
         out = [a for st in states for a in st.arrays()] + ([self.mtp_hidden[1]] if self.mtp_hidden is not None else [])
-        out += list((self.end_hidden or {}).values())  # evaluated with the forward that captured them
+        out += [self.prompt_rows[1]] if self.prompt_rows is not None else []  # what the block ends copy
         return out + [e.buf for e in (*self.entries, *self.index_entries) if e is not None and e.buf is not None]
 
     @property
@@ -428,7 +440,7 @@ class Deepseek4Cache(SequenceCache):
     def nbytes(self) -> int:
         live = sum(a.nbytes for st in self.states for a in st.arrays())
         kept = [rows for _, rows in (self.points[p] for p in self.points)] + list(self.ends.values())
-        kept += [rows for p, rows in self._block_ends.items() if p not in self.points and p not in self.ends]
+        kept += [e.rows for p, e in self._block_ends.items() if p not in self.points and p not in self.ends]
         copies = sum(a.nbytes for rows in kept for st in rows for a in st.arrays())
         return live + copies + sum(e.nbytes for e in (*self.entries, *self.index_entries) if e is not None)
 
@@ -438,10 +450,10 @@ class Deepseek4Cache(SequenceCache):
     def persist_kind(self) -> str:
         """``deepseek4``; ``deepseek4-mtp`` with an MTP head (its blocks carry the head's window layer like
         the trunk's, and the streams it pairs with next)."""
-        return "deepseek4" if self.end_hidden is None else "deepseek4-mtp"
+        return "deepseek4" if self.mtp_streams is None else "deepseek4-mtp"
 
     @property
-    def block_ends(self) -> dict[int, list[LayerState]]:
+    def block_ends(self) -> dict[int, BlockEnd]:
         return self._block_ends
 
     def keep_block_ends(self, block_tokens: int) -> None:
@@ -453,37 +465,29 @@ class Deepseek4Cache(SequenceCache):
         """Let go of the captured block ends whose length is not in ``keep`` (their blocks are on disk)."""
         for p in [p for p in self._block_ends if p not in keep]:
             del self._block_ends[p]
-        self._forget_end_hidden()
 
     def _capture_block_ends(self, start: int, n: int, transaction: bool) -> None:
         """The rows at the block ends a prompt forward of ``n`` tokens from ``start`` reached: the copy its
         reuse point there made, or (a point already aged out within this forward) a copy of the live
-        rows, which hold every length inside the last forward."""
+        rows, which hold every length inside the last forward; with a head, with the trunk streams before
+        it, copied out of the forward's :attr:`prompt_rows`."""
+        prompt_rows, self.prompt_rows = self.prompt_rows, None  # they live one forward only
         if not self.block_tokens or n <= 1 or not transaction:
             return
         for p in block_ends_reached(start, n, self.block_tokens):
-            self._block_ends[p] = self.points[p][1] if p in self.points else self._snapshot(p)
+            rows = self.points[p][1] if p in self.points else self._snapshot(p)
+            hidden = row_before(prompt_rows, p) if self.mtp_streams is not None else None
+            if hidden is not None:
+                hidden = _copy(hidden)  # not a view of the forward's rows
+                mx.eval(hidden)
+            self._block_ends[p] = BlockEnd(rows, hidden)
         keep_newest(self._block_ends, BLOCK_ENDS_KEPT)
-        self._forget_end_hidden()
-
-    def keep_end_hidden(self, off: int, rows: mx.array) -> None:
-        """Keep the trunk streams before each block end a prompt forward from ``off`` reaches (``rows
-        [T + 1, hc, hidden]``: positions ``off − 1 …``), while the forward has them (the MTP head's ``store``)."""
-        if self.end_hidden is None or not self.block_tokens:
-            return
-        for p in block_ends_reached(off, rows.shape[0] - 1, self.block_tokens):
-            self.end_hidden[p] = rows[p - off] + mx.zeros((), dtype=rows.dtype)  # a copy, not a view
-
-    def _forget_end_hidden(self) -> None:
-        """Let go of the streams of block ends no longer captured (exported, aged out or trimmed away)."""
-        for p in [p for p in self.end_hidden or {} if p not in self._block_ends]:
-            del self.end_hidden[p]
 
     def _rows_at(self, end: int) -> list[LayerState] | None:
         if end == self._length or self._held(end):
             return self._state_at(end)
         if end in self._block_ends:
-            return self._block_ends[end]
+            return self._block_ends[end].rows
         if end in self.points:
             return self.points[end][1]
         return self.ends.get(end)
@@ -495,7 +499,7 @@ class Deepseek4Cache(SequenceCache):
             raise ValueError(f"export range [{start}, {end}) outside 0..{self._length}")
         rows = self._rows_at(end)
         hidden = self._hidden_at(end) if rows is not None else None
-        if self.end_hidden is not None and hidden is None:  # a head's sequence: all of its end state or none
+        if self.mtp_streams is not None and hidden is None:  # a head's sequence: all of its end state or none
             rows = None
         host = lambda a: np.array(a.astype(mx.float32))  # noqa: E731
         out = {}
@@ -514,7 +518,6 @@ class Deepseek4Cache(SequenceCache):
             if hidden is not None:
                 out[HIDDEN_STATE] = host(hidden)
             self._block_ends.pop(end, None)
-            self._forget_end_hidden()
         elif not out:  # a model of window layers only: a block is its end rows or nothing
             raise PrefixNotReusable(f"cannot export a deepseek4 cache of {self._length} tokens up to {end}: its "
                                     f"rows there are no longer held (it can: {self.reuse_points()})")
@@ -522,14 +525,16 @@ class Deepseek4Cache(SequenceCache):
 
     def _hidden_at(self, end: int) -> mx.array | None:
         """The trunk streams before ``end`` an MTP head pairs with next, where this still holds them."""
-        if self.end_hidden is None:
+        if self.mtp_streams is None:
             return None
         row = row_before(self.mtp_hidden, end) if end == self._length else None
-        return row if row is not None else self.end_hidden.get(end)
+        if row is None and end in self._block_ends:
+            row = self._block_ends[end].hidden
+        return row
 
     def _imported_hidden(self, arrays: dict[str, np.ndarray]) -> mx.array | None:
         """A head's sequence: the streams a block with end rows carries (checked), else None."""
-        if self.end_hidden is None or not has_end_state(arrays):
+        if self.mtp_streams is None or not has_end_state(arrays):
             return None
         got = None if HIDDEN_STATE not in arrays else tuple(np.shape(arrays[HIDDEN_STATE]))
         if got != tuple(self.mtp_streams):

@@ -141,8 +141,8 @@ class Deepseek4MtpHead:
             state = c.layer(self.layer)[0]
             c.stage(self.layer, LayerState(state.raw.extended(kv[b])), 0, 0, fb.end_point)
             c.mtp_hidden = (off - 1 if not fb.end_point else off + T - 2, kept[b])
-            if fb.end_point and T > 1:  # a prompt transaction: the persistent store's block ends inside it
-                c.keep_end_hidden(off, rows[b])
+            if fb.end_point and T > 1 and c.block_tokens:  # a prompt transaction: its block ends copy these
+                c.prompt_rows = (off - 1, rows[b])
 
     # ---- drafting ----------------------------------------------------------------------------
 
