@@ -58,8 +58,16 @@ def test_blocks_carry_the_heads_window_rows_and_the_streams_it_pairs_with(runner
     from hf2q.engine.models.deepseek4_layout import compact_need
 
     hp, elem = runner.gguf.hparams, runner.dtype.size
-    streams = blocks[0][HIDDEN_STATE].nbytes
-    assert end_hidden_bytes(hp, elem) == streams
+    seq = runner.new_sequence()  # the streams as a sequence holds them at its captured ends (compute dtype)
+    seq.keep_block_ends(B)
+    runner.prefill(seq, random_tokens(BLOCKS * B + 20, low=3, high=49152, seed=5))
+    held = {p: end.hidden.nbytes for p, end in seq.block_ends.items()}
+    assert sorted(held) == [B * (i + 1) for i in range(BLOCKS)]
+    streams = end_hidden_bytes(hp, elem)
+    assert set(held.values()) == {streams}
+    before = seq.nbytes  # the sequence's own account holds them: letting the ends go frees at least them
+    seq.forget_block_ends(())
+    assert before - seq.nbytes >= BLOCKS * streams
     assert kv_need(hp, elem, mtp=True).end_copy == compact_need(hp, elem, mtp=True).point_copy() + streams
     assert kv_need(hp, elem).end_copy == compact_need(hp, elem).point_copy()  # no streams without the head
 

@@ -442,7 +442,9 @@ class Deepseek4Cache(SequenceCache):
         kept = [rows for _, rows in (self.points[p] for p in self.points)] + list(self.ends.values())
         kept += [e.rows for p, e in self._block_ends.items() if p not in self.points and p not in self.ends]
         copies = sum(a.nbytes for rows in kept for st in rows for a in st.arrays())
-        return live + copies + sum(e.nbytes for e in (*self.entries, *self.index_entries) if e is not None)
+        streams = sum(e.hidden.nbytes for e in self._block_ends.values() if e.hidden is not None)
+        return (live + copies + streams
+                + sum(e.nbytes for e in (*self.entries, *self.index_entries) if e is not None))
 
     # ---- export / import ---------------------------------------------------------------------------
 
