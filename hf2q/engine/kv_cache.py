@@ -173,7 +173,7 @@ class RecurrentState:
         if prompt and self.block_tokens and length % self.block_tokens == 0:
             hidden = row_before(self.prompt_rows, length) if self.feeds_head else None
             if hidden is not None:
-                hidden = hidden + mx.zeros((), dtype=hidden.dtype)  # a copy, not a view of the forward's rows
+                hidden = own_copy(hidden)  # not a view of the forward's rows
                 mx.eval(hidden)
             self.block_ends[length] = BlockEnd(list(conv), list(ssm), hidden)
             keep_newest(self.block_ends, BLOCK_ENDS_KEPT)
@@ -223,6 +223,11 @@ class RecurrentState:
     def arrays(self) -> list[mx.array]:
         hidden = [self.hidden[1]] if self.hidden is not None else []
         return [a for a in self.conv + self.ssm if a is not None] + hidden
+
+
+def own_copy(a: mx.array) -> mx.array:
+    """``a`` in a buffer of its own (a slice or view would keep its whole source alive)."""
+    return a + mx.zeros((), dtype=a.dtype)
 
 
 def row_before(kept: tuple[int, mx.array] | None, position: int) -> mx.array | None:
@@ -557,7 +562,7 @@ class SequenceCache:
         w = self.window
         cut = slice(first - w.base, end - w.base)
         # "+ 0": a copy, not a view that would keep the whole buffer
-        copy = lambda a: a[:, cut, :] + mx.zeros((), dtype=a.dtype)  # noqa: E731
+        copy = lambda a: own_copy(a[:, cut, :])  # noqa: E731
         keys = {i: _each(copy, self._keys[i]) for i in w.layers}
         values = {i: _each(copy, self._values[i]) for i in w.layers}
         mx.eval([a for buf in (*keys.values(), *values.values()) for a in _planes(buf)])

@@ -41,17 +41,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hf2q.engine.kv_cache import PrefixNotReusable, SequenceCache, StackedDecode, row_before
+from hf2q.engine.kv_cache import PrefixNotReusable, SequenceCache, StackedDecode, own_copy, row_before
 from hf2q.engine.kv_layout import END_STATE_PREFIX, HIDDEN_STATE, has_end_state
 from hf2q.engine.models.deepseek4_layout import LayerRows
 from hf2q.engine.recurrent_policy import (BLOCK_ENDS_KEPT, CHECKPOINT_INTERVAL, KV_GROW, WINDOW_POINTS_KEPT,
                                           WINDOW_SNAPSHOTS_KEPT, ReusePoints, block_ends_reached, keep_newest,
                                           room_for)
-
-
-def _copy(a: mx.array) -> mx.array:
-    """``a`` in a buffer of its own (a slice would keep its whole source alive)."""
-    return a + mx.zeros((), dtype=a.dtype)
 
 
 class BlockEnd(NamedTuple):
@@ -165,7 +160,7 @@ class Entries:
         self.count = count
         room = room_for(count)
         if self.rows.n_rows == 1 and self.rows.buf is not None and room < self.rows.capacity:
-            self.rows.buf = _copy(self.rows.buf[:, :room]) if room else None
+            self.rows.buf = own_copy(self.rows.buf[:, :room]) if room else None
             self.rows.capacity = room
 
     def move_to(self, rows: EntryRows, row: int) -> None:
@@ -362,7 +357,7 @@ class Deepseek4Cache(SequenceCache):
         self._capture_block_ends(start, n, transaction)
 
     def _snapshot(self, n: int) -> list[LayerState]:
-        rows = [LayerState(*(None if r is None else Rows(r.start, _copy(r.data))
+        rows = [LayerState(*(None if r is None else Rows(r.start, own_copy(r.data))
                              for r in (st.raw, st.comp, st.index))) for st in self._state_at(n)]
         mx.eval([a for st in rows for a in st.arrays()])
         return rows
@@ -480,7 +475,7 @@ class Deepseek4Cache(SequenceCache):
             rows = self.points[p][1] if p in self.points else self._snapshot(p)
             hidden = row_before(prompt_rows, p) if self.mtp_streams is not None else None
             if hidden is not None:
-                hidden = _copy(hidden)  # not a view of the forward's rows
+                hidden = own_copy(hidden)  # not a view of the forward's rows
                 mx.eval(hidden)
             self._block_ends[p] = BlockEnd(rows, hidden)
         keep_newest(self._block_ends, BLOCK_ENDS_KEPT)
