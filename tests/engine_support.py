@@ -72,3 +72,25 @@ def prefill_each(runner, prompts) -> tuple[list, list[int]]:
 
 def random_tokens(n: int, low: int = 5, high: int = 1000, seed: int = 0) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(low, high, n)]
+
+
+def speculative_greedy(runner, seq, first: int, context: list[int], n_new: int, k: int):
+    """T=0 speculative decoding through the engine's own accept loop: from the pending token ``first`` after
+    ``context``, draft ``k`` with the runner's head, verify, keep what stands; → (the ``n_new`` tokens, every
+    drafted token, every verify's rows)."""
+    from hf2q.engine.sampling import Sampler
+    from hf2q.engine.speculative import accept_draft, keep_accepted
+    from hf2q.sched.contracts import SamplingParams
+
+    sampler = Sampler(SamplingParams(max_tokens=n_new, temperature=0.0))
+    new, drafts, rows_seen = [first], [], []
+    while len(new) < n_new:
+        draft = runner.draft(seq, new[-1], k)
+        start = seq.length
+        rows = runner.verify(seq, [new[-1]] + draft)
+        got = accept_draft(sampler, draft, rows, context + new)
+        keep_accepted(runner, seq, start, [new[-1]] + got[:-1])
+        drafts += draft
+        rows_seen.append(rows)
+        new += got
+    return new[:n_new], drafts, rows_seen

@@ -18,9 +18,9 @@ import trio
 
 from hf2q.actors.runtime import open_runtime
 from hf2q.engine.runner import MlxModelRunner
-from hf2q.engine.speculative import accept_draft, keep_accepted
+from hf2q.engine.speculative import keep_accepted
 from hf2q.sched.contracts import GenerationRequest, RuntimeConfig, SamplingParams, Token
-from tests.engine_support import random_tokens
+from tests.engine_support import random_tokens, speculative_greedy
 from tests.test_deepseek4_speculative import _greedy
 from tests.test_engine_deepseek4 import deepseek4_gguf
 
@@ -292,19 +292,9 @@ def test_accepting_the_heads_drafts_keeps_greedy_output(runners):
     plain, drafting = runners
     prompt = random_tokens(90, low=3, high=49152, seed=8)
     reference = _greedy(plain, prompt, N_NEW)
-    from hf2q.engine.sampling import Sampler
-
-    sampler = Sampler(SamplingParams(max_tokens=N_NEW, temperature=0.0))
     seq = drafting.new_sequence()
-    out = [int(np.argmax(drafting.prefill(seq, prompt)))]
-    while len(out) < N_NEW:
-        draft = drafting.draft(seq, out[-1], K)
-        start = seq.length
-        rows = drafting.verify(seq, [out[-1]] + draft)
-        got = accept_draft(sampler, draft, rows, prompt + out)
-        keep_accepted(drafting, seq, start, [out[-1]] + got[:-1])
-        out += got
-    assert out[:N_NEW] == reference
+    out, _, _ = speculative_greedy(drafting, seq, int(np.argmax(drafting.prefill(seq, prompt))), prompt, N_NEW, K)
+    assert out == reference
 
 
 def test_cli_checks_the_companion(cli, files):

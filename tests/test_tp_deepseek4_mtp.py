@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.engine_support import random_tokens
+from tests.engine_support import random_tokens, speculative_greedy
 from tests.test_tensor_parallel import GROUP_TIMEOUT_S, ROOT
 
 CTX = 256
@@ -27,10 +27,6 @@ def scenario(runner, companion) -> dict[str, np.ndarray]:
     """The head enabled; a long prompt in two forwards (a prefill, then a verify keeping every position's
     streams); the head's drafts and logits; then speculative greedy decoding with its drafts, every
     draft and every verify's rows kept."""
-    from hf2q.engine.sampling import Sampler
-    from hf2q.engine.speculative import accept_draft, keep_accepted
-    from hf2q.sched.contracts import SamplingParams
-
     runner.enable_mtp(companion)
     prompt = random_tokens(PROMPT, low=3, high=49152, seed=21)
     seq = runner.new_sequence()
@@ -38,18 +34,8 @@ def scenario(runner, companion) -> dict[str, np.ndarray]:
     pending = int(np.argmax(runner.verify(seq, prompt[70:])[-1]))
     tokens, logits = runner.draft_logits(seq, pending, K)
     out = {"first_draft": np.asarray(tokens), "first_logits": logits}
-    sampler = Sampler(SamplingParams(max_tokens=N_NEW, temperature=0.0))
-    new, drafts, rows_seen = [pending], [], []
-    while len(new) < N_NEW:
-        draft = runner.draft(seq, new[-1], K)
-        start = seq.length
-        rows = runner.verify(seq, [new[-1]] + draft)
-        got = accept_draft(sampler, draft, rows, prompt + new)
-        keep_accepted(runner, seq, start, [new[-1]] + got[:-1])
-        drafts += draft
-        rows_seen.append(rows)
-        new += got
-    out["tokens"], out["drafts"] = np.asarray(new[:N_NEW]), np.asarray(drafts)
+    new, drafts, rows_seen = speculative_greedy(runner, seq, pending, prompt, N_NEW, K)
+    out["tokens"], out["drafts"] = np.asarray(new), np.asarray(drafts)
     out["verify_rows"], out["length"] = np.concatenate(rows_seen), np.asarray([seq.length])
     model = getattr(runner, "local", runner).model  # a DistributedRunner's own rank
     out["head_bytes"] = np.asarray([sum(lin.nbytes for lin in model.mtp.block.linears())])
