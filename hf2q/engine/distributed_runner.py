@@ -622,11 +622,17 @@ def gather_state(mine: dict[str, np.ndarray], group) -> dict[str, np.ndarray]:
     return out
 
 
-def held_by_every_rank(mine: dict, group) -> bool:
-    """Collective: whether every rank holds an end state for this block (``mine`` not empty on each)."""
+def rank_flags(flag: bool, group) -> list[bool]:
+    """Collective: every rank's ``flag``, in rank order."""
     import mlx.core as mx
 
-    return bool(np.array(mx.distributed.all_gather(mx.array([int(bool(mine))], dtype=mx.int32), group=group)).all())
+    return [bool(f) for f in np.array(mx.distributed.all_gather(mx.array([int(flag)], dtype=mx.int32),
+                                                                group=group)).reshape(-1)]
+
+
+def held_by_every_rank(mine: dict, group) -> bool:
+    """Collective: whether every rank holds an end state for this block (``mine`` not empty on each)."""
+    return all(rank_flags(bool(mine), group))
 
 
 def gather_kv(local, seq, start: int, end: int, group, plan) -> dict[str, np.ndarray]:
@@ -668,19 +674,17 @@ def loaded_on_every_rank(load: Callable[[], object], group, rank: int) -> None:
     """Collective: run this rank's ``load`` (the MTP head: a rank's own file may be missing or differ), then
     agree; if any rank failed, every rank raises one ``InputError`` naming the ranks, so rank 0 refuses at
     start-up instead of a follower without the head breaking the group at the first draft."""
-    import mlx.core as mx
-
     err: Exception | None = None
     try:
         load()
     except (InputError, ValueError) as e:
         err = e
-    ok = np.array(mx.distributed.all_gather(mx.array([int(err is None)], dtype=mx.int32), group=group)).reshape(-1)
+    ok = rank_flags(err is None, group)
     if err is not None:
         if rank:  # rank 0 reports its own; a follower's reason is only in its log
             log.error("rank %d: the draft head did not load: %s", rank, err)
         raise err
-    failed = [r for r, good in enumerate(ok.tolist()) if not good]
+    failed = [r for r, good in enumerate(ok) if not good]
     if failed:
         raise InputError(f"tensor-parallel rank {', '.join(map(str, failed))} could not load the draft head "
                          "(the rank's log says why)")

@@ -171,10 +171,7 @@ class RecurrentState:
         input row there, copied out of the forward's rows)."""
         self.points.add(length, (list(conv), list(ssm)))
         if prompt and self.block_tokens and length % self.block_tokens == 0:
-            hidden = row_before(self.prompt_rows, length) if self.feeds_head else None
-            if hidden is not None:
-                hidden = own_copy(hidden)  # not a view of the forward's rows
-                mx.eval(hidden)
+            hidden = kept_row_before(self.prompt_rows, length) if self.feeds_head else None
             self.block_ends[length] = BlockEnd(list(conv), list(ssm), hidden)
             keep_newest(self.block_ends, BLOCK_ENDS_KEPT)
 
@@ -236,6 +233,16 @@ def row_before(kept: tuple[int, mx.array] | None, position: int) -> mx.array | N
     if kept is None or position < 1 or not 0 <= position - 1 - kept[0] < kept[1].shape[0]:
         return None
     return kept[1][position - 1 - kept[0]]
+
+
+def kept_row_before(kept: tuple[int, mx.array] | None, position: int) -> mx.array | None:
+    """:func:`row_before` as a captured block end keeps it: in a buffer of its own, evaluated (not a view
+    holding the whole forward's rows)."""
+    row = row_before(kept, position)
+    if row is not None:
+        row = own_copy(row)
+        mx.eval(row)
+    return row
 
 
 class SlidingWindow:

@@ -41,7 +41,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hf2q.engine.kv_cache import PrefixNotReusable, SequenceCache, StackedDecode, own_copy, row_before
+from hf2q.engine.kv_cache import PrefixNotReusable, SequenceCache, StackedDecode, kept_row_before, own_copy, row_before
 from hf2q.engine.kv_layout import END_STATE_PREFIX, HIDDEN_STATE, has_end_state
 from hf2q.engine.models.deepseek4_layout import LayerRows
 from hf2q.engine.recurrent_policy import (BLOCK_ENDS_KEPT, CHECKPOINT_INTERVAL, KV_GROW, WINDOW_POINTS_KEPT,
@@ -458,11 +458,6 @@ class Deepseek4Cache(SequenceCache):
         block is exported (the persistent store turns this on for every slot's sequence)."""
         self.block_tokens = block_tokens
 
-    def forget_block_ends(self, keep) -> None:
-        """Let go of the captured block ends whose length is not in ``keep`` (their blocks are on disk)."""
-        for p in [p for p in self._block_ends if p not in keep]:
-            del self._block_ends[p]
-
     def _capture_block_ends(self, start: int, n: int, transaction: bool) -> None:
         """The rows at the block ends a prompt forward of ``n`` tokens from ``start`` reached: the copy its
         reuse point there made, or (a point already aged out within this forward) a copy of the live
@@ -473,10 +468,7 @@ class Deepseek4Cache(SequenceCache):
             return
         for p in block_ends_reached(start, n, self.block_tokens):
             rows = self.points[p][1] if p in self.points else self._snapshot(p)
-            hidden = row_before(prompt_rows, p) if self.mtp_streams is not None else None
-            if hidden is not None:
-                hidden = own_copy(hidden)  # not a view of the forward's rows
-                mx.eval(hidden)
+            hidden = kept_row_before(prompt_rows, p) if self.mtp_streams is not None else None
             self._block_ends[p] = BlockEnd(rows, hidden)
         keep_newest(self._block_ends, BLOCK_ENDS_KEPT)
 
