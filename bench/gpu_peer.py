@@ -69,9 +69,16 @@ def build_llama(src: Path, build: Path, cuda_arch: str) -> dict:
     return {"built": True, "bin": str(bin_dir), "seconds": round(time.time() - t0, 1)}
 
 
-def synth(shape: str, mix: str, work: Path, vocab: str | None, template: str | None) -> Path:
-    out = work / f"{shape}-{mix}.gguf"
+def synth(shape: str, mix: str, work: Path, vocab: str | None, template: str | None,
+          skeleton: str | None = None) -> Path:
+    """The random-weight GGUF of ``shape`` in ``mix``, or filled from a ``bench/synth_plan.py`` skeleton
+    (families ``synth_gguf.py`` has no shape for: its mix and tokenizer are the skeleton's)."""
+    out = work / (f"{Path(skeleton).name}.gguf" if skeleton else f"{shape}-{mix}.gguf")
     if out.exists():
+        return out
+    if skeleton:
+        subprocess.run([sys.executable, str(ROOT / "bench/synth_gguf.py"), "--skeleton", skeleton, "-o", str(out)],
+                       check=True, stdout=subprocess.DEVNULL)
         return out
     cmd = [sys.executable, str(ROOT / "bench/synth_gguf.py"), "--shape", shape, "--mix", mix, "-o", str(out)]
     if vocab:
@@ -168,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cuda-arch", default="90")
     ap.add_argument("--shape", default="qwen3-8b")
     ap.add_argument("--mixes", default="q4_k_m,q8_0")
+    ap.add_argument("--skeleton", default=None, help="a bench/synth_plan.py skeleton instead of --shape "
+                    "(e.g. gemma4-31b); --mixes then names the skeleton's one mix, for the report")
     ap.add_argument("--vocab-gguf", default=None)
     ap.add_argument("--chat-template", default=None, help="a Jinja chat template file embedded for the serve part")
     ap.add_argument("--parts", default="engine,batch,serve")
@@ -183,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import mlx.core as mx
 
-    report: dict = {"device": str(mx.default_device()), "mlx": mx.__version__, "shape": a.shape,
+    report: dict = {"device": str(mx.default_device()), "mlx": mx.__version__, "shape": a.skeleton or a.shape,
                     "time": time.strftime("%FT%TZ", time.gmtime()), "runs": {}}
     build = Path(a.llama_build)
     if a.llama_src:
@@ -200,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     parts = [p for p in a.parts.split(",") if p]
     settings = {"default": [None], "on": ["on"], "off": ["off"], "both": ["off", "on"]}[a.fused_proj]
     for mix in [m for m in a.mixes.split(",") if m]:
-        gguf = synth(a.shape, mix, work, a.vocab_gguf, a.chat_template if "serve" in parts else None)
+        gguf = synth(a.shape, mix, work, a.vocab_gguf, a.chat_template if "serve" in parts else None, a.skeleton)
         row = report["runs"].setdefault(mix, {"bytes": gguf.stat().st_size})
         peers: dict[str, dict] = {}  # llama.cpp's figures per part, measured once per file
         for setting in settings:

@@ -15,7 +15,7 @@ from hf2q.kernels import cuda_qmv
 @pytest.mark.skipif(not cuda_qmv.available(), reason="needs MLX on an NVIDIA GPU (mlx-cuda)")
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group_size", [32, 64])
-@pytest.mark.parametrize("rows", [2, 3, 7])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_kernel_agrees_with_the_numpy_reference(bits, group_size, rows, dtype):
     from tests.cuda_qmv_check import check
@@ -28,7 +28,7 @@ def test_which_calls_it_takes():
     big = (12288, 4096)
     assert cuda_qmv.takes(4, *big, 8, 32)
     assert cuda_qmv.takes(2, *big, 4, 64) and cuda_qmv.takes(cuda_qmv.MAX_ROWS, *big, 4, 128)
-    assert not cuda_qmv.takes(1, *big, 8, 32)  # one row: MLX's matvec already reads the weights once
+    assert cuda_qmv.takes(1, *big, 8, 32)  # one row too: a verify's rows then round as plain decode steps
     assert not cuda_qmv.takes(cuda_qmv.MAX_ROWS + 1, *big, 8, 32)  # MLX's tiled kernel from 8 rows
     assert not cuda_qmv.takes(4, *big, 6, 32)  # widths other than 4 and 8
     assert not cuda_qmv.takes(4, *big, 8, 16)
@@ -37,7 +37,7 @@ def test_which_calls_it_takes():
 
 
 def test_linear_routes_few_rows_on_cuda_to_the_kernel(monkeypatch):
-    """Without a GPU: ``Linear`` calls the kernel for 2-7 rows of a big 4/8-bit matrix when
+    """Without a GPU: ``Linear`` calls the kernel for 1-7 rows of a big 4/8-bit matrix when
     ``available()``, and MLX's ``quantized_matmul`` otherwise (here a stand-in records the calls)."""
     from hf2q.engine.layers import Linear
 
@@ -61,7 +61,8 @@ def test_linear_routes_few_rows_on_cuda_to_the_kernel(monkeypatch):
         lin._ready(host=None)  # where its products run is fixed at load
         calls.clear()
         y = lin(x4)
-        lin(x4[:1])  # one row: never the kernel
-        assert calls == ([(4, 1, 4096)] if avail else [])
+        lin(x4[:1])  # one row: the same kernel, so it rounds as the rows of a bigger call
+        lin(mx.concatenate([x4, x4], axis=0))  # eight rows: MLX's tiled kernel
+        assert calls == ([(4, 1, 4096), (1, 1, 4096)] if avail else [])
         want = mx.quantized_matmul(x4, wq, s, b, transpose=True, group_size=32, bits=8)
         np.testing.assert_allclose(np.array(y), np.array(want), rtol=1e-6, atol=1e-6)

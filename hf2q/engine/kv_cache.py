@@ -982,6 +982,13 @@ class ForwardBatch:
         #: reuse points inside a prefill forward: position relative to its start → layer → (conv, ssm)
         self._staged_points: dict[int, dict[int, tuple[mx.array, mx.array]]] = {}
 
+    @property
+    def rows_as_steps(self) -> bool:
+        """Whether this is a speculative verify of one sequence (several rows, no reuse point at its end):
+        each row must compute what the one-token step decoding it would, bit for bit, so attention whose
+        kernel depends on the query count attends its rows one at a time (``models.decoder``)."""
+        return self.n_new > 1 and not self.end_point and len(self.caches) == 1 and self.stack is None
+
     def recurrent_state(self, layer: int) -> tuple[mx.array, mx.array]:
         """Recurrent layer ``layer``'s state of every sequence: conv ``[B, K − 1, C]``, ssm ``[B, Hv, Dv, Dk]``."""
         return self.caches[0].recurrent.batched(self.caches, layer)

@@ -284,7 +284,7 @@ class Linear:
         shape = x.shape
         rows = x.size // shape[-1]
         if self._few_rows and cuda_qmv.takes(rows, self.shape[0], self.shape[1], self.bits, self.group_size):
-            # 2-7 rows on a CUDA GPU: one read of the weights for all rows
+            # 1-7 rows on a CUDA GPU: one read of the weights for all rows, each row's sums as for one row
             return cuda_qmv.qmv(x, self.weight, self.scales, self.biases, self.bits, self.group_size)
         if len(shape) == 2 or rows == shape[-2]:  # one matrix already (a decode row, a prefill chunk)
             return mx.quantized_matmul(x, self.weight, self.scales, self.biases, transpose=True,

@@ -11,12 +11,13 @@ input row, then reduce across the warp. It is memory bound at any row count it t
 
 The kernel body is ``csrc/cuda_qmv.cu``. Math: :mod:`hf2q.kernels.cpu_qmatvec_ref` (the numpy
 reference both this kernel and the CPU one are tested against). Used by :class:`hf2q.engine.layers.Linear` for 4- and 8-bit weights
-on a CUDA device when a call has 2–``MAX_ROWS`` rows; Metal and the CPU keep their own paths.
+on a CUDA device when a call has 1–``MAX_ROWS`` rows; Metal and the CPU keep their own paths.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import mlx.core as mx
 import numpy as np
@@ -25,6 +26,10 @@ from hf2q.kernels.cuda_source import CudaKernel
 
 #: the most input rows one call takes (from 8 rows MLX's tiled kernel reads the weights once too)
 MAX_ROWS = 7
+#: the fewest: one row too, so a plain decode step and a speculative verify's rows run the same per-row
+#: arithmetic (MLX's matrix-vector kernel rounds differently) and T=0 drafting changes no token;
+#: ``HF2Q_QMV_MIN_ROWS=2`` hands single rows back to MLX (for side-by-side timing)
+MIN_ROWS = max(1, int(os.environ.get("HF2Q_QMV_MIN_ROWS", "1")))
 #: the smallest matrix (out × in elements) it takes: below that MLX's kernel fills the GPU better
 #: (H200, 1024×4096: 14 µs MLX vs 27 µs here at 4 rows; 12288×4096: 97 vs 53)
 MIN_ELEMENTS = 4096 * 4096
@@ -49,14 +54,14 @@ def available() -> bool:
 def takes(rows: int, out_features: int, in_features: int, bits: int, group_size: int) -> bool:
     """Whether a call of ``rows`` input rows through a ``bits``/``group_size`` matrix
     ``[out_features, in_features]`` is one this kernel serves (callers also check :func:`available`)."""
-    if not 2 <= rows <= MAX_ROWS or bits not in (4, 8) or group_size not in (32, 64, 128):
+    if not MIN_ROWS <= rows <= MAX_ROWS or bits not in (4, 8) or group_size not in (32, 64, 128):
         return False
     # whole groups make whole 16-byte chunks (16 or 32 values), and no chunk straddles two groups
     return out_features * in_features >= MIN_ELEMENTS and in_features % group_size == 0
 
 
 def qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int) -> mx.array:
-    """``x [..., K]`` (2–``MAX_ROWS`` rows) through MLX-packed ``w [N, K·bits/32]`` → ``[..., N]`` in x's dtype."""
+    """``x [..., K]`` (1–``MAX_ROWS`` rows) through MLX-packed ``w [N, K·bits/32]`` → ``[..., N]`` in x's dtype."""
     K = x.shape[-1]
     rows = math.prod(x.shape[:-1])
     N = w.shape[0]

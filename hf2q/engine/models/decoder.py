@@ -117,9 +117,22 @@ class Attention:
             out = fb.codec.attention(q, keys, values, self.scale, fb, self.window)  # 8-bit, read as stored
         elif self._cpu and cpu_ops.attention_on_host(q, keys.shape[2]):
             out = cpu_ops.attention(q, keys, values, self.scale, fb.mask_np(self.window))
+        elif fb.rows_as_steps and self.window is None:
+            out = attend_as_steps(q, keys, values, self.scale)
         else:
             out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=fb.mask(self.window))
         return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+
+
+def attend_as_steps(q: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+    """A verify's query rows ``q [B, heads, L, d]`` (the last ``L`` of the keys) attended one at a time, each
+    over the keys up to its own position: the call a one-token decode step makes. MLX's GPU attention takes a
+    one-query kernel for one row and another for several, so a batched call would round differently from the
+    plain steps and could flip a near-tie at T=0."""
+    L, start = q.shape[2], keys.shape[2] - q.shape[2]
+    return mx.concatenate([mx.fast.scaled_dot_product_attention(q[:, :, j:j + 1], keys[:, :, :start + j + 1],
+                                                                values[:, :, :start + j + 1], scale=scale)
+                           for j in range(L)], axis=2)
 
 
 def _norm(g: GGUFFile, name: str, dtype) -> mx.array:
