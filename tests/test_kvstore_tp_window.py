@@ -106,11 +106,11 @@ def _run_ranks(path, tmp_path, kv_type: str) -> dict[str, np.ndarray]:
 
 #: whether a family's sliding KV heads split over the two ranks (else replicated: stored once, the one-process
 #: shape), and how many of its last layers share an earlier layer's K/V (E2B: no cache layer, no window rows)
-SHAPES = {"gemma3": (False, 0), "gemma4": (True, 0), "gemma4_e2b": (False, 2)}
+SHAPES = {"gemma3": (False, 0), "gemma4": (True, 0), "gemma4_e2b": (False, 2), "gemma4_moe": (True, 0)}
 
 
 @pytest.mark.parametrize("family, kv_type", [("gemma3", "f16"), ("gemma4", "f16"), ("gemma4", "q8"),
-                                             ("gemma4_e2b", "f16"), ("gemma4_e2b", "q8")])
+                                             ("gemma4_e2b", "f16"), ("gemma4_e2b", "q8"), ("gemma4_moe", "f16")])
 def test_two_ranks_restore_their_window_rows_like_a_cold_prefill(tiny_checkpoint, tmp_path, monkeypatch, family,
                                                                  kv_type):
     from hf2q.engine.runner import MlxModelRunner
@@ -166,3 +166,15 @@ def test_two_ranks_restore_their_window_rows_like_a_cold_prefill(tiny_checkpoint
         assert store.longest_prefix(prompt) == []
     with BlockStore.open(tmp_path / "kv", str(tp["fp"])) as store:
         assert len(store.longest_prefix(prompt)) == BLOCKS
+
+
+def test_restarted_two_rank_server_resumes_an_e2b_windowed_prefix(tmp_path):
+    """``serve --tensor-parallel 2 --kv-persist`` on the tiny E2B-style Gemma 4 chat GGUF (F16: per-layer
+    embeddings, KV-shared layers, one KV head a layer replicated on both ranks): a restarted group restores the
+    prompt's two blocks (global K/V and window rows) and answers with the cold group's greedy tokens and top-5
+    log-probabilities (tests/test_kvstore_window_serve.py's bound)."""
+    from tests.models.gemma4_chat import gemma4_chat_gguf
+    from tests.test_kvstore_stateful_serve import check_restart_resumes
+
+    check_restart_resumes(gemma4_chat_gguf("gemma4_e2b"), tmp_path / "kv", "window", 200, TOL,
+                          "--tensor-parallel", "2")
