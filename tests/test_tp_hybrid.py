@@ -86,8 +86,9 @@ def scenario(runner, calls: dict | None = None) -> dict[str, np.ndarray]:
 
 @pytest.mark.slow
 # qwen35_moe: routed experts + a shared expert; gemma4: sliding layers of 2 KV heads × 32 and a global layer of
-# one KV head × 64 whose K is its V (replicated on both ranks); gemma4_e2b: per-layer embeddings, KV-shared layers
-@pytest.mark.parametrize("family", ["qwen35", "qwen35_moe", "gemma4", "gemma4_e2b"])
+# one KV head × 64 whose K is its V (replicated on both ranks); gemma4_e2b: per-layer embeddings, KV-shared layers;
+# gemma4_moe: 4 experts split 2+2 beside the dense MLP, both partial sums in the block's second all-reduce
+@pytest.mark.parametrize("family", ["qwen35", "qwen35_moe", "gemma4", "gemma4_e2b", "gemma4_moe"])
 def test_two_ranks_match_one_rank_with_two_all_reduces_per_block(models, family, tmp_path, monkeypatch):
     from hf2q.engine.runner import MlxModelRunner
     from hf2q.formats.gguf_file import open_gguf

@@ -139,15 +139,6 @@ def test_serve_refuses_a_bad_hostfile_before_loading(models, tmp_path):
 
 # ---------------------------------------------------------------------------- start-up failures
 
-def test_gemma4_experts_are_refused_before_any_rank_starts(models):
-    """Gemma 4's routed experts (each with its own post-norm, beside the dense MLP) have no split yet:
-    an InputError (serve: exit 3) in the preflight. Dense gemma4 and qwen35 split: test_tp_hybrid.py."""
-    from hf2q.engine.tp_launch import plan_split
-
-    with pytest.raises(InputError, match="tensor parallelism does not split gemma4's experts yet"):
-        plan_split(models("gemma4_moe", "f32"), 2)
-
-
 def test_a_rank_that_never_joins_or_holds_another_model_fails_in_one_line(models, tmp_path):
     """No follower: serve exits 1 naming the missing host and the command to start there; a follower
     with no rank 0 gives up likewise; a follower whose GGUF differs is refused (both exit 1)."""

@@ -12,7 +12,8 @@ each rank reads (from the memory-mapped GGUF) and holds only its share:
   all-reduces (attention, MLP), the minimum for a sequential residual stream.
 * MoE (``*_exps`` tensors ``[experts, out, in]``): experts split by expert index; the
   router stays replicated, so every rank computes the same top-k and only the experts it
-  owns contribute before the ``all_sum`` (:class:`ExpertParallelMoE`).
+  owns contribute before the ``all_sum`` (:class:`ExpertParallelMoE`; gemma4's experts beside
+  the dense MLP reduce with its partial sum, ``Gemma4Block.tp_experts``).
 * hybrid models (Qwen 3.5's Gated DeltaNet layers): split by value head, each with the key head it
   reads (:class:`DeltaNetPlan`), so a rank's conv and delta-rule state hold its heads only;
   ``ssm_out`` is row-parallel like ``attn_output``.
@@ -207,7 +208,8 @@ def shard_gguf(g: GGUFFile, rank: int, size: int) -> GGUFFile:
             tensors[tname] = slice_tensor(t, -2, *_even_range(t.shape[-2], size, rank, f"{tname} rows"))
         elif suffix in ("ffn_down.weight", "ffn_down_shexp.weight"):
             tensors[tname] = slice_tensor(t, -1, *_even_range(t.shape[-1], size, rank, f"{tname} columns"))
-        elif suffix in ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"):
+        elif suffix in ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight",
+                        "ffn_gate_up_exps.weight"):  # gate_up: gemma4's fused [gate; up] experts
             tensors[tname] = slice_tensor(t, 0, *_even_range(t.shape[0], size, rank, f"{tname} experts"))
     if isinstance(ff, int):
         meta[hp.key(Keys.LLM.FEED_FORWARD_LENGTH)] = ff // size
@@ -354,8 +356,6 @@ def parallelize(model, group) -> Any:
 def parallelize_block(layer, group) -> None:
     """One decoder block of a shard computing the full block: its mixer's output and its feed-forward's
     down projection end in an all-reduce."""
-    if getattr(layer, "experts", None) is not None:  # gemma4's experts beside the MLP, each with its post-norm
-        raise InputError(f"tensor parallelism does not support {type(layer).__name__}'s experts yet")
     mixer = getattr(layer, "attn", None) or getattr(layer, "mixer", None)  # mixer: a hybrid model's block
     if hasattr(mixer, "o"):
         mixer.o = RowParallel(mixer.o, group)  # attention (gated or not)
@@ -363,6 +363,9 @@ def parallelize_block(layer, group) -> None:
         mixer.out = RowParallel(mixer.out, group)  # Gated DeltaNet: its value heads are split
     else:
         raise InputError(f"tensor parallelism does not support the layer {type(layer).__name__} yet")
+    if getattr(layer, "experts", None) is not None:  # gemma4's experts beside the MLP, each half with its post-norm:
+        layer.tp_experts(group)  # the block reduces both partial sums at once
+        return
     ffn = layer.ffn
     if hasattr(ffn, "down") and hasattr(ffn, "gate"):
         ffn.down = RowParallel(ffn.down, group)

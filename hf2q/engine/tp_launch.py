@@ -134,9 +134,6 @@ def plan_split(model, size: int):
     g = model if isinstance(model, GGUFFile) else open_gguf(model)
     if g.hparams.is_encoder:
         raise InputError(f"{g.path.name}: tensor parallelism serves decoder (chat) models only")
-    if g.arch == "gemma4" and any(n.endswith("_exps.weight") for n in g.tensors):
-        raise InputError(f"{g.path.name}: tensor parallelism does not split gemma4's experts yet (each has its own "
-                         f"post-norm); serve it on one rank")
     plans = []
     for r in range(size):
         plans.append(rank_plan(g, size, r))

@@ -31,7 +31,8 @@ for them stays bounded however long its context, and prefix reuse returns to the
 window buffer still covers (docs/ENGINE.md, "Sliding-window layers").
 
 * **Experts** (26B-A4B): :class:`Gemma4Experts` beside the dense MLP, each with its own post-norm,
-  summed before the block's feed-forward post-norm.
+  summed before the block's feed-forward post-norm (at tensor parallel: split by expert, both halves'
+  partial sums reduced together before their norms, :meth:`Gemma4Block.tp_experts`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from hf2q.engine.kv_cache import ForwardBatch
 from hf2q.engine.layers import Linear, float_array, gelu_tanh, rms_norm
 from hf2q.engine.models.decoder import _norm, distinct_nbytes
 from hf2q.engine.models.llama import gated_mlp
+from hf2q.engine.tp_shards import own_experts
 from hf2q.errors import InputError
 from hf2q.formats.gguf_file import GGUFFile
 from hf2q.formats.gguf_keys import Keys
@@ -212,7 +214,13 @@ class Gemma4Experts:
     × hidden^-½; softmax over the experts, the top ``expert_used_count`` renormalised to sum to one and
     each multiplied by its expert's ``ffn_down_exps.scale``. The experts (GeGLU-tanh, gate and up fused
     in ``ffn_gate_up_exps`` as ``[gate; up]`` rows) read ``pre_ffw_norm_2(x)``; one ``gather_mm`` /
-    ``gather_qmm`` per projection."""
+    ``gather_qmm`` per projection.
+
+    Over tensor-parallel ranks (:meth:`Gemma4Block.tp_experts`) the expert tensors hold this rank's
+    ``share`` ``(first, count)`` of the experts; routing stays whole (router and scales replicated), and a
+    chosen expert another rank holds weighs 0 here, so the ranks' outputs sum to the model's."""
+
+    share: tuple[int, int] | None = None
 
     def __init__(self, g: GGUFFile, i: int, dtype, top_k: int, eps: float):
         p = f"blk.{i}."
@@ -236,6 +244,8 @@ class Gemma4Experts:
         idx = mx.stop_gradient(mx.argpartition(-probs, kth=k - 1, axis=-1)[:, :k])
         weights = mx.take_along_axis(probs, idx, axis=-1)
         weights = weights / weights.sum(axis=-1, keepdims=True) * self.expert_scale[idx]
+        if self.share is not None:
+            idx, weights = own_experts(idx, weights, *self.share)
         xe = rms_norm(flat, self.pre_norm, self.eps)[:, None, None, :]
         gate_up = self.gate_up_exps.gather(xe, idx)  # [N, k, 1, 2·ff]
         ff = gate_up.shape[-1] // 2
@@ -245,6 +255,8 @@ class Gemma4Experts:
 
 
 class Gemma4Block:
+    tp_group = None  # the tensor-parallel group a block with experts reduces its feed-forward over
+
     def __init__(self, cfg: Gemma4Config, shape: LayerShape, g: GGUFFile, i: int, dtype):
         p = f"blk.{i}."
         self.eps = cfg.norm_eps
@@ -272,11 +284,24 @@ class Gemma4Block:
         experts = self.experts.linears() if self.experts is not None else ()
         return (*self.attn.linears(), self.ffn.gate, self.ffn.up, self.ffn.down, *ple, *experts)
 
+    def tp_experts(self, group) -> None:
+        """Over tensor-parallel ranks (``tensor_parallel.parallelize_block``): the shard's dense MLP (its
+        ``ffn_down`` columns) and experts (this rank's, ``ffn_*_exps`` cut by expert) give partial sums, and
+        each half has its own post-norm, so :meth:`feed_forward` reduces both in one ``all_sum`` before the
+        norms: two all-reduces a block, as without experts."""
+        n_local = int(self.experts.gate_up_exps.shape[0])
+        self.experts.share = (group.rank() * n_local, n_local)
+        self.tp_group = group
+
     def feed_forward(self, x: mx.array) -> mx.array:
         eps = self.eps
         h = self.ffn(rms_norm(x, self.ffn_norm, eps))
         if self.experts is not None:
-            h = rms_norm(h, self.post_mlp_norm, eps) + rms_norm(self.experts(x), self.post_experts_norm, eps)
+            e = self.experts(x)
+            if self.tp_group is not None:  # both partial sums side by side, one all-reduce
+                both = mx.distributed.all_sum(mx.concatenate([h, e], axis=-1), group=self.tp_group)
+                h, e = both[..., :h.shape[-1]], both[..., h.shape[-1]:]
+            h = rms_norm(h, self.post_mlp_norm, eps) + rms_norm(e, self.post_experts_norm, eps)
         return rms_norm(h, self.post_ffn_norm, eps)
 
     def __call__(self, x: mx.array, fb: ForwardBatch, kv: dict, ple: mx.array | None) -> mx.array:
