@@ -11,7 +11,10 @@ The thread is a daemon: a hung GPU step must not keep the process alive. A healt
 waited for at shutdown (``exited``, set once its last job has returned and the device work it
 queued has finished): an engine call that returns into a thread while the interpreter finalizes
 ends the process by SIGABRT (the extension's C++ frame cannot be unwound by the thread's forced
-exit), so the runtime lets the interpreter exit only after the thread is done.
+exit), so the runtime lets the interpreter exit only after the thread is done. ``join()`` returns
+once the thread's Python state is gone, before its native end (the C++ thread-local destructors): what
+the engine leaves in MLX's thread-local state must not need Python then, which is why its traced
+graphs are kept per thread (``hf2q.engine.thread_compile``).
 """
 
 from __future__ import annotations

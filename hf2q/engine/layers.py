@@ -28,6 +28,7 @@ from gguf import GGMLQuantizationType as T
 
 from hf2q.engine.device_probe import EXACT_GPU_SCALES  # HF2Q_EXACT_SCALES=1: float32 group scales on GPUs
 from hf2q.engine.quant_repack import FLOAT_TYPES, GROUP, QUANTIZED_TYPES, repack_rows
+from hf2q.engine.thread_compile import thread_compile
 from hf2q.errors import InputError
 from hf2q.formats.gguf_file import GGUFTensor
 from hf2q.kernels import cuda_qmv
@@ -427,7 +428,7 @@ def qk_rotation(dims: int, rope: dict, eps: float, qk_norm: bool):
         def rotate(q, k, offset, q_norm, k_norm):
             return norm_rope(q, k, offset, q_norm if qk_norm else None, k_norm, dims=dims, rope=rope, eps=eps)
 
-        _ROTATIONS[key] = mx.compile(rotate)
+        _ROTATIONS[key] = thread_compile(rotate)
     return _ROTATIONS[key]
 
 
@@ -457,7 +458,7 @@ def _geglu_tanh(g: mx.array, u: mx.array) -> mx.array:
 
 #: the gated activations traced once into one fused elementwise node (one kernel on a GPU instead of 3 / 9; the
 #: replay also skips building those ops in Python); the same arithmetic, op for op, as the plain expressions
-GLU_COMPILED = {silu: mx.compile(_swiglu, shapeless=True), gelu_tanh: mx.compile(_geglu_tanh, shapeless=True)}
+GLU_COMPILED = {silu: thread_compile(_swiglu, shapeless=True), gelu_tanh: thread_compile(_geglu_tanh, shapeless=True)}
 
 
 class GatedMLP:

@@ -36,6 +36,7 @@ from hf2q.engine.kv_cache import ForwardBatch, RecurrentState
 from hf2q.engine.layers import Linear, float_array, rms_norm, silu
 from hf2q.engine.models.decoder import Attention, DecoderConfig, _norm, distinct_nbytes
 from hf2q.engine.models.llama import common_config, gated_mlp
+from hf2q.engine.thread_compile import thread_compile
 from hf2q.errors import InputError
 from hf2q.kernels import cuda_gated_delta
 from hf2q.formats.gguf_file import GGUFFile
@@ -159,7 +160,7 @@ def _prepare(qkv: mx.array, conv_state: mx.array, conv_w: mx.array, beta_raw: mx
 
 
 #: :func:`_prepare` traced once per shape into fused kernels (the head counts and eps are constants of a layer)
-_prepare_compiled = mx.compile(_prepare)
+_prepare_compiled = thread_compile(_prepare)
 
 
 def _softplus(x: mx.array) -> mx.array:
