@@ -54,10 +54,39 @@ def test_host_activations_match_mlx():
 
 
 def test_fast_blas_is_loaded():
+    """The pinned wheel's OpenBLAS core runs on this CPU, so it is what MLX multiplies with."""
+    import os
+
     from hf2q.kernels import cpu_blas
 
-    status = cpu_blas.status()
-    assert status.startswith("openblas") or "disabled" in status or "unavailable" in status
+    installed = cpu_blas._find("cmeel.prefix/lib/libopenblas.so.0")
+    if installed is None or os.environ.get("HF2Q_NO_FAST_BLAS"):
+        pytest.skip("cmeel-openblas not installed or disabled")
+    assert cpu_blas._core_runs_here(installed) is None
+    assert cpu_blas.status().startswith("openblas")
+
+
+def _fake_openblas(tmp_path, config: str):
+    lib = tmp_path / "lib" / "libopenblas.so.0"
+    (tmp_path / "include" / "openblas").mkdir(parents=True)
+    lib.parent.mkdir()
+    (tmp_path / "include" / "openblas" / "openblas_config.h").write_text(config)
+    return lib
+
+
+def test_an_openblas_built_for_a_missing_instruction_set_is_refused(tmp_path):
+    from hf2q.kernels import cpu_blas
+
+    lib = _fake_openblas(tmp_path, '#define OPENBLAS_SKYLAKEX\n#define OPENBLAS_CHAR_CORENAME "SKYLAKEX"\n')
+    avx2_only = {"sse4_2", "avx", "avx2", "fma", "f16c"}
+    why = cpu_blas._core_runs_here(lib, avx2_only)
+    assert why is not None and "SKYLAKEX" in why and "avx512f" in why
+    assert cpu_blas._core_runs_here(lib, avx2_only | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}) is None
+    zen = _fake_openblas(tmp_path / "zen", '#define OPENBLAS_CHAR_CORENAME "ZEN"\n')
+    assert cpu_blas._core_runs_here(zen, avx2_only) is None
+    assert "avx2" in cpu_blas._core_runs_here(zen, {"sse4_2"})
+    dynamic = _fake_openblas(tmp_path / "dyn", '#define OPENBLAS_DYNAMIC_ARCH\n#define OPENBLAS_CHAR_CORENAME "SKYLAKEX"\n')
+    assert cpu_blas._core_runs_here(dynamic, avx2_only) is None
 
 
 # --- fused CPU attention (hf2q/kernels/cpu_attention.py) -------------------------------------------------

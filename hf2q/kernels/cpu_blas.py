@@ -16,6 +16,11 @@ string patch of the dynamic string table) and load it first, so the loader finds
 dependency already present. Everything is best effort: any failure leaves MLX on its
 own BLAS and :func:`status` says why. ``HF2Q_NO_FAST_BLAS=1`` disables it.
 
+The wheel is not built for every CPU: each release is compiled for one OpenBLAS core (its
+``openblas_config.h`` names it), and a build for an AVX-512 core dies with SIGILL on the first
+product on a machine without AVX-512. :func:`_core_runs_here` reads that name before anything
+is loaded and keeps MLX on its own BLAS when this CPU lacks the core's instructions.
+
 Threads (``HF2Q_BLAS_THREADS``, default: the cores this process may use). OpenBLAS's
 workers busy-wait for work (by default 2^28 cycles after each call); on the shared 2-core
 box, with another process on one core, that spin once collapsed a 2-thread prefill
@@ -82,6 +87,46 @@ def _patched_gfortran(src: Path, cache: Path) -> Path:
     return out
 
 
+#: the x86 instruction-set flags (as /proc/cpuinfo spells them) each OpenBLAS core's kernels use
+CORE_FLAGS = {
+    "HASWELL": {"avx2", "fma"}, "ZEN": {"avx2", "fma"},
+    "SKYLAKEX": {"avx512f", "avx512bw", "avx512vl", "avx512dq"},
+    "COOPERLAKE": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"},
+    "SAPPHIRERAPIDS": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "amx_tile"},
+}
+
+
+def _cpu_flags() -> set[str] | None:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return None
+
+
+def _core_runs_here(openblas: Path, flags: set[str] | None = None) -> str | None:
+    """Why this OpenBLAS build cannot run on this CPU, or None when it can (or we cannot tell)."""
+    config = openblas.parent.parent / "include" / "openblas" / "openblas_config.h"
+    try:
+        text = config.read_text()
+    except OSError:
+        return None
+    if "#define OPENBLAS_DYNAMIC_ARCH" in text:
+        return None
+    core = next((line.split('"')[1] for line in text.splitlines()
+                 if line.startswith("#define OPENBLAS_CHAR_CORENAME") and line.count('"') >= 2), None)
+    flags = _cpu_flags() if flags is None else flags
+    if core is None or flags is None or core.upper() not in CORE_FLAGS:
+        return None
+    lacking = sorted(CORE_FLAGS[core.upper()] - flags)
+    if lacking:
+        return f"the cmeel-openblas wheel is built for {core}; this CPU lacks {', '.join(lacking)}"
+    return None
+
+
 def preload() -> str:
     """Load OpenBLAS globally (idempotent). Returns a one-line status."""
     global _LIB, _SGEMM_ADDRESS
@@ -101,6 +146,9 @@ def preload() -> str:
         openblas = _find("cmeel.prefix/lib/libopenblas.so.0")
         if openblas is None:
             raise OSError("cmeel-openblas is not installed")
+        wrong_cpu = _core_runs_here(openblas)
+        if wrong_cpu:
+            raise OSError(wrong_cpu)
         try:
             lib = ctypes.CDLL(str(openblas), mode=ctypes.RTLD_GLOBAL)
         except OSError:

@@ -6,8 +6,10 @@ sdist is fetched into the hf2q cache and built there.
 
     python -m tests.tools.llama_cpp          # build (idempotent) and print the bin dir
 
-Build flags: ``-DGGML_NATIVE=OFF -DGGML_AVX512=ON`` — these machines advertise AMX but
-trap its instructions, so a native build dies with SIGILL on quantized models.
+Build flags: ``-DGGML_NATIVE=OFF`` with AVX2/FMA/F16C, and AVX-512 only where the CPU has it —
+some machines advertise AMX but trap its instructions (a native build dies with SIGILL on
+quantized models), others lack AVX-512. The build directory records that choice
+(``isa.txt``); a cached build made for another choice is thrown away and built again.
 """
 
 from __future__ import annotations
@@ -33,8 +35,21 @@ def source_dir() -> Path:
     return fetch(LLAMA_CPP_SDIST)
 
 
+def _has_avx512() -> bool:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line.partition(":")[2].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return {"avx512f", "avx512bw", "avx512vl"} <= set(flags)
+
+
 def build_dir() -> Path:
     return cache_root() / "llama.cpp-build"
+
+
+def _isa() -> str:
+    return "avx512" if _has_avx512() else "avx2"
 
 
 def bin_dir() -> Path:
@@ -48,8 +63,16 @@ def tool(name: str) -> Path | None:
     return p if p.exists() else None
 
 
+def _built_for_this_cpu() -> bool:
+    if os.environ.get("HF2Q_LLAMA_BIN"):
+        return True
+    stamp = build_dir() / "isa.txt"
+    return stamp.exists() and stamp.read_text().strip() == _isa()
+
+
 def available() -> bool:
-    return all((bin_dir() / t).exists() for t in ("llama-quantize", "llama-completion", "llama-bench"))
+    return _built_for_this_cpu() and all(
+        (bin_dir() / t).exists() for t in ("llama-quantize", "llama-completion", "llama-bench"))
 
 
 def build(jobs: int | None = None, targets=TARGETS) -> Path:
@@ -60,10 +83,13 @@ def build(jobs: int | None = None, targets=TARGETS) -> Path:
     if shutil.which("cmake") is None:
         raise RuntimeError("cmake is required to build llama.cpp")
     src, out = source_dir(), build_dir()
+    if out.exists() and not _built_for_this_cpu():  # built for another CPU (or before the stamp)
+        shutil.rmtree(out)
     if available():  # configured and built before: only the missing tools
         targets = missing
     cfg = ["cmake", "-S", str(src), "-B", str(out), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF",
-           "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_AVX512=ON",
+           "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+           f"-DGGML_AVX512={'ON' if _has_avx512() else 'OFF'}",
            "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
            "-DGGML_OPENMP=ON", f"-DCMAKE_RUNTIME_OUTPUT_DIRECTORY={out / 'bin'}",
            f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out / 'bin'}"]
@@ -73,8 +99,9 @@ def build(jobs: int | None = None, targets=TARGETS) -> Path:
         subprocess.run(["cmake", "--build", str(out), "--config", "Release", "-j", str(jobs), "--target", t],
                        check=False, stdout=subprocess.DEVNULL)
     lacking = [t for t in TOOLS if not (bin_dir() / t).exists()]
-    if not available() or lacking:
-        raise RuntimeError(f"llama.cpp build incomplete in {out}: {', '.join(lacking) or 'core tools'} missing")
+    if lacking:
+        raise RuntimeError(f"llama.cpp build incomplete in {out}: {', '.join(lacking)} missing")
+    (out / "isa.txt").write_text(_isa() + "\n")
     return bin_dir()
 
 
