@@ -205,6 +205,30 @@ def test_head_plans_cover_every_head_once():
         assert sorted({p.kv_start for p in plans}) == list(range(0, n_kv, max(1, n_kv // size)))
 
 
+
+@pytest.mark.parametrize("size", [2, 4, 8])
+def test_a_gathered_block_keeps_every_layers_heads_when_layers_differ(monkeypatch, size):
+    """Gemma 4 31B's shape (sliding layers 16 KV heads, global ones 4), the global layer first: the export split
+    (``rank_plan``) must dedupe by the fewest replicas, or at 8 ranks the sliding layer's rows of every other rank
+    are dropped; each rank then finds its own heads of every layer in the kept ranks."""
+    from types import SimpleNamespace
+
+    from hf2q.engine import tensor_parallel as tp
+
+    layers = [(4, 512, 512), (16, 256, 256)]
+    monkeypatch.setattr(tp, "attention_geometry", lambda g: (32, layers))
+    g = SimpleNamespace(path=Path("gemma4-31b.gguf"))
+    plans = [tp.rank_plan(g, size, r) for r in range(size)]
+    replicas = plans[0].kv_replicas
+    kept = list(range(size))[::replicas]  # gather_kv's dedup of the all-gathered ranks
+    for n_kv, _, _ in layers:
+        held = [head_plan(32, n_kv, size, r) for r in range(size)]
+        heads = {h for r in kept for h in range(held[r].kv_start, held[r].kv_start + held[r].kv_count)}
+        assert heads == set(range(n_kv))
+        for r in range(size):  # head_slice: rank r restores from the kept rank of its group
+            src = held[kept[r // replicas]]
+            assert (src.kv_start, src.kv_count) == (held[r].kv_start, held[r].kv_count)
+
 def test_unsplittable_head_counts_are_input_errors():
     with pytest.raises(InputError, match="9 attention heads do not split over 2"):
         head_plan(9, 3, 2, 0)

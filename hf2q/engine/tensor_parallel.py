@@ -238,10 +238,11 @@ def attention_geometry(g: GGUFFile) -> tuple[int, list[tuple[int, int, int]]]:
 
 
 def rank_plan(g: GGUFFile, size: int, rank: int) -> HeadPlan:
-    """Rank ``rank``'s heads of the first layer (the KV export/import split; every layer splits alike
-    where the heads are uniform)."""
+    """Rank ``rank``'s heads of the layer with the most KV heads: the KV export/import split. Where layers
+    differ (Gemma 4's global layers have fewer KV heads than its sliding ones), that layer's replicas are the
+    fewest, so a gathered block drops only ranks that are copies in every layer, never a rank's own rows."""
     n_heads, layers = attention_geometry(g)
-    return head_plan(n_heads, layers[0][0], size, rank, g.path.name)
+    return head_plan(n_heads, max(n_kv for n_kv, _, _ in layers), size, rank, g.path.name)
 
 
 def _query_heads_factor(g: GGUFFile, n_heads: int, layers: list[tuple[int, int, int]]) -> int:
