@@ -4,7 +4,8 @@ The server is ``bench/reliability_faulty_serve.py`` (``hf2q serve`` with an arma
 Streams are started, and once each has its first token the engine is made to raise (SIGUSR1)
 or to block (SIGUSR2, with a short ``--gpu-deadline``). Every in-flight request must then end
 exactly once with a 503 error (``engine_unhealthy``) — one error frame then ``[DONE]`` for a
-stream, a 503 envelope otherwise — within a deadline; ``/readyz`` must turn 503, a new request
+stream (or, for a stream submitted only after the fault, the 503 envelope a new request gets), a 503
+envelope otherwise — within a deadline; ``/readyz`` must turn 503, a new request
 must be refused 503, and SIGTERM must still drain and exit.
 """
 
@@ -30,12 +31,16 @@ def _stream(url: str, started: threading.Event, out: list, i: int) -> None:
     lines: list[str] = []
     try:
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=END_WITHIN_S + 30) as r:
+            if not r.headers.get("content-type", "").startswith("text/event-stream"):
+                r.read()  # refused before its stream began (submitted after the fault): a JSON envelope
+                out[i] = ("refused", r.status_code, r.json())
+                return
             for line in r.iter_lines():
                 lines.append(line)
                 if '"content"' in line and len([x for x in lines if x.startswith("data: ")]) >= 3:
                     started.set()
         out[i] = ("ok", sse_events(lines))
-    except httpx.HTTPError as e:
+    except (httpx.HTTPError, ValueError) as e:
         out[i] = ("transport", f"{type(e).__name__}: {e}")
 
 
@@ -51,6 +56,10 @@ def _plain(url: str, out: list, i: int) -> None:
 def _check_stream_failed(result, tally: Tally, name: str) -> None:
     if result is None:
         tally.fail("hangs", f"{name}: did not end within {END_WITHIN_S:.0f} s of the fault")
+        return
+    if result[0] == "refused":  # a stream that had not begun when the engine failed: 503 like any new request
+        if result[1] != 503 or result[2].get("error", {}).get("code") != "engine_unhealthy":
+            tally.fail("wrong_status", f"{name}: refused with {result[1:]!r}"[:300])
         return
     if result[0] != "ok":
         tally.fail("lost_streams", f"{name}: {result[1]}")

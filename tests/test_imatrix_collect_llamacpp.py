@@ -95,7 +95,8 @@ def test_smollm2_f16_from_the_hf_checkpoint(smollm2_hf, llama_cpp_bin, corpus_fi
     errs = relative_errors(ours(cli, smollm2_hf, corpus_file, tmp_path / "ours.gguf"), theirs)
     whole = max(e[1] for e in errs.values())
     columns = np.array([e[0] for e in errs.values()])
-    assert whole < 1e-3, whole  # ggml's f16 rounding of the activations: measured ≤ 4e-4
+    # ggml's f16 rounding of the activations: measured 4e-4 with llama.cpp built for AVX-512, 1.4e-3 for AVX2
+    assert whole < 3e-3, whole
     assert columns.max() < 2e-2 and np.median(columns) < 5e-3, (columns.max(), np.median(columns))
     assert not list(tmp_path.glob(".hf2q-imatrix-*"))
 

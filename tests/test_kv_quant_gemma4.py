@@ -101,7 +101,10 @@ def test_q8_equals_the_f16_engine_over_the_dequantized_rows(gemma4_runners, fami
 
 def test_chunked_prefill_equals_one_shot(gemma4_runners):
     """Chunks of 64 and 150 tokens against one 400-token prefill: the same greedy tokens and logits, and
-    the global layers' stored codes the same (each row is encoded on its own)."""
+    the global layers' stored codes the same (each row is encoded on its own) but for a few one level apart,
+    where BLAS's rounding by row count put a value on the other side of a rounding edge; such a code moves
+    the logits by up to ~3e-4 here (measured with OpenBLAS's Zen kernels), a whole level's step, so the
+    logits are held to 5e-4."""
     r = gemma4_runners("gemma4")["q8-rotated"]
     tokens = random_tokens(PROMPT, seed=22)
     one = _tight(r)
@@ -111,7 +114,7 @@ def test_chunked_prefill_equals_one_shot(gemma4_runners):
         seq = _tight(r)
         got = _run(r, seq, tokens, chunk=chunk)
         assert (got.argmax(-1)[-6:] == want.argmax(-1)[-6:]).all()
-        np.testing.assert_allclose(got[-6:], want[-6:], atol=1e-4, rtol=0)
+        np.testing.assert_allclose(got[-6:], want[-6:], atol=5e-4, rtol=0)
         codes = np.array(mx.view(seq.keys[glob][0][:, :seq.length], mx.uint8)).astype(int)
         ref = np.array(mx.view(one.keys[glob][0][:, :one.length], mx.uint8)).astype(int)
         assert np.abs(codes - ref).max() <= 1 and (codes != ref).mean() < 1e-3

@@ -15,9 +15,11 @@ import pytest
 from hf2q.engine.kv_layout import HIDDEN_STATE
 from hf2q.kvstore import BLOCK_TOKENS as B
 from tests.engine_support import random_tokens
-from tests.test_kvstore_stateful_engine import restore_through_store
+from tests.test_kvstore_stateful_engine import SPLIT_TOL, restore_through_store
 
-TOL = 1e-5
+#: the restored rows were computed inside the first request's one transaction, the cold reference's in
+#: two: the rounding of a different split (tests/test_kvstore_stateful_engine.py's for qwen35)
+TOL = SPLIT_TOL["qwen35"]
 BLOCKS = 2
 
 

@@ -13,10 +13,10 @@ from hf2q.kvstore import BLOCK_TOKENS as B
 
 pytestmark = pytest.mark.slow
 
-TOL = 1e-5
-#: what splitting a prompt into two prefill transactions alone moves the logits by (f32; deepseek4's
-#: bound is tests/test_engine_deepseek4.py's for any chunk split)
-SPLIT_TOL = {"qwen35": 1e-5, "deepseek4": 4e-5}
+#: what splitting a prompt into two prefill transactions alone moves the logits by (f32: BLAS rounds by the
+#: product's row count; measured up to 1.3e-5 for qwen35 with OpenBLAS's Zen kernels; deepseek4's bound is
+#: tests/test_engine_deepseek4.py's for any chunk split)
+SPLIT_TOL = {"qwen35": 3e-5, "deepseek4": 4e-5}
 N_BLOCKS = 5  # more block ends than a DeepSeek-V4 cache keeps reuse points (4)
 
 
@@ -95,13 +95,16 @@ def test_restored_blocks_continue_like_a_cold_prefill(runner, served):
     for i, block in enumerate(blocks[:depth]):  # only the last block's end state is needed
         runner.import_kv(restored, block if i == depth - 1 else _without_state(block), B)
     got = runner.prefill(restored, text[depth * B:])
-    # a cold sequence computing the same text in the same two transactions (the restored prefix, the rest)
+    # a cold sequence computing the same text in two transactions (the restored prefix, the rest); the
+    # restored rows were computed inside the served prompt's one longer transaction, so the two differ by
+    # the rounding of a different split (BLAS rounds by the product's row count), no more
     cold = runner.new_sequence()
     runner.prefill(cold, text[:depth * B])
     want = runner.prefill(cold, text[depth * B:])
-    assert float(np.abs(got - want).max()) <= TOL
+    assert float(np.abs(got - want).max()) <= SPLIT_TOL[runner.arch]
     step = int(np.argmax(want))
-    assert float(np.abs(runner.decode([restored], [step])[0] - runner.decode([cold], [step])[0]).max()) <= TOL
+    assert float(np.abs(runner.decode([restored], [step])[0] - runner.decode([cold], [step])[0]).max()) \
+        <= SPLIT_TOL[runner.arch]
     # and the whole text in one transaction: only the rounding of a different split (docs/KVSTORE.md)
     one_shot = runner.prefill(runner.new_sequence(), text)
     assert float(np.abs(got - one_shot).max()) <= SPLIT_TOL[runner.arch]

@@ -4,9 +4,11 @@ Two comparisons on the same text, context and chunks:
 
 * F32 copies of the F16 reference and of q4_k_m (``llama-quantize --allow-requantize … F32``): both
   tools then compute the same function in float32, so every figure must agree within 1 %;
-* the quantized files themselves: PPL within 1 % for f16 and q8_0. llama.cpp's CPU kernels round
-  the activations to 8 bits for quantized weights and to f16 for F16 ones, our engine keeps them
-  float32, so its KL is the larger — and ours on q4_k_m stays within 3 % of the exact F32 copy's.
+* the quantized files themselves: PPL within 1 % for f16 and 2 % for q8_0. llama.cpp's CPU kernels
+  round the activations to 8 bits for quantized weights and to f16 for F16 ones, our engine keeps
+  them float32, so its KL is the larger — and ours on q4_k_m stays within 3 % of the exact F32 copy's.
+  That rounding is the build's: on these 126 tokens llama.cpp's q8_0 PPL is 51.47 built for AVX-512
+  and 50.97 built for AVX2 (ours 51.67; the F16 reference 51.48 in both tools).
 """
 
 from __future__ import annotations
@@ -82,10 +84,10 @@ def test_float32_copies_agree_with_llama_perplexity_within_one_percent(results):
     assert ours["kld_mean"] > 0.01  # a real quantization gap, not two copies of one model
 
 
-def test_quantized_files_perplexity_within_one_percent(results):
+def test_quantized_files_perplexity_within_one_percent_f16_two_q8(results):
     peer, ours = results["peer"], results["ours"]
     assert ours["q8_0"]["ppl_ref"] == pytest.approx(peer["f16"]["ppl"], rel=0.01)
-    assert ours["q8_0"]["ppl"] == pytest.approx(peer["q8_0"]["ppl"], rel=0.01)
+    assert ours["q8_0"]["ppl"] == pytest.approx(peer["q8_0"]["ppl"], rel=0.02)  # 1.4 % from an AVX2 build
     for q in ("q8_0", "q4_k_m"):  # llama.cpp's 8-bit activations add to its divergence, never take away
         assert 0 < ours[q]["kld_mean"] < peer[q]["kld_mean"]
     assert ours["q8_0"]["kld_mean"] < ours["q4_k_m"]["kld_mean"] / 10

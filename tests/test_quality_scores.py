@@ -91,3 +91,13 @@ def test_summary_of_identical_models_and_perplexity():
     assert out["ppl"] == pytest.approx(math.exp(nll.mean()), rel=1e-12)
     assert scores.perplexity(nll)["ppl"] == pytest.approx(out["ppl"], rel=1e-12)
     assert out["ppl_cor"] == pytest.approx(1.0, rel=1e-6)
+
+
+def test_a_model_scored_against_itself_is_exactly_zero():
+    """The reference's log-probabilities are kept in float32; the same logits as the converted model must then
+    give KL 0 and full agreement, not a rounding residue whose sign is the data's (``-0.000000`` in the text)."""
+    for seed in range(8):
+        rng = np.random.default_rng(seed)
+        logits = (rng.standard_normal((32, 3000)) * 3).astype(np.float32)
+        s = scores.score_window(logits, scores.log_softmax(logits).astype(np.float32), rng.integers(0, 3000, 32))
+        assert (s.kld == 0).all() and s.same_top.all(), seed

@@ -89,7 +89,9 @@ def score_window(logits: np.ndarray, ref_logprobs: np.ndarray, targets: np.ndarr
     same = np.zeros(n, dtype=bool)
     for a in range(0, n, _ROW_BLOCK):
         b = min(n, a + _ROW_BLOCK)
-        lp = log_softmax(logits[a:b])
+        # rounded as the reference's rows are kept (a float32 scratch file in `hf2q quality`), so a model
+        # scored against itself gives 0, not a KL of ±1e-8 from that rounding (printed as -0.000000)
+        lp = log_softmax(logits[a:b]).astype(ref_logprobs.dtype).astype(np.float64)
         rows = np.arange(b - a)
         nll[a:b] = -lp[rows, targets[a:b]]
         lq = np.asarray(ref_logprobs[a:b], dtype=np.float64)

@@ -48,8 +48,13 @@ def build_dir() -> Path:
     return cache_root() / "llama.cpp-build"
 
 
-def _isa() -> str:
-    return "avx512" if _has_avx512() else "avx2"
+def isa() -> str:
+    """The instruction set the oracle is built for here: AVX-512 where the CPU has it, unless
+    ``HF2Q_LLAMA_ISA=avx2`` asks for the build an AVX2-only host gets (its rounding, on this host)."""
+    forced = os.environ.get("HF2Q_LLAMA_ISA", "")
+    if forced and forced not in ("avx2", "avx512"):
+        raise RuntimeError(f"HF2Q_LLAMA_ISA={forced}: expected avx2 or avx512")
+    return forced or ("avx512" if _has_avx512() else "avx2")
 
 
 def bin_dir() -> Path:
@@ -67,7 +72,7 @@ def _built_for_this_cpu() -> bool:
     if os.environ.get("HF2Q_LLAMA_BIN"):
         return True
     stamp = build_dir() / "isa.txt"
-    return stamp.exists() and stamp.read_text().strip() == _isa()
+    return stamp.exists() and stamp.read_text().strip() == isa()
 
 
 def available() -> bool:
@@ -89,7 +94,7 @@ def build(jobs: int | None = None, targets=TARGETS) -> Path:
         targets = missing
     cfg = ["cmake", "-S", str(src), "-B", str(out), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF",
            "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
-           f"-DGGML_AVX512={'ON' if _has_avx512() else 'OFF'}",
+           f"-DGGML_AVX512={'ON' if isa() == 'avx512' else 'OFF'}",
            "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
            "-DGGML_OPENMP=ON", f"-DCMAKE_RUNTIME_OUTPUT_DIRECTORY={out / 'bin'}",
            f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out / 'bin'}"]
@@ -101,7 +106,7 @@ def build(jobs: int | None = None, targets=TARGETS) -> Path:
     lacking = [t for t in TOOLS if not (bin_dir() / t).exists()]
     if lacking:
         raise RuntimeError(f"llama.cpp build incomplete in {out}: {', '.join(lacking)} missing")
-    (out / "isa.txt").write_text(_isa() + "\n")
+    (out / "isa.txt").write_text(isa() + "\n")
     return bin_dir()
 
 
@@ -122,4 +127,4 @@ def gguf_py_dir() -> Path:
 
 
 if __name__ == "__main__":
-    print(build())
+    print(f"{build()} (built for {isa()}, {os.cpu_count()} CPUs)")
