@@ -35,18 +35,12 @@ prepare_mlx()
 def _host_line() -> str:
     """The machine the float tolerances were met on: results of BLAS and of llama.cpp's CPU kernels round
     by instruction set and core count, so a failing comparison starts from what this host was."""
-    import platform
-
     from hf2q.kernels import cpu_blas
+    from hf2q.kernels.cpu_info import cpu_model
     from tests.tools import llama_cpp
 
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        info = ""
-    model = next((ln.partition(":")[2].strip() for ln in info.splitlines() if ln.startswith("model name")),
-                 platform.machine())
-    return f"host: {model}, {os.cpu_count()} CPUs, {llama_cpp.isa()}; blas: {cpu_blas.status()}"
+    return (f"host: {cpu_model()}, {os.cpu_count()} CPUs; llama.cpp oracle built for {llama_cpp.built_isa()}; "
+            f"blas: {cpu_blas.status()}")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

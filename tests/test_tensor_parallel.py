@@ -205,7 +205,6 @@ def test_head_plans_cover_every_head_once():
         assert sorted({p.kv_start for p in plans}) == list(range(0, n_kv, max(1, n_kv // size)))
 
 
-
 @pytest.mark.parametrize("size", [2, 4, 8])
 def test_a_gathered_block_keeps_every_layers_heads_when_layers_differ(monkeypatch, size):
     """Gemma 4 31B's shape (sliding layers 16 KV heads, global ones 4), the global layer first: the export split
@@ -228,6 +227,7 @@ def test_a_gathered_block_keeps_every_layers_heads_when_layers_differ(monkeypatc
         for r in range(size):  # head_slice: rank r restores from the kept rank of its group
             src = held[kept[r // replicas]]
             assert (src.kv_start, src.kv_count) == (held[r].kv_start, held[r].kv_count)
+
 
 def test_unsplittable_head_counts_are_input_errors():
     with pytest.raises(InputError, match="9 attention heads do not split over 2"):

@@ -49,6 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hf2q.kernels.cpu_info import cpu_flags
 from hf2q.kernels.cpu_pool import usable_cpus
 
 _STATE: dict[str, str] = {"blas": "not attempted"}
@@ -96,17 +97,6 @@ CORE_FLAGS = {
 }
 
 
-def _cpu_flags() -> set[str] | None:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return None
-
-
 def _core_runs_here(openblas: Path, flags: set[str] | None = None) -> str | None:
     """Why this OpenBLAS build cannot run on this CPU, or None when it can (or we cannot tell)."""
     config = openblas.parent.parent / "include" / "openblas" / "openblas_config.h"
@@ -118,7 +108,7 @@ def _core_runs_here(openblas: Path, flags: set[str] | None = None) -> str | None
         return None
     core = next((line.split('"')[1] for line in text.splitlines()
                  if line.startswith("#define OPENBLAS_CHAR_CORENAME") and line.count('"') >= 2), None)
-    flags = _cpu_flags() if flags is None else flags
+    flags = cpu_flags() if flags is None else flags
     if core is None or flags is None or core.upper() not in CORE_FLAGS:
         return None
     lacking = sorted(CORE_FLAGS[core.upper()] - flags)

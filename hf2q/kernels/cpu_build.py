@@ -26,6 +26,8 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from hf2q.kernels.cpu_info import cpu_flags
+
 log = logging.getLogger(__name__)
 
 #: the C sources of the host kernels (shipped as package data)
@@ -43,23 +45,12 @@ class KernelBuildError(RuntimeError):
         self.output_path = output_path
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def compile_flags() -> list[str]:
     """``-O3`` plus the widest vector ISA this CPU has: AVX-512F, else AVX2/FMA, else portable C.
     ``HF2Q_NO_AVX512=1`` / ``HF2Q_NO_AVX2=1`` step down (the library is cached per flag set)."""
     flags = ["-O3", "-fPIC", "-shared", "-ffp-contract=fast", "-fno-math-errno", "-fassociative-math",
              "-fno-signed-zeros", "-fno-trapping-math"]
-    cpu = _cpu_flags()
+    cpu = cpu_flags() or set()
     if {"avx2", "fma", "f16c"} <= cpu and not os.environ.get("HF2Q_NO_AVX2"):
         flags += ["-mavx2", "-mfma", "-mf16c"]
         if "avx512f" in cpu and not os.environ.get("HF2Q_NO_AVX512"):

