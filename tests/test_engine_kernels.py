@@ -89,6 +89,24 @@ def test_an_openblas_built_for_a_missing_instruction_set_is_refused(tmp_path):
     assert cpu_blas._core_runs_here(dynamic, avx2_only) is None
 
 
+def test_a_graph_product_rounds_the_same_whatever_host_product_ran_before():
+    """OpenBLAS rounds by its thread count, and MLX's graph products read the global count: a small
+    host product (run on one thread) must not leave later graph products on one thread."""
+    import mlx.core as mx
+
+    from hf2q.kernels import cpu_blas
+
+    if not cpu_blas.has_matmul() or cpu_blas.threads() < 2:
+        pytest.skip("needs the fast BLAS and two threads")
+    rng = np.random.default_rng(0)
+    a = mx.array(rng.standard_normal((24, 1152), dtype=np.float32))
+    b = mx.array(rng.standard_normal((1152, 3456), dtype=np.float32))
+    first = np.array(a @ b)
+    small = rng.standard_normal((4, 64), dtype=np.float32)
+    np.testing.assert_allclose(cpu_blas.matmul_t(small, small), small @ small.T, rtol=1e-5, atol=1e-5)
+    assert np.array_equal(np.array(a @ b), first)
+
+
 # --- fused CPU attention (hf2q/kernels/cpu_attention.py) -------------------------------------------------
 
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402

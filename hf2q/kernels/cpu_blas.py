@@ -34,6 +34,12 @@ with an extra busy-loop process: SmolLM2 pp2048 6.3 s with 2 threads vs 7.5 s wi
 :func:`matmul_t` hands a whole product to OpenBLAS when it is threaded (its threads share
 the packed weight panels; slicing rows ourselves repacked the weight per slice and ran
 ~20% slower) and slices rows over the pool only when OpenBLAS was pinned to one thread.
+
+OpenBLAS rounds a product by how many threads ran it (its partition of the output picks other
+micro-kernels at the edges: a 24×1152 @ 1152×3456 product differs by 8e-5 between 1 and 2
+threads). MLX's own products in a graph read the global count, so :func:`matmul_t` puts it back
+to :func:`threads` after each call: a graph's results do not depend on which host product ran
+before it. The host products themselves follow the load unless ``HF2Q_BLAS_THREADS`` fixes it.
 """
 
 from __future__ import annotations
@@ -322,7 +328,10 @@ def matmul_t(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None) -> np.
 
     if n_slices == 1 or pool() is None or threads() == 1 or not _OPENBLAS_PINNED:
         use_openblas_threads(active_threads() if n * m * k >= (1 << 22) else 1)
-        sgemm(101, 111, 112, n, m, k, 1.0, xp, lda, wp, ldb, 0.0, op, ldc)
+        try:
+            sgemm(101, 111, 112, n, m, k, 1.0, xp, lda, wp, ldb, 0.0, op, ldc)
+        finally:
+            use_openblas_threads(threads())  # MLX's own products always run on one count (below)
     else:
         run_shared(n_slices, work)
     return out
