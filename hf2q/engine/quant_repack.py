@@ -32,6 +32,8 @@ from gguf import quants as gguf_quants
 from hf2q.errors import InputError
 
 GROUP = 32
+#: types whose 16-element sub-blocks MLX cannot hold: dequantized and re-quantized to 8-bit groups of 32
+REQUANTIZED = frozenset({T.Q2_K, T.Q3_K, T.Q6_K})
 
 
 @attrs.frozen
@@ -180,7 +182,10 @@ def repack_rows(parts, n: int, allocate) -> tuple[int, bool]:
     The one banding of a repack: each part is cut into row bands (:func:`_bands`) repacked on the shared CPU pool
     (numpy's element-wise work releases the GIL, so loading a many-gigabyte model uses every core) and written
     straight into the destination, so a load holds one band per worker beside it, never a second whole copy.
-    A row's blocks depend on that row alone: the bands join to the bytes of the tensor repacked in one piece."""
+    A row's blocks depend on that row alone: the bands join to the bytes of the tensor repacked in one piece.
+    A band goes through the C pass of :mod:`hf2q.kernels.cpu_repack` where it takes the type (the same bytes as
+    :func:`_to_affine_rows`, the reference, which does the rest)."""
+    from hf2q.kernels import cpu_repack
     from hf2q.kernels.cpu_blas import pool
 
     jobs, at = [], 0
@@ -191,7 +196,10 @@ def repack_rows(parts, n: int, allocate) -> tuple[int, bool]:
 
     def one(job) -> bool:  # the band's exactness only: its arrays go once written, so bands never pile up
         raw, qtype, start = job
-        aff = _to_affine_rows(raw, qtype, raw.shape[0], n)
+        rows = raw.shape[0]
+        if cpu_repack.repack_band(raw, qtype, n, *(dst[start:start + rows] for dst in dest)):
+            return qtype not in REQUANTIZED
+        aff = _to_affine_rows(raw, qtype, rows, n)
         for dst, src in zip(dest, (aff.packed, aff.scales, aff.biases)):
             dst[start:start + raw.shape[0]] = src
         return aff.exact
@@ -229,7 +237,7 @@ def _to_affine_rows(raw: np.ndarray, qtype: T, rows: int, n: int) -> AffineWeigh
     elif qtype in (T.Q4_K, T.Q5_K):
         q, s, bias, bits = _k_quant(raw, rows, qtype)
         exact = True
-    elif qtype in (T.Q2_K, T.Q3_K, T.Q6_K):
+    elif qtype in REQUANTIZED:
         w = gguf_quants.dequantize(np.ascontiguousarray(raw).reshape(rows, -1), qtype).reshape(rows, n)
         q, s, bias = requantize_8bit(w)
         return AffineWeight(pack_bits(q, 8), s, bias, 8, exact=False)
