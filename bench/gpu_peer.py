@@ -19,6 +19,10 @@
 
 The JSON is rewritten after every part, so a run cut short still leaves what it measured.
 
+``--moe-grouped both`` times the engine part's hf2q figures twice on a mixture-of-experts file: its experts one
+product per (token, expert) pair, then in the default layout (grouped by expert for prefill on a GPU,
+``hf2q.engine.expert_route``).
+
 ``--fused-proj both`` runs hf2q's parts twice per file, with the load-time fusion of q|k|v and gate|up off and on
 (keys ``engine@fused-off``, ``engine@fused-on``, …, and each load's seconds), llama.cpp once: the same-run comparison
 that decides fusion's default on a GPU.
@@ -114,15 +118,24 @@ def ratios(ours: dict, peer: dict) -> dict:
     return {k: round(ours[k] / v, 3) for k, v in peer.items() if k in ours and isinstance(v, (int, float)) and v}
 
 
-def part_engine(r, gguf: Path, reps: int, peer: dict | None = None) -> dict:
-    """``peer``: llama.cpp's figures already measured on this file in this run (the second fusion setting)."""
+def part_engine(r, gguf: Path, reps: int, peer: dict | None = None, moe_both: bool = False) -> dict:
+    """``peer``: llama.cpp's figures already measured on this file in this run (the second fusion setting);
+    ``moe_both``: also time the MoE experts one product per (token, expert) pair (``HF2Q_MOE_GROUPED=0``) before
+    the default layout, on the same loaded model."""
     from bench.decode import bench_llama_cpp, bench_runner
 
+    extra = {}
+    if moe_both:
+        os.environ["HF2Q_MOE_GROUPED"] = "0"
+        try:
+            extra["hf2q@moe-per-pair"] = {k: round(v, 1) for k, v in bench_runner(r, [512, 2048], 128, reps, 2048).items()}
+        finally:
+            os.environ.pop("HF2Q_MOE_GROUPED")
     ours = {k: round(v, 1) for k, v in bench_runner(r, [512, 2048], 128, reps, 2048).items()}
     if peer is None:
         peer = bench_llama_cpp(gguf, [512, 2048], 128, reps, os.cpu_count() or 4, ["-ngl", "99", "-fa", "1"]) or {}
         peer = {k: round(v, 1) for k, v in peer.items()}
-    return {"hf2q": ours, "llama.cpp": peer, "ratio": ratios(ours, peer)}
+    return {"hf2q": ours, **extra, "llama.cpp": peer, "ratio": ratios(ours, peer)}
 
 
 def part_batch(r, gguf: Path, steps: int, peer: dict | None = None) -> dict:
@@ -187,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fused-proj", choices=["default", "on", "off", "both"], default="default",
                     help="hf2q's fused q|k|v and gate|up products (HF2Q_FUSED_PROJ); both: each part once per setting "
                          "on the same file, llama.cpp measured once")
+    ap.add_argument("--moe-grouped", choices=["default", "both"], default="default",
+                    help="both: the engine part also times MoE experts one product per (token, expert) pair")
     ap.add_argument("--out", default="gpu-peer.json")
     a = ap.parse_args(argv)
 
@@ -227,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                     t0 = time.time()
                 elif part == "serve":
                     runner = None
-                fn = {"engine": lambda: part_engine(runner, gguf, a.reps, peers.get("engine")),
+                fn = {"engine": lambda: part_engine(runner, gguf, a.reps, peers.get("engine"), a.moe_grouped == "both"),
                       "batch": lambda: part_batch(runner, gguf, a.steps, peers.get("batch")),
                       "serve": lambda: part_serve(gguf, a.max_tokens, peers.get("serve"))}[part]
                 key = part + suffix

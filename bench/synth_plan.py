@@ -67,10 +67,10 @@ def meta_state_dict(config: dict) -> dict[str, tuple[int, ...]]:
     import torch
     import transformers
 
-    cfg_cls = getattr(transformers, {"gemma4_text": "Gemma4TextConfig"}[config["model_type"]])
     model_cls = getattr(transformers, config["architectures"][0])
-    cfg = cfg_cls(**{k: v for k, v in config.items()
-                     if k not in ("architectures", "model_type", "dtype", "torch_dtype", "transformers_version")})
+    cfg = transformers.AutoConfig.for_model(config["model_type"], **{
+        k: v for k, v in config.items()
+        if k not in ("architectures", "model_type", "dtype", "torch_dtype", "transformers_version")})
     with torch.device("meta"):
         model = model_cls(cfg)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}

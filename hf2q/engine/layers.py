@@ -320,6 +320,15 @@ class Linear:
                                  group_size=self.group_size, bits=self.bits)
         return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=indices)
 
+    def grouped(self, x: mx.array) -> mx.array:
+        """Expert-stacked weight ``[E, out, in]``: ``x [E, C, in]``, expert ``e``'s rows in batch ``e`` →
+        ``[E, C, out]`` (``expert_route``'s grouped layout: each expert's matrix read once)."""
+        every = mx.arange(self.shape[0], dtype=mx.uint32)
+        if self.quantized:
+            return mx.gather_qmm(x, self.weight, self.scales, self.biases, rhs_indices=every, transpose=True,
+                                 group_size=self.group_size, bits=self.bits, sorted_indices=True)
+        return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=every, sorted_indices=True)
+
     def rows(self, ids: mx.array) -> mx.array:
         """Rows of W (embedding lookup), dequantized to the compute dtype."""
         if not self.quantized:

@@ -287,6 +287,7 @@ class ExpertParallelMoE:
 
     def local(self, x):
         """This rank's share of the output (its experts' weighted sum), before the ``all_sum``."""
+        from hf2q.engine.expert_route import ExpertRoute
         from hf2q.engine.layers import silu
 
         mx, f = self._mx, self.ffn
@@ -299,9 +300,10 @@ class ExpertParallelMoE:
         if f.normalize:
             weights = weights / weights.sum(axis=-1, keepdims=True)
         local, weights = own_experts(idx, weights, self.first, self.n_local)
-        xe = flat[:, None, None, :]
-        h = silu(f.gate_exps.gather(xe, local)) * f.up_exps.gather(xe, local)  # [N, k, 1, ff]
-        out = f.down_exps.gather(h, local)[:, :, 0, :]  # [N, k, hidden]
+        route = ExpertRoute.of(local, f.gate_exps.shape[0])
+        xe = route.inputs(flat)
+        h = silu(route.apply(f.gate_exps, xe)) * route.apply(f.up_exps, xe)
+        out = route.outputs(route.apply(f.down_exps, h))  # [N, k, hidden]
         y = (out * weights[..., None].astype(out.dtype)).sum(axis=1)
         return y.reshape(shape)
 

@@ -28,6 +28,7 @@ import mlx.core as mx
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
+from hf2q.engine.expert_route import ExpertRoute
 from hf2q.engine.kv_cache import ForwardBatch
 from hf2q.engine.layers import Linear, float_array, silu
 from hf2q.engine.models.decoder import distinct_nbytes
@@ -121,9 +122,10 @@ class Deepseek4MoE:
 
     def experts(self, flat: mx.array, idx: mx.array, weights: mx.array) -> mx.array:
         """The routed experts' weighted sum plus the shared expert, ``[N, hidden]``."""
-        xe = flat[:, None, None, :]
-        h = _clamped_swiglu(self.gate_exps.gather(xe, idx), self.up_exps.gather(xe, idx), self.limit)
-        out = self.down_exps.gather(h, idx)[:, :, 0, :]  # [N, k, hidden]
+        route = ExpertRoute.of(idx, self.gate_exps.shape[0])
+        xe = route.inputs(flat)
+        h = _clamped_swiglu(route.apply(self.gate_exps, xe), route.apply(self.up_exps, xe), self.limit)
+        out = route.outputs(route.apply(self.down_exps, h))  # [N, k, hidden]
         routed = (out * weights[..., None].astype(out.dtype)).sum(axis=1)
         gate, up, down = self.shared
         return routed + down(_clamped_swiglu(gate(flat), up(flat), self.shared_limit))

@@ -43,6 +43,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
+from hf2q.engine.expert_route import ExpertRoute
 from hf2q.engine.kv_cache import ForwardBatch
 from hf2q.engine.layers import Linear, float_array, gelu_tanh, rms_norm
 from hf2q.engine.models.decoder import _norm, distinct_nbytes
@@ -246,11 +247,11 @@ class Gemma4Experts:
         weights = weights / weights.sum(axis=-1, keepdims=True) * self.expert_scale[idx]
         if self.share is not None:
             idx, weights = own_experts(idx, weights, *self.share)
-        xe = rms_norm(flat, self.pre_norm, self.eps)[:, None, None, :]
-        gate_up = self.gate_up_exps.gather(xe, idx)  # [N, k, 1, 2·ff]
+        route = ExpertRoute.of(idx, self.gate_up_exps.shape[0])
+        gate_up = route.apply(self.gate_up_exps, route.inputs(rms_norm(flat, self.pre_norm, self.eps)))
         ff = gate_up.shape[-1] // 2
         h = gelu_tanh(gate_up[..., :ff]) * gate_up[..., ff:]
-        out = self.down_exps.gather(h, idx)[:, :, 0, :]  # [N, k, hidden]
+        out = route.outputs(route.apply(self.down_exps, h))  # [N, k, hidden]
         return (out * weights[..., None].astype(out.dtype)).sum(axis=1).reshape(shape)
 
 

@@ -3,13 +3,15 @@
 The router picks ``expert_used_count`` experts per token from a softmax over
 ``ffn_gate_inp``; their weights are renormalised to sum to one (``norm_topk_prob``, what
 llama.cpp does for this architecture). Expert weights stay stacked ``[E, out, in]`` and
-run through one ``gather_qmm`` / ``gather_mm`` per projection, never a Python loop.
+run through one ``gather_qmm`` / ``gather_mm`` per projection, never a Python loop (in the layout
+``expert_route`` picks).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
+from hf2q.engine.expert_route import ExpertRoute
 from hf2q.engine.layers import Linear, silu
 from hf2q.engine.models.decoder import DecoderModel
 from hf2q.engine.models.llama import common_config
@@ -35,9 +37,10 @@ class MoEFeedForward:
         weights = mx.take_along_axis(probs, idx, axis=-1)
         if self.normalize:
             weights = weights / weights.sum(axis=-1, keepdims=True)
-        xe = flat[:, None, None, :]
-        h = silu(self.gate_exps.gather(xe, idx)) * self.up_exps.gather(xe, idx)  # [N, k, 1, ff]
-        out = self.down_exps.gather(h, idx)[:, :, 0, :]  # [N, k, hidden]
+        route = ExpertRoute.of(idx, self.gate_exps.shape[0])
+        xe = route.inputs(flat)
+        h = silu(route.apply(self.gate_exps, xe)) * route.apply(self.up_exps, xe)
+        out = route.outputs(route.apply(self.down_exps, h))  # [N, k, hidden]
         y = (out * weights[..., None].astype(out.dtype)).sum(axis=1)
         return y.reshape(shape)
 
