@@ -101,5 +101,9 @@ def test_restarted_two_rank_server_resumes_the_prefix(tmp_path, mtp):
 
     flags = ("--tensor-parallel", "2") + (("--speculative", "mtp", "--model-draft", str(companion_gguf())) if mtp
                                           else ())
-    check_restart_resumes(deepseek4_chat_gguf(), tmp_path / "kv", "deepseek4-mtp" if mtp else "deepseek4", 210, TOL,
-                          *flags)
+    from tests.test_kvstore_stateful_engine import SPLIT_TOL
+
+    # the restored answer's prompt ran as a restored prefix plus a recomputed tail, the cold one in one piece: the
+    # split's rounding (1.05e-5 was seen on a fresh machine), as in the one-process restore tests
+    check_restart_resumes(deepseek4_chat_gguf(), tmp_path / "kv", "deepseek4-mtp" if mtp else "deepseek4", 210,
+                          SPLIT_TOL["deepseek4"], *flags)
