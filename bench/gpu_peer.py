@@ -126,11 +126,15 @@ def part_engine(r, gguf: Path, reps: int, peer: dict | None = None, moe_both: bo
 
     extra = {}
     if moe_both:
+        before = os.environ.get("HF2Q_MOE_GROUPED")
         os.environ["HF2Q_MOE_GROUPED"] = "0"
         try:
             extra["hf2q@moe-per-pair"] = {k: round(v, 1) for k, v in bench_runner(r, [512, 2048], 128, reps, 2048).items()}
         finally:
-            os.environ.pop("HF2Q_MOE_GROUPED")
+            if before is None:
+                os.environ.pop("HF2Q_MOE_GROUPED")
+            else:
+                os.environ["HF2Q_MOE_GROUPED"] = before
     ours = {k: round(v, 1) for k, v in bench_runner(r, [512, 2048], 128, reps, 2048).items()}
     if peer is None:
         peer = bench_llama_cpp(gguf, [512, 2048], 128, reps, os.cpu_count() or 4, ["-ngl", "99", "-fa", "1"]) or {}

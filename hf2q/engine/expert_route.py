@@ -10,7 +10,8 @@ one expert got, rounded up to :data:`CAPACITY_STEP` so few slab shapes are ever 
 whose batch ``e`` is expert ``e``'s ``C`` rows: each expert matrix is read once per projection, by the tiled kernel.
 The price is one host sync per layer (``C`` is read back from the device) and the padding rows' arithmetic.
 
-``HF2Q_MOE_GROUPED=1`` groups every call (tests hold the two layouts equal on the CPU), ``=0`` never.
+``HF2Q_MOE_GROUPED=1`` groups every call (tests hold the two layouts within float32 rounding of each other on the
+CPU), ``=0`` never.
 """
 
 from __future__ import annotations

@@ -201,7 +201,7 @@ def repack_rows(parts, n: int, allocate) -> tuple[int, bool]:
             return qtype not in REQUANTIZED
         aff = _to_affine_rows(raw, qtype, rows, n)
         for dst, src in zip(dest, (aff.packed, aff.scales, aff.biases)):
-            dst[start:start + raw.shape[0]] = src
+            dst[start:start + rows] = src
         return aff.exact
 
     raw0, qtype0, _ = jobs[0]
