@@ -32,14 +32,14 @@ def _arbitrary(qtype, rows: int, n: int, seed: int) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
-def _check(raw: np.ndarray, qtype, n: int) -> None:
+def _check(raw: np.ndarray, qtype, n: int, wide: bool = False) -> None:
     rows = raw.shape[0]
-    want = quant_repack._to_affine_rows(raw, qtype, rows, n)
+    want = quant_repack._to_affine_rows(raw, qtype, rows, n, wide)
     # destinations with room to spare on each row, as the stacked buffers of a load are cut
     packed = np.zeros((rows, want.packed.shape[1] + 3), np.uint32)[:, 1:1 + want.packed.shape[1]]
     scales = np.zeros((rows, n // 32 + 2), np.float32)[:, :n // 32]
     biases = np.zeros((rows, n // 32 + 2), np.float32)[:, 2:]
-    assert cpu_repack.repack_band(raw, qtype, n, packed, scales, biases)
+    assert cpu_repack.repack_band(raw, qtype, n, packed, scales, biases, wide=wide)
     assert np.array_equal(packed, want.packed)
     assert np.array_equal(scales, want.scales) and np.array_equal(biases, want.biases)
 
@@ -55,6 +55,19 @@ def test_the_c_repack_equals_numpy_on_quantized_weights(qtype):
 @pytest.mark.parametrize("qtype", sorted(cpu_repack.TYPES), ids=lambda t: t.name)
 def test_the_c_repack_equals_numpy_on_arbitrary_blocks(qtype):
     _check(_arbitrary(qtype, 23, 768, seed=int(qtype)), qtype, 768)
+
+
+def test_a_wide_repack_stores_the_5_bit_codes_one_a_byte():
+    """The CPU's load: Q5_K's codes as 8-bit groups of the same values (the C pass and numpy alike); the other
+    types are what they are without it."""
+    n = 512
+    raw = _arbitrary(T.Q5_K, 7, n, seed=3)
+    _check(raw, T.Q5_K, n, wide=True)
+    wide, narrow = (quant_repack._to_affine_rows(raw, T.Q5_K, 7, n, w) for w in (True, False))
+    assert (wide.bits, narrow.bits) == (8, 5)
+    assert np.array_equal(quant_repack.affine_dequantize(wide, n), quant_repack.affine_dequantize(narrow, n))
+    for qtype in sorted(cpu_repack.TYPES - {T.Q5_K}):
+        _check(_arbitrary(qtype, 5, n, seed=int(qtype)), qtype, n, wide=True)
 
 
 def test_other_types_and_impossible_bands_are_refused_without_a_write():

@@ -1,5 +1,6 @@
 """The grouped layout of a mixture-of-experts feed-forward (``hf2q.engine.expert_route``): the pairs sorted into
-one padded slab per expert give, pair for pair, what one product per pair gives — with uneven loads, unused
+one padded slab per expert, and the CPU's pairs sorted on the host through the C matvec kernel, give, pair for pair,
+what one product per pair gives — with uneven loads, unused
 experts and a capacity that is not a multiple of the step — within float32 rounding (a slab is one product of C rows
 per expert, a pair one row, and BLAS rounds by the row count; measured ≤ 3e-7 on outputs of ~0.1). The family tests
 (transformers logits) also pass with ``HF2Q_MOE_GROUPED=1``."""
@@ -16,6 +17,7 @@ from hf2q.engine.expert_route import ExpertRoute
 from hf2q.engine.layers import Linear, silu
 from hf2q.formats.gguf_file import GGUFTensor
 from hf2q.ggml import codec
+from hf2q.kernels import cpu_qmatvec, cpu_qmatvec_ref
 
 E, OUT, IN = 6, 64, 256
 
@@ -67,3 +69,73 @@ def test_the_gpu_groups_only_many_pairs_and_the_cpu_never(monkeypatch):
     on_gpu = mx.default_device().type == mx.DeviceType.gpu
     assert expert_route.grouping(4096 * 8, 128) == on_gpu
     assert not expert_route.grouping(8 * 8, 128)  # a decode batch: one product per pair reads fewer experts
+
+
+def _uneven_idx(rng, n: int) -> mx.array:
+    """Two experts a token, expert 0 taking most pairs and expert 4 none."""
+    first = rng.choice([0, 0, 0, 1, 2], n)
+    second = (first + 1 + rng.integers(0, 2, n)) % E
+    second[second == 4] = 5
+    return mx.array(np.stack([first, second], 1).astype(np.uint32))
+
+
+def _reference(lin: Linear, x: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """float64 ``[N, k, out]``: each pair's token through its expert's dequantized (or float) matrix."""
+    out = np.zeros((*idx.shape, lin.shape[1]))
+    for e in range(lin.shape[0]):
+        if lin.quantized:
+            w = cpu_qmatvec_ref.dequantize(np.asarray(memoryview(lin.weight))[e].view(np.uint8),
+                                           np.asarray(memoryview(lin.scales))[e], np.asarray(memoryview(lin.biases))[e],
+                                           lin.bits)
+        else:
+            w = np.asarray(memoryview(lin.weight))[e].astype(np.float64)
+        hit = idx == e
+        out[hit] = x[np.nonzero(hit)[0]].astype(np.float64) @ w.T
+    return out
+
+
+needs_kernel = pytest.mark.skipif(mx.default_device() != mx.cpu or cpu_qmatvec.kernel() is None,
+                                  reason="the host layout is the CPU's, with its C kernels")
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.F32], ids=lambda t: t.name)
+def test_the_cpu_sorts_pairs_on_the_host_and_each_pair_gets_its_own_product(qtype, monkeypatch):
+    rng = np.random.default_rng(5)
+    n = 41
+    idx = _uneven_idx(rng, n)
+    x = rng.standard_normal((n, IN)).astype(np.float32)
+    up = _experts(qtype, 6)
+    monkeypatch.delenv("HF2Q_MOE_GROUPED", raising=False)
+    host = ExpertRoute.of(idx, E)
+    assert host.host is not None and 4 not in host.host.experts and sum(host.host.counts) == 2 * n
+    got = np.array(host.outputs(host.apply(up, host.inputs(mx.array(x)))))
+    want = _reference(up, x, np.array(idx))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6 * np.abs(want).max())
+    monkeypatch.setenv("HF2Q_MOE_GROUPED", "0")
+    per_pair = ExpertRoute.of(idx, E)
+    assert per_pair.host is None and not per_pair.grouped
+    mlx_pairs = np.array(per_pair.outputs(per_pair.apply(up, per_pair.inputs(mx.array(x)))))
+    np.testing.assert_allclose(got, mlx_pairs, rtol=1e-5, atol=2e-6 * np.abs(want).max())
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_a_token_alone_gets_the_bits_it_gets_among_many(qtype, monkeypatch):
+    """A decode step (one token) and a prefill chunk (many) give a token the same expert outputs exactly."""
+    monkeypatch.delenv("HF2Q_MOE_GROUPED", raising=False)
+    rng = np.random.default_rng(7)
+    n = 29
+    idx = _uneven_idx(rng, n)
+    x = mx.array(rng.standard_normal((n, IN)).astype(np.float32))
+    gate, down = (Linear(GGUFTensor(f"blk.0.ffn_{name}_exps.weight", qtype, (E, IN, IN),
+                                    codec.quantize((rng.standard_normal((E * IN, IN)) * 0.05).astype(np.float32),
+                                                   qtype), 0), mx.float32) for name in ("gate", "down"))
+
+    def ffn(rows, ids):
+        route = ExpertRoute.of(ids, E)
+        return np.array(route.outputs(route.apply(down, silu(route.apply(gate, route.inputs(rows))))))
+
+    many = ffn(x, idx)
+    for i in (0, 3, n - 1):
+        np.testing.assert_array_equal(ffn(x[i:i + 1], idx[i:i + 1]), many[i:i + 1])

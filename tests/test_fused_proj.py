@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType as T
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf2q.engine.layers import Linear, run_products
+from hf2q.engine.layers import Linear, on_cpu, run_products
 from hf2q.engine.quant_repack import to_affine
 from hf2q.formats.gguf_file import GGUFTensor
 from hf2q.ggml import codec
@@ -211,7 +211,7 @@ def test_products_fused_as_read_match_each_part(parts, chunk, rows, seed):
     assert len(products) == len(parts) - same_run
     assert [p.name for p in mine] == [t.name for t in tensors]
     for p, a, t in zip(mine, alone, tensors):
-        ref = to_affine(t.data, t.qtype, t.shape)  # the repack in one piece, no MLX
+        ref = to_affine(t.data, t.qtype, t.shape, wide=on_cpu())  # the repack in one piece, no MLX (a CPU's widths)
         for k, want in (("weight", ref.packed), ("scales", ref.scales), ("biases", ref.biases)):
             assert np.array_equal(np.array(getattr(p, k)), want) and np.array_equal(np.array(getattr(a, k)), want)
     x = mx.array(np.random.default_rng(seed).standard_normal((1, rows, 256)).astype(np.float32))

@@ -10,7 +10,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from hf2q.engine import quant_repack
-from hf2q.engine.layers import Linear, load_products
+from hf2q.engine.layers import Linear, load_products, on_cpu
 from hf2q.formats.gguf_file import GGUFTensor
 from hf2q.ggml import codec
 from hf2q.kernels import cpu_blas, cpu_repack
@@ -35,13 +35,13 @@ def small_bands(monkeypatch):
     calls: list[int] = []
     real, real_c = quant_repack._to_affine_rows, cpu_repack.repack_band
 
-    def counted(raw, qtype, rows, n):
+    def counted(raw, qtype, rows, n, wide=False):
         if rows > 1:  # not the one-row probe that sizes the destination (no band here is one row)
             calls.append(rows)
-        return real(raw, qtype, rows, n)
+        return real(raw, qtype, rows, n, wide)
 
-    def counted_c(raw, *args):  # a band the C pass takes (the numpy path repacks the others)
-        done = real_c(raw, *args)
+    def counted_c(raw, *args, **kw):  # a band the C pass takes (the numpy path repacks the others)
+        done = real_c(raw, *args, **kw)
         calls.extend([raw.shape[0]] if done else [])
         return done
 
@@ -58,7 +58,7 @@ def test_a_load_bands_each_tensor_once(qtype, small_bands):
     bands = quant_repack._bands(100, N)
     assert len(bands) == 16  # four per worker: the memory cap (7 bands of 16 rows) asks for fewer
     assert sorted(calls) == sorted(b - a for a, b in bands)  # once each (in any order): no banding inside a band
-    ref = whole(np.asarray(t.data).reshape(100, -1), qtype, 100, N)
+    ref = whole(np.asarray(t.data).reshape(100, -1), qtype, 100, N, on_cpu())  # a CPU load stores 5-bit codes as bytes
     for got, want in ((lin.weight, ref.packed), (lin.scales, ref.scales), (lin.biases, ref.biases)):
         assert np.array_equal(np.array(got), want)
     assert (lin.bits, lin.exact) == (ref.bits, ref.exact)
@@ -77,7 +77,7 @@ def test_a_stack_of_tensors_bands_each_part_and_joins_them(small_bands):
     assert len(products) == 1
     assert sorted(calls) == sorted(b - a for t in tensors for a, b in quant_repack._bands(t.shape[0], N))
     for p, t in zip(parts, tensors):
-        ref = whole(np.asarray(t.data).reshape(t.shape[0], -1), t.qtype, t.shape[0], N)
+        ref = whole(np.asarray(t.data).reshape(t.shape[0], -1), t.qtype, t.shape[0], N, on_cpu())
         assert np.array_equal(np.array(p.weight), ref.packed) and np.array_equal(np.array(p.scales), ref.scales)
 
 

@@ -15,8 +15,9 @@ which quantizes each new K/V row into the cache's codes and scales and attends o
 for ``q8-rotated`` the step multiplies q, k and v by the Hadamard matrix before it and the heads'
 outputs after it (one numpy matmul each: the C kernel never sees the rotation).
 It covers dense families (llama,
-qwen3, gemma3); anything it does not know (MoE, non-float activations) reports
-``supported() == False`` and the MLX path runs. Tests compare both paths token for token.
+qwen3, gemma3) and Qwen3-MoE's routed feed-forward (:class:`HostMoE`); anything it does not know
+(other MoE blocks, non-float activations) reports ``supported() == False`` and the MLX path runs.
+Tests compare both paths token for token.
 """
 
 from __future__ import annotations
@@ -89,6 +90,54 @@ class HostProjection:
             y[:B] += self.bias
 
 
+class HostMoE:
+    """Qwen3-MoE's routed feed-forward on the host: the router's matvec, softmax and top-k in numpy, then the
+    experts as ``expert_route.host_glu`` runs them (the pairs sorted by expert, gate|up and down in one segment
+    call of the C kernel each) — the MLX graph's ``MoEFeedForward`` step for step (softmax over float32 logits,
+    renormalised top-k)."""
+
+    def __init__(self, ffn, ops):
+        self.ops = ops
+        #: a float router runs row by row (a many-row BLAS product rounds by its row count, and a near-tie
+        #: between two experts must not resolve differently for a row decoded alone and in a batch)
+        self.router_w = None if ffn.router.quantized else _np(ffn.router.weight).astype(np.float32)
+        self.router = HostProjection([ffn.router])
+        self.gate_up = ffn.gate_exps._expert_stack(ffn.up_exps)
+        self.down = ffn.down_exps._expert_stack()
+        self.top_k, self.normalize = ffn.top_k, ffn.normalize
+        self.n_experts = int(ffn.gate_exps.shape[0])
+
+    @staticmethod
+    def takes(ffn) -> bool:
+        from hf2q.engine.models.qwen3_moe import MoEFeedForward
+
+        if type(ffn) is not MoEFeedForward or not isinstance(ffn.router, Linear):
+            return False
+        if ffn.gate_exps._expert_stack(ffn.up_exps) is None or ffn.down_exps._expert_stack() is None:
+            return False
+        return not ffn.router.quantized or ffn.router._host is not None
+
+    def run(self, h: np.ndarray, out: np.ndarray) -> None:
+        """``out[:B] =`` the routed feed-forward of the rows ``h [B, hidden]``."""
+        from hf2q.engine.expert_route import HostSort, host_glu
+
+        B, k = h.shape[0], self.top_k
+        logits = np.empty((B, self.router.out), np.float32)
+        if self.router_w is None:
+            self.router.run(h, h.ctypes.data, logits, logits.ctypes.data, B)
+        else:
+            for b in range(B):
+                np.matmul(self.router_w, h[b], out=logits[b])
+        logits -= logits.max(axis=-1, keepdims=True)
+        probs = np.exp(logits)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        idx = np.argpartition(-probs, k - 1, axis=-1)[:, :k]
+        weights = np.take_along_axis(probs, idx, axis=-1)
+        if self.normalize:
+            weights /= weights.sum(axis=-1, keepdims=True)
+        out[...] = host_glu(h, HostSort.of(idx, self.n_experts), k, weights, self.gate_up, self.down, self.ops, 0)
+
+
 class HostEmbedding:
     """Embedding rows dequantized in numpy from the host copy of the weight (``w = scale·q + bias``
     per 32-group), which costs microseconds where an MLX gather + dequantize costs ~0.5 ms."""
@@ -156,20 +205,25 @@ class HostDecoder:
             entry = {
                 "attn_norm": _Vec(layer.attn_norm), "ffn_norm": _Vec(layer.ffn_norm),
                 "qkv": HostProjection([a.q, a.k, a.v]), "o": HostProjection([a.o]),
-                "gate_up": HostProjection([f.gate, f.up]), "down": HostProjection([f.down]),
-                "act": 0 if f.act is silu else 1, "window": a.window or 0, "base": a.base, "scale": a.scale,
+                "window": a.window or 0, "base": a.base, "scale": a.scale,
             }
+            if isinstance(f, GatedMLP):
+                entry.update(gate_up=HostProjection([f.gate, f.up]), down=HostProjection([f.down]),
+                             act=0 if f.act is silu else 1)
+            else:
+                entry["moe"] = HostMoE(f, self.ops)
             if cfg.qk_norm:
                 entry["q_norm"], entry["k_norm"] = _Vec(a.q_norm), _Vec(a.k_norm)
             if cfg.sandwich_norms:
                 entry["post_attn"], entry["post_ffn"] = _Vec(layer.post_attn_norm), _Vec(layer.post_ffn_norm)
             self.layers.append(entry)
-        self.ffn = int(model.layers[0].ffn.gate.shape[0])
+        dense = [layer.ffn for layer in model.layers if isinstance(layer.ffn, GatedMLP)]
+        self.ffn = int(dense[0].gate.shape[0]) if dense else 0
         self.sizes = {"x": cfg.hidden, "h": cfg.hidden, "qkv": (H + 2 * Hkv) * D, "att": H * D,
                       "o": cfg.hidden, "gu": 2 * self.ffn, "a": self.ffn, "f": cfg.hidden}
         for L in self.layers:  # the kernels write a projection's full width into its buffer's row: check once
             for proj, buf in (("qkv", "qkv"), ("o", "o"), ("gate_up", "gu"), ("down", "f")):
-                if L[proj].out != self.sizes[buf]:
+                if proj in L and L[proj].out != self.sizes[buf]:
                     raise ValueError(f"host decode: the {proj} projection is {L[proj].out} wide, its buffer "
                                      f"{self.sizes[buf]}")
         self._ws: _Workspace | None = None
@@ -192,13 +246,18 @@ class HostDecoder:
         c = model.cfg
         if c.rope_dims % 2 or c.rope_dims > c.head_dim or c.n_heads % c.n_kv_heads:
             return False
+        widths = set()
         for layer in model.layers:
             f = layer.ffn
-            if not isinstance(f, GatedMLP) or f.act not in (silu, gelu_tanh):
+            if HostMoE.takes(f):
+                lins = [layer.attn.q, layer.attn.k, layer.attn.v, layer.attn.o, model.lm_head]
+            elif isinstance(f, GatedMLP) and f.act in (silu, gelu_tanh):
+                widths.add(f.gate.shape[0])
+                lins = [layer.attn.q, layer.attn.k, layer.attn.v, layer.attn.o, f.gate, f.up, f.down, model.lm_head]
+            else:
                 return False
-            if f.gate.shape[0] != model.layers[0].ffn.gate.shape[0]:
+            if len(widths) > 1:
                 return False
-            lins = [layer.attn.q, layer.attn.k, layer.attn.v, layer.attn.o, f.gate, f.up, f.down, model.lm_head]
             # wrapped layers (e.g. tensor-parallel RowParallel with an all_sum) keep the MLX graph
             if any(not isinstance(lin, Linear) or (lin.quantized and lin._host is None) for lin in lins):
                 return False
@@ -377,9 +436,12 @@ class HostDecoder:
             if c.sandwich_norms:
                 ops.rms_norm(P["o"], hidden, L["post_attn"].ptr, P["o"], hidden, B, 1, hidden, eps)
             ops.add_rms(P["x"], P["o"], B * hidden, L["ffn_norm"].ptr, P["h"], B, hidden, eps)
-            L["gate_up"].run(A["h"], P["h"], A["gu"], P["gu"], B)
-            ops.glu(P["gu"], P["a"], B, self.ffn, L["act"])
-            L["down"].run(A["a"], P["a"], A["f"], P["f"], B)
+            if "moe" in L:
+                L["moe"].run(A["h"][:B], A["f"][:B])
+            else:
+                L["gate_up"].run(A["h"], P["h"], A["gu"], P["gu"], B)
+                ops.glu(P["gu"], P["a"], B, self.ffn, L["act"])
+                L["down"].run(A["a"], P["a"], A["f"], P["f"], B)
             if c.sandwich_norms:
                 ops.rms_norm(P["f"], hidden, L["post_ffn"].ptr, P["f"], hidden, B, 1, hidden, eps)
             nxt = self.layers[li + 1]["attn_norm"] if li + 1 < len(self.layers) else self.norm

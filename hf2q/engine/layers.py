@@ -109,7 +109,9 @@ def _repacked(tensors: "list[GGUFTensor]", shape: tuple[int, ...]):
 
     The stored blocks are repacked band by band (``quant_repack.repack_rows``) straight into the MLX buffers on
     the CPU (elsewhere into one host array each, handed to MLX once): the load holds no second whole copy of a
-    weight, and a stack of tensors costs what its parts would apart."""
+    weight, and a stack of tensors costs what its parts would apart. On the CPU 5-bit codes are stored one a byte
+    (``wide``): the same values as 8-bit groups, which the host kernels stream several times faster, in less
+    memory than the 5-bit buffer plus the unpacked copy those kernels would otherwise keep."""
     total = math.prod(shape[:-1])
     in_place = on_cpu()
     outs: list = []
@@ -124,7 +126,7 @@ def _repacked(tensors: "list[GGUFTensor]", shape: tuple[int, ...]):
         return [np.asarray(memoryview(o)) for o in outs]
 
     parts = [(np.asarray(t.data), t.qtype, math.prod(t.shape[:-1])) for t in tensors]
-    bits, exact = repack_rows(parts, shape[-1], allocate)
+    bits, exact = repack_rows(parts, shape[-1], allocate, wide=in_place)
     if not in_place:
         outs = [mx.array(v) for v in outs]
     lead = shape[:-1]
@@ -328,6 +330,41 @@ class Linear:
             return mx.gather_qmm(x, self.weight, self.scales, self.biases, rhs_indices=every, transpose=True,
                                  group_size=self.group_size, bits=self.bits, sorted_indices=True)
         return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=every, sorted_indices=True)
+
+    def segments(self, x: np.ndarray, experts: list[int], starts: list[int], counts: list[int]) -> np.ndarray:
+        """Expert-stacked weight ``[E, out, in]`` on the CPU: rows ``[starts[i], starts[i] + counts[i])`` of
+        ``x [P, in]`` (float32) through expert ``experts[i]`` → ``[P, out]`` float32 (``expert_route``'s host
+        layout). Quantized: one call of the C matvec kernel over every run; otherwise MLX's gather product, one
+        row a pair as in the per-pair layout (a BLAS product per run would round by its row count, so a token's
+        result would depend on the batch it came in)."""
+        stack = self._expert_stack() if self.quantized else None
+        if stack is not None:
+            return stack(x, experts, starts, counts)
+        which = mx.array(np.repeat(np.asarray(experts, np.int32), counts)[:, None])
+        rows = mx.array(x).astype(self.dtype)[:, None, None, :]
+        return np.array(self.gather(rows, which)[:, 0, 0, :].astype(mx.float32))
+
+    def expert_host(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """This expert-stacked quantized weight as the C kernel reads it: zero-copy views of the MLX buffers
+        ``(packed [E, out, ·], scales, biases, bits)``."""
+        return (np.asarray(memoryview(self.weight)), np.asarray(memoryview(self.scales)),
+                np.asarray(memoryview(self.biases)), self.bits)
+
+    def _expert_stack(self, *others: "Linear"):
+        """The C kernel's view of this expert-stacked quantized weight, with ``others`` (stacks of the same input
+        width and expert count) side by side in its output; built once per set, or None where the kernel cannot
+        take them."""
+        stacks = self.__dict__.setdefault("_stacks", {})
+        key = tuple(id(o) for o in others)
+        if key not in stacks:
+            from hf2q.kernels import cpu_qmatvec
+
+            lins = (self, *others)
+            takes = on_cpu() and cpu_qmatvec.kernel() is not None and all(
+                lin.quantized and len(lin.shape) == 3 and lin.group_size == 32 and lin.scales.dtype == mx.float32
+                and lin.shape[0] == self.shape[0] and lin.shape[2] == self.shape[2] for lin in lins)
+            stacks[key] = cpu_qmatvec.ExpertStack([lin.expert_host() for lin in lins]) if takes else None
+        return stacks[key]
 
     def rows(self, ids: mx.array) -> mx.array:
         """Rows of W (embedding lookup), dequantized to the compute dtype."""

@@ -158,8 +158,9 @@ def requantize_8bit(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return q.reshape(rows, n), scale.astype(np.float32), lo.astype(np.float32)
 
 
-def to_affine(raw: np.ndarray, qtype: T, shape: tuple[int, ...]) -> AffineWeight:
-    """GGUF block bytes of a 2-D (or stacked 3-D) tensor → :class:`AffineWeight`.
+def to_affine(raw: np.ndarray, qtype: T, shape: tuple[int, ...], wide: bool = False) -> AffineWeight:
+    """GGUF block bytes of a 2-D (or stacked 3-D) tensor → :class:`AffineWeight` (5-bit codes one a byte when
+    ``wide``, as a CPU load stores them).
 
     ``shape`` is numpy order; leading dims are flattened into rows and restored by the caller."""
     n = shape[-1]
@@ -170,11 +171,11 @@ def to_affine(raw: np.ndarray, qtype: T, shape: tuple[int, ...]) -> AffineWeight
         out.extend(np.empty((rows, x.shape[1]), x.dtype) for x in (like.packed, like.scales, like.biases))
         return out
 
-    bits, exact = repack_rows([(raw, qtype, rows)], n, allocate)
+    bits, exact = repack_rows([(raw, qtype, rows)], n, allocate, wide)
     return AffineWeight(*out, bits, exact)
 
 
-def repack_rows(parts, n: int, allocate) -> tuple[int, bool]:
+def repack_rows(parts, n: int, allocate, wide: bool = False) -> tuple[int, bool]:
     """The rows of ``parts`` (``(GGUF block bytes, type, rows)`` each, of width ``n``) repacked, stacked in order, into
     the three arrays ``allocate(an AffineWeight of the first row)`` returns (packed, scales, biases: one row per row
     of all parts, that row's widths and dtypes); ``(bits, exact)``.
@@ -184,7 +185,8 @@ def repack_rows(parts, n: int, allocate) -> tuple[int, bool]:
     straight into the destination, so a load holds one band per worker beside it, never a second whole copy.
     A row's blocks depend on that row alone: the bands join to the bytes of the tensor repacked in one piece.
     A band goes through the C pass of :mod:`hf2q.kernels.cpu_repack` where it takes the type (the same bytes as
-    :func:`_to_affine_rows`, the reference, which does the rest)."""
+    :func:`_to_affine_rows`, the reference, which does the rest). ``wide`` stores 5-bit codes one a byte (8-bit
+    groups of the same values: the CPU's kernels unpack 5-bit fields several times slower than they stream bytes)."""
     from hf2q.kernels import cpu_repack
     from hf2q.kernels.cpu_blas import pool
 
@@ -197,15 +199,15 @@ def repack_rows(parts, n: int, allocate) -> tuple[int, bool]:
     def one(job) -> bool:  # the band's exactness only: its arrays go once written, so bands never pile up
         raw, qtype, start = job
         rows = raw.shape[0]
-        if cpu_repack.repack_band(raw, qtype, n, *(dst[start:start + rows] for dst in dest)):
+        if cpu_repack.repack_band(raw, qtype, n, *(dst[start:start + rows] for dst in dest), wide=wide):
             return qtype not in REQUANTIZED
-        aff = _to_affine_rows(raw, qtype, rows, n)
+        aff = _to_affine_rows(raw, qtype, rows, n, wide)
         for dst, src in zip(dest, (aff.packed, aff.scales, aff.biases)):
             dst[start:start + rows] = src
         return aff.exact
 
     raw0, qtype0, _ = jobs[0]
-    probe = _to_affine_rows(raw0[:1], qtype0, 1, n)  # one row gives the widths and dtypes: every band goes to the pool
+    probe = _to_affine_rows(raw0[:1], qtype0, 1, n, wide)  # one row gives the widths and dtypes: every band goes to the pool
     dest = allocate(probe)
     workers = pool()
     exact = list(map(one, jobs) if workers is None else workers.map(one, jobs))
@@ -230,7 +232,7 @@ def _bands(rows: int, n: int) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:]) if b > a]
 
 
-def _to_affine_rows(raw: np.ndarray, qtype: T, rows: int, n: int) -> AffineWeight:
+def _to_affine_rows(raw: np.ndarray, qtype: T, rows: int, n: int, wide: bool = False) -> AffineWeight:
     if qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0):
         q, s, bias, bits = _legacy(raw, rows, qtype)
         exact = True
@@ -244,6 +246,8 @@ def _to_affine_rows(raw: np.ndarray, qtype: T, rows: int, n: int) -> AffineWeigh
     else:
         raise InputError(f"unsupported GGUF tensor type {qtype.name}")
     q = q.reshape(rows, n)
+    if wide and bits == 5:
+        bits = 8
     return AffineWeight(pack_bits(q, bits), np.ascontiguousarray(s.reshape(rows, -1), dtype=np.float32),
                         np.ascontiguousarray(bias.reshape(rows, -1), dtype=np.float32), bits, exact)
 

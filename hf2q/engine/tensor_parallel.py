@@ -301,11 +301,7 @@ class ExpertParallelMoE:
             weights = weights / weights.sum(axis=-1, keepdims=True)
         local, weights = own_experts(idx, weights, self.first, self.n_local)
         route = ExpertRoute.of(local, f.gate_exps.shape[0])
-        xe = route.inputs(flat)
-        h = silu(route.apply(f.gate_exps, xe)) * route.apply(f.up_exps, xe)
-        out = route.outputs(route.apply(f.down_exps, h))  # [N, k, hidden]
-        y = (out * weights[..., None].astype(out.dtype)).sum(axis=1)
-        return y.reshape(shape)
+        return route.glu(flat, [f.gate_exps, f.up_exps], f.down_exps, silu, weights).reshape(shape)
 
 
 class SharedExpertParallelMoE:

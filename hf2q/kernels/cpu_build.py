@@ -54,7 +54,7 @@ def compile_flags() -> list[str]:
     if {"avx2", "fma", "f16c"} <= cpu and not os.environ.get("HF2Q_NO_AVX2"):
         flags += ["-mavx2", "-mfma", "-mf16c"]
         if "avx512f" in cpu and not os.environ.get("HF2Q_NO_AVX512"):
-            flags += ["-mavx512f"]
+            flags += ["-mavx512f"] + (["-mbmi2"] if "bmi2" in cpu else [])
     return flags + sanitize_flags()
 
 

@@ -23,7 +23,8 @@ Why it is shaped the way it is (decode streams every weight once per step):
 The compiler targets the widest vector ISA /proc/cpuinfo reports (AVX-512F, else
 AVX2/FMA); the same tile code runs on portable scalar C as the fallback. Several matrices
 sharing one input (q/k/v, gate/up) run in one call (:class:`QMatrixGroup`), so a decode step
-makes 4 kernel calls per layer. A call big enough to share shares its blocks of 16 rows
+makes 4 kernel calls per layer; a mixture-of-experts layer's rows sorted by expert run every chosen
+expert over its own run of rows in one call (:class:`ExpertStack`, ``qmv_segments``). A call big enough to share shares its blocks of 16 rows
 over the C thread pool of :mod:`hf2q.kernels.cpu_pool` (the same blocks in the same tiles
 whichever thread takes them, so the result does not depend on the thread count); ctypes
 releases the GIL for the call. The C is ``csrc/cpu_qmatvec.c``. When there is no compiler or the
@@ -48,6 +49,8 @@ _I = ctypes.c_int
 def _declare(lib: ctypes.CDLL) -> None:
     lib.qmv_group.argtypes = [_I, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I]
     lib.qmv_group.restype = _I
+    lib.qmv_segments.argtypes = [_I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I]
+    lib.qmv_segments.restype = _I
     lib.simd_width.restype = _I
 
 
@@ -120,6 +123,73 @@ class QMatrixGroup:
                 raise KernelDimsError(f"qmv_group refused its dims: {self._count} matrices of width {self.n}, "
                                  f"batch {batch}, output width {self.rows}")
             raise MemoryError("qmv_group: out of memory")
+
+
+class ExpertStack:
+    """Expert-stacked quantized weights ``[E, out_i, n]`` sharing one input width (a feed-forward's gate and up
+    stacks), for calls whose input rows come sorted by expert: one kernel call runs every expert that has rows
+    over its own run of them (``qmv_segments``), each stack's outputs side by side, so every expert matrix is
+    read once per call however many rows it takes, and each output is the sum :class:`QMatrixGroup` gives
+    that row alone. Zero-copy: the arrays are views of MLX's buffers."""
+
+    def __init__(self, stacks: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, int]]):
+        lib = kernel()
+        if lib is None:
+            raise RuntimeError("the CPU quantized matvec kernel is not available")
+        self._segments = lib.qmv_segments
+        self._keep, self._mats = [], []  # per stack: (per-expert weight, scale, bias addresses, rows, bits, column)
+        col, n, experts = 0, None, None
+        for packed, scales, biases, bits in stacks:
+            e, r, g = scales.shape
+            packed = packed.view(np.uint8).reshape(e, r, -1)
+            if not (packed.flags.c_contiguous and scales.flags.c_contiguous and biases.flags.c_contiguous) \
+                    or scales.dtype != np.float32 or biases.shape != scales.shape \
+                    or packed.shape[-1] * 8 != g * 32 * bits or bits not in (2, 3, 4, 5, 6, 8) \
+                    or (n is not None and (g * 32, e) != (n, experts)):
+                raise ValueError(f"inconsistent expert stack: packed {packed.shape}, scales {scales.shape} "
+                                 f"{scales.dtype}, biases {biases.shape}, bits {bits}")
+            n, experts = g * 32, e
+            self._keep += [packed, scales, biases]
+            self._mats.append(([packed.ctypes.data + i * packed.strides[0] for i in range(e)],
+                               [scales.ctypes.data + i * scales.strides[0] for i in range(e)],
+                               [biases.ctypes.data + i * biases.strides[0] for i in range(e)], r, bits, col))
+            col += r
+        self.experts, self.n, self.rows = experts, n, col
+
+    def __call__(self, x: np.ndarray, experts: Sequence[int], starts: Sequence[int], counts: Sequence[int],
+                 y: np.ndarray | None = None) -> np.ndarray:
+        """``x [rows, n]`` float32 whose rows ``[starts[i], starts[i] + counts[i])`` go through expert
+        ``experts[i]`` → ``y [rows, Σ out]`` (into ``y`` when given; rows no run covers are left unwritten)."""
+        if x.dtype != np.float32 or not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.ndim != 2 or x.shape[-1] != self.n or x.shape[0] == 0:
+            raise ValueError(f"input shape {x.shape} is not [rows ≥ 1, matrix width {self.n}]")
+        if y is None:
+            y = np.empty((x.shape[0], self.rows), dtype=np.float32)
+        elif y.shape != (x.shape[0], self.rows) or y.dtype != np.float32 or not y.flags.c_contiguous:
+            raise ValueError(f"output {y.shape} {y.dtype} is not a contiguous float32 [{x.shape[0]}, {self.rows}]")
+        if not experts:
+            return y
+        w, s, b, rows, bits, col, xrow, nrow = [], [], [], [], [], [], [], []
+        for ws, ss, bs, r, bt, c in self._mats:
+            w += [ws[e] for e in experts]
+            s += [ss[e] for e in experts]
+            b += [bs[e] for e in experts]
+            rows += [r] * len(experts)
+            bits += [bt] * len(experts)
+            col += [c] * len(experts)
+            xrow += starts
+            nrow += counts
+        k = len(w)
+        status = self._segments(k, (_P * k)(*w), (_P * k)(*s), (_P * k)(*b), (_I * k)(*rows), (_I * k)(*bits),
+                                (_I * k)(*col), (_I * k)(*xrow), (_I * k)(*nrow), x.ctypes.data, y.ctypes.data,
+                                self.n, x.shape[0], self.rows)
+        if status:
+            if status == BAD_DIMS:
+                raise KernelDimsError(f"qmv_segments refused its dims: {k} matrices of width {self.n}, "
+                                      f"{x.shape[0]} input rows, output width {self.rows}")
+            raise MemoryError("qmv_segments: out of memory")
+        return y
 
 
 def qmatvec(packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, x: np.ndarray, bits: int) -> np.ndarray:

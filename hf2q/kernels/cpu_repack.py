@@ -25,17 +25,17 @@ _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
 def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.repack_rows
-    fn.argtypes, fn.restype = [_I, _P, _L, _I, _I, _P, _L, _P, _P, _L], _I
+    fn.argtypes, fn.restype = [_I, _P, _L, _I, _I, _P, _L, _P, _P, _L, _I], _I
 
 
 LIBRARY = KernelLibrary("cpu_repack", declare=_declare, off=switched_off)
 
 
 def repack_band(raw: np.ndarray, qtype: T, n: int, packed: np.ndarray, scales: np.ndarray,
-                biases: np.ndarray) -> bool:
+                biases: np.ndarray, wide: bool = False) -> bool:
     """Repack the GGUF rows ``raw`` (uint8 ``[rows, bytes]``, contiguous rows) of ``n`` weights into the
     row-contiguous destinations ``packed`` (uint32 ``[rows, n·bits/32]``), ``scales`` and ``biases`` (float32
-    ``[rows, n/32]``); False (nothing written) when the type is not one of :data:`TYPES` or the library is
+    ``[rows, n/32]``), 5-bit codes one a byte when ``wide``; False (nothing written) when the type is not one of :data:`TYPES` or the library is
     not built here."""
     lib = LIBRARY.load() if qtype in TYPES else None
     if lib is None:
@@ -47,7 +47,8 @@ def repack_band(raw: np.ndarray, qtype: T, n: int, packed: np.ndarray, scales: n
     if scales.strides[0] != biases.strides[0]:
         raise KernelDimsError("repack_band: scales and biases with different row strides")
     status = lib.repack_rows(int(qtype), raw.ctypes.data, raw.strides[0], rows, n, packed.ctypes.data,
-                             packed.strides[0], scales.ctypes.data, biases.ctypes.data, scales.strides[0] // 4)
+                             packed.strides[0], scales.ctypes.data, biases.ctypes.data, scales.strides[0] // 4,
+                             int(wide))
     if status == BAD_DIMS:
         raise KernelDimsError(f"repack_rows: impossible dimensions (type {qtype.name}, {rows} rows of {n})")
     return True

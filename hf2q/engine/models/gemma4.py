@@ -248,11 +248,8 @@ class Gemma4Experts:
         if self.share is not None:
             idx, weights = own_experts(idx, weights, *self.share)
         route = ExpertRoute.of(idx, self.gate_up_exps.shape[0])
-        gate_up = route.apply(self.gate_up_exps, route.inputs(rms_norm(flat, self.pre_norm, self.eps)))
-        ff = gate_up.shape[-1] // 2
-        h = gelu_tanh(gate_up[..., :ff]) * gate_up[..., ff:]
-        out = route.outputs(route.apply(self.down_exps, h))  # [N, k, hidden]
-        return (out * weights[..., None].astype(out.dtype)).sum(axis=1).reshape(shape)
+        normed = rms_norm(flat, self.pre_norm, self.eps)
+        return route.glu(normed, [self.gate_up_exps], self.down_exps, gelu_tanh, weights).reshape(shape)
 
 
 class Gemma4Block:

@@ -38,11 +38,7 @@ class MoEFeedForward:
         if self.normalize:
             weights = weights / weights.sum(axis=-1, keepdims=True)
         route = ExpertRoute.of(idx, self.gate_exps.shape[0])
-        xe = route.inputs(flat)
-        h = silu(route.apply(self.gate_exps, xe)) * route.apply(self.up_exps, xe)
-        out = route.outputs(route.apply(self.down_exps, h))  # [N, k, hidden]
-        y = (out * weights[..., None].astype(out.dtype)).sum(axis=1)
-        return y.reshape(shape)
+        return route.glu(flat, [self.gate_exps, self.up_exps], self.down_exps, silu, weights).reshape(shape)
 
 
 def build(g: GGUFFile, dtype) -> DecoderModel:

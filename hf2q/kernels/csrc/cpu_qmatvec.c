@@ -169,11 +169,23 @@ static void reorder4(const float* x, float* xr, int batch, int n) {
 
 static void unpack_row(const uint8_t* wr, uint8_t* q, int n, int bits) {
     const uint64_t mask = (1u << bits) - 1u;
+#if defined(__BMI2__) && defined(__AVX512F__)
+    /* one bit deposit spreads 8 fields of `bits` bits into 8 bytes (fast wherever AVX-512 is: the CPUs
+       with a slow microcoded pdep have no AVX-512, and they keep the shift loop) */
+    const uint64_t spread = mask * 0x0101010101010101ull;
+    for (int j = 0; j < n / 8; j++) {
+        uint64_t word = 0;
+        memcpy(&word, wr + (int64_t)j * bits, bits);
+        const uint64_t bytes = _pdep_u64(word, spread);
+        memcpy(q + j * 8, &bytes, 8);
+    }
+#else
     for (int j = 0; j < n / 8; j++) {
         uint64_t word = 0;
         memcpy(&word, wr + (int64_t)j * bits, bits);
         for (int i = 0; i < 8; i++) q[j * 8 + i] = (uint8_t)((word >> (bits * i)) & mask);
     }
+#endif
 }
 
 /* rows [r0, r1) of one matrix against all batch rows (x reordered when bits == 4) */
@@ -181,17 +193,28 @@ static void rows_range(const uint8_t* w, const float* sc, const float* bi, const
                        int r0, int r1, int n, int batch, int ystride, int bits, uint8_t* scratch) {
     const int G = n / 32;
     const int64_t rb = (int64_t)n * bits / 8;
+    if (bits != 4 && bits != 8) {  /* other widths: RT_MAX rows unpacked to bytes once, then the 8-bit tiles */
+        for (int u = r0; u < r1; u += RT_MAX) {
+            const int ur = r1 - u < RT_MAX ? r1 - u : RT_MAX;
+            for (int i = 0; i < ur; i++) unpack_row(w + (u + i) * rb, scratch + (int64_t)i * n, n, bits);
+            const float* su = sc + (int64_t)u * G;
+            const float* bu = bi + (int64_t)u * G;
+            for (int b0 = 0; b0 < batch; b0 += 4) {
+                const int bt = batch - b0 < 4 ? batch - b0 : 4;
+                const float* xb = x + (int64_t)b0 * n;
+                float* yb = y + (int64_t)b0 * ystride + u;
+                const int rt = rows_per_tile(bt);
+                int r = 0;
+                for (; r + rt <= ur; r += rt) MANY_ROWS[0][bt - 1](scratch, n, su, bu, xb, yb, r, n, ystride);
+                for (; r < ur; r++) ONE_ROW[0][bt - 1](scratch, n, su, bu, xb, yb, r, n, ystride);
+            }
+        }
+        return;
+    }
     for (int b0 = 0; b0 < batch; b0 += 4) {
         const int bt = batch - b0 < 4 ? batch - b0 : 4;
         const float* xb = x + (int64_t)b0 * n;
         float* yb = y + (int64_t)b0 * ystride;
-        if (bits != 4 && bits != 8) {  /* other widths: unpack a row to bytes, then the 8-bit loop */
-            for (int r = r0; r < r1; r++) {
-                unpack_row(w + r * rb, scratch, n, bits);
-                ONE_ROW[0][bt - 1](scratch, 0, sc + (int64_t)r * G, bi + (int64_t)r * G, xb, yb + r, 0, n, ystride);
-            }
-            continue;
-        }
         const int k = bits == 4;
         const int rt = rows_per_tile(bt);
         int r = r0;
@@ -221,6 +244,7 @@ typedef struct {
     int nmat;
     const void* const* w; const void* const* sc; const void* const* bi;
     const int* rows; const int* bits; const int* col;
+    const int* xrow; const int* nrow; /* per matrix: its input rows [xrow, xrow + nrow) of x; NULL: all batch rows */
     const float* x; const float* xr; float* y;
     int n, batch, ystride;
     _Atomic int failed;
@@ -228,7 +252,7 @@ typedef struct {
 
 static void qjob_blocks(void* p, int lo, int hi) {
     qjob* j = p;
-    uint8_t* scratch = scratch_for(j->n);
+    uint8_t* scratch = scratch_for(RT_MAX * j->n);
     if (!scratch) { j->failed = 1; return; }
     int base = 0;
     for (int m = 0; m < j->nmat && lo < hi; m++) {
@@ -237,9 +261,10 @@ static void qjob_blocks(void* p, int lo, int hi) {
             const int b1 = hi < base + nb ? hi : base + nb;
             const int r0 = (lo - base) * BLOCK;
             const int r1 = (b1 - base) * BLOCK < j->rows[m] ? (b1 - base) * BLOCK : j->rows[m];
+            const int64_t x0 = j->xrow ? j->xrow[m] : 0;
             rows_range((const uint8_t*)j->w[m], (const float*)j->sc[m], (const float*)j->bi[m],
-                       j->bits[m] == 4 ? j->xr : j->x, j->y + j->col[m], r0, r1, j->n, j->batch, j->ystride,
-                       j->bits[m], scratch);
+                       (j->bits[m] == 4 ? j->xr : j->x) + x0 * j->n, j->y + x0 * j->ystride + j->col[m], r0, r1,
+                       j->n, j->nrow ? j->nrow[m] : j->batch, j->ystride, j->bits[m], scratch);
             lo = b1;
         }
         base += nb;
@@ -247,22 +272,24 @@ static void qjob_blocks(void* p, int lo, int hi) {
 }
 
 
-/* nmat matrices sharing the input x [batch, n]; matrix m writes columns
-   [col[m], col[m] + rows[m]) of y [batch, ystride]. The row blocks are shared out over the
-   pool's threads when one is set and the call is big enough. Returns 0, -1 when scratch
-   memory could not be allocated, or -2 (nothing read or written) when the dims are impossible:
-   no matrix, a width that is not a positive multiple of 32, an unknown bit width, or a matrix
-   whose columns do not lie inside y's row. */
-int qmv_group(int nmat, const void* const* w, const void* const* sc, const void* const* bi,
-              const int* rows, const int* bits, const int* col, const float* x, float* y,
-              int n, int batch, int ystride) {
+/* nmat matrices over rows of x [batch, n]: matrix m reads x rows [xrow[m], xrow[m] + nrow[m]) (all batch
+   rows when xrow and nrow are NULL) and writes columns [col[m], col[m] + rows[m]) of the same rows of
+   y [batch, ystride]. The row blocks are shared out over the pool's threads when one is set and the call is
+   big enough. Returns 0, -1 when scratch memory could not be allocated, or -2 (nothing read or written)
+   when the dims are impossible: no matrix, a width that is not a positive multiple of 32, an unknown bit
+   width, a matrix whose columns do not lie inside y's row, or input rows outside x. */
+static int qmv_run(int nmat, const void* const* w, const void* const* sc, const void* const* bi,
+                   const int* rows, const int* bits, const int* col, const int* xrow, const int* nrow,
+                   const float* x, float* y, int n, int batch, int ystride) {
     if (nmat <= 0 || n <= 0 || n % 32 || batch <= 0 || ystride <= 0 || !w || !sc || !bi || !rows || !bits ||
-        !col || !x || !y)
+        !col || !x || !y || (!xrow) != (!nrow))
         return -2;
     for (int m = 0; m < nmat; m++) {
         const int b = bits[m];
         if (rows[m] <= 0 || col[m] < 0 || (int64_t)col[m] + rows[m] > ystride || !w[m] || !sc[m] || !bi[m] ||
             (b != 2 && b != 3 && b != 4 && b != 5 && b != 6 && b != 8))
+            return -2;
+        if (xrow && (xrow[m] < 0 || nrow[m] <= 0 || (int64_t)xrow[m] + nrow[m] > batch))
             return -2;
     }
     int need4 = 0, other = 0, blocks = 0;
@@ -271,7 +298,7 @@ int qmv_group(int nmat, const void* const* w, const void* const* sc, const void*
         need4 |= bits[m] == 4;
         other |= bits[m] != 4;
         blocks += (rows[m] + BLOCK - 1) / BLOCK;
-        work += (int64_t)rows[m] * n;
+        work += (int64_t)rows[m] * n * (nrow ? nrow[m] : batch);
     }
     /* the tiles load x a vector at a time: from a cache-line-aligned copy no load splits two lines
        (measured: a 4-bit call 8-10 % faster than from malloc's 16-byte alignment) */
@@ -286,11 +313,29 @@ int qmv_group(int nmat, const void* const* w, const void* const* sc, const void*
     }
     if (need4) reorder4(x, xr, batch, n);
     if (xa) memcpy(xa, x, sizeof(float) * (size_t)batch * n);
-    qjob j = {nmat, w, sc, bi, rows, bits, col, xa ? xa : x, xr, y, n, batch, ystride, 0};
-    pool_share(qjob_blocks, &j, blocks, work * batch >= (1 << 17));
+    qjob j = {nmat, w, sc, bi, rows, bits, col, xrow, nrow, xa ? xa : x, xr, y, n, batch, ystride, 0};
+    pool_share(qjob_blocks, &j, blocks, work >= (1 << 17));
     free(xr);
     free(xa);
     return j.failed ? -1 : 0;
+}
+
+/* nmat matrices sharing the input x [batch, n]; matrix m writes columns [col[m], col[m] + rows[m]) of
+   y [batch, ystride] (qmv_run's return codes). */
+int qmv_group(int nmat, const void* const* w, const void* const* sc, const void* const* bi,
+              const int* rows, const int* bits, const int* col, const float* x, float* y,
+              int n, int batch, int ystride) {
+    return qmv_run(nmat, w, sc, bi, rows, bits, col, NULL, NULL, x, y, n, batch, ystride);
+}
+
+/* Segments: matrix m over its own run of input rows [xrow[m], xrow[m] + nrow[m]) of x [batch, n], into the
+   same rows of y (a mixture-of-experts layer's pairs sorted by expert: one matrix per expert that has
+   pairs, its run those pairs' rows). Each output is the sum it would be in qmv_group. */
+int qmv_segments(int nmat, const void* const* w, const void* const* sc, const void* const* bi,
+                 const int* rows, const int* bits, const int* col, const int* xrow, const int* nrow,
+                 const float* x, float* y, int n, int batch, int ystride) {
+    if (!xrow || !nrow) return -2;
+    return qmv_run(nmat, w, sc, bi, rows, bits, col, xrow, nrow, x, y, n, batch, ystride);
 }
 
 /* which row loop was compiled: 512 (AVX-512F), 256 (AVX2/FMA) or 0 (portable C) */

@@ -4,7 +4,8 @@
    One call repacks a band of rows: src holds `rows` rows of GGUF blocks, `src_stride` bytes apart, each of
    `n` weights; the row's packed codes go to packed + r*packed_stride (bytes), its n/32 scales and biases to
    scales/biases + r*group_stride (floats). Exact types keep their codes (Q8_0 → 8 bits, Q4_0/Q4_K → 4,
-   Q5_K → 5); Q6_K is dequantized as gguf-py does it and re-quantized to 8-bit min/max groups of 32, the
+   Q5_K → 5, or its codes one a byte with `wide`: the CPU's kernels read bytes far faster than 5-bit
+   fields); Q6_K is dequantized as gguf-py does it and re-quantized to 8-bit min/max groups of 32, the
    numpy path's arithmetic in the same order (so no FMA contraction or reassociation may touch it: see the
    pragma below). */
 #pragma GCC optimize("no-associative-math", "fp-contract=off")
@@ -88,8 +89,8 @@ static void row_q4_0(const uint8_t* b, int nb, uint8_t* packed, float* sc, float
     }
 }
 
-static void row_k(const uint8_t* b, int nb, int five, uint8_t* packed, float* sc, float* bi) {
-    const int size = five ? 176 : 144, group_bytes = five ? 20 : 16;
+static void row_k(const uint8_t* b, int nb, int five, int wide, uint8_t* packed, float* sc, float* bi) {
+    const int size = five ? 176 : 144, group_bytes = wide ? 32 : five ? 20 : 16;
     uint8_t s[8], m[8], v[32];
     for (int i = 0; i < nb; i++, b += size) {
         const float d = f16_at(b), dmin = f16_at(b + 2);
@@ -104,7 +105,9 @@ static void row_k(const uint8_t* b, int nb, int five, uint8_t* packed, float* sc
                 v[j] = c;
             }
             uint8_t* out = packed + (int64_t)(8 * i + g) * group_bytes;
-            if (five)
+            if (wide)
+                memcpy(out, v, 32);
+            else if (five)
                 pack5(v, out);
             else
                 pack4(v, out);
@@ -153,7 +156,7 @@ static void row_q6_k(const uint8_t* b, int nb, uint8_t* packed, float* sc, float
 /* Returns 0, or BAD_DIMS (nothing written) for an unknown type, a width that is not whole blocks, or a
    stride shorter than its row. */
 int repack_rows(int qtype, const uint8_t* src, int64_t src_stride, int rows, int n, uint8_t* packed,
-                int64_t packed_stride, float* scales, float* biases, int64_t group_stride) {
+                int64_t packed_stride, float* scales, float* biases, int64_t group_stride, int wide) {
     int block, size, bits;
     switch (qtype) {
     case Q8_0: block = 32, size = 34, bits = 8; break;
@@ -163,6 +166,8 @@ int repack_rows(int qtype, const uint8_t* src, int64_t src_stride, int rows, int
     case Q6_K: block = 256, size = 210, bits = 8; break;
     default: return BAD_DIMS;
     }
+    if (wide && bits == 5) bits = 8;
+    else wide = 0;
     if (rows <= 0 || n <= 0 || n % block || !src || !packed || !scales || !biases) return BAD_DIMS;
     const int nb = n / block;
     if (src_stride < (int64_t)nb * size || packed_stride < (int64_t)n * bits / 8 || group_stride < n / 32)
@@ -174,8 +179,8 @@ int repack_rows(int qtype, const uint8_t* src, int64_t src_stride, int rows, int
         switch (qtype) {
         case Q8_0: row_q8_0(b, nb, p, sc, bi); break;
         case Q4_0: row_q4_0(b, nb, p, sc, bi); break;
-        case Q4_K: row_k(b, nb, 0, p, sc, bi); break;
-        case Q5_K: row_k(b, nb, 1, p, sc, bi); break;
+        case Q4_K: row_k(b, nb, 0, 0, p, sc, bi); break;
+        case Q5_K: row_k(b, nb, 1, wide, p, sc, bi); break;
         case Q6_K: row_q6_k(b, nb, p, sc, bi); break;
         }
     }
