@@ -46,6 +46,12 @@ def _gemma4(layers: int, **kw) -> dict:
             "rope_parameters": _GEMMA4_ROPE, "dtype": "bfloat16", **kw}
 
 
+_QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "intermediate_size": 6144,
+              "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+              "hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 40960,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}, "tie_word_embeddings": False,
+              "vocab_size": 151936, "bos_token_id": 151643, "eos_token_id": 151645, "dtype": "bfloat16"}
+
 SHAPES = {
     "gemma4-31b": dict(family="gemma4", config=_gemma4(
         60, hidden_size=5376, intermediate_size=21504, num_attention_heads=32, num_key_value_heads=16,
@@ -54,6 +60,17 @@ SHAPES = {
         30, hidden_size=2816, intermediate_size=2112, num_attention_heads=16, num_key_value_heads=8,
         num_global_key_value_heads=2, enable_moe_block=True, num_experts=128, top_k_experts=8,
         moe_intermediate_size=704)),
+    "qwen3-30b-a3b": dict(family="qwen3_moe", config=dict(
+        _QWEN3_MOE, num_hidden_layers=48, hidden_size=2048, num_experts=128, moe_intermediate_size=768,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128)),
+    # a CPU-sized MoE of each router family (1.5 GB / ~1 GB in Q4_K_M): hf2q against llama.cpp on a desktop
+    "qwen3moe-2b-a0.4b": dict(family="qwen3_moe", config=dict(
+        _QWEN3_MOE, num_hidden_layers=24, hidden_size=1024, num_experts=64, moe_intermediate_size=384,
+        num_attention_heads=16, num_key_value_heads=4, head_dim=64)),
+    "gemma4-moe-1b": dict(family="gemma4", config=_gemma4(
+        12, hidden_size=1024, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
+        global_head_dim=256, num_global_key_value_heads=2, enable_moe_block=True, num_experts=64, top_k_experts=8,
+        moe_intermediate_size=384)),
     # small enough to fill and run on a laptop CPU: checks the skeleton path end to end
     "gemma4-moe-small": dict(family="gemma4", config=_gemma4(
         6, hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,

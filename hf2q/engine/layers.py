@@ -303,12 +303,13 @@ class Linear:
         if self._cpu and rows > DENSE_ROWS:
             return x @ self.dense().T
         if self._host is not None:
-            from hf2q.kernels.cpu_qmatvec import qmatvec
+            made = self.__dict__.get("_host_group")
+            if made is None or made[0] is not self._host:  # the C kernel's arguments, built once per weight view
+                from hf2q.kernels.cpu_qmatvec import QMatrixGroup
 
-            xs = x.reshape(rows, x.shape[-1]).astype(mx.float32)
-            mx.eval(xs)
-            packed, sc, bi, bits = self._host
-            return mx.array(qmatvec(packed, sc, bi, np.array(xs), bits)).reshape(*x.shape[:-1], self.shape[0])
+                made = self._host_group = (self._host, QMatrixGroup([self._host]))
+            y = made[1](host_rows(x.astype(mx.float32)))
+            return mx.array(y).reshape(*x.shape[:-1], self.shape[0])
         return self._quantized_product(x)
 
     def gather(self, x: mx.array, indices: mx.array) -> mx.array:
