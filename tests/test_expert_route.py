@@ -139,3 +139,33 @@ def test_a_token_alone_gets_the_bits_it_gets_among_many(qtype, monkeypatch):
     many = ffn(x, idx)
     for i in (0, 3, n - 1):
         np.testing.assert_array_equal(ffn(x[i:i + 1], idx[i:i + 1]), many[i:i + 1])
+
+
+@needs_kernel
+@pytest.mark.parametrize("fused", [False, True], ids=["gate+up", "gate_up"])
+def test_the_routed_block_in_one_host_pass_equals_mlx_per_pair(fused, monkeypatch):
+    """``ExpertRoute.glu``: on the host (gather, gate|up, the activation, down, the weighted sum) as MLX per pair
+    gives it, for two stacks (qwen3moe's SiLU) and one fused ``[gate | up]`` stack (gemma4's tanh-GELU)."""
+    from hf2q.engine.layers import gelu_tanh
+
+    rng = np.random.default_rng(11)
+    n = 23
+    idx = _uneven_idx(rng, n)
+    x = mx.array(rng.standard_normal((n, IN)).astype(np.float32))
+    weights = mx.array(rng.random((n, 2)).astype(np.float32))
+
+    def stack(name, rows, seed):
+        w = (np.random.default_rng(seed).standard_normal((E * rows, IN)) * 0.05).astype(np.float32)
+        return Linear(GGUFTensor(f"blk.0.ffn_{name}_exps.weight", T.Q8_0, (E, rows, IN), codec.quantize(w, T.Q8_0),
+                                 0), mx.float32)
+
+    gate_up = [stack("gate_up", 2 * IN, 12)] if fused else [stack("gate", IN, 12), stack("up", IN, 13)]
+    down = stack("down", IN, 14)
+    act = gelu_tanh if fused else silu
+    monkeypatch.delenv("HF2Q_MOE_GROUPED", raising=False)
+    host = ExpertRoute.of(idx, E)
+    assert host.host is not None
+    got = np.array(host.glu(x, gate_up, down, act, weights))
+    monkeypatch.setenv("HF2Q_MOE_GROUPED", "0")
+    want = np.array(ExpertRoute.of(idx, E).glu(x, gate_up, down, act, weights))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())

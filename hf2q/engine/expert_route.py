@@ -1,6 +1,6 @@
 """The layout a mixture-of-experts feed-forward runs its expert products in.
 
-**Per pair** (decode steps, short chunks, the CPU): ``gather_qmm`` of ``x [N, 1, 1, in]`` through ``idx [N, k]``, one
+**Per pair** (a GPU's decode steps and short chunks): ``gather_qmm`` of ``x [N, 1, 1, in]`` through ``idx [N, k]``, one
 matrix-vector product per (token, expert) pair. MLX's CUDA ``gather_qmm`` runs that shape as N·k one-row products,
 each reading its expert's whole matrix, so a 2,048-token prefill chunk of a 128-expert top-8 model reads every expert
 matrix about 128 times over.
@@ -11,11 +11,11 @@ whose batch ``e`` is expert ``e``'s ``C`` rows: each expert matrix is read once 
 The price is one host sync per layer (``C`` is read back from the device) and the padding rows' arithmetic.
 
 **Sorted on the host** (the CPU, every call): the pairs sorted by expert in numpy, each expert's run of rows through
-one C kernel call per projection (``Linear.segments``: the quantized matvec kernel over each expert's own rows, or the
-host BLAS for float experts). MLX's CPU ``gather_qmm`` is a scalar loop per pair (a 24-layer, 64-expert top-8 model
-decoded at 4 tokens/s through it); here each expert matrix is streamed once per projection and each output row is
-the sum the kernel gives that row alone, so a decode step and a prefill chunk agree bit for bit. The imatrix
-observer (which watches per-pair products) keeps the per-pair layout.
+one C kernel call per projection (``Linear.segments``: the quantized matvec kernel over each expert's own rows; float
+experts through MLX's gather product one row a pair). MLX's CPU ``gather_qmm`` is a scalar loop per pair; here each
+expert matrix is streamed once per projection and each output row is the sum the kernel gives that row alone, so a
+decode step and a prefill chunk agree bit for bit. The imatrix observer (which watches per-pair products) keeps the
+per-pair layout.
 
 ``HF2Q_MOE_GROUPED=1`` groups every call (tests hold the layouts within float32 rounding of each other on the
 CPU), ``=0`` runs every call per pair; either turns the host layout off.
@@ -94,8 +94,9 @@ def grouping(pairs: int, n_experts: int) -> bool:
 
 @attrs.frozen
 class ExpertRoute:
-    """Where each (token, expert) pair of ``idx [N, k]`` goes: its slab row (``slots [N·k]``) and, for each slab row,
-    the token feeding it (``tokens [E·C]``, ``N`` for a padding row); both None per pair."""
+    """Where each (token, expert) pair of ``idx [N, k]`` goes: grouped, its slab row (``slots [N·k]``) and, for each
+    slab row, the token feeding it (``tokens [E·C]``, ``N`` for a padding row); sorted on the host, ``host``; per
+    pair, none of them."""
 
     idx: mx.array
     n_experts: int
