@@ -90,21 +90,25 @@ def test_an_openblas_built_for_a_missing_instruction_set_is_refused(tmp_path):
 
 
 def test_a_graph_product_rounds_the_same_whatever_host_product_ran_before():
-    """OpenBLAS rounds by its thread count, and MLX's graph products read the global count: a small
-    host product (run on one thread) must not leave later graph products on one thread."""
+    """OpenBLAS rounds by its thread count, and MLX's graph products read the global count: no host product
+    (one on one thread, the pool's workers starting, a host attention whose workers each multiply on one
+    thread) may leave later graph products on another count — whatever ran before in this process."""
     import mlx.core as mx
 
-    from hf2q.kernels import cpu_blas
+    from hf2q.kernels import cpu_attention, cpu_blas
 
-    if not cpu_blas.has_matmul() or cpu_blas.threads() < 2:
-        pytest.skip("needs the fast BLAS and two threads")
-    cpu_blas.use_openblas_threads(cpu_blas.threads())  # the count graph products run at (an earlier test may have moved it)
+    if not cpu_blas.has_matmul() or cpu_blas.threads() < 2 or cpu_attention.kernel() is None:
+        pytest.skip("needs the fast BLAS, its attention kernel and two threads")
+    assert cpu_blas._openblas_threads_now() in (None, cpu_blas.threads())
     rng = np.random.default_rng(0)
     a = mx.array(rng.standard_normal((24, 1152), dtype=np.float32))
     b = mx.array(rng.standard_normal((1152, 3456), dtype=np.float32))
     first = np.array(a @ b)
     small = rng.standard_normal((4, 64), dtype=np.float32)
     np.testing.assert_allclose(cpu_blas.matmul_t(small, small), small @ small.T, rtol=1e-5, atol=1e-5)
+    q, k, v = (mx.array(rng.standard_normal((1, 4, n, 64), dtype=np.float32)) for n in (300, 300, 300))
+    assert cpu_attention.attention(q, k, v, 0.125, None) is not None
+    assert cpu_blas._openblas_threads_now() in (None, cpu_blas.threads())
     assert np.array_equal(np.array(a @ b), first)
 
 
@@ -128,7 +132,7 @@ def blas_workers(request, monkeypatch):
         monkeypatch.setenv("HF2Q_BLAS_THREADS", "1")
         yield 1
         return
-    pool = ThreadPoolExecutor(2, initializer=cpu_blas.single_threaded_here)
+    pool = ThreadPoolExecutor(2)
     monkeypatch.setattr(cpu_blas, "_POOL", [pool])
     monkeypatch.setenv("HF2Q_BLAS_THREADS", "2")
     yield 2
@@ -320,18 +324,22 @@ def test_thread_count_follows_machine_load(monkeypatch):
 
 
 def test_openblas_thread_count_is_restored_after_a_worker_lowered_it():
-    """A pool worker's ``openblas_set_num_threads_local(1)`` lowers OpenBLAS's count for every
-    thread in the OpenBLAS we load; ``use_openblas_threads`` must ask OpenBLAS, not remember,
-    or every later prefill product runs on one thread (pp2048 490 vs 761 tok/s measured)."""
+    """Another thread's ``openblas_set_num_threads_local(1)`` lowers OpenBLAS's count for every thread in the
+    OpenBLAS we load; ``use_openblas_threads`` must ask OpenBLAS, not remember, or every later prefill
+    product runs on one thread (pp2048 490 vs 761 tok/s measured)."""
     import threading
 
     from hf2q.kernels import cpu_blas
 
     if cpu_blas._LIB is None or cpu_blas._openblas_threads_now() is None or cpu_blas._OPENBLAS_PINNED:
         pytest.skip("needs the loaded OpenBLAS")
-    cpu_blas.use_openblas_threads(2)
-    t = threading.Thread(target=cpu_blas.single_threaded_here)
-    t.start()
-    t.join()
-    cpu_blas.use_openblas_threads(2)
-    assert cpu_blas._openblas_threads_now() == 2
+    lower = getattr(cpu_blas._LIB, "openblas_set_num_threads_local", None) or cpu_blas._LIB.openblas_set_num_threads
+    try:
+        cpu_blas.use_openblas_threads(2)
+        t = threading.Thread(target=lower, args=(1,))
+        t.start()
+        t.join()
+        cpu_blas.use_openblas_threads(2)
+        assert cpu_blas._openblas_threads_now() == 2
+    finally:
+        cpu_blas.use_openblas_threads(cpu_blas.threads())  # the count every graph product finds

@@ -49,11 +49,6 @@ def test_an_encode_in_pieces_is_the_whole_encode(runner, monkeypatch):
 
     from hf2q.engine.vision import encode_job
 
-    from hf2q.kernels import cpu_blas
-
-    # OpenBLAS rounds by its thread count: both encodes at the count graph products run at (a test before this
-    # one in the process may have left another; a host product between them puts this one back)
-    cpu_blas.use_openblas_threads(cpu_blas.threads())
     key, image = _add_image(runner, 11)
     monkeypatch.setattr(encode_job, "JOB_PATCH_BLOCKS", len(image.patches))  # one block per job
     whole = runner.vision(image.patches, image.grid)

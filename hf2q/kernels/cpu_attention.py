@@ -141,7 +141,8 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
         if lib.attend(*args, *dims, scale, tq, TILE_K, next_task.ctypes.data, scratch.ctypes.data):
             refused.append(1)
 
-    cpu_blas.run_shared(n_tasks, work)
+    with cpu_blas.single_threaded_products():  # each worker's tile products on its own thread
+        cpu_blas.run_shared(n_tasks, work)
     if refused:
         raise KernelDimsError(f"attention kernel refused dims B={B} H={H} Hkv={Hkv} T={T} D={D} Dv={Dv}")
     return mx.array(out).transpose(0, 2, 1, 3)

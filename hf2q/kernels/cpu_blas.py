@@ -44,6 +44,7 @@ before it. The host products themselves follow the load unless ``HF2Q_BLAS_THREA
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import itertools
@@ -175,16 +176,6 @@ def sgemm_address() -> int | None:
     return _SGEMM_ADDRESS
 
 
-def single_threaded_here() -> None:
-    """Make OpenBLAS calls from the current thread run on that thread alone (a worker of our own
-    thread pool must not fan out again). Needs ``openblas_set_num_threads_local`` (OpenBLAS ≥ 0.3.27);
-    older builds keep their global setting."""
-    fn = getattr(_LIB, "openblas_set_num_threads_local", None) if _LIB is not None else None
-    if fn is not None:
-        fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
-        fn(1)
-
-
 def threads() -> int:
     """Threads for the large CPU products: ``HF2Q_BLAS_THREADS``, default the cores this process may use."""
     try:
@@ -240,10 +231,9 @@ def _openblas_threads_now() -> int | None:
 def use_openblas_threads(n: int) -> None:
     """Set OpenBLAS's thread count for the following calls (no-op when already so).
 
-    Asks OpenBLAS rather than trusting the last value set: a worker thread's
-    ``openblas_set_num_threads_local(1)`` (:func:`single_threaded_here`) turned out to lower
-    the count for every thread, and a remembered "2" then kept each later prefill product on
-    one thread (measured: 512×576×1536 sgemm 280 → 150 GFLOP/s after the first attention)."""
+    The count is one setting for the whole process (this OpenBLAS's ``openblas_set_num_threads_local`` sets it
+    too, for every thread), so it is asked for rather than remembered: whatever lowered it, the next call
+    puts it back."""
     if _LIB is None or _OPENBLAS_PINNED:
         return
     now = _openblas_threads_now()
@@ -261,12 +251,24 @@ _POOL: list[ThreadPoolExecutor | None] = []
 
 
 def pool() -> ThreadPoolExecutor | None:
-    """The shared worker pool (None with one thread). Workers run OpenBLAS single-threaded."""
+    """The shared worker pool (None with one thread). A job whose workers call OpenBLAS runs inside
+    :func:`single_threaded_products`."""
     if not _POOL:
         n = threads()
-        _POOL.append(ThreadPoolExecutor(n, thread_name_prefix="hf2q-blas", initializer=single_threaded_here)
-                     if n > 1 else None)
+        _POOL.append(ThreadPoolExecutor(n, thread_name_prefix="hf2q-blas") if n > 1 else None)
     return _POOL[0]
+
+
+@contextlib.contextmanager
+def single_threaded_products():
+    """OpenBLAS on one thread for the calls inside (a pool job whose workers each call ``sgemm`` on their own
+    tiles must not fan out again), back to :func:`threads` after: the count is one process-wide setting, and
+    MLX's own products must always find it at its default (BLAS rounds by the thread count)."""
+    use_openblas_threads(1)
+    try:
+        yield
+    finally:
+        use_openblas_threads(threads())
 
 
 def run_shared(n_workers: int, work) -> None:
