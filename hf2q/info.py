@@ -144,8 +144,8 @@ def mtp_head(g, elem: int, kv_type: str, ctx: int) -> dict[str, int]:
     names = head_tensors(g) if g is not None else set()
     if not names:
         return {"mtp_weight_bytes": 0, "mtp_kv_bytes_per_token": 0, "mtp_kv_bytes_per_slot": 0}
-    scale = probe().scale_bytes()
-    weights = sum(tensor_bytes(g.tensors[n], elem, scale) for n in names)
+    device = probe()
+    weights = sum(tensor_bytes(g.tensors[n], elem, device.scale_bytes(), device.on_cpu) for n in names)
     if g.arch == "deepseek4":  # a companion: its block is one more window layer of the trunk's compact cache
         from hf2q.engine.models.deepseek4_layout import compact_need
 

@@ -28,7 +28,8 @@ from hf2q.errors import InputError
 from hf2q.formats.gguf_file import GGUFFile, GGUFTensor
 from hf2q.formats.gguf_keys import ExtraKeys
 
-#: bits per weight of the affine form each GGUF type is loaded as (``quant_repack.to_affine``)
+#: bits per weight of the affine form each GGUF type is loaded as (``quant_repack.to_affine``); on the CPU 5-bit
+#: codes are stored one a byte (``repack_rows(wide=True)``)
 AFFINE_BITS = {T.Q4_0: 4, T.Q4_1: 4, T.Q4_K: 4, T.Q5_0: 5, T.Q5_1: 5, T.Q5_K: 5, T.Q8_0: 8,
                T.Q2_K: 8, T.Q3_K: 8, T.Q6_K: 8}
 GROUP = 32
@@ -36,12 +37,14 @@ GROUP = 32
 DEFAULT_FRACTION = 0.9
 
 
-def tensor_bytes(t: GGUFTensor, float_bytes: int, scale_bytes: int) -> int:
+def tensor_bytes(t: GGUFTensor, float_bytes: int, scale_bytes: int, on_cpu: bool = False) -> int:
     """Bytes ``t`` occupies once loaded: packed weights + scales + biases, or floats."""
     n = math.prod(t.shape)
     bits = AFFINE_BITS.get(t.qtype)
     if bits is None:
         return n * float_bytes
+    if on_cpu and bits == 5:
+        bits = 8
     return n * bits // 8 + 2 * (n // GROUP) * scale_bytes
 
 
@@ -183,7 +186,7 @@ def head_tensors(g: GGUFFile) -> set[str]:
 
 
 def rank_need(g: GGUFFile, size: int, kv_budget: int, *, float_bytes: int, scale_bytes: int,
-              mtp: bool = False, draft: GGUFFile | None = None) -> RankNeed:
+              mtp: bool = False, draft: GGUFFile | None = None, on_cpu: bool = False) -> RankNeed:
     """What the most loaded of ``size`` ranks holds (``InputError`` when ``g`` cannot split ``size`` ways);
     the MTP head's weights only with ``mtp`` (the engine loads them only then), a deepseek4 companion
     ``draft``'s (``--model-draft``) too, each rank its share (the companion's block is cut like the trunk's)."""
@@ -194,10 +197,11 @@ def rank_need(g: GGUFFile, size: int, kv_budget: int, *, float_bytes: int, scale
     worst = 0
     for rank in range(size):
         view = shard_gguf(g, rank, size)
-        held = sum(tensor_bytes(t, float_bytes, scale_bytes) for n, t in view.tensors.items() if n not in unread)
+        held = sum(tensor_bytes(t, float_bytes, scale_bytes, on_cpu) for n, t in view.tensors.items()
+                   if n not in unread)
         if companion:
             share = shard_gguf(draft, rank, size)
-            held += sum(tensor_bytes(share.tensors[n], float_bytes, scale_bytes) for n in companion)
+            held += sum(tensor_bytes(share.tensors[n], float_bytes, scale_bytes, on_cpu) for n in companion)
         worst = max(worst, held)
     # deepseek4: its one K=V head and compressors are replicated, so every rank holds the whole compact cache
     return RankNeed(size, worst, kv_budget if g.arch == "deepseek4" else -(-kv_budget // size))
@@ -213,16 +217,17 @@ def _gib(n: int) -> str:
 
 
 def check_fits(g: GGUFFile, size: int, kv_budget: int, limit: int, *, float_bytes: int, scale_bytes: int,
-               max_size: int = 8, mtp: bool = False, draft: GGUFFile | None = None) -> RankNeed:
+               max_size: int = 8, mtp: bool = False, draft: GGUFFile | None = None, on_cpu: bool = False) -> RankNeed:
     """The need of each of ``size`` ranks, or an ``InputError`` that says what would fit."""
-    need = rank_need(g, size, kv_budget, float_bytes=float_bytes, scale_bytes=scale_bytes, mtp=mtp, draft=draft)
+    need = rank_need(g, size, kv_budget, float_bytes=float_bytes, scale_bytes=scale_bytes, mtp=mtp, draft=draft,
+                     on_cpu=on_cpu)
     if need.total <= limit:
         return need
     hint = ""
     for bigger in range(size + 1, max_size + 1):
         try:
             other = rank_need(g, bigger, kv_budget, float_bytes=float_bytes, scale_bytes=scale_bytes, mtp=mtp,
-                              draft=draft)
+                              draft=draft, on_cpu=on_cpu)
         except InputError:
             continue  # the heads or blocks do not split this many ways
         if other.total <= limit:
@@ -267,4 +272,4 @@ def check_model(path, size: int, *, ctx: int | None, slots: int, kv_budget: int 
     if draft is not None and not isinstance(draft, GGUFFile):
         draft = open_gguf(draft)
     return check_fits(g, size, kv_budget, limit, float_bytes=elem, scale_bytes=device.scale_bytes(), mtp=mtp,
-                      draft=draft)
+                      draft=draft, on_cpu=device.on_cpu)
