@@ -235,7 +235,8 @@ def check_llama_cpp(root: Path) -> Check:
 
 
 #: the modules that define the serving kernels, in dependency order (the pool first)
-KERNEL_MODULES = ("cpu_pool", "cpu_qmatvec", "cpu_decode_ops", "cpu_attention", "cpu_repack", "cuda_qmv")
+KERNEL_MODULES = ("cpu_pool", "cpu_qmatvec", "cpu_decode_ops", "cpu_attention", "cpu_repack", "cpu_gated_delta",
+                  "cuda_qmv")
 
 
 def kernel_build_states() -> dict[str, dict[str, str]]:

@@ -34,7 +34,12 @@ def _script(path: Path, body: str) -> Path:
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
     """An empty kernel cache and a process that has not loaded cpu_qmatvec yet (restored after);
-    the other libraries loaded first, as a server would have them."""
+    the other libraries loaded first, as a server would have them (every kernel module imported, so each
+    library is registered)."""
+    import importlib
+
+    for name in doctor.KERNEL_MODULES:
+        importlib.import_module(f"hf2q.kernels.{name}")
     for other in cpu_build.LIBRARIES.values():
         other.load()
     monkeypatch.setenv("HF2Q_CACHE", str(tmp_path / "cache"))

@@ -9,7 +9,7 @@ run in parallel, which keeps an H200 busy from a few heads upwards.
 
 Kernel body: ``csrc/cuda_gated_delta.cu``; math: :mod:`hf2q.kernels.gated_delta_ref` (numpy, the
 reference it is tested against). Used by :class:`hf2q.engine.models.qwen35.GatedDeltaNet` on a
-CUDA device; Metal and the CPU keep ``mx.fast.gated_delta_update``.
+CUDA device; the CPU has its own (:mod:`hf2q.kernels.cpu_gated_delta`), Metal keeps ``mx.fast.gated_delta_update``.
 """
 
 from __future__ import annotations

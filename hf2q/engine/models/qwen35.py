@@ -19,9 +19,9 @@ llama.cpp's converter reorders the value heads of a linear layer from grouped-by
 tiled (value head ``j·key_heads + g`` reads key head ``g``) whenever key heads ≠ value heads;
 the key/query heads are therefore tiled (not repeated in place) to meet the value heads.
 
-The recurrence runs in ``mx.fast.gated_delta_update`` (any chunk length, one call per layer), or
-on a CUDA device in :mod:`hf2q.kernels.cuda_gated_delta` (MLX's CUDA version works token by
-token); :func:`gated_delta_reference` is the same rule step by step in plain MLX, and
+The recurrence runs in ``mx.fast.gated_delta_update`` (any chunk length, one call per layer), on
+a CUDA device in :mod:`hf2q.kernels.cuda_gated_delta` (MLX's CUDA version works token by
+token), and on the CPU in :mod:`hf2q.kernels.cpu_gated_delta` (MLX's CPU version is many times slower); :func:`gated_delta_reference` is the same rule step by step in plain MLX, and
 :mod:`hf2q.kernels.gated_delta_ref` the numpy reference all of them are tested against. The MTP
 (``nextn``) block after the main ones runs only as a draft head, once :meth:`Qwen35Model.enable_mtp`
 is called (``--speculative mtp``; :mod:`hf2q.engine.models.qwen35_mtp`).
@@ -38,7 +38,7 @@ from hf2q.engine.models.decoder import Attention, DecoderConfig, _norm, distinct
 from hf2q.engine.models.llama import common_config, gated_mlp
 from hf2q.engine.thread_compile import thread_compile
 from hf2q.errors import InputError
-from hf2q.kernels import cuda_gated_delta
+from hf2q.kernels import cpu_gated_delta, cuda_gated_delta
 from hf2q.formats.gguf_file import GGUFFile
 
 
@@ -112,10 +112,12 @@ class GatedDeltaNet:
         q, k, v, gamma, beta, window = prepare(self.qkv(x), conv_in, self.conv_w, self.beta(x), self.alpha(x),
                                                self.dt_bias, self.a, s.k_heads, s.k_dim, s.v_heads, s.v_dim, self.eps)
         conv_state = window[:, L:, :]  # the conv inputs the next forward continues
-        if not on_cuda and s.v_heads != s.k_heads:  # tiled value heads: head j·k_heads + g reads key head g
+        on_host = not on_cuda and cpu_gated_delta.available()
+        if not (on_cuda or on_host) and s.v_heads != s.k_heads:  # tiled value heads: head j·k_heads + g reads g
             reps = (1, 1, s.v_heads // s.k_heads, 1)
             q, k = mx.tile(q, reps), mx.tile(k, reps)
-        recurrence = cuda_gated_delta.gated_delta if on_cuda else mx.fast.gated_delta_update
+        recurrence = cuda_gated_delta.gated_delta if on_cuda else (
+            cpu_gated_delta.gated_delta if on_host else mx.fast.gated_delta_update)
         cuts = fb.recurrent_cuts()
         if cuts:  # reuse points inside this chunk: run the recurrence piecewise and hand each state in
             K, ys, start = s.conv_kernel, [], 0
