@@ -67,6 +67,17 @@ SHAPES = {
     "qwen3moe-2b-a0.4b": dict(family="qwen3_moe", config=dict(
         _QWEN3_MOE, num_hidden_layers=24, hidden_size=1024, num_experts=64, moe_intermediate_size=384,
         num_attention_heads=16, num_key_value_heads=4, head_dim=64)),
+    "qwen35moe-2b-a0.5b": dict(family="qwen35_moe", config={
+        "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text", "num_hidden_layers": 24,
+        "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(24)],
+        "full_attention_interval": 4, "hidden_size": 1024, "head_dim": 128, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+        "linear_num_key_heads": 8, "linear_num_value_heads": 16, "num_experts": 64, "num_experts_per_tok": 8,
+        "moe_intermediate_size": 384, "shared_expert_intermediate_size": 384, "hidden_act": "silu",
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": False, "vocab_size": 151936,
+        "bos_token_id": 151643, "eos_token_id": 151645, "dtype": "bfloat16",
+        "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10], "partial_rotary_factor": 0.25,
+                            "rope_theta": 10000000.0, "rope_type": "default"}}),
     "gemma4-moe-1b": dict(family="gemma4", config=_gemma4(
         12, hidden_size=1024, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
         global_head_dim=256, num_global_key_value_heads=2, enable_moe_block=True, num_experts=64, top_k_experts=8,
