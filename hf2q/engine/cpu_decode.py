@@ -102,8 +102,8 @@ class HostMoE:
         #: between two experts must not resolve differently for a row decoded alone and in a batch)
         self.router_w = None if ffn.router.quantized else _np(ffn.router.weight).astype(np.float32)
         self.router = HostProjection([ffn.router])
-        self.gate_up = ffn.gate_exps._expert_stack(ffn.up_exps)
-        self.down = ffn.down_exps._expert_stack()
+        self.gate_up = ffn.gate_exps.expert_stack(ffn.up_exps)
+        self.down = ffn.down_exps.expert_stack()
         self.top_k, self.normalize = ffn.top_k, ffn.normalize
         self.n_experts = int(ffn.gate_exps.shape[0])
 
@@ -113,7 +113,7 @@ class HostMoE:
 
         if type(ffn) is not MoEFeedForward or not isinstance(ffn.router, Linear):
             return False
-        if ffn.gate_exps._expert_stack(ffn.up_exps) is None or ffn.down_exps._expert_stack() is None:
+        if ffn.gate_exps.expert_stack(ffn.up_exps) is None or ffn.down_exps.expert_stack() is None:
             return False
         return not ffn.router.quantized or ffn.router._host is not None
 

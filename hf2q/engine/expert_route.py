@@ -135,8 +135,8 @@ class ExpertRoute:
             from hf2q.kernels import cpu_decode_ops
 
             kind = {silu: 0, gelu_tanh: 1}.get(act)
-            stack = gate_up[0]._expert_stack(*gate_up[1:]) if gate_up[0].quantized else None
-            down_stack = down._expert_stack() if down.quantized else None
+            stack = gate_up[0].expert_stack(*gate_up[1:]) if gate_up[0].quantized else None
+            down_stack = down.expert_stack() if down.quantized else None
             ops = cpu_decode_ops.library() if kind is not None else None
             if stack is not None and down_stack is not None and ops is not None:
                 y = host_glu(host_rows(flat.astype(mx.float32)), self.host, self.idx.shape[1],

@@ -338,7 +338,7 @@ class Linear:
         layout). Quantized: one call of the C matvec kernel over every run; otherwise MLX's gather product, one
         row a pair as in the per-pair layout (a BLAS product per run would round by its row count, so a token's
         result would depend on the batch it came in)."""
-        stack = self._expert_stack() if self.quantized else None
+        stack = self.expert_stack() if self.quantized else None
         if stack is not None:
             return stack(x, experts, starts, counts)
         which = mx.array(np.repeat(np.asarray(experts, np.int32), counts)[:, None])
@@ -351,7 +351,7 @@ class Linear:
         return (np.asarray(memoryview(self.weight)), np.asarray(memoryview(self.scales)),
                 np.asarray(memoryview(self.biases)), self.bits)
 
-    def _expert_stack(self, *others: "Linear"):
+    def expert_stack(self, *others: "Linear"):
         """The C kernel's view of this expert-stacked quantized weight, with ``others`` (stacks of the same input
         width and expert count) side by side in its output; built once per set, or None where the kernel cannot
         take them."""
