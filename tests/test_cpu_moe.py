@@ -98,6 +98,19 @@ def test_a_token_gets_the_same_logits_alone_and_in_a_batch(moe_runners):
 
 
 def test_a_moe_it_cannot_read_keeps_the_mlx_graph(moe_runners):
-    ffn = moe_runners["q8_0"].model.layers[0].ffn
+    """Experts the C kernel cannot take (here: a down matrix that is no expert stack) leave the block, and so
+    the model, to the MLX graph."""
+    import copy
+
+    from hf2q.engine.cpu_decode import HostDecoder
+
+    r = moe_runners["q8_0"]
+    ffn = r.model.layers[0].ffn
     assert HostMoE.takes(ffn)
-    assert not HostMoE.takes(object())
+    odd = copy.copy(ffn)
+    odd.down_exps = ffn.router  # 2-D: no expert stack
+    assert not HostMoE.takes(odd)
+    model = copy.copy(r.model)
+    model.layers = [copy.copy(layer) for layer in r.model.layers]
+    model.layers[0].ffn = odd
+    assert HostDecoder.supported(r.model) and not HostDecoder.supported(model)

@@ -98,10 +98,10 @@ class HostMoE:
 
     def __init__(self, ffn, ops):
         self.ops = ops
-        #: a float router runs row by row (a many-row BLAS product rounds by its row count, and a near-tie
-        #: between two experts must not resolve differently for a row decoded alone and in a batch)
+        #: a quantized router is one C call; a float one runs row by row (a many-row BLAS product rounds by its
+        #: row count, and a near-tie between two experts must not resolve differently alone and in a batch)
+        self.router = HostProjection([ffn.router]) if ffn.router.quantized else None
         self.router_w = None if ffn.router.quantized else _np(ffn.router.weight).astype(np.float32)
-        self.router = HostProjection([ffn.router])
         self.gate_up = ffn.gate_exps.expert_stack(ffn.up_exps)
         self.down = ffn.down_exps.expert_stack()
         self.top_k, self.normalize = ffn.top_k, ffn.normalize
@@ -122,8 +122,8 @@ class HostMoE:
         from hf2q.engine.expert_route import HostSort, host_glu
 
         B, k = h.shape[0], self.top_k
-        logits = np.empty((B, self.router.out), np.float32)
-        if self.router_w is None:
+        logits = np.empty((B, self.n_experts), np.float32)
+        if self.router is not None:
             self.router.run(h, h.ctypes.data, logits, logits.ctypes.data, B)
         else:
             for b in range(B):
@@ -249,12 +249,11 @@ class HostDecoder:
         widths = set()
         for layer in model.layers:
             f = layer.ffn
-            if HostMoE.takes(f):
-                lins = [layer.attn.q, layer.attn.k, layer.attn.v, layer.attn.o, model.lm_head]
-            elif isinstance(f, GatedMLP) and f.act in (silu, gelu_tanh):
+            lins = [layer.attn.q, layer.attn.k, layer.attn.v, layer.attn.o, model.lm_head]
+            if isinstance(f, GatedMLP) and f.act in (silu, gelu_tanh):
                 widths.add(f.gate.shape[0])
-                lins = [layer.attn.q, layer.attn.k, layer.attn.v, layer.attn.o, f.gate, f.up, f.down, model.lm_head]
-            else:
+                lins += [f.gate, f.up, f.down]
+            elif not HostMoE.takes(f):
                 return False
             if len(widths) > 1:
                 return False

@@ -12,7 +12,7 @@ The price is one host sync per layer (``C`` is read back from the device) and th
 
 **Sorted on the host** (the CPU, every call): the pairs sorted by expert in numpy, each expert's run of rows through
 one C kernel call per projection (``Linear.segments``: the quantized matvec kernel over each expert's own rows; float
-experts through MLX's gather product one row a pair). MLX's CPU ``gather_qmm`` is a scalar loop per pair; here each
+experts through MLX's gather product one row a pair). MLX's CPU ``gather_qmm`` is many times slower; here each
 expert matrix is streamed once per projection and each output row is the sum the kernel gives that row alone, so a
 decode step and a prefill chunk agree bit for bit. The imatrix observer (which watches per-pair products) keeps the
 per-pair layout.
@@ -135,8 +135,7 @@ class ExpertRoute:
             from hf2q.kernels import cpu_decode_ops
 
             kind = {silu: 0, gelu_tanh: 1}.get(act)
-            stack = gate_up[0].expert_stack(*gate_up[1:]) if gate_up[0].quantized else None
-            down_stack = down.expert_stack() if down.quantized else None
+            stack, down_stack = gate_up[0].expert_stack(*gate_up[1:]), down.expert_stack()
             ops = cpu_decode_ops.library() if kind is not None else None
             if stack is not None and down_stack is not None and ops is not None:
                 y = host_glu(host_rows(flat.astype(mx.float32)), self.host, self.idx.shape[1],

@@ -170,10 +170,15 @@ class Linear:
 
     def _ready(self, host=_DERIVE) -> None:
         """Evaluate the weights and fix, once, what each call would otherwise look up: where products run,
-        and the C decode kernel's arrays (``host``, derived from the weights unless given)."""
+        and the C decode kernel's arrays (``host``, derived from the weights unless given) with its call's
+        arguments built over them."""
         mx.eval(self.params())
         self._dense_kept: np.ndarray | None = None
         self._host = self._host_arrays() if host is Linear._DERIVE else host
+        if self._host is not None:
+            from hf2q.kernels.cpu_qmatvec import QMatrixGroup
+
+            self._host_group = QMatrixGroup([self._host])
         self._cpu = on_cpu()
         #: a quantized 2-D weight off the CPU: every call is one quantized product (or the few-row CUDA kernel)
         self._device_qmm = self.quantized and len(self.shape) == 2 and not self._cpu
@@ -303,12 +308,7 @@ class Linear:
         if self._cpu and rows > DENSE_ROWS:
             return x @ self.dense().T
         if self._host is not None:
-            made = self.__dict__.get("_host_group")
-            if made is None or made[0] is not self._host:  # the C kernel's arguments, built once per weight view
-                from hf2q.kernels.cpu_qmatvec import QMatrixGroup
-
-                made = self._host_group = (self._host, QMatrixGroup([self._host]))
-            y = made[1](host_rows(x.astype(mx.float32)))
+            y = self._host_group(host_rows(x.astype(mx.float32)))
             return mx.array(y).reshape(*x.shape[:-1], self.shape[0])
         return self._quantized_product(x)
 
@@ -338,7 +338,7 @@ class Linear:
         layout). Quantized: one call of the C matvec kernel over every run; otherwise MLX's gather product, one
         row a pair as in the per-pair layout (a BLAS product per run would round by its row count, so a token's
         result would depend on the batch it came in)."""
-        stack = self.expert_stack() if self.quantized else None
+        stack = self.expert_stack()
         if stack is not None:
             return stack(x, experts, starts, counts)
         which = mx.array(np.repeat(np.asarray(experts, np.int32), counts)[:, None])

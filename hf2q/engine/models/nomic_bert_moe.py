@@ -15,6 +15,7 @@ import mlx.core as mx
 import numpy as np
 
 from hf2q.engine import layers
+from hf2q.engine.expert_route import HostSort
 from hf2q.engine.layers import Linear, float_array, gelu_tanh, host_rows, on_cpu
 from hf2q.engine.models.bert import EncoderModel, check_pooling, norm_pair
 from hf2q.engine.models.nomic_bert import NomicBertConfig, NomicBertLayer
@@ -69,17 +70,13 @@ class ExpertMLP:
         n, k = idx.shape
         live = np.arange(n) if self.mask is None else self.live.of(self.mask)
         kept = (live[:, None] * k + np.arange(k)).reshape(-1)  # pair numbers, token-major
-        experts = np.array(idx).reshape(-1)[kept]
-        order = kept[np.argsort(experts, kind="stable")]
-        counts = np.bincount(experts, minlength=self.n_experts)
+        sort = HostSort.of(np.array(idx).reshape(-1)[kept], self.n_experts)
+        order = kept[sort.order]
         out = np.zeros((n * k, self.down.shape[1]), dtype=np.float32)
-        start = 0
-        for e, c in enumerate(counts.tolist()):
-            if c:
-                pairs = order[start:start + c]
-                seg = flat[mx.array((pairs // k).astype(np.int32))]
-                out[pairs] = np.asarray(_expert_product(self.down, gelu_tanh(_expert_product(self.up, seg, e)), e))
-                start += c
+        for e, start, c in zip(sort.experts, sort.starts, sort.counts):
+            pairs = order[start:start + c]
+            seg = flat[mx.array((pairs // k).astype(np.int32))]
+            out[pairs] = np.asarray(_expert_product(self.down, gelu_tanh(_expert_product(self.up, seg, e)), e))
         return mx.array(out).astype(flat.dtype).reshape(n, k, -1)
 
 

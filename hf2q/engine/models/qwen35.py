@@ -21,7 +21,8 @@ the key/query heads are therefore tiled (not repeated in place) to meet the valu
 
 The recurrence runs in ``mx.fast.gated_delta_update`` (any chunk length, one call per layer), on
 a CUDA device in :mod:`hf2q.kernels.cuda_gated_delta` (MLX's CUDA version works token by
-token), and on the CPU in :mod:`hf2q.kernels.cpu_gated_delta` (MLX's CPU version is many times slower); :func:`gated_delta_reference` is the same rule step by step in plain MLX, and
+token), and on the CPU in :mod:`hf2q.kernels.cpu_gated_delta` (MLX's CPU version is many times
+slower); :func:`gated_delta_reference` is the same rule step by step in plain MLX, and
 :mod:`hf2q.kernels.gated_delta_ref` the numpy reference all of them are tested against. The MTP
 (``nextn``) block after the main ones runs only as a draft head, once :meth:`Qwen35Model.enable_mtp`
 is called (``--speculative mtp``; :mod:`hf2q.engine.models.qwen35_mtp`).
@@ -99,6 +100,8 @@ class GatedDeltaNet:
         #: the recurrence (and the traced preparation) on CUDA: our kernel takes these head shapes
         self.on_cuda = cuda_gated_delta.available() and cuda_gated_delta.takes(shape.k_dim, shape.k_heads,
                                                                                shape.v_heads)
+        #: on the CPU, our C recurrence (which reads key head ``h mod Hk`` in place, as the CUDA kernel does)
+        self.on_host = not self.on_cuda and cpu_gated_delta.available()
 
     def linears(self):
         return (self.qkv, self.z, self.beta, self.alpha, self.out)
@@ -112,7 +115,7 @@ class GatedDeltaNet:
         q, k, v, gamma, beta, window = prepare(self.qkv(x), conv_in, self.conv_w, self.beta(x), self.alpha(x),
                                                self.dt_bias, self.a, s.k_heads, s.k_dim, s.v_heads, s.v_dim, self.eps)
         conv_state = window[:, L:, :]  # the conv inputs the next forward continues
-        on_host = not on_cuda and cpu_gated_delta.available()
+        on_host = self.on_host
         if not (on_cuda or on_host) and s.v_heads != s.k_heads:  # tiled value heads: head j·k_heads + g reads g
             reps = (1, 1, s.v_heads // s.k_heads, 1)
             q, k = mx.tile(q, reps), mx.tile(k, reps)
