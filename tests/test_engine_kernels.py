@@ -25,6 +25,42 @@ def test_qmatvec_matches_mlx_quantized_matmul(bits):
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=2e-4)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_dequantize_equals_mlx_bit_for_bit(bits):
+    """The C dequantization a prefill's float32 weight comes from rounds as ``mx.dequantize`` does (product, then
+    sum): equal bits, over the whole matrix, a row slice (a fused product's part) and into a given buffer."""
+    if cpu_qmatvec.kernel() is None:
+        pytest.skip("no C compiler")
+    rng = np.random.default_rng(bits)
+    w = mx.array((rng.standard_normal((300, 576)) * rng.uniform(1e-3, 30, (300, 1))).astype(np.float32))
+    wq, s, b = mx.quantize(w, group_size=32, bits=bits)
+    want = np.array(mx.dequantize(wq, s, b, group_size=32, bits=bits))
+    packed = np.asarray(memoryview(wq)).view(np.uint8).reshape(300, -1)
+    s, b = np.asarray(memoryview(s)), np.asarray(memoryview(b))
+    assert np.array_equal(cpu_qmatvec.dequantize(packed, s, b, bits), want)
+    assert np.array_equal(cpu_qmatvec.dequantize(packed[17:230], s[17:230], b[17:230], bits), want[17:230])
+    out = np.full((300, 576), np.nan, np.float32)
+    assert cpu_qmatvec.dequantize(packed, s, b, bits, out) is out and np.array_equal(out, want)
+
+
+def test_host_prefill_weight_equals_mlx_dequantize(monkeypatch):
+    """A weight the dense cache does not keep is dequantized by the C kernel into a reused buffer; its values,
+    and so the product, equal MLX's ``dequantize`` bit for bit."""
+    if not cpu_blas.has_matmul() or cpu_qmatvec.kernel() is None:
+        pytest.skip("no fast BLAS or no C compiler")
+    monkeypatch.setenv("HF2Q_DENSE_CACHE_MB", "0")
+    rng = np.random.default_rng(7)
+    lin, _ = _q8_linear(rng, 96, 64)
+    other, _ = _q8_linear(rng, 40, 64)
+    want = np.array(lin.dense())
+    assert np.array_equal(lin.dense_host(), want) and lin._dense_kept is None
+    x = rng.standard_normal((40, 64)).astype(np.float32)
+    y = lin.host_matmul(x)
+    other.host_matmul(x)  # the same scratch buffer, rewritten
+    assert np.array_equal(lin.host_matmul(x), y)
+    assert np.array_equal(y, cpu_blas.matmul_t(x, want))
+
+
 @pytest.mark.parametrize("T", [64, 600])  # 600: several query blocks, each on its own key range
 def test_host_attention_matches_sdpa(T):
     rng = np.random.default_rng(0)

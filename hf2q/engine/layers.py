@@ -13,13 +13,15 @@ buffer, the product is one OpenBLAS sgemm per row slice split over the BLAS work
 single hand-back to MLX. The float32 copy of a quantized weight is kept between calls
 while the total kept stays under ``HF2Q_DENSE_CACHE_MB`` (default 512; 0 = never): all of
 a small model's weights (SmolLM2-135M: 0.43 GB) so later chunks skip dequantizing, only
-the first layers of a large one. See docs/ENGINE.md.
+the first layers of a large one; the others are dequantized per call by the C kernel
+(``cpu_qmatvec.dequantize``, MLX's rounding) into one reused buffer. See docs/ENGINE.md.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import threading
 import weakref
 
 import mlx.core as mx
@@ -98,6 +100,24 @@ _DENSE_KEPT = [0]  # bytes of float32 weight copies currently kept
 
 def _release_dense(nbytes: int) -> None:
     _DENSE_KEPT[0] -= nbytes
+
+
+_SCRATCH = threading.local()
+#: the largest weight dequantized into the scratch buffer (a bigger one, e.g. a verify's output head, gets
+#: its own array, freed after the call, rather than a buffer that large kept for good)
+SCRATCH_MAX_BYTES = 256 * 2 ** 20
+
+
+def _dense_scratch(shape: tuple[int, int]) -> np.ndarray:
+    """A float32 ``shape`` view of this thread's buffer for weights dequantized but not kept (grown to the
+    largest asked for). Each product's weight is used only inside its own ``host_matmul``, so one buffer serves
+    them all; a fresh array per call paid the kernel's page faults on every one (often more than the
+    dequantizing itself)."""
+    n = shape[0] * shape[1]
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.size < n:
+        buf = _SCRATCH.buf = np.empty(n, dtype=np.float32)
+    return buf[:n].reshape(shape)
 
 
 _MX_DTYPES = {np.dtype(np.uint32): mx.uint32, np.dtype(np.float32): mx.float32}
@@ -241,16 +261,35 @@ class Linear:
         dequantized, and the result kept while the ``HF2Q_DENSE_CACHE_MB`` budget allows)."""
         if self._dense_kept is not None:
             return self._dense_kept
-        w = self.dense()
-        mx.eval(w)
-        a = np.asarray(memoryview(w))
+        nbytes = math.prod(self.shape) * 4
+        keep = not self.quantized or _DENSE_KEPT[0] + nbytes <= _dense_cache_budget()
+        a = self._dequantized_host(scratch=not keep and nbytes <= SCRATCH_MAX_BYTES)
+        if a is None:
+            w = self.dense()
+            mx.eval(w)
+            a = np.asarray(memoryview(w))
         if not self.quantized:
             self._dense_kept = a
-        elif _DENSE_KEPT[0] + a.nbytes <= _dense_cache_budget():
+        elif keep:
             _DENSE_KEPT[0] += a.nbytes
             weakref.finalize(self, _release_dense, a.nbytes)
             self._dense_kept = a
         return a
+
+    def _dequantized_host(self, scratch: bool) -> np.ndarray | None:
+        """The float32 weight from the C kernel over the decode kernel's arrays (into this thread's scratch
+        buffer with ``scratch``, :func:`_dense_scratch`), or None (MLX's op then).
+
+        A model too big for the dense cache dequantizes every weight it does not keep once per prefill chunk;
+        MLX's CPU ``dequantize`` takes ~4 ns a weight on one thread (7 of a 19 s Gemma 4 E2B chunk of 512
+        tokens), the kernel one pass on every core. Its values are rounded as MLX rounds them, so products are
+        unchanged."""
+        if self._host is None or self.dtype != mx.float32:
+            return None
+        from hf2q.kernels import cpu_qmatvec
+
+        packed, scales, biases, bits = self._host
+        return cpu_qmatvec.dequantize(packed, scales, biases, bits, _dense_scratch(self.shape) if scratch else None)
 
     def host_matmul(self, x: np.ndarray) -> np.ndarray:
         """``x [rows, in]`` float32 numpy → ``[rows, out]`` numpy (CPU prefill path)."""
@@ -508,6 +547,13 @@ def _geglu_tanh(g: mx.array, u: mx.array) -> mx.array:
 GLU_COMPILED = {silu: thread_compile(_swiglu, shapeless=True), gelu_tanh: thread_compile(_geglu_tanh, shapeless=True)}
 
 
+def cpu_ops_inplace(act):
+    """The in-place host form of a gated activation (``g ← act(g) * u``), None where there is none."""
+    from hf2q.kernels import cpu_ops
+
+    return {silu: cpu_ops.silu_mul_inplace, gelu_tanh: cpu_ops.gelu_tanh_mul_inplace}.get(act)
+
+
 class GatedMLP:
     """``down(act(gate(x)) * up(x))`` — SwiGLU (llama, qwen) or GeGLU-tanh (gemma)."""
 
@@ -517,6 +563,9 @@ class GatedMLP:
         self.gate_up = ((gate, (gate.shape[0],)), (up, (up.shape[0],))) if gate_up is None else gate_up
         self._host_capable = act in (silu, gelu_tanh) and on_cpu()
         self._glu = GLU_COMPILED.get(act)
+        #: the in-place numpy-side activation of the CPU prefill path; a family may swap in another of the same
+        #: function (``cpu_ops.gelu_tanh_mul_fused_inplace``: Gemma 4)
+        self.host_act = cpu_ops_inplace(act)
 
     @classmethod
     def load(cls, gate: GGUFTensor, up: GGUFTensor, down: GGUFTensor, dtype, act=silu) -> "GatedMLP":
@@ -534,7 +583,7 @@ class GatedMLP:
             # CPU prefill: gate, up, the activation (in place) and down all on the host
             xh = host_rows(x)
             g, u = self.gate.host_matmul(xh), self.up.host_matmul(xh)
-            (cpu_ops.silu_mul_inplace if self.act is silu else cpu_ops.gelu_tanh_mul_inplace)(g, u)
+            self.host_act(g, u)
             if _observer is not None:
                 for lin, inp in ((self.gate, xh), (self.up, xh), (self.down, g)):
                     _observe_dense(lin.name, inp)

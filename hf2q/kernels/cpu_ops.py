@@ -64,6 +64,21 @@ def gelu_tanh_mul_inplace(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     return g
 
 
+def gelu_tanh_mul_fused_inplace(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """:func:`gelu_tanh_mul_inplace` in one C pass (``cpu_attention.gelu_tanh_mul_inplace``; numpy where the
+    kernel is missing). Its exp rounds unlike numpy's tanh (a few float32 ulps), so a family takes it by choice
+    (Gemma 4, whose double-wide MLPs made the numpy passes seconds of a long chunk) and the others keep their
+    results bit for bit."""
+    from hf2q.kernels import cpu_attention
+
+    def part(gs: np.ndarray, us: np.ndarray) -> None:
+        if not cpu_attention.gelu_tanh_mul_inplace(gs, us):
+            gelu_tanh_mul_inplace(gs, us)
+
+    _by_rows(part, g, u)
+    return g
+
+
 def _by_rows(fn, g: np.ndarray, u: np.ndarray) -> None:
     """``fn`` over row slices of 2-D ``g, u`` on the BLAS workers (numpy drops the GIL in ufuncs)."""
     from hf2q.kernels import cpu_blas

@@ -52,6 +52,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qmv_segments.argtypes = [_I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I]
     lib.qmv_segments.restype = _I
     lib.simd_width.restype = _I
+    lib.dequant_rows.argtypes = [_P, ctypes.c_int64, _P, _P, ctypes.c_int64, _P, ctypes.c_int64, _I, _I, _I]
+    lib.dequant_rows.restype = _I
 
 
 LIBRARY = KernelLibrary("cpu_qmatvec", declare=_declare, start=cpu_pool.attach, off=switched_off)
@@ -197,3 +199,30 @@ def qmatvec(packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, x: np.nd
 
     One-off form of :class:`QMatrixGroup` (builds the argument arrays per call)."""
     return QMatrixGroup([(packed, scales, biases, bits)])(x)
+
+
+def dequantize(packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int,
+               out: np.ndarray | None = None) -> np.ndarray | None:
+    """The float32 weight ``[rows, n]`` of a 4- or 8-bit matrix as the C decode kernel reads it (``packed`` bytes
+    ``[rows, n*bits/8]``, float32 ``scales``/``biases`` ``[rows, n/32]``, rows of any stride), each value
+    rounded as ``mx.dequantize`` rounds it, so the two are equal bit for bit; one pass over the pool's
+    threads. Written into ``out`` (float32 ``[rows, n]``, rows contiguous) when given. None where the kernel
+    is missing or cannot take these arrays (the caller keeps MLX's op)."""
+    lib = kernel()
+    if lib is None or bits not in (4, 8) or packed.ndim != 2 or scales.ndim != 2 \
+            or scales.dtype != np.float32 or biases.dtype != np.float32 or biases.shape != scales.shape \
+            or packed.dtype != np.uint8 or packed.strides[1] != 1 or scales.strides[1] != 4 \
+            or biases.strides != scales.strides:
+        return None
+    rows, n = scales.shape[0], scales.shape[1] * 32
+    if packed.shape != (rows, n * bits // 8) or rows == 0:
+        return None
+    if out is None:
+        out = np.empty((rows, n), dtype=np.float32)
+    elif out.shape != (rows, n) or out.dtype != np.float32 or out.strides[1] != 4 or not out.flags.writeable:
+        raise ValueError(f"dequantize: output {out.shape} {out.dtype} is not a writable float32 [{rows}, {n}]")
+    status = lib.dequant_rows(packed.ctypes.data, packed.strides[0], scales.ctypes.data, biases.ctypes.data,
+                              scales.strides[0] // 4, out.ctypes.data, out.strides[0] // 4, rows, n, bits)
+    if status:
+        raise KernelDimsError(f"dequant_rows refused its dims: {rows} rows of {n}, {bits} bits")
+    return out

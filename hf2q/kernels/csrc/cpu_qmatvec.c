@@ -348,3 +348,74 @@ int simd_width(void) {
     return 0;
 #endif
 }
+
+/* Dequantization to float32 rows: out[r, i] = scale[r, g] * q[r, i] + bias[r, g] with the product rounded
+   before the sum (no FMA), which is how MLX's own dequantize rounds, so a prefill's float32 copy of a
+   weight equals mx.dequantize's bit for bit whichever of the two made it. 4-bit rows hold element 2j in the
+   low nibble of byte j and 2j+1 in the high one; 8-bit rows one byte per element. */
+typedef struct {
+    const uint8_t* w; int64_t wstride; const float* sc; const float* bi; int64_t sstride;
+    float* out; int64_t ostride; int rows, n, bits;
+} dqjob;
+
+__attribute__((optimize("fp-contract=off")))
+static void dequant_row(const uint8_t* wr, const float* s, const float* o, float* y, int n, int bits) {
+    for (int g = 0; g < n / 32; g++) {
+        const float sg = s[g], og = o[g];
+        float* yg = y + g * 32;
+        if (bits == 4) {
+            const uint8_t* b = wr + g * 16;
+#if defined(__AVX512F__) || defined(__AVX2__)
+            const __m128i v = _mm_loadu_si128((const __m128i*)b), m4 = _mm_set1_epi8(15);
+            const __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+            const __m128i e0 = _mm_unpacklo_epi8(lo, hi), e1 = _mm_unpackhi_epi8(lo, hi); /* elements 0-15, 16-31 */
+#if defined(__AVX512F__)
+            const __m512 vs = _mm512_set1_ps(sg), vo = _mm512_set1_ps(og);
+            _mm512_storeu_ps(yg, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(e0)), vs), vo));
+            _mm512_storeu_ps(yg + 16, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(e1)), vs), vo));
+#else
+            const __m256 vs = _mm256_set1_ps(sg), vo = _mm256_set1_ps(og);
+            const __m128i parts[4] = {e0, _mm_srli_si128(e0, 8), e1, _mm_srli_si128(e1, 8)};
+            for (int c = 0; c < 4; c++)
+                _mm256_storeu_ps(yg + 8 * c, _mm256_add_ps(_mm256_mul_ps(
+                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[c])), vs), vo));
+#endif
+            continue;
+#endif
+            for (int j = 0; j < 16; j++) {
+                const float lo = (float)(b[j] & 15), hi = (float)(b[j] >> 4);
+                const float plo = sg * lo, phi = sg * hi;
+                yg[2 * j] = plo + og;
+                yg[2 * j + 1] = phi + og;
+            }
+        } else {
+            const uint8_t* b = wr + g * 32;
+            for (int j = 0; j < 32; j++) {
+                const float p = sg * (float)b[j];
+                yg[j] = p + og;
+            }
+        }
+    }
+}
+
+static void dqjob_blocks(void* p, int lo, int hi) {
+    const dqjob* j = p;
+    for (int blk = lo; blk < hi; blk++) {
+        const int r1 = (blk + 1) * BLOCK < j->rows ? (blk + 1) * BLOCK : j->rows;
+        for (int r = blk * BLOCK; r < r1; r++)
+            dequant_row(j->w + r * j->wstride, j->sc + r * j->sstride, j->bi + r * j->sstride,
+                        j->out + r * j->ostride, j->n, j->bits);
+    }
+}
+
+/* rows × n weights of 4 or 8 bits (row strides in bytes for w, in floats for the scales, biases and out)
+   into out, the row blocks shared over the pool. Returns 0, or -2 (nothing written) for impossible dims. */
+int dequant_rows(const void* w, int64_t wstride, const void* sc, const void* bi, int64_t sstride, void* out,
+                 int64_t ostride, int rows, int n, int bits) {
+    if (!w || !sc || !bi || !out || rows <= 0 || n <= 0 || n % 32 || (bits != 4 && bits != 8) ||
+        wstride < (int64_t)n * bits / 8 || sstride < n / 32 || ostride < n)
+        return -2;
+    dqjob j = {w, wstride, sc, bi, sstride, out, ostride, rows, n, bits};
+    pool_share(dqjob_blocks, &j, (rows + BLOCK - 1) / BLOCK, (int64_t)rows * n >= (1 << 16));
+    return 0;
+}
