@@ -82,6 +82,12 @@ SHAPES = {
         12, hidden_size=1024, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
         global_head_dim=256, num_global_key_value_heads=2, enable_moe_block=True, num_experts=64, top_k_experts=8,
         moe_intermediate_size=384)),
+    # the published E2B widths: per-layer embeddings, 20 KV-shared layers, double-wide MLPs there
+    "gemma4-e2b": dict(family="gemma4", config=_gemma4(
+        35, hidden_size=1536, intermediate_size=6144, num_attention_heads=8, num_key_value_heads=1,
+        sliding_window=512, attention_k_eq_v=False, hidden_size_per_layer_input=256, num_kv_shared_layers=20,
+        use_double_wide_mlp=True, layer_types=["full_attention" if (i + 1) % 5 == 0 else "sliding_attention"
+                                                for i in range(35)])),
     # small enough to fill and run on a laptop CPU: checks the skeleton path end to end
     "gemma4-moe-small": dict(family="gemma4", config=_gemma4(
         6, hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,

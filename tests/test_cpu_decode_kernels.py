@@ -252,6 +252,68 @@ def test_attend_op_rows_of_one_sequence_are_causal(window):
     np.testing.assert_allclose(out.reshape(T, H, D), ref, rtol=1e-5, atol=1e-5)
 
 
+def _pieces(K: np.ndarray, m: int, heads: int, first: int, cap: int) -> np.ndarray:
+    """Logical ``[Hkv, positions, D]`` keys as a Gemma 4 cache buffer: each head cut into ``m`` cache heads of
+    ``D / m``, padded to ``heads`` cache heads, rows ``[first, first + cap)`` (garbage where no position is)."""
+    Hkv, _, D = K.shape
+    buf = np.full((heads, cap, D // m), np.nan, np.float32)
+    rows = K[:, first:first + cap]
+    buf[:Hkv * m, :rows.shape[1]] = rows.reshape(Hkv, rows.shape[1], m, D // m).transpose(0, 2, 1, 3).reshape(
+        Hkv * m, rows.shape[1], D // m)
+    return buf
+
+
+@pytest.mark.parametrize("window,write", [(0, 1), (6, 1), (6, 0), (0, 0)])
+@pytest.mark.parametrize("D,m", [(128, 2), (64, 1), (96, 3)])
+def test_attend_layer_op_over_pieces_and_window_buffers(window, write, D, m):
+    """Gemma 4's cache: each KV head stored as ``m`` cache heads, a window layer's buffer starting at its
+    ``base`` position; ``write=0`` (a KV-shared layer) attends over the rows without storing any."""
+    ops, rng = _ops(), np.random.default_rng(9)
+    B, H, Hkv, heads, total = 3, 4, 2, 7, 60
+    pos = [6, 23, 59]
+    base = [0, 18, 50] if window else [0, 0, 0]
+    cap = [40, 16, 12] if window else [total] * B
+    K = [rng.standard_normal((Hkv, total, D)).astype(np.float32) for _ in range(B)]
+    V = [rng.standard_normal((Hkv, total, D)).astype(np.float32) for _ in range(B)]
+    qkv = rng.standard_normal((B, (H + 2 * Hkv) * D)).astype(np.float32)
+    if write:  # the new rows are the call's: the logical keys hold them where the buffers get them
+        for b in range(B):
+            K[b][:, pos[b]] = qkv[b, H * D:(H + Hkv) * D].reshape(Hkv, D)
+            V[b][:, pos[b]] = qkv[b, (H + Hkv) * D:].reshape(Hkv, D)
+    kb = [_pieces(np.where(np.arange(total)[None, :, None] == pos[b], 0, K[b]) if write else K[b], m, heads,
+                  base[b], cap[b]) for b in range(B)]
+    vb = [_pieces(np.where(np.arange(total)[None, :, None] == pos[b], 0, V[b]) if write else V[b], m, heads,
+                  base[b], cap[b]) for b in range(B)]
+    out = np.empty((B, H * D), np.float32)
+    arr = lambda v: (ctypes.c_int * B)(*v)  # noqa: E731
+    rc = ops.attend_layer(_p(qkv), qkv.shape[1], (ctypes.c_void_p * B)(*[_p(k) for k in kb]),
+                          (ctypes.c_void_p * B)(*[_p(v) for v in vb]), arr(cap), arr(base), arr(pos), window, _p(out),
+                          B, H, Hkv, D, m, write, 1.0)
+    assert rc == 0
+    for b in range(B):  # what the buffer holds now is the logical cache's rows (the new row stored iff write)
+        np.testing.assert_array_equal(kb[b][:Hkv * m, pos[b] - base[b]],
+                                      _pieces(K[b], m, Hkv * m, base[b], cap[b])[:, pos[b] - base[b]])
+    ref = ops_ref.attend(qkv[:, : H * D].reshape(B, H, D), K, V, pos, window, 1.0)
+    np.testing.assert_allclose(out.reshape(B, H, D), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_attend_layer_op_refuses_a_window_the_buffer_no_longer_holds():
+    """A position the row's window needs before its buffer's first one: refused, nothing written."""
+    from hf2q.kernels.cpu_build import KernelDimsError
+
+    ops, rng = _ops(), np.random.default_rng(1)
+    H, Hkv, D, cap = 2, 1, 32, 16
+    K, V = np.zeros((Hkv, cap, D), np.float32), np.zeros((Hkv, cap, D), np.float32)
+    qkv = rng.standard_normal((1, (H + 2 * Hkv) * D)).astype(np.float32)
+    out = np.empty((1, H * D), np.float32)
+    one = lambda v: (ctypes.c_int * 1)(v)  # noqa: E731
+    for base, pos, window in ((8, 12, 6), (8, 12, 0), (0, 16, 0)):  # window from 7 < 8; the whole past; past cap
+        with pytest.raises(KernelDimsError):
+            ops.attend_layer(_p(qkv), qkv.shape[1], (ctypes.c_void_p * 1)(_p(K)), (ctypes.c_void_p * 1)(_p(V)),
+                             one(cap), one(base), one(pos), window, _p(out), 1, H, Hkv, D, 1, 1, 1.0)
+    assert not K.any() and not V.any()
+
+
 @pytest.mark.parametrize("kind", [0, 1])
 def test_glu_op(kind):
     ops, rng = _ops(), np.random.default_rng(3)

@@ -26,13 +26,17 @@ CHUNK = 64
 
 @pytest.fixture(scope="module")
 def gemma4_runners(tiny_checkpoint, tmp_path_factory):
-    """``runners(family)`` → the f16 runner of that tiny Gemma 4 and its q8 / q8-rotated twins (one model)."""
+    """``runners(family)`` → the f16 runner of that tiny Gemma 4 and its q8 / q8-rotated twins (one model). The
+    f16 runner runs the MLX graph as the 8-bit ones do (the CPU's host decode step takes float caches only), so
+    what a comparison sees is the cache alone."""
     made = {}
 
     def get(family: str) -> dict[str, MlxModelRunner]:
         if family not in made:
             gguf = convert_f32(tiny_checkpoint(family), tmp_path_factory.mktemp(family) / "f32.gguf")
-            f16 = MlxModelRunner.load(gguf)
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("HF2Q_NO_HOST_DECODE", "1")
+                f16 = MlxModelRunner.load(gguf)
             made[family] = {t: f16 if t == "f16" else MlxModelRunner(f16.gguf, f16.model, f16.dtype, None, t)
                             for t in ("f16", "q8", "q8-rotated")}
         return made[family]

@@ -15,7 +15,9 @@ which quantizes each new K/V row into the cache's codes and scales and attends o
 for ``q8-rotated`` the step multiplies q, k and v by the Hadamard matrix before it and the heads'
 outputs after it (one numpy matmul each: the C kernel never sees the rotation).
 It covers dense families (llama,
-qwen3, gemma3) and Qwen3-MoE's routed feed-forward (:class:`HostMoE`); anything it does not know
+qwen3, gemma3) and Qwen3-MoE's routed feed-forward (:class:`HostMoE`); Gemma 4, whose layers differ in shape
+and whose window layers keep only the window, has its own step over the same pieces
+(``engine/cpu_decode_gemma4.py``, the row logic of :class:`HostRows` shared). Anything a step does not know
 (other MoE blocks, non-float activations) reports ``supported() == False`` and the MLX path runs.
 Tests compare both paths token for token.
 """
@@ -56,6 +58,11 @@ def _addr(a: mx.array) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(mv))
 
 
+#: up to this many rows a float weight's product runs row by row (a BLAS product of many rows rounds by its row
+#: count; a decode batch's rows must equal the same rows decoded alone)
+DECODE_ROWS = 16
+
+
 class HostProjection:
     """Linears sharing one input, evaluated together into one ``[B, Σ out]`` buffer
     (``[q | k | v]``, ``[gate | up]``): one kernel call when all are quantized for the host
@@ -85,7 +92,13 @@ class HostProjection:
             self.group.run(x_ptr, y_ptr, B)
         else:
             for a, b, w in self.parts:
-                y[:B, a:b] = w(x[:B]) if callable(w) else x[:B] @ w.T
+                if callable(w):
+                    y[:B, a:b] = w(x[:B])
+                elif B <= DECODE_ROWS:  # row by row: a decode row's logits must not depend on its batch
+                    for r in range(B):
+                        y[r, a:b] = w @ x[r]
+                else:
+                    y[:B, a:b] = x[:B] @ w.T
         if self.bias is not None:
             y[:B] += self.bias
 
@@ -180,7 +193,78 @@ class _Workspace:
         self.ptr = {k: a.ctypes.data for k, a in self.arrays.items()}
 
 
-class HostDecoder:
+class HostRows:
+    """What every host step shares: rows at the next positions of their sequences (a decode step, a short prefill
+    chunk as rows, the two in one pass), the caches reserved before and advanced after, and float32 work buffers
+    grown to the largest batch seen. A model's step supplies ``_rows`` (the forward pass of the rows) and
+    ``sizes`` (each work buffer's width)."""
+
+    sizes: dict[str, int]
+    _ws: "_Workspace | None" = None
+    _ws_rows = 0
+
+    def _rows(self, tokens: np.ndarray, caches: list, pos: np.ndarray, logits_from: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def _workspace(self, rows: int) -> _Workspace:
+        """Buffers for at least ``rows`` rows (the first ``rows`` rows of a larger one are the
+        same C-contiguous layout, so one workspace serves every smaller batch)."""
+        if self._ws is None or self._ws_rows < rows:
+            self._ws_rows = max(rows, 2 * self._ws_rows if self._ws is not None else rows)
+            self._ws = _Workspace(self._ws_rows, self.sizes)
+        return self._ws
+
+    def step(self, tokens: np.ndarray, caches, end_point: bool = True) -> np.ndarray:
+        """One decode step for ``len(caches)`` sequences; returns float32 logits ``[N, vocab]``. ``end_point``:
+        whether the rows end a transaction (``ForwardBatch.end_point``; False for a forward read at every position)."""
+        return self._advance(np.asarray(tokens), list(caches), logits_from=0, end_point=end_point)
+
+    def prefill(self, seq, tokens: np.ndarray) -> np.ndarray:
+        """The next ``len(tokens)`` positions of one sequence as rows of one step (row i attends
+        to the cache through its own position, whose K/V rows i' < i wrote just before it);
+        returns the float32 logits ``[vocab]`` of the last token. For short chunks, where the
+        MLX graph's fixed cost (60–100 ms a call on SmolLM2) dwarfs the arithmetic."""
+        n = len(tokens)
+        return self._advance(np.asarray(tokens), [seq] * n, logits_from=n - 1)[0]
+
+    def step_with_prefill(self, tokens: np.ndarray, caches, seq, chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A decode-first mixed step as one pass over the weights: the ``len(chunk)`` prefill rows
+        of ``seq`` first, then one decode row per sequence of ``caches`` (not ``seq``). Run apart,
+        the decode would stream every weight once more beside the prefill; here the decode rows
+        ride on the prefill's tiles. Returns (decode logits ``[N, vocab]``, the chunk's last
+        logits ``[vocab]``) — row for row what ``step`` and ``prefill`` give."""
+        if any(c is seq for c in caches):
+            raise ValueError("a sequence cannot decode and prefill in one step")
+        n = len(chunk)
+        logits = self._advance(np.concatenate([np.asarray(chunk), np.asarray(tokens)]), [seq] * n + list(caches),
+                               logits_from=n - 1)
+        return logits[1:], logits[0]
+
+    def _advance(self, tokens: np.ndarray, caches: list, logits_from: int, end_point: bool = True) -> np.ndarray:
+        """Rows at the next positions of their sequences (a sequence's rows in order take its next
+        positions one after another), the caches grown before and advanced after (a sliding-window
+        sequence's reuse points noted as ``ForwardBatch.finish`` notes them); the logits of rows
+        ``logits_from..``."""
+        taken: dict[int, int] = {}
+        pos = np.empty(len(caches), dtype=np.int64)
+        for b, c in enumerate(caches):
+            k = taken.get(id(c), 0)
+            pos[b] = c.length + k
+            taken[id(c)] = k + 1
+        seqs = {id(c): c for c in caches}
+        for key, c in seqs.items():
+            c.reserve(c.length + taken[key])
+        logits = self._rows(tokens, caches, pos, logits_from)
+        for key, c in seqs.items():
+            if c.window is not None:
+                c.add_window_points(c.length, taken[key], end_point)
+            c.advance(taken[key])
+            if c.window is not None:
+                c.published_points = c.reuse_points()
+        return logits
+
+
+class HostDecoder(HostRows):
     """The decode step of one dense decoder model, run on the host (see the module docstring)."""
 
     def __init__(self, model, codec=None):
@@ -226,8 +310,6 @@ class HostDecoder:
                 if proj in L and L[proj].out != self.sizes[buf]:
                     raise ValueError(f"host decode: the {proj} projection is {L[proj].out} wide, its buffer "
                                      f"{self.sizes[buf]}")
-        self._ws: _Workspace | None = None
-        self._ws_rows = 0
 
     @staticmethod
     def supported(model, codec=None) -> bool:
@@ -346,57 +428,6 @@ class HostDecoder:
         if self.rotation is not None:
             att = A["att"][:B].reshape(B * H, D)
             att[...] = att @ self.rotation
-
-    def _workspace(self, rows: int) -> _Workspace:
-        """Buffers for at least ``rows`` rows (the first ``rows`` rows of a larger one are the
-        same C-contiguous layout, so one workspace serves every smaller batch)."""
-        if self._ws is None or self._ws_rows < rows:
-            self._ws_rows = max(rows, 2 * self._ws_rows if self._ws is not None else rows)
-            self._ws = _Workspace(self._ws_rows, self.sizes)
-        return self._ws
-
-    def step(self, tokens: np.ndarray, caches) -> np.ndarray:
-        """One decode step for ``len(caches)`` sequences; returns float32 logits ``[N, vocab]``."""
-        return self._advance(np.asarray(tokens), list(caches), logits_from=0)
-
-    def prefill(self, seq, tokens: np.ndarray) -> np.ndarray:
-        """The next ``len(tokens)`` positions of one sequence as rows of one step (row i attends
-        to the cache through its own position, whose K/V rows i' < i wrote just before it);
-        returns the float32 logits ``[vocab]`` of the last token. For short chunks, where the
-        MLX graph's fixed cost (60–100 ms a call on SmolLM2) dwarfs the arithmetic."""
-        n = len(tokens)
-        return self._advance(np.asarray(tokens), [seq] * n, logits_from=n - 1)[0]
-
-    def step_with_prefill(self, tokens: np.ndarray, caches, seq, chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """A decode-first mixed step as one pass over the weights: the ``len(chunk)`` prefill rows
-        of ``seq`` first, then one decode row per sequence of ``caches`` (not ``seq``). Run apart,
-        the decode would stream every weight once more beside the prefill; here the decode rows
-        ride on the prefill's tiles. Returns (decode logits ``[N, vocab]``, the chunk's last
-        logits ``[vocab]``) — row for row what ``step`` and ``prefill`` give."""
-        if any(c is seq for c in caches):
-            raise ValueError("a sequence cannot decode and prefill in one step")
-        n = len(chunk)
-        logits = self._advance(np.concatenate([np.asarray(chunk), np.asarray(tokens)]), [seq] * n + list(caches),
-                               logits_from=n - 1)
-        return logits[1:], logits[0]
-
-    def _advance(self, tokens: np.ndarray, caches: list, logits_from: int) -> np.ndarray:
-        """Rows at the next positions of their sequences (a sequence's rows in order take its next
-        positions one after another), the caches grown before and advanced after; the logits of
-        rows ``logits_from..``."""
-        taken: dict[int, int] = {}
-        pos = np.empty(len(caches), dtype=np.int64)
-        for b, c in enumerate(caches):
-            k = taken.get(id(c), 0)
-            pos[b] = c.length + k
-            taken[id(c)] = k + 1
-        seqs = {id(c): c for c in caches}
-        for key, c in seqs.items():
-            c.reserve(c.length + taken[key])
-        logits = self._rows(tokens, caches, pos, logits_from)
-        for key, c in seqs.items():
-            c.advance(taken[key])
-        return logits
 
     def _rows(self, tokens: np.ndarray, caches: list, pos: np.ndarray, logits_from: int) -> np.ndarray:
         """The forward pass of ``B`` rows, row ``b`` being token ``tokens[b]`` at position

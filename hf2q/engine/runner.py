@@ -116,14 +116,17 @@ class MlxModelRunner:
         self.host_decoder = None
         if not self.is_embedding_model:
             from hf2q.engine.cpu_decode import HostDecoder
+            from hf2q.engine.cpu_decode_gemma4 import HostGemma4
 
-            if HostDecoder.supported(model, self.kv_codec):  # float32 K/V, or an 8-bit cache of one head size
+            if HostGemma4.supported(model, self.kv_codec):  # Gemma 4 over float32 K/V
+                self.host_decoder = HostGemma4(model)
+            elif HostDecoder.supported(model, self.kv_codec):  # float32 K/V, or an 8-bit cache of one head size
                 self.host_decoder = HostDecoder(model, self.kv_codec)
         #: ``(window, layers)`` whose K/V each sequence keeps to the window (``kv_cache.SlidingWindow``); not
-        #: with the CPU host decode step, whose kernels address every position (gemma3 on the CPU), nor
+        #: with the dense CPU host decode step, whose kernels address every position (gemma3 on the CPU), nor
         #: with ``HF2Q_SWA_FULL=1``
         self.window_layers = None
-        if self.host_decoder is None and not swa_full():
+        if (self.host_decoder is None or getattr(self.host_decoder, "keeps_windows", False)) and not swa_full():
             self.window_layers = getattr(model, "sliding_window_layers", None)
         #: K/V one more token of context costs, and what a slot holds whatever its length (its
         #: sliding-window layers at their bound), as ``memory_plan.kv_need`` accounts them
@@ -292,7 +295,7 @@ class MlxModelRunner:
         ids = np.asarray(tokens, dtype=np.int32)
         if self._host_rows(len(tokens)):
             if every_position:
-                return self.host_decoder.step(ids, [seq] * len(ids))
+                return self.host_decoder.step(ids, [seq] * len(ids), end_point=False)
             return self.host_decoder.prefill(seq, ids)
         fb = ForwardBatch([seq], len(tokens), end_point=not every_position)
         logits = self.model(mx.array(ids[None]), fb, last_only=not every_position)

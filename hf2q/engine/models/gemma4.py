@@ -263,6 +263,8 @@ class Gemma4Block:
         self.post_attn_norm = _norm(g, p + "post_attention_norm.weight", dtype)
         self.ffn_norm = _norm(g, p + "ffn_norm.weight", dtype)
         self.ffn = gated_mlp(g, i, dtype, act=gelu_tanh)
+        # CPU prefill: GeGLU in one C pass (E2B's 12,288-wide MLPs made numpy's passes seconds of a chunk)
+        self.ffn.host_act = cpu_ops.gelu_tanh_mul_fused_inplace
         self.post_ffn_norm = _norm(g, p + "post_ffw_norm.weight", dtype)
         self.experts = None
         if p + "ffn_gate_inp.weight" in g.tensors:  # 26B-A4B: routed experts beside the dense MLP
@@ -315,8 +317,9 @@ class Gemma4Block:
 class Gemma4Model:
     """Embedding (× √hidden) → blocks → final norm → tied logits → soft-cap.
 
-    The blocks are ``blocks``, not ``layers``: the host decode kernels (``engine.cpu_decode``) assume
-    one head shape for every layer, so this model always runs on the MLX graph."""
+    The blocks are ``blocks``, not ``layers``: the dense families' host decode step (``engine.cpu_decode``)
+    assumes one head shape for every layer; on the CPU this model decodes through its own host step
+    (``engine.cpu_decode_gemma4``), elsewhere on the MLX graph."""
 
     is_embedding_model = False
 

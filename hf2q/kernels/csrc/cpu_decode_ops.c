@@ -86,10 +86,10 @@ static inline float exp_approx(float x) {
     return p * scale;
 }
 
-/* out[j] = scale · (q · K[j]) for j < n (K rows of D floats). With AVX-512 and D % 16 == 0,
+/* out[j] = scale · (q · K[j]) for j < n (K rows of D floats); acc: added to out[j] instead. With AVX-512 and D % 16 == 0,
    four rows at a time whose four horizontal sums share one shuffle tree (for head_dim 64 the
    sums, not the FMAs, were most of the work). */
-static void scores(const float* q, const float* K, int D, int n, float scale, float* out) {
+static void scores(const float* q, const float* K, int D, int n, float scale, float* out, int acc) {
     int j = 0;
 #if defined(__AVX512F__)
     if (D % 16 == 0) {
@@ -113,7 +113,8 @@ static void scores(const float* q, const float* K, int D, int n, float scale, fl
             const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(u),
                                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)));
             const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-            _mm_storeu_ps(out + j, _mm_mul_ps(s4, _mm_set1_ps(scale)));
+            const __m128 sc = _mm_mul_ps(s4, _mm_set1_ps(scale));
+            _mm_storeu_ps(out + j, acc ? _mm_add_ps(_mm_loadu_ps(out + j), sc) : sc);
         }
     }
 #endif
@@ -121,7 +122,7 @@ static void scores(const float* q, const float* K, int D, int n, float scale, fl
         const float* kj = K + (int64_t)j * D;
         float dot = 0.f;
         for (int i = 0; i < D; i++) dot += q[i] * kj[i];
-        out[j] = dot * scale;
+        out[j] = acc ? out[j] + dot * scale : dot * scale;
     }
 }
 
@@ -199,6 +200,9 @@ typedef struct {
     const float* qkv; int64_t qs; float* const* kc; float* const* vc; const int* cap; const int* pos;
     int window, B, H, Hkv, D, CH, nch; float scale;
     float* part; /* [Hkv, nch, B, rep, D + 2] */
+    /* a head stored as `pieces` cache heads of D / pieces each (KV head kh's piece i is cache head
+       kh * pieces + i); base[b]: the first position row b's cache holds (NULL: 0) */
+    int pieces; const int* base;
     _Atomic int failed;
     /* an 8-bit cache (attend_q8): codes [Hkv, cap, D] and scales [Hkv, cap, D / G]; kc/vc unused */
     uint8_t* const* kq; float* const* ks; uint8_t* const* vq; float* const* vs; int G;
@@ -273,17 +277,30 @@ static void attn_items(void* p, int lo, int hi) {
         const int len = c1 - c0;
         const int64_t C = j->cap[b], at = (int64_t)kh * C + c0, ng = j->G ? D / j->G : 0;
         const float* qh = j->qkv + b * j->qs + (int64_t)kh * rep * D;
-        for (int r = 0; r < rep; r++) {
-            if (j->kq) scores_q8(qh + (int64_t)r * D, j->kq[b] + at * D, j->ks[b] + at * ng, D, j->G, len, j->scale,
-                                 S + (int64_t)r * len);
-            else scores(qh + (int64_t)r * D, j->kc[b] + at * D, D, len, j->scale, S + (int64_t)r * len);
+        if (j->kq) {
+            for (int r = 0; r < rep; r++)
+                scores_q8(qh + (int64_t)r * D, j->kq[b] + at * D, j->ks[b] + at * ng, D, j->G, len, j->scale,
+                          S + (int64_t)r * len);
+            for (int r = 0; r < rep; r++) {
+                float* sr = S + (int64_t)r * len;
+                float* pr = part + r * (D + 2);
+                exp_shifted(sr, len, pr, pr + 1);
+                weighted_sum_q8(sr, j->vq[b] + at * D, j->vs[b] + at * ng, D, j->G, len, pr + 2);
+            }
+            continue;
         }
+        const int m = j->pieces, P = D / m;
+        const int64_t row0 = c0 - (j->base ? j->base[b] : 0);  /* the chunk's first row in the buffer */
+        for (int r = 0; r < rep; r++)
+            for (int i = 0; i < m; i++)
+                scores(qh + (int64_t)r * D + (int64_t)i * P, j->kc[b] + (((int64_t)kh * m + i) * C + row0) * P, P,
+                       len, j->scale, S + (int64_t)r * len, i > 0);
         for (int r = 0; r < rep; r++) {
             float* sr = S + (int64_t)r * len;
             float* pr = part + r * (D + 2);
             exp_shifted(sr, len, pr, pr + 1);
-            if (j->vq) weighted_sum_q8(sr, j->vq[b] + at * D, j->vs[b] + at * ng, D, j->G, len, pr + 2);
-            else weighted_sum(sr, j->vc[b] + at * D, D, len, pr + 2);
+            for (int i = 0; i < m; i++)
+                weighted_sum(sr, j->vc[b] + (((int64_t)kh * m + i) * C + row0) * P, P, len, pr + 2 + (int64_t)i * P);
         }
     }
 }
@@ -323,7 +340,41 @@ int attend(const float* qkv, int64_t qs, float* const* kc, float* const* vc, con
             memcpy(vc[b] + ((int64_t)kh * cap[b] + pos[b]) * D, v + (int64_t)kh * D, sizeof(float) * D);
         }
     }
-    attn_job j = {qkv, qs, kc, vc, cap, pos, window, B, H, Hkv, D, 0, 0, scale, NULL, 0, NULL, NULL, NULL, NULL, 0};
+    attn_job j = {.qkv = qkv, .qs = qs, .kc = kc, .vc = vc, .cap = cap, .pos = pos, .window = window, .B = B,
+                  .H = H, .Hkv = Hkv, .D = D, .scale = scale, .pieces = 1};
+    return attend_rows(&j, out);
+}
+
+/* attend for caches of another layout (Gemma 4's): each KV head of D floats stored as `pieces` cache heads
+   of D / pieces ([cache_heads, cap[b], D / pieces], KV head kh's piece i at cache head kh * pieces + i), row
+   b's buffer holding positions [base[b], base[b] + cap[b]) (a sliding-window layer's buffer keeps only its
+   window: every position the row attends to must be there); write = 0 attends without storing the row's
+   k/v (a KV-shared layer reads another layer's cache, its qkv row holding q alone). The rest as attend. */
+int attend_layer(const float* qkv, int64_t qs, float* const* kc, float* const* vc, const int* cap, const int* base,
+                 const int* pos, int window, float* out, int B, int H, int Hkv, int D, int pieces, int write,
+                 float scale) {
+    if (B <= 0 || H <= 0 || Hkv <= 0 || H % Hkv || D <= 0 || window < 0 || pieces <= 0 || D % pieces ||
+        qs < (int64_t)(H + (write ? 2 * Hkv : 0)) * D || !qkv || !kc || !vc || !cap || !base || !pos || !out)
+        return BAD_DIMS;
+    const int P = D / pieces;
+    for (int b = 0; b < B; b++) {
+        const int first = window > 0 && pos[b] + 1 > window ? pos[b] + 1 - window : 0;
+        if (!kc[b] || !vc[b] || cap[b] <= 0 || base[b] < 0 || first < base[b] || pos[b] - base[b] >= cap[b])
+            return BAD_DIMS;
+    }
+    for (int b = 0; write && b < B; b++) {
+        const float* k = qkv + b * qs + (int64_t)H * D;
+        const float* v = k + (int64_t)Hkv * D;
+        const int64_t row = pos[b] - base[b];
+        for (int kh = 0; kh < Hkv; kh++)
+            for (int i = 0; i < pieces; i++) {
+                const int64_t at = (((int64_t)kh * pieces + i) * cap[b] + row) * P;
+                memcpy(kc[b] + at, k + (int64_t)kh * D + (int64_t)i * P, sizeof(float) * P);
+                memcpy(vc[b] + at, v + (int64_t)kh * D + (int64_t)i * P, sizeof(float) * P);
+            }
+    }
+    attn_job j = {.qkv = qkv, .qs = qs, .kc = kc, .vc = vc, .cap = cap, .pos = pos, .window = window, .B = B,
+                  .H = H, .Hkv = Hkv, .D = D, .scale = scale, .pieces = pieces, .base = base};
     return attend_rows(&j, out);
 }
 
@@ -348,7 +399,8 @@ int attend_q8(const float* qkv, int64_t qs, uint8_t* const* kq, float* const* ks
             quantize_row(v + (int64_t)kh * D, D, G, vq[b] + at * D, vs[b] + at * ng);
         }
     }
-    attn_job j = {qkv, qs, NULL, NULL, cap, pos, window, B, H, Hkv, D, 0, 0, scale, NULL, 0, kq, ks, vq, vs, G};
+    attn_job j = {.qkv = qkv, .qs = qs, .cap = cap, .pos = pos, .window = window, .B = B, .H = H, .Hkv = Hkv,
+                  .D = D, .scale = scale, .kq = kq, .ks = ks, .vq = vq, .vs = vs, .G = G, .pieces = 1};
     return attend_rows(&j, out);
 }
 
