@@ -1,5 +1,6 @@
 """``hf2q info`` and the serve memory plan count Gemma 4's sliding layers at their window bound, not per
-token; Gemma 3 on the CPU (whose host decode step keeps every position of its sliding layers) stays per token.
+token, and Gemma 3's too; Gemma 3 on the CPU over an 8-bit cache (whose host decode attention addresses every
+position of its sliding layers) stays per token.
 
 Reference: transformers' config of the tiny checkpoints (layer types, KV heads and head sizes, shared-KV
 layers, window) with the engine's cache layout (heads in pieces of the smallest head size, padded to the
@@ -62,20 +63,25 @@ def test_info_counts_the_window_layers_once_per_slot(name, tiny_checkpoint, tmp_
     assert need.kv == 4 * got["kv_bytes_per_slot"] + in_flight
 
 
-@pytest.mark.skipif(not _ON_CPU, reason="Gemma 3 is windowed off the CPU host decode step")
-def test_gemma3_on_the_cpu_keeps_every_position(tiny_checkpoint, tmp_path, cli):
-    """On the CPU Gemma 3's sliding layers are not windowed (the host decode kernels address absolute
-    positions), so its figure stays per token over all layers."""
+@pytest.mark.skipif(not _ON_CPU, reason="the CPU host decode step's 8-bit attention")
+def test_gemma3_on_the_cpu_is_windowed_but_over_an_8bit_cache(tiny_checkpoint, tmp_path, cli):
+    """On the CPU Gemma 3's sliding layers keep their window over a float cache, as the loaded runner does; over
+    an 8-bit cache the host decode step's attention addresses absolute positions, so the figure stays per token
+    over all layers."""
     from hf2q.engine.runner import MlxModelRunner
     from hf2q.formats.gguf_file import open_gguf
 
     gguf = convert_f32(tiny_checkpoint("gemma3"), tmp_path / "f32.gguf")
     got = json.loads(cli("info", gguf, "--json").out)
-    assert got["kv_window_layers"] == 0 and got["kv_window_bytes_per_slot"] == 0
-    assert got["kv_bytes_per_token"] == open_gguf(gguf).hparams.kv_bytes_per_token(got["kv_dtype_bytes"])
     runner = MlxModelRunner.load(gguf)
+    assert got["kv_window_layers"] == len(runner.window_layers[1]) > 0 and not runner.trims_prefix
+    assert (got["kv_bytes_per_token"], got["kv_window_bytes_per_slot"]) == \
+        (runner.kv_bytes_per_token, runner.kv_bytes_per_slot)
+    q8 = json.loads(cli("info", gguf, "--json", "--kv-cache-type", "q8").out)
+    assert q8["kv_window_layers"] == 0 and q8["kv_window_bytes_per_slot"] == 0
+    runner = MlxModelRunner(runner.gguf, runner.model, runner.dtype, None, "q8")
     assert runner.new_sequence().window is None and runner.trims_prefix
-    assert runner.kv_bytes_per_token == got["kv_bytes_per_token"]
+    assert runner.kv_bytes_per_token == q8["kv_bytes_per_token"]
 
 
 def test_swa_full_keeps_every_position_and_counts_it(tiny_checkpoint, tmp_path, cli, monkeypatch):

@@ -143,7 +143,7 @@ def test_engine_on_q8_cache_tracks_f16(family, runners):
         assert np.abs(got - f16).max() < budget * scale, name
         assert (got.argmax(-1) == f16.argmax(-1)).mean() >= 0.9, name
     a, b = q8_seqs[1], f16_seqs[1]
-    assert a.bytes_per_token * 3 < b.bytes_per_token  # float32 on the CPU: 4 + 4/64 bytes vs 8 per value pair
+    assert a.position_bytes * 3 < b.position_bytes  # float32 on the CPU: 4 + 4/64 bytes vs 8 per value pair
     assert r["q8"].kv_bytes_per_token == a.bytes_per_token
 
 

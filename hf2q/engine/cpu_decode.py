@@ -267,6 +267,13 @@ class HostRows:
 class HostDecoder(HostRows):
     """The decode step of one dense decoder model, run on the host (see the module docstring)."""
 
+    @property
+    def keeps_windows(self) -> bool:
+        """Whether the runner keeps sliding-window layers to their window (``kv_cache.SlidingWindow``) with this
+        step: over a float cache (``attend_layer`` reads a window buffer from its base); the 8-bit cache's
+        ``attend_q8`` addresses every position, so there every position stays."""
+        return self.codec is None
+
     def __init__(self, model, codec=None):
         from hf2q.kernels.cpu_decode_ops import library
 
@@ -384,36 +391,42 @@ class HostDecoder(HostRows):
 
     def _kv_addresses(self, caches) -> tuple:
         """Per layer, the K and V buffer addresses of every row's sequence (``uint64 [L, B]``,
-        layer-major) and each row's capacity (``int32 [B]``); fetched again whenever a cache's
-        ``version`` says MLX replaced a buffer (prefill, import, trim, growth), else reused."""
-        key = tuple((id(s), s.version) for s in caches)
+        layer-major), each row's capacity and first held position there (``int32 [L, B]``: a sliding-window
+        layer's buffer holds positions from ``window.base``, the others from 0); fetched again whenever a
+        cache's ``version`` says MLX replaced a buffer (prefill, import, trim, growth, a window move), else
+        reused."""
+        key = tuple((id(s), s.version, s.window.base if s.window is not None else 0) for s in caches)
         if self._kv_cache_key == key:  # no buffer replaced since the last step: same addresses
             return self._kv_cache_value
         L = len(self.layers)
         unique: dict[int, int] = {}
-        cols, caps = [], []  # per sequence: per plane (K, V; or K codes, K scales, V codes, V scales), per layer
+        cols, caps, bases = [], [], []  # per sequence: per plane (K, V; or K codes, K scales, V codes, V scales), per layer
         want = (mx.float32,) * 2 if self.codec is None else (mx.uint32, mx.float32) * 2
         for s in caches:
             if id(s) in unique:
                 continue
             unique[id(s)] = len(cols)
             mx.eval(s.keys, s.values)
-            cap = int((s.keys[0] if self.codec is None else s.keys[0][0]).shape[1])
-            per_plane = [[] for _ in want]
+            windowed = s.window.layers if s.window is not None else frozenset()
+            per_plane, cap, base = [[] for _ in want], [], []
             for li in range(L):
                 planes = (s.keys[li], s.values[li]) if self.codec is None else (*s.keys[li], *s.values[li])
                 for p, (a, dtype) in enumerate(zip(planes, want)):
-                    if a.dtype != dtype or a.shape[1] != cap:
-                        raise ValueError("host decode needs the KV buffers of its cache type, of one capacity")
+                    if a.dtype != dtype or a.shape[1] != planes[0].shape[1]:
+                        raise ValueError("host decode needs the KV buffers of its cache type, K and V of one capacity")
                     per_plane[p].append(_addr(a))
+                cap.append(int(planes[0].shape[1]))
+                base.append(s.window.base if li in windowed else 0)
             cols.append(per_plane)
             caps.append(cap)
+            bases.append(base)
         rows = [unique[id(s)] for s in caches]
         ptrs = tuple(np.ascontiguousarray(np.asarray([c[p] for c in cols], dtype=np.uint64).T[:, rows])
                      for p in range(len(want)))
-        cap = np.asarray(caps, dtype=np.int32)[rows]
-        self._kv_cache_key, self._kv_cache_value = key, (ptrs, cap)
-        return ptrs, cap
+        cap = np.ascontiguousarray(np.asarray(caps, dtype=np.int32).T[:, rows])
+        base = np.ascontiguousarray(np.asarray(bases, dtype=np.int32).T[:, rows])
+        self._kv_cache_key, self._kv_cache_value = key, (ptrs, cap, base)
+        return ptrs, cap, base
 
     def _attend_q8(self, A, P, at, cap_ptr, cpos, L, B: int) -> None:
         """``attend_q8`` over the layer's 8-bit planes ``at`` (K codes, K scales, V codes, V scales),
@@ -440,9 +453,9 @@ class HostDecoder(HostRows):
         self.embed(tokens.astype(np.intp), x)
         if c.embed_scale != 1.0:
             x *= np.float32(c.embed_scale)
-        ptrs, cap = self._kv_addresses(caches)
+        ptrs, cap, base = self._kv_addresses(caches)
         planes, step = [p.ctypes.data for p in ptrs], B * 8
-        cap_ptr = cap.ctypes.data
+        cap_at, base_at = cap.ctypes.data, base.ctypes.data
         cpos_arr = np.ascontiguousarray(pos, dtype=np.int32)
         cpos = cpos_arr.ctypes.data
         H, Hkv, D, d = c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dims
@@ -459,9 +472,11 @@ class HostDecoder(HostRows):
             ops.rope(P["qkv"], qs, table_ptr[L["base"]], B, H + Hkv, D, d, int(c.rope_traditional))
             at = [p + li * step for p in planes]
             if self.codec is None:
-                ops.attend(P["qkv"], qs, *at, cap_ptr, cpos, L["window"], P["att"], B, H, Hkv, D, L["scale"])
+                # attend_layer over one piece a head: attend's arithmetic, the window's buffer read from its base
+                ops.attend_layer(P["qkv"], qs, *at, cap_at + li * B * 4, base_at + li * B * 4, cpos, L["window"],
+                                 P["att"], B, H, Hkv, D, 1, 1, L["scale"])
             else:
-                self._attend_q8(A, P, at, cap_ptr, cpos, L, B)
+                self._attend_q8(A, P, at, cap_at + li * B * 4, cpos, L, B)
             L["o"].run(A["att"], P["att"], A["o"], P["o"], B)
             if c.sandwich_norms:
                 ops.rms_norm(P["o"], hidden, L["post_attn"].ptr, P["o"], hidden, B, 1, hidden, eps)

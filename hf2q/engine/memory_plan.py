@@ -117,8 +117,9 @@ def kv_need(hp, elem: int, *, on_cpu: bool = False, kv_type: str = "f16", mtp: b
 
     gemma4 stores every layer in one cache layout — heads split into pieces of the smallest head size,
     padded to the widest layer (``models/gemma4.py::cache_layout``) — its KV-shared layers hold none,
-    and its sliding layers keep only their window. gemma3's local layers keep only theirs off the CPU
-    (``on_cpu``: the host decode step there keeps every position). With ``HF2Q_SWA_FULL=1`` sliding
+    and its sliding layers keep only their window. gemma3's local layers keep only theirs too, except under
+    the CPU host decode step over an 8-bit cache (``on_cpu`` with a q8 ``kv_type``), whose attention addresses
+    every position. With ``HF2Q_SWA_FULL=1`` sliding
     layers count per token. Other families: ``kv_bytes_per_token``. ``mtp`` (``--speculative mtp``, qwen35):
     the draft head's attention layer keeps a K/V row of every position too (:func:`mtp_position_bytes`)."""
     from hf2q.formats.gguf_keys import Keys
@@ -129,7 +130,7 @@ def kv_need(hp, elem: int, *, on_cpu: bool = False, kv_type: str = "f16", mtp: b
                             end_copy=need.end_copy + end_hidden_bytes(hp, elem))
 
     windowed = hp.sliding_window and not swa_full()
-    if hp.arch == "gemma3" and windowed and not on_cpu:
+    if hp.arch == "gemma3" and windowed and not (on_cpu and kv_type != "f16"):
         local = gemma3_local_layers(hp)
         position = token_bytes(hp, elem, kv_type) // hp.n_layers
         return KvNeed((len(local) - sum(local)) * position, hp.sliding_window, sum(local), position)

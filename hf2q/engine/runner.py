@@ -123,8 +123,8 @@ class MlxModelRunner:
             elif HostDecoder.supported(model, self.kv_codec):  # float32 K/V, or an 8-bit cache of one head size
                 self.host_decoder = HostDecoder(model, self.kv_codec)
         #: ``(window, layers)`` whose K/V each sequence keeps to the window (``kv_cache.SlidingWindow``); not
-        #: with the dense CPU host decode step, whose kernels address every position (gemma3 on the CPU), nor
-        #: with ``HF2Q_SWA_FULL=1``
+        #: with a CPU host decode step whose attention addresses every position (the dense step over an 8-bit
+        #: cache: ``keeps_windows``), nor with ``HF2Q_SWA_FULL=1``
         self.window_layers = None
         if (self.host_decoder is None or getattr(self.host_decoder, "keeps_windows", False)) and not swa_full():
             self.window_layers = getattr(model, "sliding_window_layers", None)
