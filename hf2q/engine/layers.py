@@ -281,9 +281,8 @@ class Linear:
         buffer with ``scratch``, :func:`_dense_scratch`), or None (MLX's op then).
 
         A model too big for the dense cache dequantizes every weight it does not keep once per prefill chunk;
-        MLX's CPU ``dequantize`` takes ~4 ns a weight on one thread (7 of a 19 s Gemma 4 E2B chunk of 512
-        tokens), the kernel one pass on every core. Its values are rounded as MLX rounds them, so products are
-        unchanged."""
+        MLX's CPU ``dequantize`` runs on one thread, the kernel one pass on every core (docs/ENGINE.md, "Gemma 4
+        on the CPU"). Its values are rounded as MLX rounds them, so products are unchanged."""
         if self._host is None or self.dtype != mx.float32:
             return None
         from hf2q.kernels import cpu_qmatvec
