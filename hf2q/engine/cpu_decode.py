@@ -103,6 +103,39 @@ class HostProjection:
             y[:B] += self.bias
 
 
+class HostRouter:
+    """An MoE router on the host: its matvec (one C call when quantized; a float one row by row, since a many-row
+    BLAS product rounds by its row count and a near-tie between two experts must not resolve differently alone
+    and in a batch), softmax over float32 logits and the top ``k`` — the MLX graph's routing step for step."""
+
+    def __init__(self, router: Linear, top_k: int, normalize: bool):
+        self.proj = HostProjection([router]) if router.quantized else None
+        self.weight = None if router.quantized else _np(router.weight).astype(np.float32)
+        self.n_experts, self.top_k, self.normalize = int(router.shape[0]), top_k, normalize
+
+    @staticmethod
+    def takes(router) -> bool:
+        return isinstance(router, Linear) and (not router.quantized or router._host is not None)
+
+    def __call__(self, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(experts [B, k], weights [B, k])`` of the rows ``h [B, in]`` (renormalised to sum 1 with ``normalize``)."""
+        B, k = h.shape[0], self.top_k
+        logits = np.empty((B, self.n_experts), np.float32)
+        if self.proj is not None:
+            self.proj.run(h, h.ctypes.data, logits, logits.ctypes.data, B)
+        else:
+            for b in range(B):
+                np.matmul(self.weight, h[b], out=logits[b])
+        logits -= logits.max(axis=-1, keepdims=True)
+        probs = np.exp(logits)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        idx = np.argpartition(-probs, k - 1, axis=-1)[:, :k]
+        weights = np.take_along_axis(probs, idx, axis=-1)
+        if self.normalize:
+            weights /= weights.sum(axis=-1, keepdims=True)
+        return idx, weights
+
+
 class HostMoE:
     """Qwen3-MoE's routed feed-forward on the host: the router's matvec, softmax and top-k in numpy, then the
     experts as ``expert_route.host_glu`` runs them (the pairs sorted by expert, gate|up and down in one segment
@@ -111,44 +144,26 @@ class HostMoE:
 
     def __init__(self, ffn, ops):
         self.ops = ops
-        #: a quantized router is one C call; a float one runs row by row (a many-row BLAS product rounds by its
-        #: row count, and a near-tie between two experts must not resolve differently alone and in a batch)
-        self.router = HostProjection([ffn.router]) if ffn.router.quantized else None
-        self.router_w = None if ffn.router.quantized else _np(ffn.router.weight).astype(np.float32)
+        self.router = HostRouter(ffn.router, ffn.top_k, ffn.normalize)
         self.gate_up = ffn.gate_exps.expert_stack(ffn.up_exps)
         self.down = ffn.down_exps.expert_stack()
-        self.top_k, self.normalize = ffn.top_k, ffn.normalize
         self.n_experts = int(ffn.gate_exps.shape[0])
 
     @staticmethod
     def takes(ffn) -> bool:
         from hf2q.engine.models.qwen3_moe import MoEFeedForward
 
-        if type(ffn) is not MoEFeedForward or not isinstance(ffn.router, Linear):
+        if type(ffn) is not MoEFeedForward or not HostRouter.takes(ffn.router):
             return False
-        if ffn.gate_exps.expert_stack(ffn.up_exps) is None or ffn.down_exps.expert_stack() is None:
-            return False
-        return not ffn.router.quantized or ffn.router._host is not None
+        return ffn.gate_exps.expert_stack(ffn.up_exps) is not None and ffn.down_exps.expert_stack() is not None
 
     def run(self, h: np.ndarray, out: np.ndarray) -> None:
         """``out[:B] =`` the routed feed-forward of the rows ``h [B, hidden]``."""
         from hf2q.engine.expert_route import HostSort, host_glu
 
-        B, k = h.shape[0], self.top_k
-        logits = np.empty((B, self.n_experts), np.float32)
-        if self.router is not None:
-            self.router.run(h, h.ctypes.data, logits, logits.ctypes.data, B)
-        else:
-            for b in range(B):
-                np.matmul(self.router_w, h[b], out=logits[b])
-        logits -= logits.max(axis=-1, keepdims=True)
-        probs = np.exp(logits)
-        probs /= probs.sum(axis=-1, keepdims=True)
-        idx = np.argpartition(-probs, k - 1, axis=-1)[:, :k]
-        weights = np.take_along_axis(probs, idx, axis=-1)
-        if self.normalize:
-            weights /= weights.sum(axis=-1, keepdims=True)
-        out[...] = host_glu(h, HostSort.of(idx, self.n_experts), k, weights, self.gate_up, self.down, self.ops, 0)
+        idx, weights = self.router(h)
+        out[...] = host_glu(h, HostSort.of(idx, self.n_experts), self.router.top_k, weights, self.gate_up, self.down,
+                            self.ops, 0)
 
 
 class HostEmbedding:

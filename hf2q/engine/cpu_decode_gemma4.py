@@ -20,7 +20,7 @@ import os
 import mlx.core as mx
 import numpy as np
 
-from hf2q.engine.cpu_decode import HostEmbedding, HostProjection, HostRows, _addr, _np, _Vec
+from hf2q.engine.cpu_decode import HostEmbedding, HostProjection, HostRouter, HostRows, _addr, _np, _Vec
 from hf2q.engine.layers import Linear, gelu_tanh
 
 
@@ -39,19 +39,17 @@ class _Experts:
 
     def __init__(self, e, ops, hidden: int):
         self.ops = ops
-        self.router = HostProjection([e.router]) if e.router.quantized else None
-        self.router_w = None if e.router.quantized else _np(e.router.weight).astype(np.float32)
+        self.router = HostRouter(e.router, e.top_k, normalize=True)
         #: the router's input norm: weightless, then × ``ffn_gate_inp.scale`` × hidden^-½, as one weight
         self.router_norm = _Vec(e.router_scale.astype(mx.float32) * (hidden ** -0.5))
         self.pre_norm = _Vec(e.pre_norm)
         self.expert_scale = _np(e.expert_scale).astype(np.float32).reshape(-1)
         self.gate_up, self.down = e.gate_up_exps.expert_stack(), e.down_exps.expert_stack()
-        self.top_k, self.eps, self.n_experts = e.top_k, e.eps, int(e.gate_up_exps.shape[0])
+        self.eps, self.n_experts = e.eps, int(e.gate_up_exps.shape[0])
 
     @staticmethod
     def takes(e) -> bool:
-        return (e is not None and e.share is None and isinstance(e.router, Linear)
-                and (not e.router.quantized or e.router._host is not None)
+        return (e is not None and e.share is None and HostRouter.takes(e.router)
                 and e.gate_up_exps.expert_stack() is not None and e.down_exps.expert_stack() is not None)
 
     def run(self, x: np.ndarray) -> np.ndarray:
@@ -59,24 +57,14 @@ class _Experts:
         from hf2q.engine.expert_route import HostSort, host_glu
 
         B, hidden = x.shape
-        ops, k = self.ops, self.top_k
+        ops = self.ops
         routed = np.empty_like(x)
         ops.rms_norm(x.ctypes.data, hidden, self.router_norm.ptr, routed.ctypes.data, hidden, B, 1, hidden, self.eps)
-        logits = np.empty((B, self.n_experts), np.float32)
-        if self.router is not None:
-            self.router.run(routed, routed.ctypes.data, logits, logits.ctypes.data, B)
-        else:  # row by row: a near-tie resolves the same alone and in a batch
-            for b in range(B):
-                np.matmul(self.router_w, routed[b], out=logits[b])
-        logits -= logits.max(axis=-1, keepdims=True)
-        probs = np.exp(logits)
-        probs /= probs.sum(axis=-1, keepdims=True)
-        idx = np.argpartition(-probs, k - 1, axis=-1)[:, :k]
-        weights = np.take_along_axis(probs, idx, axis=-1)
-        weights = weights / weights.sum(axis=-1, keepdims=True) * self.expert_scale[idx]
+        idx, weights = self.router(routed)
+        weights = weights * self.expert_scale[idx]
         normed = np.empty_like(x)
         ops.rms_norm(x.ctypes.data, hidden, self.pre_norm.ptr, normed.ctypes.data, hidden, B, 1, hidden, self.eps)
-        return host_glu(normed, HostSort.of(idx, self.n_experts), k, weights.astype(np.float32), self.gate_up,
+        return host_glu(normed, HostSort.of(idx, self.n_experts), self.router.top_k, weights.astype(np.float32), self.gate_up,
                         self.down, ops, 1)
 
 

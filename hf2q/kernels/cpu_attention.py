@@ -157,23 +157,22 @@ def _scratch(n: int) -> np.ndarray:
     return buf
 
 
-def silu_mul_inplace(g: np.ndarray, u: np.ndarray) -> bool:
-    """``g ← silu(g) * u`` for C-contiguous float32 arrays of one shape, in one vectorised pass.
-    Returns False (nothing done) when the kernel is unavailable or the arrays do not fit."""
+def _gated_inplace(name: str, g: np.ndarray, u: np.ndarray) -> bool:
+    """``g ← act(g) * u`` by the kernel's entry ``name``, or False (nothing done) where the kernel is unavailable
+    or the arrays are not C-contiguous float32 of one shape."""
     lib = kernel()
     if (lib is None or g.dtype != np.float32 or u.dtype != np.float32 or g.shape != u.shape
             or not g.flags.c_contiguous or not u.flags.c_contiguous or not g.flags.writeable):
         return False
-    lib.silu_mul(g.ctypes.data, u.ctypes.data, g.size)
+    getattr(lib, name)(g.ctypes.data, u.ctypes.data, g.size)
     return True
+
+
+def silu_mul_inplace(g: np.ndarray, u: np.ndarray) -> bool:
+    """``g ← silu(g) * u`` in one vectorised pass (see :func:`_gated_inplace`)."""
+    return _gated_inplace("silu_mul", g, u)
 
 
 def gelu_tanh_mul_inplace(g: np.ndarray, u: np.ndarray) -> bool:
-    """``g ← gelu_tanh(g) * u`` (as ``g·u / (1 + e^-2z)``) like :func:`silu_mul_inplace`: one vectorised pass,
-    False (nothing done) where the kernel or the arrays do not fit."""
-    lib = kernel()
-    if (lib is None or g.dtype != np.float32 or u.dtype != np.float32 or g.shape != u.shape
-            or not g.flags.c_contiguous or not u.flags.c_contiguous or not g.flags.writeable):
-        return False
-    lib.gelu_tanh_mul(g.ctypes.data, u.ctypes.data, g.size)
-    return True
+    """``g ← gelu_tanh(g) * u`` (as ``g·u / (1 + e^-2z)``) in one vectorised pass (see :func:`_gated_inplace`)."""
+    return _gated_inplace("gelu_tanh_mul", g, u)
