@@ -201,8 +201,8 @@ def test_attend_op_writes_kv_and_attends(window, D):
     out = np.empty((B, H * D), np.float32)
     kp = (ctypes.c_void_p * B)(*[_p(k) for k in K])
     vp = (ctypes.c_void_p * B)(*[_p(v) for v in V])
-    rc = ops.attend(_p(qkv), qkv.shape[1], kp, vp, (ctypes.c_int * B)(*[cap] * B), (ctypes.c_int * B)(*pos),
-                    window, _p(out), B, H, Hkv, D, 0.3)
+    rc = ops.attend_layer(_p(qkv), qkv.shape[1], kp, vp, (ctypes.c_int * B)(*[cap] * B), (ctypes.c_int * B)(*[0] * B),
+                          (ctypes.c_int * B)(*pos), window, _p(out), B, H, Hkv, D, 1, 1, 0.3)
     assert rc == 0
     for b in range(B):  # the new k, v landed at pos[b]
         np.testing.assert_array_equal(K[b][:, pos[b]], qkv[b, H * D:(H + Hkv) * D].reshape(Hkv, D))
@@ -214,9 +214,10 @@ def test_attend_op_writes_kv_and_attends(window, D):
 def _attend(ops, qkv, K, V, cap, pos, window, H, Hkv, D, scale):
     B = len(pos)
     out = np.empty((B, H * D), np.float32)
-    rc = ops.attend(_p(qkv), qkv.shape[1], (ctypes.c_void_p * B)(*[_p(k) for k in K]),
-                    (ctypes.c_void_p * B)(*[_p(v) for v in V]), (ctypes.c_int * B)(*[cap] * B),
-                    (ctypes.c_int * B)(*pos), window, _p(out), B, H, Hkv, D, scale)
+    rc = ops.attend_layer(_p(qkv), qkv.shape[1], (ctypes.c_void_p * B)(*[_p(k) for k in K]),
+                          (ctypes.c_void_p * B)(*[_p(v) for v in V]), (ctypes.c_int * B)(*[cap] * B),
+                          (ctypes.c_int * B)(*[0] * B), (ctypes.c_int * B)(*pos), window, _p(out), B, H, Hkv, D, 1, 1,
+                          scale)
     assert rc == 0
     return out
 

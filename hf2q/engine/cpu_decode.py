@@ -58,6 +58,12 @@ def _addr(a: mx.array) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(mv))
 
 
+def _host_readable(lin) -> bool:
+    """Whether a host step can run ``lin``: a float weight, or a quantized one with the C kernel's arrays (a
+    wrapped one, e.g. a tensor-parallel shard with its all_sum, keeps the MLX graph)."""
+    return isinstance(lin, Linear) and (not lin.quantized or lin._host is not None)
+
+
 #: up to this many rows a float weight's product runs row by row (a BLAS product of many rows rounds by its row
 #: count; a decode batch's rows must equal the same rows decoded alone)
 DECODE_ROWS = 16
@@ -113,10 +119,6 @@ class HostRouter:
         self.weight = None if router.quantized else _np(router.weight).astype(np.float32)
         self.n_experts, self.top_k, self.normalize = int(router.shape[0]), top_k, normalize
 
-    @staticmethod
-    def takes(router) -> bool:
-        return isinstance(router, Linear) and (not router.quantized or router._host is not None)
-
     def __call__(self, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(experts [B, k], weights [B, k])`` of the rows ``h [B, in]`` (renormalised to sum 1 with ``normalize``)."""
         B, k = h.shape[0], self.top_k
@@ -153,7 +155,7 @@ class HostMoE:
     def takes(ffn) -> bool:
         from hf2q.engine.models.qwen3_moe import MoEFeedForward
 
-        if type(ffn) is not MoEFeedForward or not HostRouter.takes(ffn.router):
+        if type(ffn) is not MoEFeedForward or not _host_readable(ffn.router):
             return False
         return ffn.gate_exps.expert_stack(ffn.up_exps) is not None and ffn.down_exps.expert_stack() is not None
 
@@ -215,11 +217,55 @@ class HostRows:
     ``sizes`` (each work buffer's width)."""
 
     sizes: dict[str, int]
+    #: the 8-bit cache's codec (None: float32 K/V)
+    codec = None
     _ws: "_Workspace | None" = None
     _ws_rows = 0
+    #: ``(id(cache), version, window base)`` of every row at the last :meth:`_kv_addresses`, and what it gave
+    _kv_key: tuple | None = None
+    _kv_value: tuple | None = None
 
     def _rows(self, tokens: np.ndarray, caches: list, pos: np.ndarray, logits_from: int) -> np.ndarray:
         raise NotImplementedError
+
+    def _kv_addresses(self, caches, n_layers: int) -> tuple:
+        """Per cache layer (the first ``n_layers``), the K and V buffer addresses of every row's sequence
+        (``uint64 [L, B]``, layer-major), each row's capacity and first held position there (``int32 [L, B]``:
+        a sliding-window layer's buffer holds positions from ``window.base``, the others from 0); fetched again
+        whenever a cache's ``version`` says MLX replaced a buffer (prefill, import, trim, growth, a window
+        move), else reused."""
+        key = tuple((id(s), s.version, s.window.base if s.window is not None else 0) for s in caches)
+        if self._kv_key == key:  # no buffer replaced since the last step: same addresses
+            return self._kv_value
+        unique: dict[int, int] = {}
+        # per sequence: per plane (K, V; or K codes, K scales, V codes, V scales), per layer
+        cols, caps, bases = [], [], []
+        want = (mx.float32,) * 2 if self.codec is None else (mx.uint32, mx.float32) * 2
+        for s in caches:
+            if id(s) in unique:
+                continue
+            unique[id(s)] = len(cols)
+            mx.eval(s.keys, s.values)
+            windowed = s.window.layers if s.window is not None else frozenset()
+            per_plane, cap, base = [[] for _ in want], [], []
+            for li in range(n_layers):
+                planes = (s.keys[li], s.values[li]) if self.codec is None else (*s.keys[li], *s.values[li])
+                for p, (a, dtype) in enumerate(zip(planes, want)):
+                    if a.dtype != dtype or a.shape[1] != planes[0].shape[1]:
+                        raise ValueError("host decode needs the KV buffers of its cache type, K and V of one capacity")
+                    per_plane[p].append(_addr(a))
+                cap.append(int(planes[0].shape[1]))
+                base.append(s.window.base if li in windowed else 0)
+            cols.append(per_plane)
+            caps.append(cap)
+            bases.append(base)
+        rows = [unique[id(s)] for s in caches]
+        ptrs = tuple(np.ascontiguousarray(np.asarray([c[p] for c in cols], dtype=np.uint64).T[:, rows])
+                     for p in range(len(want)))
+        cap = np.ascontiguousarray(np.asarray(caps, dtype=np.int32).T[:, rows])
+        base = np.ascontiguousarray(np.asarray(bases, dtype=np.int32).T[:, rows])
+        self._kv_key, self._kv_value = key, (ptrs, cap, base)
+        return ptrs, cap, base
 
     def _workspace(self, rows: int) -> _Workspace:
         """Buffers for at least ``rows`` rows (the first ``rows`` rows of a larger one are the
@@ -297,8 +343,6 @@ class HostDecoder(HostRows):
         #: the 8-bit cache's codec (None: float32 K/V); its rotation as a float32 numpy matrix
         self.codec = codec
         self.rotation = None if codec is None or not codec.rotated else hadamard(codec.head_dim).astype(np.float32)
-        self._kv_cache_key: tuple | None = None  # ((id(cache), cache.version), ...) of the last step
-        self._kv_cache_value: tuple | None = None
         cfg = model.cfg
         self.cfg = cfg
         self.embed = HostEmbedding(model.embed)
@@ -361,8 +405,7 @@ class HostDecoder(HostRows):
                 return False
             if len(widths) > 1:
                 return False
-            # wrapped layers (e.g. tensor-parallel RowParallel with an all_sum) keep the MLX graph
-            if any(not isinstance(lin, Linear) or (lin.quantized and lin._host is None) for lin in lins):
+            if not all(map(_host_readable, lins)):
                 return False
         return True
 
@@ -404,45 +447,6 @@ class HostDecoder(HostRows):
             cos, sin = out[:, : d // 2], out[:, d // 2:d]
         return np.ascontiguousarray(np.concatenate([cos, sin], axis=1), dtype=np.float32)
 
-    def _kv_addresses(self, caches) -> tuple:
-        """Per layer, the K and V buffer addresses of every row's sequence (``uint64 [L, B]``,
-        layer-major), each row's capacity and first held position there (``int32 [L, B]``: a sliding-window
-        layer's buffer holds positions from ``window.base``, the others from 0); fetched again whenever a
-        cache's ``version`` says MLX replaced a buffer (prefill, import, trim, growth, a window move), else
-        reused."""
-        key = tuple((id(s), s.version, s.window.base if s.window is not None else 0) for s in caches)
-        if self._kv_cache_key == key:  # no buffer replaced since the last step: same addresses
-            return self._kv_cache_value
-        L = len(self.layers)
-        unique: dict[int, int] = {}
-        cols, caps, bases = [], [], []  # per sequence: per plane (K, V; or K codes, K scales, V codes, V scales), per layer
-        want = (mx.float32,) * 2 if self.codec is None else (mx.uint32, mx.float32) * 2
-        for s in caches:
-            if id(s) in unique:
-                continue
-            unique[id(s)] = len(cols)
-            mx.eval(s.keys, s.values)
-            windowed = s.window.layers if s.window is not None else frozenset()
-            per_plane, cap, base = [[] for _ in want], [], []
-            for li in range(L):
-                planes = (s.keys[li], s.values[li]) if self.codec is None else (*s.keys[li], *s.values[li])
-                for p, (a, dtype) in enumerate(zip(planes, want)):
-                    if a.dtype != dtype or a.shape[1] != planes[0].shape[1]:
-                        raise ValueError("host decode needs the KV buffers of its cache type, K and V of one capacity")
-                    per_plane[p].append(_addr(a))
-                cap.append(int(planes[0].shape[1]))
-                base.append(s.window.base if li in windowed else 0)
-            cols.append(per_plane)
-            caps.append(cap)
-            bases.append(base)
-        rows = [unique[id(s)] for s in caches]
-        ptrs = tuple(np.ascontiguousarray(np.asarray([c[p] for c in cols], dtype=np.uint64).T[:, rows])
-                     for p in range(len(want)))
-        cap = np.ascontiguousarray(np.asarray(caps, dtype=np.int32).T[:, rows])
-        base = np.ascontiguousarray(np.asarray(bases, dtype=np.int32).T[:, rows])
-        self._kv_cache_key, self._kv_cache_value = key, (ptrs, cap, base)
-        return ptrs, cap, base
-
     def _attend_q8(self, A, P, at, cap_ptr, cpos, L, B: int) -> None:
         """``attend_q8`` over the layer's 8-bit planes ``at`` (K codes, K scales, V codes, V scales),
         q, k and v rotated before it and the heads' outputs after it for ``q8-rotated``."""
@@ -468,7 +472,7 @@ class HostDecoder(HostRows):
         self.embed(tokens.astype(np.intp), x)
         if c.embed_scale != 1.0:
             x *= np.float32(c.embed_scale)
-        ptrs, cap, base = self._kv_addresses(caches)
+        ptrs, cap, base = self._kv_addresses(caches, len(self.layers))
         planes, step = [p.ctypes.data for p in ptrs], B * 8
         cap_at, base_at = cap.ctypes.data, base.ctypes.data
         cpos_arr = np.ascontiguousarray(pos, dtype=np.int32)

@@ -20,12 +20,18 @@ import os
 import mlx.core as mx
 import numpy as np
 
-from hf2q.engine.cpu_decode import HostEmbedding, HostProjection, HostRouter, HostRows, _addr, _np, _Vec
+from hf2q.engine.cpu_decode import (HostEmbedding, HostProjection, HostRouter, HostRows, _host_readable, _np,
+                                    _Vec)
 from hf2q.engine.layers import Linear, gelu_tanh
 
 
 def _ones(n: int) -> _Vec:
     return _Vec(mx.ones((n,), mx.float32))
+
+
+def _rope_kind(s) -> str:
+    """A layer's RoPE: the sliding layers' base, or the global layers' per-pair periods."""
+    return "swa" if s.rope_base is not None else "full"
 
 
 def _view(ws, name: str, B: int, width: int) -> tuple[np.ndarray, int]:
@@ -49,7 +55,7 @@ class _Experts:
 
     @staticmethod
     def takes(e) -> bool:
-        return (e is not None and e.share is None and HostRouter.takes(e.router)
+        return (e is not None and e.share is None and _host_readable(e.router)
                 and e.gate_up_exps.expert_stack() is not None and e.down_exps.expert_stack() is not None)
 
     def run(self, x: np.ndarray) -> np.ndarray:
@@ -64,8 +70,8 @@ class _Experts:
         weights = weights * self.expert_scale[idx]
         normed = np.empty_like(x)
         ops.rms_norm(x.ctypes.data, hidden, self.pre_norm.ptr, normed.ctypes.data, hidden, B, 1, hidden, self.eps)
-        return host_glu(normed, HostSort.of(idx, self.n_experts), self.router.top_k, weights.astype(np.float32), self.gate_up,
-                        self.down, ops, 1)
+        return host_glu(normed, HostSort.of(idx, self.n_experts), self.router.top_k, weights, self.gate_up, self.down,
+                        ops, 1)
 
 
 class HostGemma4(HostRows):
@@ -90,7 +96,7 @@ class HostGemma4(HostRows):
             L = {"attn_norm": _Vec(block.attn_norm), "post_attn": _Vec(block.post_attn_norm),
                  "ffn_norm": _Vec(block.ffn_norm), "post_ffn": _Vec(block.post_ffn_norm), "q_norm": _Vec(a.q_norm),
                  "D": s.head_dim, "n_kv": s.n_kv, "rot": s.rope_dims, "window": s.window or 0, "src": s.kv_source,
-                 "owns": a.owns_kv, "pieces": a.pieces, "rope": ("swa",) if s.rope_base is not None else ("full",),
+                 "owns": a.owns_kv, "pieces": a.pieces, "rope": _rope_kind(s),
                  "o": HostProjection([a.o]), "gate_up": HostProjection([f.gate, f.up]),
                  "down": HostProjection([f.down]), "F": int(f.gate.shape[0]),
                  "scale": None if block.out_scale is None else float(_np(block.out_scale).reshape(-1)[0])}
@@ -107,28 +113,28 @@ class HostGemma4(HostRows):
                 L["ple_gate"], L["ple_proj"] = HostProjection([block.ple_gate]), HostProjection([block.ple_proj])
                 L["ple_norm"] = _Vec(block.ple_norm)
             self.layers.append(L)
-        #: per RoPE kind: (rotated dims, base or None, the global layers' per-pair periods)
-        self.ropes = {("swa",) if s.rope_base is not None else ("full",): (s.rope_dims, s.rope_base, s.rope_periods)
-                      for s in model.shapes}
+        #: per RoPE kind, each rotated pair's angle per position (float64): base^(-2i/d) for the sliding layers,
+        #: 1 / the per-pair periods of ``rope_freqs`` for the global ones
+        self.ropes = {_rope_kind(s): (
+            s.rope_base ** (-np.arange(0, s.rope_dims // 2, dtype=np.float64) * 2.0 / s.rope_dims)
+            if s.rope_base is not None else 1.0 / np.asarray(s.rope_periods, dtype=np.float64)) for s in model.shapes}
         H = c.n_heads
         self.ple = None
         if c.ple_dim:
             self.ple = (HostEmbedding(model.ple_embed), HostProjection([model.ple_model_proj]),
                         _Vec(model.ple_proj_norm))
-        widths = [(H + 2 * L["n_kv"]) * L["D"] for L in self.layers]
-        self.sizes = {"x": c.hidden, "h": c.hidden, "qkv": max(widths), "part": max(widths), "att": max(H * L["D"] for L in self.layers),
-                      "o": c.hidden, "gu": 2 * max(L["F"] for L in self.layers),
-                      "a": max(L["F"] for L in self.layers), "f": c.hidden}
+        qkv = max((H + 2 * L["n_kv"]) * L["D"] for L in self.layers)
+        ffn = max(L["F"] for L in self.layers)
+        self.sizes = {"x": c.hidden, "h": c.hidden, "qkv": qkv, "part": qkv, "att": max(H * L["D"] for L in self.layers),
+                      "o": c.hidden, "gu": 2 * ffn, "a": ffn, "f": c.hidden}
         if c.ple_dim:
             self.sizes.update(ple=c.n_layers * c.ple_dim, ple_own=c.n_layers * c.ple_dim, pgu=2 * c.ple_dim,
                               pa=c.ple_dim)
         for L in self.layers:  # a projection writes its full width into a view of this width: check once
-            want = H * L["D"] + (2 * L["n_kv"] * L["D"] if L["owns"] and not L["k_as_v"] else
-                                 L["n_kv"] * L["D"] if L["owns"] else 0)
+            kv_rows = (1 if L["k_as_v"] else 2) if L["owns"] else 0  # k and v, k alone, none (KV-shared)
+            want = (H + kv_rows * L["n_kv"]) * L["D"]
             if L["proj"].out != want or L["gate_up"].out != 2 * L["F"] or L["o"].out != c.hidden:
                 raise ValueError("host decode: a Gemma 4 layer's projections do not match its shape")
-        self._kv_key: tuple | None = None
-        self._kv_value: tuple | None = None
 
     @staticmethod
     def supported(model, codec=None) -> bool:
@@ -152,57 +158,18 @@ class HostGemma4(HostRows):
                 lins += [block.ple_gate, block.ple_proj]
             if block.experts is not None and not _Experts.takes(block.experts):
                 return False
-            # wrapped layers (tensor-parallel shards with an all_sum) keep the MLX graph
-            if block.tp_group is not None or any(not isinstance(lin, Linear) or (lin.quantized and lin._host is None)
-                                                 for lin in lins):
+            if block.tp_group is not None or not all(map(_host_readable, lins)):
                 return False
-        if c.ple_dim and any(not isinstance(lin, Linear) or (lin.quantized and lin._host is None)
-                             for lin in (model.ple_model_proj,)):
-            return False
-        return True
+        return not c.ple_dim or _host_readable(model.ple_model_proj)
 
-    def _tables(self, pos: np.ndarray) -> dict[tuple, tuple[np.ndarray, int]]:
-        """Per RoPE kind, ``[B, d]`` cos then sin of each pair's angle at ``pos`` (NeoX pairs ``(i, i + d/2)``):
-        base^(-2i/d) for the sliding layers, the per-pair periods of ``rope_freqs`` for the global ones."""
+    def _tables(self, pos: np.ndarray) -> dict[str, tuple[np.ndarray, int]]:
+        """Per RoPE kind, ``[B, d]`` cos then sin of each pair's angle at ``pos`` (NeoX pairs ``(i, i + d/2)``)."""
         out = {}
-        for kind, (d, base, periods) in self.ropes.items():
-            if base is not None:
-                inv = base ** (-np.arange(0, d // 2, dtype=np.float64) * 2.0 / d)
-            else:
-                inv = 1.0 / np.asarray(periods, dtype=np.float64)
+        for kind, inv in self.ropes.items():
             ang = pos.astype(np.float64)[:, None] * inv[None, :]
             t = np.ascontiguousarray(np.concatenate([np.cos(ang), np.sin(ang)], axis=1), dtype=np.float32)
             out[kind] = (t, t.ctypes.data)
         return out
-
-    def _kv(self, caches) -> tuple:
-        """Per cache layer ``(K addresses, V addresses, capacities, bases)`` of every row's sequence, fetched again
-        whenever a cache replaced a buffer (``version``) or its window moved, else reused."""
-        key = tuple((id(s), s.version, s.window.base if s.window is not None else 0) for s in caches)
-        if self._kv_key == key:
-            return self._kv_value
-        n = self.cfg.n_kv_layers
-        per: dict[int, tuple] = {}
-        for s in caches:
-            if id(s) in per:
-                continue
-            keys, values = s.keys, s.values
-            mx.eval([k for k in keys[:n]], [v for v in values[:n]])
-            windowed = s.window.layers if s.window is not None else frozenset()
-            rows = []
-            for li in range(n):
-                k, v = keys[li], values[li]
-                if k.dtype != mx.float32 or v.dtype != mx.float32:
-                    raise ValueError("host decode needs float32 K/V buffers")
-                rows.append((_addr(k), _addr(v), int(k.shape[1]), s.window.base if li in windowed else 0))
-            per[id(s)] = rows
-        value = []
-        for li in range(n):
-            cols = [per[id(s)][li] for s in caches]
-            value.append(tuple(np.ascontiguousarray([c[j] for c in cols], dtype=dt)
-                               for j, dt in enumerate((np.uint64, np.uint64, np.int32, np.int32))))
-        self._kv_key, self._kv_value = key, value
-        return value
 
     def _rows(self, tokens: np.ndarray, caches: list, pos: np.ndarray, logits_from: int) -> np.ndarray:
         c, ops = self.cfg, self.ops
@@ -215,7 +182,8 @@ class HostGemma4(HostRows):
         ple = None
         if self.ple is not None:
             ple = self._ple_inputs(tokens, x, ws, B)
-        kv = self._kv(caches)
+        ptrs, cap, base = self._kv_addresses(caches, c.n_kv_layers)
+        kv_at = [p.ctypes.data for p in ptrs] + [cap.ctypes.data, base.ctypes.data]
         tables = self._tables(pos)
         cpos_arr = np.ascontiguousarray(pos, dtype=np.int32)
         cpos = cpos_arr.ctypes.data
@@ -243,9 +211,9 @@ class HostGemma4(HostRows):
             ops.rms_norm(qkv_p, qs, L["q_norm"].ptr, qkv_p, qs, B, H, D, eps)
             table, table_p = tables[L["rope"]]
             ops.rope(qkv_p, qs, table_p, B, H + (n_kv if L["owns"] else 0), D, L["rot"], 0)
-            kp, vp, cap, base = kv[L["src"]]
-            ops.attend_layer(qkv_p, qs, kp.ctypes.data, vp.ctypes.data, cap.ctypes.data, base.ctypes.data, cpos,
-                             L["window"], att_p, B, H, n_kv, D, L["pieces"], int(L["owns"]), 1.0)
+            kp, vp, cap_at, base_at = (a + L["src"] * B * w for a, w in zip(kv_at, (8, 8, 4, 4)))  # the source's row
+            ops.attend_layer(qkv_p, qs, kp, vp, cap_at, base_at, cpos, L["window"], att_p, B, H, n_kv, D, L["pieces"],
+                             int(L["owns"]), 1.0)
             L["o"].run(att, att_p, o, P["o"], B)
             ops.rms_norm(P["o"], hidden, L["post_attn"].ptr, P["o"], hidden, B, 1, hidden, eps)
             ops.add_rms(P["x"], P["o"], B * hidden, L["ffn_norm"].ptr, P["h"], B, hidden, eps)

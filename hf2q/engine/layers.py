@@ -546,13 +546,6 @@ def _geglu_tanh(g: mx.array, u: mx.array) -> mx.array:
 GLU_COMPILED = {silu: thread_compile(_swiglu, shapeless=True), gelu_tanh: thread_compile(_geglu_tanh, shapeless=True)}
 
 
-def cpu_ops_inplace(act):
-    """The in-place host form of a gated activation (``g ← act(g) * u``), None where there is none."""
-    from hf2q.kernels import cpu_ops
-
-    return {silu: cpu_ops.silu_mul_inplace, gelu_tanh: cpu_ops.gelu_tanh_mul_inplace}.get(act)
-
-
 class GatedMLP:
     """``down(act(gate(x)) * up(x))`` — SwiGLU (llama, qwen) or GeGLU-tanh (gemma)."""
 
@@ -562,9 +555,6 @@ class GatedMLP:
         self.gate_up = ((gate, (gate.shape[0],)), (up, (up.shape[0],))) if gate_up is None else gate_up
         self._host_capable = act in (silu, gelu_tanh) and on_cpu()
         self._glu = GLU_COMPILED.get(act)
-        #: the in-place numpy-side activation of the CPU prefill path; a family may swap in another of the same
-        #: function (``cpu_ops.gelu_tanh_mul_fused_inplace``: Gemma 4)
-        self.host_act = cpu_ops_inplace(act)
 
     @classmethod
     def load(cls, gate: GGUFTensor, up: GGUFTensor, down: GGUFTensor, dtype, act=silu) -> "GatedMLP":
@@ -582,7 +572,7 @@ class GatedMLP:
             # CPU prefill: gate, up, the activation (in place) and down all on the host
             xh = host_rows(x)
             g, u = self.gate.host_matmul(xh), self.up.host_matmul(xh)
-            self.host_act(g, u)
+            (cpu_ops.silu_mul_inplace if self.act is silu else cpu_ops.gelu_tanh_mul_inplace)(g, u)
             if _observer is not None:
                 for lin, inp in ((self.gate, xh), (self.up, xh), (self.down, g)):
                     _observe_dense(lin.name, inp)

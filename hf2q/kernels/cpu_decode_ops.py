@@ -42,7 +42,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     signatures = {
         "rms_norm": [_P, _L, _P, _P, _L, _I, _I, _I, _F],
         "rope": [_P, _L, _P, _I, _I, _I, _I, _I],
-        "attend": [_P, _L, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _F],
         "attend_layer": [_P, _L, _P, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F],
         "attend_q8": [_P, _L, _P, _P, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F],
         "glu": [_P, _P, _I, _I, _I],

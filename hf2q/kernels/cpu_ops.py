@@ -48,8 +48,14 @@ def silu_mul_inplace(g: np.ndarray, u: np.ndarray) -> np.ndarray:
 
 
 def gelu_tanh_mul_inplace(g: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """``g ← gelu_tanh(g) * u`` on float32 numpy arrays, in place."""
+    """``g ← gelu_tanh(g) * u`` on float32 numpy arrays, in place: one C pass (``cpu_attention``, as
+    ``g·u / (1 + e^-2z)``) where the kernel takes the arrays, else numpy's tanh form; row slices on the BLAS
+    workers."""
+    from hf2q.kernels import cpu_attention
+
     def part(gs: np.ndarray, us: np.ndarray) -> None:
+        if cpu_attention.gelu_tanh_mul_inplace(gs, us):
+            return
         t = gs * gs
         t *= 0.044715 * gs
         t += gs
@@ -59,21 +65,6 @@ def gelu_tanh_mul_inplace(g: np.ndarray, u: np.ndarray) -> np.ndarray:
         t *= 0.5
         gs *= t
         gs *= us
-
-    _by_rows(part, g, u)
-    return g
-
-
-def gelu_tanh_mul_fused_inplace(g: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """:func:`gelu_tanh_mul_inplace` in one C pass (``cpu_attention.gelu_tanh_mul_inplace``; numpy where the
-    kernel is missing). Its exp rounds unlike numpy's tanh (a few float32 ulps), so a family takes it by choice
-    (Gemma 4, whose double-wide MLPs made the numpy passes seconds of a long chunk) and the others keep their
-    results bit for bit."""
-    from hf2q.kernels import cpu_attention
-
-    def part(gs: np.ndarray, us: np.ndarray) -> None:
-        if not cpu_attention.gelu_tanh_mul_inplace(gs, us):
-            gelu_tanh_mul_inplace(gs, us)
 
     _by_rows(part, g, u)
     return g

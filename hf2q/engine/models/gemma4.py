@@ -263,8 +263,6 @@ class Gemma4Block:
         self.post_attn_norm = _norm(g, p + "post_attention_norm.weight", dtype)
         self.ffn_norm = _norm(g, p + "ffn_norm.weight", dtype)
         self.ffn = gated_mlp(g, i, dtype, act=gelu_tanh)
-        # CPU prefill: GeGLU in one C pass (E2B's 12,288-wide MLPs made numpy's passes seconds of a chunk)
-        self.ffn.host_act = cpu_ops.gelu_tanh_mul_fused_inplace
         self.post_ffn_norm = _norm(g, p + "post_ffw_norm.weight", dtype)
         self.experts = None
         if p + "ffn_gate_inp.weight" in g.tensors:  # 26B-A4B: routed experts beside the dense MLP

@@ -327,29 +327,14 @@ static int dims_bad(const float* qkv, int64_t qs, const void* kc, const void* vc
     return 0;
 }
 
-int attend(const float* qkv, int64_t qs, float* const* kc, float* const* vc, const int* cap, const int* pos,
-           int window, float* out, int B, int H, int Hkv, int D, float scale) {
-    if (dims_bad(qkv, qs, kc, vc, cap, pos, window, out, B, H, Hkv, D)) return BAD_DIMS;
-    for (int b = 0; b < B; b++)
-        if (!kc[b] || !vc[b]) return BAD_DIMS;
-    for (int b = 0; b < B; b++) {
-        const float* k = qkv + b * qs + (int64_t)H * D;
-        const float* v = k + (int64_t)Hkv * D;
-        for (int kh = 0; kh < Hkv; kh++) {
-            memcpy(kc[b] + ((int64_t)kh * cap[b] + pos[b]) * D, k + (int64_t)kh * D, sizeof(float) * D);
-            memcpy(vc[b] + ((int64_t)kh * cap[b] + pos[b]) * D, v + (int64_t)kh * D, sizeof(float) * D);
-        }
-    }
-    attn_job j = {.qkv = qkv, .qs = qs, .kc = kc, .vc = vc, .cap = cap, .pos = pos, .window = window, .B = B,
-                  .H = H, .Hkv = Hkv, .D = D, .scale = scale, .pieces = 1};
-    return attend_rows(&j, out);
-}
-
-/* attend for caches of another layout (Gemma 4's): each KV head of D floats stored as `pieces` cache heads
-   of D / pieces ([cache_heads, cap[b], D / pieces], KV head kh's piece i at cache head kh * pieces + i), row
-   b's buffer holding positions [base[b], base[b] + cap[b]) (a sliding-window layer's buffer keeps only its
-   window: every position the row attends to must be there); write = 0 attends without storing the row's
-   k/v (a KV-shared layer reads another layer's cache, its qkv row holding q alone). The rest as attend. */
+/* The attention of one layer's rows over its float32 K/V buffers: one new position per row (a row's
+   buffers may be another row's too: the positions of one prefill chunk, each attending to the ones before
+   it). A KV head of D floats is stored as `pieces` cache heads of D / pieces ([cache_heads, cap[b], D /
+   pieces], KV head kh's piece i at cache head kh * pieces + i: Gemma 4's layout; 1 elsewhere), and row b's
+   buffer holds positions [base[b], base[b] + cap[b]) (a sliding-window layer's keeps only its window: every
+   position the row attends to must be there). With write, every row's k/v goes to its buffers at pos[b]
+   first; write = 0 attends without storing (a KV-shared layer reads another layer's cache, its qkv row
+   holding q alone). The rest as described above attend_rows. */
 int attend_layer(const float* qkv, int64_t qs, float* const* kc, float* const* vc, const int* cap, const int* base,
                  const int* pos, int window, float* out, int B, int H, int Hkv, int D, int pieces, int write,
                  float scale) {
@@ -381,7 +366,8 @@ int attend_layer(const float* qkv, int64_t qs, float* const* kc, float* const* v
 /* attend over an 8-bit cache (--kv-cache-type q8, the rows already rotated for q8-rotated by the
    caller): each row's new k/v is quantized into its cache's codes kq/vq ([Hkv, cap, D] bytes) and
    scales ks/vs ([Hkv, cap, D / G] floats) at pos[b], then the rows attend over the codes as stored.
-   G divides D (a group of G values per scale). The rest as attend. */
+   G divides D (a group of G values per scale); one piece a head, every position from 0. The rest as
+   attend_layer. */
 int attend_q8(const float* qkv, int64_t qs, uint8_t* const* kq, float* const* ks, uint8_t* const* vq,
               float* const* vs, const int* cap, const int* pos, int window, float* out, int B, int H, int Hkv,
               int D, int G, float scale) {
