@@ -107,8 +107,9 @@ V = [rng.standard_normal((Hkv, cap, D)).astype(np.float32) for _ in range(B)]
 qkv = rng.standard_normal((B, (H + 2 * Hkv) * D)).astype(np.float32)
 att = np.empty((B, H * D), np.float32)
 P = lambda a: a.ctypes.data
-assert ops.attend(P(qkv), qkv.shape[1], (ctypes.c_void_p * B)(*map(P, K)), (ctypes.c_void_p * B)(*map(P, V)),
-                  (ctypes.c_int * B)(*[cap] * B), (ctypes.c_int * B)(*pos), 0, P(att), B, H, Hkv, D, 0.125) == 0
+assert ops.attend_layer(P(qkv), qkv.shape[1], (ctypes.c_void_p * B)(*map(P, K)), (ctypes.c_void_p * B)(*map(P, V)),
+                        (ctypes.c_int * B)(*[cap] * B), (ctypes.c_int * B)(*[0] * B), (ctypes.c_int * B)(*pos), 0,
+                        P(att), B, H, Hkv, D, 1, 1, 0.125) == 0
 out["attend"] = att
 np.savez(sys.argv[1], **out)
 """

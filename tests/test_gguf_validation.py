@@ -219,13 +219,15 @@ def test_decode_ops_refuse_impossible_dims():
     k = np.zeros((Hkv, cap, D), np.float32)
     v = np.zeros_like(k)
     kp, vp = (ctypes.c_void_p * B)(_ptr(k)), (ctypes.c_void_p * B)(_ptr(v))
-    caps = np.array([cap], np.int32)
+    caps, base = np.array([cap], np.int32), np.zeros(1, np.int32)
     for position in (cap, -1):  # a write at pos == capacity would land past the cache
         pos = np.array([position], np.int32)
         with pytest.raises(KernelDimsError, match="attend"):
-            ops.attend(_ptr(qkv), qkv.shape[1], kp, vp, _ptr(caps), _ptr(pos), 0, _ptr(out), B, H, Hkv, D, 0.25)
+            ops.attend_layer(_ptr(qkv), qkv.shape[1], kp, vp, _ptr(caps), _ptr(base), _ptr(pos), 0, _ptr(out), B, H,
+                             Hkv, D, 1, 1, 0.25)
     pos = np.array([cap - 1], np.int32)
-    assert ops.attend(_ptr(qkv), qkv.shape[1], kp, vp, _ptr(caps), _ptr(pos), 0, _ptr(out), B, H, Hkv, D, 0.25) == 0
+    assert ops.attend_layer(_ptr(qkv), qkv.shape[1], kp, vp, _ptr(caps), _ptr(base), _ptr(pos), 0, _ptr(out), B, H,
+                            Hkv, D, 1, 1, 0.25) == 0
 
 
 # ---- a fuzz over the header bytes --------------------------------------------------------------

@@ -344,7 +344,8 @@ int attend_layer(const float* qkv, int64_t qs, float* const* kc, float* const* v
     const int P = D / pieces;
     for (int b = 0; b < B; b++) {
         const int first = window > 0 && pos[b] + 1 > window ? pos[b] + 1 - window : 0;
-        if (!kc[b] || !vc[b] || cap[b] <= 0 || base[b] < 0 || first < base[b] || pos[b] - base[b] >= cap[b])
+        if (!kc[b] || !vc[b] || cap[b] <= 0 || base[b] < 0 || pos[b] < base[b] || first < base[b] ||
+            pos[b] - base[b] >= cap[b])
             return BAD_DIMS;
     }
     for (int b = 0; write && b < B; b++) {
